@@ -1,0 +1,32 @@
+"""per_example_grads: fast per-example gradients for TensorFlow 2 / Keras 3.
+
+    import per_example_grads as peg
+    grads = peg.per_example_gradients(model, loss_fn, x, y)
+    # grads[k].shape == [B, *model.trainable_variables[k].shape]
+"""
+
+from per_example_grads.engines.selection import METHODS
+from per_example_grads.errors import EngineFallbackWarning, InvalidLossError
+from per_example_grads.gradients import per_example_gradients, per_example_norms
+from per_example_grads.transforms import (
+    clip_by_global_norm,
+    global_norms,
+    mean_examples,
+    per_variable_norms,
+    sum_examples,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "METHODS",
+    "EngineFallbackWarning",
+    "InvalidLossError",
+    "clip_by_global_norm",
+    "global_norms",
+    "mean_examples",
+    "per_example_gradients",
+    "per_example_norms",
+    "per_variable_norms",
+    "sum_examples",
+]

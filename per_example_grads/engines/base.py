@@ -1,0 +1,79 @@
+"""The engine interface and registry.
+
+An engine turns a ``Problem`` and a ``Batch`` into per-example gradients: a
+list aligned with ``problem.variables`` whose k-th entry has shape
+``[B, *variables[k].shape]``, entry ``i`` being the gradient of example i's
+own (weighted) loss. Variables the loss does not reach get zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import keras
+import tensorflow as tf
+
+from per_example_grads.batch import Batch
+from per_example_grads.problem import Problem
+
+EngineFn = Callable[[Problem, Batch], list]
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """A registered way of computing per-example gradients.
+
+    Attributes:
+      name: the ``method=`` string.
+      compute: ``(problem, batch) -> list of [B, *var.shape]``.
+      uses_vectorized_map: True if it runs the model under ``tf.vectorized_map``
+        (and so must never meet a layer in ``VECTORIZATION_CRASHERS``).
+      isolates_examples: True if a NaN/Inf in one example can never reach
+        another example's gradient.
+      substitutes_weights: True if it swaps Keras variables for per-example
+        copies (needs Keras variables; cannot advance random seeds).
+    """
+
+    name: str
+    compute: EngineFn
+    uses_vectorized_map: bool
+    isolates_examples: bool
+    substitutes_weights: bool = False
+
+
+ENGINES: dict[str, Engine] = {}
+
+
+def register_engine(**properties) -> Callable[[EngineFn], EngineFn]:
+    """Decorator: ``@register_engine(name=..., uses_vectorized_map=..., ...)``."""
+
+    def wrap(fn: EngineFn) -> EngineFn:
+        ENGINES[properties["name"]] = Engine(compute=fn, **properties)
+        return fn
+
+    return wrap
+
+
+def watch_variables(tape: tf.GradientTape, variables) -> None:
+    """Makes ``tape`` watch ``variables``, non-trainable ones included.
+
+    Trainable variables are watched when the tape sees them read; a
+    non-trainable one must be watched by hand, through its ``tf.Variable``
+    (``keras.Variable.value``), since ``tape.watch`` rejects Keras variables.
+    """
+    for v in variables:
+        if not v.trainable:
+            tape.watch(v.value if isinstance(v, keras.Variable) else v)
+
+
+def example_gradient(problem: Problem, example: Batch) -> list:
+    """Gradients of one example's loss: ``list of [*var.shape]``."""
+    with tf.GradientTape() as tape:
+        watch_variables(tape, problem.variables)
+        loss = problem.example_loss(example)
+    return list(
+        tape.gradient(
+            loss, problem.variables, unconnected_gradients=tf.UnconnectedGradients.ZERO
+        )
+    )

@@ -1,0 +1,106 @@
+"""Which engine runs: the rule behind ``method="auto"``, and its fallbacks.
+
+The rule, in order of preference (fastest first, as measured in
+``benchmarks/RESULTS.md``):
+
+1. ``vectorized``, unless the model contains a layer known to crash
+   ``tf.vectorized_map`` (``model_inspection.VECTORIZATION_CRASHERS``). A
+   segfault cannot be caught, so such models never reach it.
+2. ``weight_copies``, unless a variable is not a Keras variable, or the model
+   has active random layers in training mode.
+3. ``loop``, which runs anything that runs on one example.
+
+``jacobian`` is never chosen automatically: it costs ``O(B^2)`` and does not
+isolate examples from each other's NaNs. When an engine raises an exception
+(not a crash) while building, ``auto`` moves to the next one. Whenever ``auto``
+does not use its first choice it says which engine ran and why, in an
+``EngineFallbackWarning`` that fires once per engine and reason.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from per_example_grads import model_inspection
+from per_example_grads.batch import Batch
+from per_example_grads.engines.base import ENGINES, Engine
+from per_example_grads.engines.weight_copies import check_supported as _weight_copies_check
+from per_example_grads.errors import EngineFallbackWarning, InvalidLossError
+from per_example_grads.problem import Problem
+
+AUTO_ORDER = ("vectorized", "weight_copies", "loop")
+METHODS = ("auto",) + tuple(ENGINES)
+
+_warned: set = set()
+
+
+def check_method(method: str) -> None:
+    """Raises ``ValueError`` naming the valid choices for an unknown ``method``."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {list(METHODS)}; got {method!r}.")
+
+
+def why_not(engine: Engine, problem: Problem, training: bool) -> str | None:
+    """Why ``engine`` must not run on ``problem``, or None if it may."""
+    if engine.uses_vectorized_map:
+        crashers = model_inspection.vectorization_crashers(problem.model)
+        if crashers:
+            return (
+                f"the model has {model_inspection.describe(crashers)}, which can "
+                "crash tf.vectorized_map with a segmentation fault"
+            )
+    if engine.substitutes_weights:
+        try:
+            _weight_copies_check(problem, training)
+        except ValueError as err:
+            return str(err)
+    return None
+
+
+def compute(method: str, problem: Problem, batch: Batch, training: bool) -> list:
+    """Per-example gradients from ``method``: list of ``[B, *var.shape]``."""
+    if method != "auto":
+        engine = ENGINES[method]
+        reason = why_not(engine, problem, training)
+        if reason:
+            raise ValueError(f"method={method!r} cannot run on this model: {reason}.")
+        return engine.compute(problem, batch)
+
+    skipped = []
+    for name in AUTO_ORDER:
+        engine = ENGINES[name]
+        reason = why_not(engine, problem, training)
+        if reason is None:
+            try:
+                grads = engine.compute(problem, batch)
+            except InvalidLossError:
+                raise
+            except Exception as err:  # noqa: BLE001 - any build failure means "try the next engine"
+                reason = f"it raised {type(err).__name__}: {_first_line(err)}"
+            else:
+                if skipped:
+                    _warn_once(name, skipped)
+                return grads
+        skipped.append((name, reason))
+    raise RuntimeError(
+        "No engine could compute per-example gradients for this model:\n"
+        + "\n".join(f"  {n}: {r}" for n, r in skipped)
+    )
+
+
+def _warn_once(used: str, skipped: list) -> None:
+    key = (used, tuple(skipped))
+    if key in _warned:
+        return
+    _warned.add(key)
+    reasons = "; ".join(f"not '{n}' because {r}" for n, r in skipped)
+    warnings.warn(
+        f"per_example_grads: method='auto' used the '{used}' engine ({reasons}).",
+        EngineFallbackWarning,
+        stacklevel=4,
+    )
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:300] if text else ""

@@ -1,0 +1,136 @@
+"""The main entry points: ``per_example_gradients`` and ``per_example_norms``."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import tensorflow as tf
+
+from per_example_grads import model_inspection, transforms
+from per_example_grads.batch import batch_size, make_batch
+from per_example_grads.engines import selection
+from per_example_grads.losses import as_per_example_loss
+from per_example_grads.problem import Problem, make_forward, resolve_variables
+
+
+@tf.autograph.experimental.do_not_convert
+def per_example_gradients(
+    model: Any,
+    loss_fn: Callable | str,
+    x: Any,
+    y: Any = None,
+    *,
+    sample_weight: Any = None,
+    method: str = "auto",
+    variables: Sequence | None = None,
+    training: bool = False,
+    allow_batch_coupling: bool = False,
+) -> list[tf.Tensor]:
+    """Every example's gradient, in one pass.
+
+    Convention: ``grads[k][i]`` is the gradient of example i's own loss,
+    multiplied by ``sample_weight[i]`` if given, with respect to
+    ``variables[k]``. Summing over i gives the gradient of the summed loss
+    (not the mean). Variables the loss does not reach get zeros.
+
+    Args:
+      model: a Keras 3 model (Sequential, Functional, subclassed, nested), or
+        any callable ``x -> y_pred`` together with ``variables=``.
+      loss_fn: ``loss_fn(y_true, y_pred)`` returning ``[B]`` or ``[B, ...]``
+        (trailing axes are averaged per example); a ``keras.losses.Loss``
+        with any ``reduction`` (the unreduced values are used); or a Keras loss
+        name.
+      x: model input, ``[B, ...]``, or a list/dict of such for multi-input
+        models.
+      y: targets, ``[B, ...]`` or a structure of them, or None.
+      sample_weight: None or ``[B]`` weights.
+      method: ``"auto"`` (default), ``"vectorized"``, ``"jacobian"``,
+        ``"weight_copies"`` or ``"loop"``. See the engine table in the README;
+        ``per_example_grads.engines.selection`` documents the auto rule.
+      variables: what to differentiate; defaults to
+        ``model.trainable_variables``.
+      training: passed to the model as ``training=``.
+      allow_batch_coupling: with ``training=True``, BatchNormalization makes one
+        example's output depend on the whole batch, so per-example gradients
+        are ill-defined and this raises ``ValueError``. Set True to compute
+        them anyway (each example is then normalized with its own statistics).
+
+    Returns:
+      A list aligned with ``variables``; entry k has shape
+      ``[B, *variables[k].shape]`` and the variable's dtype.
+
+    Raises:
+      ValueError, TypeError: for bad inputs, naming the argument.
+
+    Example:
+      >>> import keras, numpy as np
+      >>> import per_example_grads as peg
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+      >>> x = np.ones((4, 3), "float32"); y = np.array([0, 1, 0, 1])
+      >>> loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+      >>> grads = peg.per_example_gradients(model, loss, x, y)
+      >>> [tuple(g.shape) for g in grads]
+      [(4, 3, 2), (4, 2)]
+    """
+    selection.check_method(method)
+    problem = _make_problem(model, loss_fn, variables, training, allow_batch_coupling)
+    batch = make_batch(model, x, y, sample_weight)
+    if isinstance(batch_size(batch), int) and batch_size(batch) == 0:
+        return [tf.zeros([0, *v.shape], v.dtype) for v in problem.variables]
+    return selection.compute(method, problem, batch, training)
+
+
+@tf.autograph.experimental.do_not_convert
+def per_example_norms(
+    model: Any,
+    loss_fn: Callable | str,
+    x: Any,
+    y: Any = None,
+    *,
+    by_variable: bool = False,
+    **kwargs: Any,
+) -> tf.Tensor | list[tf.Tensor]:
+    """L2 norms of every example's gradient.
+
+    Args:
+      model, loss_fn, x, y: as in ``per_example_gradients``.
+      by_variable: False for one global norm per example; True for one norm
+        per example and variable.
+      **kwargs: ``sample_weight``, ``method``, ``variables``, ``training``,
+        ``allow_batch_coupling``, as in ``per_example_gradients``.
+
+    Returns:
+      ``[B]`` global norms (float32), or with ``by_variable=True`` a list of
+      ``[B]`` tensors aligned with the variables.
+
+    Example:
+      >>> import keras, numpy as np
+      >>> import per_example_grads as peg
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+      >>> norms = peg.per_example_norms(model, "mse", np.ones((5, 3)), np.zeros((5, 1)))
+      >>> tuple(norms.shape)
+      (5,)
+    """
+    grads = per_example_gradients(model, loss_fn, x, y, **kwargs)
+    if by_variable:
+        return transforms.per_variable_norms(grads)
+    return transforms.global_norms(grads)
+
+
+def _make_problem(model, loss_fn, variables, training, allow_batch_coupling) -> Problem:
+    coupling = model_inspection.batch_coupling_layers(model, training)
+    if coupling and not allow_batch_coupling:
+        raise ValueError(
+            "Per-example gradients are ill-defined with training=True: "
+            f"{model_inspection.describe(coupling)} normalizes each example "
+            "with statistics of the whole batch. Replace it with "
+            "keras.layers.GroupNormalization (or LayerNormalization), call with "
+            "training=False, or pass allow_batch_coupling=True to accept "
+            "per-example batch statistics."
+        )
+    return Problem(
+        model=model,
+        forward=make_forward(model, training),
+        loss=as_per_example_loss(loss_fn),
+        variables=resolve_variables(model, variables),
+    )

@@ -1,0 +1,83 @@
+"""What the library needs to know about a model's layers.
+
+This is the one module that walks Keras layer trees. It relies on
+``Layer._flatten_layers``, a private Keras 3 method that has been stable since
+Keras 3.0; ``tests/test_model_inspection.py`` fails loudly if it changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import keras
+
+# Layers with which ``tf.vectorized_map`` is known to take the whole process
+# down (SIGSEGV) on some TF releases: TF 2.21 with Keras 3 MultiHeadAttention was
+# reported to crash even on the forward pass. A segfault cannot be caught, so
+# engines that use ``tf.vectorized_map`` are never tried on these layers by
+# ``method="auto"``, and asking for them explicitly raises an error instead.
+VECTORIZATION_CRASHERS: tuple[type, ...] = (keras.layers.MultiHeadAttention,)
+
+# Layers whose output for one example depends on the other examples of the
+# batch when called with ``training=True``.
+BATCH_COUPLING_LAYERS: tuple[type, ...] = (keras.layers.BatchNormalization,)
+
+
+def iter_layers(model: Any) -> Iterator[keras.layers.Layer]:
+    """Yields ``model`` (if it is a layer) and every layer nested in it, once."""
+    if not isinstance(model, keras.layers.Layer):
+        return
+    yield from model._flatten_layers(include_self=True, recursive=True)
+
+
+def vectorization_crashers(model: Any) -> list[keras.layers.Layer]:
+    """Layers of ``model`` that can crash ``tf.vectorized_map``."""
+    return [l for l in iter_layers(model) if isinstance(l, VECTORIZATION_CRASHERS)]
+
+
+def batch_coupling_layers(model: Any, training: bool) -> list[keras.layers.Layer]:
+    """Layers that mix examples of a batch when called with ``training``.
+
+    BatchNormalization normalizes with batch statistics only in training mode
+    and only while the layer itself is trainable (Keras runs a frozen
+    BatchNormalization in inference mode).
+    """
+    if not training:
+        return []
+    return [
+        l
+        for l in iter_layers(model)
+        if isinstance(l, BATCH_COUPLING_LAYERS) and l.trainable
+    ]
+
+
+def random_layers(model: Any) -> list[keras.layers.Layer]:
+    """Layers that draw random numbers in training mode (Dropout, noise layers).
+
+    Recognized by the ``SeedGenerator`` Keras gives every random layer; a layer
+    with a ``rate`` of 0 draws nothing and is left out.
+    """
+    found = []
+    for layer in iter_layers(model):
+        has_seed = any(
+            isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values()
+        )
+        if has_seed and getattr(layer, "rate", 1.0) != 0:
+            found.append(layer)
+    return found
+
+
+def declared_input_dtypes(model: Any) -> list[str] | None:
+    """The dtypes of a Functional/Sequential model's inputs, flattened, if known."""
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):
+        return None
+    if not inputs:
+        return None
+    return [keras.backend.standardize_dtype(t.dtype) for t in inputs]
+
+
+def describe(layers: list[keras.layers.Layer]) -> str:
+    """``"'mha' (MultiHeadAttention), ..."`` for messages."""
+    return ", ".join(f"'{l.name}' ({type(l).__name__})" for l in layers)

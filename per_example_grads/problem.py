@@ -1,0 +1,93 @@
+"""The thing every engine differentiates: one loss per example.
+
+A ``Problem`` bundles the forward function, the per-example loss and the
+variables; engines only ever call ``losses`` (a whole batch) or
+``example_loss`` (one example) and differentiate with respect to
+``variables``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable, Sequence
+
+import keras
+import tensorflow as tf
+
+from per_example_grads.batch import Batch, add_batch_axis
+from per_example_grads.losses import PerExampleLoss
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """Per-example losses of ``model`` with respect to ``variables``.
+
+    Attributes:
+      model: the Keras model or callable (kept for inspection by engines).
+      forward: ``x -> y_pred`` with the ``training`` flag already applied.
+      loss: ``(y_true, y_pred) -> [B]``.
+      variables: the variables to differentiate, each ``[*var.shape]``.
+    """
+
+    model: Any
+    forward: Callable[[Any], Any]
+    loss: PerExampleLoss
+    variables: tuple
+
+    def losses(self, batch: Batch) -> tf.Tensor:
+        """``[B]`` losses, each multiplied by its ``sample_weight`` if given."""
+        values = self.loss(batch.get("y"), self.forward(batch["x"]))
+        if "sample_weight" in batch:
+            values = values * tf.cast(batch["sample_weight"], values.dtype)
+        return values
+
+    def example_loss(self, example: Batch) -> tf.Tensor:
+        """The scalar loss of one example (leaves without the batch axis)."""
+        return self.losses(add_batch_axis(example))[0]
+
+    def gradient_specs(self) -> list[tf.TensorSpec]:
+        """One ``TensorSpec(var.shape, var.dtype)`` per variable."""
+        return [tf.TensorSpec(v.shape, v.dtype) for v in self.variables]
+
+
+def make_forward(model: Any, training: bool) -> Callable[[Any], Any]:
+    """``x -> model(x, training=training)`` when the model takes ``training``."""
+    if isinstance(model, keras.layers.Layer) or _accepts_training(model):
+        return lambda x: model(x, training=training)
+    return model
+
+
+def resolve_variables(model: Any, variables: Sequence | None) -> tuple:
+    """The variables to differentiate: ``variables`` or ``model.trainable_variables``."""
+    if variables is None:
+        if not hasattr(model, "trainable_variables"):
+            raise TypeError(
+                "model is a plain callable, so pass variables=[...] listing the "
+                "variables to differentiate."
+            )
+        variables = model.trainable_variables
+    variables = tuple(variables)
+    if not variables:
+        raise ValueError(
+            "model has no trainable variables to differentiate: build it first "
+            "(call it once, or give it an Input), unfreeze some layers, or pass "
+            "variables=[...]."
+        )
+    for i, v in enumerate(variables):
+        if not tf.as_dtype(v.dtype).is_floating:
+            raise TypeError(
+                f"variables[{i}] ('{getattr(v, 'path', v.name)}') has dtype "
+                f"{tf.as_dtype(v.dtype).name}; only floating-point variables have gradients."
+            )
+    return variables
+
+
+def _accepts_training(fn: Callable) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "training" in params or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
+    )

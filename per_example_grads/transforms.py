@@ -1,0 +1,120 @@
+"""Small composable transforms on materialized per-example gradients.
+
+Every function takes ``grads``, a list whose k-th entry has shape
+``[B, *var_k.shape]`` (what ``per_example_gradients`` returns), and works
+eagerly, inside ``tf.function`` and under XLA. Norms are computed in float32
+(or float64 for float64 gradients), whatever the gradients' dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import tensorflow as tf
+
+
+def _norm_dtype(t: tf.Tensor) -> tf.DType:
+    return tf.float64 if t.dtype == tf.float64 else tf.float32
+
+
+def per_variable_norms(grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """L2 norm of each example's gradient, per variable.
+
+    ``norms[k][i] = ||grads[k][i]||_2``.
+
+    Args:
+      grads: list of ``[B, *var_k.shape]``.
+
+    Returns:
+      list of ``[B]`` tensors.
+
+    Example:
+      >>> g = [tf.constant([[3.0, 4.0], [0.0, 1.0]])]
+      >>> per_variable_norms(g)[0].numpy()
+      array([5., 1.], dtype=float32)
+    """
+    return [tf.sqrt(s) for s in _per_variable_squared_norms(grads)]
+
+
+def global_norms(grads: Sequence[tf.Tensor]) -> tf.Tensor:
+    """L2 norm of each example's whole gradient, across all variables.
+
+    ``norms[i] = sqrt(sum_k ||grads[k][i]||^2)``.
+
+    Args:
+      grads: list of ``[B, *var_k.shape]``.
+
+    Returns:
+      ``[B]``.
+
+    Example:
+      >>> g = [tf.constant([[3.0], [0.0]]), tf.constant([[4.0], [2.0]])]
+      >>> global_norms(g).numpy()
+      array([5., 2.], dtype=float32)
+    """
+    squared = _per_variable_squared_norms(grads)
+    if not squared:
+        raise ValueError("grads is empty: expected a list of [B, *var.shape] tensors.")
+    return tf.sqrt(tf.add_n(squared))
+
+
+def clip_by_global_norm(
+    grads: Sequence[tf.Tensor], l2_norm_clip: float
+) -> tuple[list[tf.Tensor], tf.Tensor]:
+    """Scales each example's gradient to global L2 norm at most ``l2_norm_clip``.
+
+    With ``n_i = global_norms(grads)[i]`` and ``C = l2_norm_clip``:
+    ``clipped[k][i] = grads[k][i] * C / max(n_i, C)``, so examples with
+    ``n_i <= C`` are unchanged and the others get norm exactly ``C``.
+
+    Args:
+      grads: list of ``[B, *var_k.shape]``.
+      l2_norm_clip: ``C > 0``, a Python float or scalar tensor.
+
+    Returns:
+      ``(clipped, norms)``: clipped is a list shaped like ``grads``; norms is
+      ``[B]``, the norms before clipping.
+
+    Example:
+      >>> g = [tf.constant([[3.0, 4.0], [0.3, 0.4]])]
+      >>> clipped, norms = clip_by_global_norm(g, 1.0)
+      >>> clipped[0].numpy()
+      array([[0.6, 0.8],
+             [0.3, 0.4]], dtype=float32)
+    """
+    if isinstance(l2_norm_clip, (int, float)) and not l2_norm_clip > 0:
+        raise ValueError(f"l2_norm_clip must be > 0; got {l2_norm_clip}.")
+    norms = global_norms(grads)
+    clip = tf.cast(l2_norm_clip, norms.dtype)
+    factors = clip / tf.maximum(norms, clip)
+    clipped = [g * tf.cast(_expand_to(factors, g), g.dtype) for g in grads]
+    return clipped, norms
+
+
+def sum_examples(grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """``sum_i grads[k][i]``: list of ``[*var_k.shape]``, the summed-loss gradient."""
+    return [tf.reduce_sum(g, axis=0) for g in grads]
+
+
+def mean_examples(grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """``mean_i grads[k][i]``: list of ``[*var_k.shape]``; zeros when B == 0."""
+    out = []
+    for g in grads:
+        count = tf.cast(tf.shape(g)[0], g.dtype)
+        out.append(tf.math.divide_no_nan(tf.reduce_sum(g, axis=0), count))
+    return out
+
+
+def _per_variable_squared_norms(grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    out = []
+    for g in grads:
+        g = tf.convert_to_tensor(g)
+        g = tf.cast(g, _norm_dtype(g))
+        flat = tf.reshape(g, [tf.shape(g)[0], -1])
+        out.append(tf.reduce_sum(tf.square(flat), axis=1))
+    return out
+
+
+def _expand_to(factors: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
+    """``[B]`` -> ``[B, 1, ..., 1]`` broadcastable against ``like``."""
+    return tf.reshape(factors, [-1] + [1] * (like.shape.rank - 1))

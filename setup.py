@@ -1,0 +1,5 @@
+"""Shim: all metadata lives in setup.cfg."""
+
+from setuptools import setup
+
+setup()
