@@ -6,7 +6,7 @@
 """
 
 from per_example_grads.engines.selection import METHODS
-from per_example_grads.errors import EngineFallbackWarning, InvalidLossError
+from per_example_grads.errors import EngineError, EngineFallbackWarning, InvalidLossError
 from per_example_grads.gradients import per_example_gradients, per_example_norms
 from per_example_grads.transforms import (
     clip_by_global_norm,
@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "METHODS",
+    "EngineError",
     "EngineFallbackWarning",
     "InvalidLossError",
     "clip_by_global_norm",

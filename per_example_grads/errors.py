@@ -8,6 +8,20 @@ class InvalidLossError(ValueError):
     back on it, since every engine would fail the same way.
     """
 
+    # AutoGraph re-raises errors from traced code as the same type only when
+    # the type's __init__ is Exception.__init__ (else as a StagingError that
+    # hides the type). Sharing it keeps this error recognizable through
+    # tf.function, tf.vectorized_map and tf.map_fn.
+    __init__ = Exception.__init__
+
 
 class EngineFallbackWarning(UserWarning):
     """``method="auto"`` used an engine other than its first choice, and why."""
+
+
+class EngineError(RuntimeError):
+    """An explicitly chosen engine could not handle the model.
+
+    The message names the engine and the underlying failure; ``method="auto"``
+    would have fallen back to another engine instead.
+    """

@@ -67,13 +67,32 @@ def watch_variables(tape: tf.GradientTape, variables) -> None:
             tape.watch(v.value if isinstance(v, keras.Variable) else v)
 
 
+@tf.autograph.experimental.do_not_convert  # plain Python; nothing for AutoGraph to convert
 def example_gradient(problem: Problem, example: Batch) -> list:
     """Gradients of one example's loss: ``list of [*var.shape]``."""
     with tf.GradientTape() as tape:
         watch_variables(tape, problem.variables)
         loss = problem.example_loss(example)
-    return list(
-        tape.gradient(
-            loss, problem.variables, unconnected_gradients=tf.UnconnectedGradients.ZERO
-        )
-    )
+    return dense_or_zeros(tape.gradient(loss, problem.variables), problem.variables)
+
+
+def dense_or_zeros(grads, variables, leading_shape=None) -> list:
+    """Dense gradients, with zeros of ``[*leading_shape, *var.shape]`` for ``None``.
+
+    ``leading_shape`` is None or a 1-D int32 tensor.
+
+    Embedding gradients arrive as IndexedSlices, and variables the loss does
+    not reach as None. (TensorFlow's own ``UnconnectedGradients.ZERO`` cannot
+    be used: it fails on Keras variables, whose ``dtype`` is a string.)
+    """
+    def zeros(v):
+        if leading_shape is None:
+            return tf.zeros(v.shape, v.dtype)
+        return tf.zeros(tf.concat([leading_shape, tf.constant(v.shape, tf.int32)], 0), v.dtype)
+
+    return [
+        zeros(v)
+        if g is None
+        else tf.convert_to_tensor(g)
+        for g, v in zip(grads, variables)
+    ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from per_example_grads.engines.base import register_engine, watch_variables
+from per_example_grads.engines.base import dense_or_zeros, register_engine, watch_variables
 
 
 @register_engine(name="jacobian", uses_vectorized_map=False, isolates_examples=False)
@@ -20,14 +20,10 @@ def jacobian(problem, batch) -> list:
     with tf.GradientTape() as tape:
         watch_variables(tape, problem.variables)
         losses = problem.losses(batch)
-    jac = tape.jacobian(
-        losses,
-        problem.variables,
-        unconnected_gradients=tf.UnconnectedGradients.ZERO,
-        experimental_use_pfor=True,
-    )
+    jac = tape.jacobian(losses, problem.variables, experimental_use_pfor=True)
     # With a dynamic B of 0, pfor loses the variable's static shape; restore it.
     b = tf.shape(losses)[:1]
+    jac = dense_or_zeros(jac, problem.variables, leading_shape=b)
     return [
         tf.ensure_shape(tf.reshape(j, tf.concat([b, v.shape], 0)), [None, *v.shape])
         for j, v in zip(jac, problem.variables)

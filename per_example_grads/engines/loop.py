@@ -6,6 +6,8 @@ size 1. Slowest, but works for anything that runs on one example.
 
 from __future__ import annotations
 
+import functools
+
 import tensorflow as tf
 
 from per_example_grads.engines.base import example_gradient, register_engine
@@ -15,7 +17,7 @@ from per_example_grads.engines.base import example_gradient, register_engine
 def loop(problem, batch) -> list:
     """``[grad of loss_i for i in range(B)]``, stacked -> list of ``[B, *var.shape]``."""
     return tf.map_fn(
-        lambda example: example_gradient(problem, example),
+        functools.partial(example_gradient, problem),
         batch,
         fn_output_signature=problem.gradient_specs(),
     )

@@ -25,7 +25,7 @@ from per_example_grads import model_inspection
 from per_example_grads.batch import Batch
 from per_example_grads.engines.base import ENGINES, Engine
 from per_example_grads.engines.weight_copies import check_supported as _weight_copies_check
-from per_example_grads.errors import EngineFallbackWarning, InvalidLossError
+from per_example_grads.errors import EngineError, EngineFallbackWarning, InvalidLossError
 from per_example_grads.problem import Problem
 
 AUTO_ORDER = ("vectorized", "weight_copies", "loop")
@@ -64,7 +64,17 @@ def compute(method: str, problem: Problem, batch: Batch, training: bool) -> list
         reason = why_not(engine, problem, training)
         if reason:
             raise ValueError(f"method={method!r} cannot run on this model: {reason}.")
-        return engine.compute(problem, batch)
+        try:
+            return engine.compute(problem, batch)
+        except InvalidLossError:
+            raise
+        except Exception as err:  # noqa: BLE001 - re-raised with the engine named
+            raise EngineError(
+                f"method={method!r} could not handle this model: "
+                f"{type(err).__name__}: {_first_line(err)}. method='auto' falls "
+                "back to another engine; method='loop' runs anything that runs "
+                "on one example."
+            ) from err
 
     skipped = []
     for name in AUTO_ORDER:
@@ -102,5 +112,6 @@ def _warn_once(used: str, skipped: list) -> None:
 
 
 def _first_line(err: Exception) -> str:
-    text = str(err).strip().splitlines()
-    return text[0][:300] if text else ""
+    """The line that says what went wrong (AutoGraph puts a traceback first)."""
+    lines = [l.strip() for l in str(err).strip().splitlines() if l.strip()]
+    return lines[-1][:300].rstrip(".") if lines else ""

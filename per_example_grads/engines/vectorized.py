@@ -8,6 +8,8 @@ of the batch gradient plus the per-example outer products, and memory for
 
 from __future__ import annotations
 
+import functools
+
 import tensorflow as tf
 
 from per_example_grads.engines.base import example_gradient, register_engine
@@ -16,4 +18,4 @@ from per_example_grads.engines.base import example_gradient, register_engine
 @register_engine(name="vectorized", uses_vectorized_map=True, isolates_examples=True)
 def vectorized(problem, batch) -> list:
     """``tf.vectorized_map(grad of loss_i)`` -> list of ``[B, *var.shape]``."""
-    return tf.vectorized_map(lambda example: example_gradient(problem, example), batch)
+    return tf.vectorized_map(functools.partial(example_gradient, problem), batch)

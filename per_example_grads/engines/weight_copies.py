@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from per_example_grads import model_inspection
 from per_example_grads.batch import batch_size
-from per_example_grads.engines.base import register_engine
+from per_example_grads.engines.base import dense_or_zeros, register_engine
 
 
 @register_engine(
@@ -36,6 +36,7 @@ def weight_copies(problem, batch) -> list:
         tf.repeat(tf.expand_dims(tf.identity(v), 0), b, axis=0) for v in problem.variables
     ]
 
+    @tf.autograph.experimental.do_not_convert
     def example_loss(args):
         example, weights = args
         with keras.StatelessScope(state_mapping=list(zip(problem.variables, weights))):
@@ -53,7 +54,7 @@ def weight_copies(problem, batch) -> list:
             fn_output_signature=tf.TensorSpec([], loss_dtype),
         )
         total = tf.reduce_sum(losses)
-    return tape.gradient(total, copies, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return dense_or_zeros(tape.gradient(total, copies), copies)
 
 
 def check_supported(problem, training: bool) -> None:

@@ -1,0 +1,438 @@
+"""The demo: what per-example gradient norms say about a trained classifier.
+
+``run_demo`` trains a small MLP on the bundled digits, computes every training
+example's gradient norm with ``peg.per_example_norms``, and reports:
+
+* norm statistics per class (which digits the model still finds hard);
+* the examples with the largest norms (often mislabeled or unusual digits);
+* how long each engine takes on one batch, against the plain batch gradient;
+* a histogram of the norms, saved as a PNG.
+
+``pegrad demo`` (``per_example_grads.cli``) runs it from the command line.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+from tqdm import tqdm
+
+import per_example_grads as peg
+from per_example_grads.data import N_CLASSES, N_FEATURES, train_test_split_digits
+
+DEFAULT_EPOCHS = 15
+FAST_TRAIN_SIZE = 600
+HIDDEN_UNITS = 64
+LEARNING_RATE = 3e-3
+FAST_LEARNING_RATE = 1e-2  # bigger steps, so that fast mode's single epoch counts
+TRAIN_BATCH_SIZE = 32
+NORMS_BATCH_SIZE = 256
+TIMING_BATCH_SIZE = 64
+TIMING_REPEATS = 7
+FAST_TIMING_REPEATS = 3
+TOP_K = 10
+_MIN_MEASUREMENT_S = 0.01
+_MAX_CALLS_PER_MEASUREMENT = 64
+BASELINE = "batch gradient"
+HISTOGRAM_NAME = "norms_histogram.png"
+
+
+def run_demo(
+    out_dir: str | Path,
+    *,
+    epochs: int | None = None,
+    fast: bool = False,
+    seed: int = 0,
+    verbose: bool = True,
+) -> dict[str, Any]:
+    """Trains a digits MLP and reports on its per-example gradient norms.
+
+    Args:
+      out_dir: folder for the histogram PNG; created if missing.
+      epochs: training epochs; default ``DEFAULT_EPOCHS``, or 1 with ``fast``.
+      fast: train on the first ``FAST_TRAIN_SIZE`` training examples only,
+        with ``FAST_LEARNING_RATE``, and time with fewer repeats, for a run of
+        a few seconds.
+      seed: seeds the train/test split, the weights and the shuffling.
+      verbose: print the progress bars and tables (the results are returned
+        either way).
+
+    Returns:
+      A dict with
+      ``test_accuracy`` (float), ``train_size``, ``test_size``, ``epochs``;
+      ``norms``: ``[N_train]`` float32, each training example's global
+      gradient norm (loss: sparse categorical cross-entropy, summed-loss
+      convention, ``training=False``);
+      ``train_index``: ``[N_train]`` rows of ``data.load_digits()`` behind
+      ``norms``;
+      ``norm_stats``: ``{class: {"count", "mean", "median", "max"}}`` for
+      classes 0..9;
+      ``top_examples``: the ``TOP_K`` largest norms, largest first, as dicts
+      with ``index`` (row of ``load_digits()``), ``label``, ``predicted`` and
+      ``norm``;
+      ``timings``: ``{name: {"ms": ms per batch, "ratio": ms / batch-gradient
+      ms}}`` for ``"batch gradient"`` and every name in ``peg.METHODS``;
+      ``png_path`` (str) and ``seconds`` (wall time of the demo).
+    """
+    started = time.perf_counter()
+    say = print if verbose else _silent
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if epochs is None:
+        epochs = 1 if fast else DEFAULT_EPOCHS
+    if epochs < 1:
+        raise ValueError(f"epochs must be >= 1; got {epochs}.")
+
+    split = train_test_split_digits(seed=seed)
+    x_train, y_train, train_index = split.x_train, split.y_train, split.train_index
+    if fast:
+        x_train, y_train = x_train[:FAST_TRAIN_SIZE], y_train[:FAST_TRAIN_SIZE]
+        train_index = train_index[:FAST_TRAIN_SIZE]
+
+    say(
+        f"Training a {N_FEATURES}-{HIDDEN_UNITS}-{N_CLASSES} MLP on "
+        f"{len(x_train)} digits for {epochs} epoch(s)..."
+    )
+    keras.utils.set_random_seed(seed)
+    model = build_model()
+    model.compile(
+        optimizer=keras.optimizers.Adam(FAST_LEARNING_RATE if fast else LEARNING_RATE),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    model.fit(
+        x_train,
+        y_train,
+        epochs=epochs,
+        batch_size=TRAIN_BATCH_SIZE,
+        # A live progress bar on a terminal; one line per epoch in a log.
+        verbose=(1 if sys.stdout.isatty() else 2) if verbose else 0,
+    )
+    test_accuracy = float(np.mean(predict_labels(model, split.x_test) == split.y_test))
+    say(f"Test accuracy: {test_accuracy:.3f} on {len(split.x_test)} held-out digits.\n")
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    norms = training_set_norms(model, loss, x_train, y_train, progress=verbose)
+    predicted = predict_labels(model, x_train)
+
+    norm_stats = class_norm_stats(norms, y_train)
+    say("Per-example gradient norms by class (training set):")
+    say(format_norm_stats(norm_stats, norms) + "\n")
+
+    top = top_examples(norms, y_train, predicted, train_index)
+    say(f"The {len(top)} training examples with the largest gradient norms")
+    say("(often mislabeled or unusual digits; index = row of data.load_digits()):")
+    say(format_top_examples(top) + "\n")
+
+    repeats = FAST_TIMING_REPEATS if fast else TIMING_REPEATS
+    say(
+        f"Timing one batch of {TIMING_BATCH_SIZE} "
+        f"(tf.function, median of {repeats} measurements after a warm-up):"
+    )
+    timings = time_methods(
+        model,
+        loss,
+        x_train[:TIMING_BATCH_SIZE],
+        y_train[:TIMING_BATCH_SIZE],
+        repeats=repeats,
+    )
+    say(format_timings(timings) + "\n")
+
+    png_path = out_dir / HISTOGRAM_NAME
+    save_norms_histogram(norms, png_path, title_suffix=f"{len(norms)} training digits")
+    say(f"Histogram of the norms: {png_path}")
+
+    return {
+        "test_accuracy": test_accuracy,
+        "train_size": int(len(x_train)),
+        "test_size": int(len(split.x_test)),
+        "epochs": int(epochs),
+        "norms": norms,
+        "train_index": train_index,
+        "norm_stats": norm_stats,
+        "top_examples": top,
+        "timings": timings,
+        "png_path": str(png_path),
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def build_model() -> keras.Model:
+    """The demo's MLP: ``[B, 64]`` pixels -> ``[B, 10]`` logits."""
+    return keras.Sequential(
+        [
+            keras.Input((N_FEATURES,)),
+            keras.layers.Dense(HIDDEN_UNITS, activation="relu"),
+            keras.layers.Dense(N_CLASSES),
+        ],
+        name="digits_mlp",
+    )
+
+
+def predict_labels(model: keras.Model, x: np.ndarray) -> np.ndarray:
+    """``[N, 64]`` -> ``[N]`` int32 predicted classes."""
+    logits = model(tf.constant(x), training=False)
+    return np.argmax(np.asarray(logits), axis=-1).astype(np.int32)
+
+
+def training_set_norms(
+    model: keras.Model,
+    loss: Callable,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    batch_size: int = NORMS_BATCH_SIZE,
+    progress: bool = True,
+) -> np.ndarray:
+    """Every example's global gradient norm, computed batch by batch.
+
+    Args:
+      model, loss: as in ``peg.per_example_norms``.
+      x: ``[N, 64]`` float32; y: ``[N]`` int32.
+      batch_size: examples per call.
+      progress: show a tqdm progress bar.
+
+    Returns:
+      ``[N]`` float32 norms.
+    """
+    norms_fn = tf.function(
+        lambda xb, yb: peg.per_example_norms(model, loss, xb, yb),
+        input_signature=_batch_signature(x, y),
+    )
+    parts = []
+    with tqdm(
+        total=len(x), desc="per-example norms", unit="ex", disable=not progress
+    ) as bar:
+        for start in range(0, len(x), batch_size):
+            xb, yb = x[start : start + batch_size], y[start : start + batch_size]
+            parts.append(norms_fn(xb, yb).numpy())
+            bar.update(len(xb))
+    return np.concatenate(parts).astype(np.float32)
+
+
+def class_norm_stats(norms: np.ndarray, labels: np.ndarray) -> dict[int, dict[str, float]]:
+    """``{class: {"count", "mean", "median", "max"}}`` of ``[N]`` norms by ``[N]`` labels.
+
+    Every class 0..9 is present; a class without examples gets count 0 and
+    NaN statistics.
+    """
+    stats = {}
+    for c in range(N_CLASSES):
+        values = norms[labels == c]
+        empty = len(values) == 0
+        stats[c] = {
+            "count": int(len(values)),
+            "mean": float("nan") if empty else float(np.mean(values)),
+            "median": float("nan") if empty else float(np.median(values)),
+            "max": float("nan") if empty else float(np.max(values)),
+        }
+    return stats
+
+
+def top_examples(
+    norms: np.ndarray,
+    labels: np.ndarray,
+    predicted: np.ndarray,
+    index: np.ndarray,
+    k: int = TOP_K,
+) -> list[dict[str, Any]]:
+    """The ``k`` largest of ``[N]`` norms, largest first.
+
+    Returns:
+      dicts with ``index`` (``index[i]``, the example's row in the data set),
+      ``label``, ``predicted`` and ``norm``.
+    """
+    order = np.argsort(-norms, kind="stable")[:k]
+    return [
+        {
+            "index": int(index[i]),
+            "label": int(labels[i]),
+            "predicted": int(predicted[i]),
+            "norm": float(norms[i]),
+        }
+        for i in order
+    ]
+
+
+def time_methods(
+    model: keras.Model,
+    loss: Callable,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    repeats: int = TIMING_REPEATS,
+) -> dict[str, dict[str, float]]:
+    """Milliseconds per batch for the batch gradient and every ``peg.METHODS`` entry.
+
+    Each computation is one ``tf.function`` with an unknown batch size,
+    called once to trace and warm up, then measured ``repeats`` times, in
+    turn with the others (each measurement averaging enough calls to last
+    10 ms); the median counts. The baseline is ``tape.gradient`` of the mean
+    loss.
+
+    Args:
+      model, loss: as in ``peg.per_example_gradients``.
+      x: ``[B, 64]`` float32; y: ``[B]`` int32: the batch to time.
+      repeats: measurements per method.
+
+    Returns:
+      ``{name: {"ms": median ms, "ratio": ms / baseline ms}}``, the baseline
+      (``"batch gradient"``) first, then the engines, then ``"auto"``.
+    """
+    x, y = tf.constant(x), tf.constant(y)
+    signature = _batch_signature(x, y)
+    variables = model.trainable_variables
+
+    def batch_gradient(xb, yb):
+        with tf.GradientTape() as tape:
+            mean_loss = tf.reduce_mean(loss(yb, model(xb, training=False)))
+        return tape.gradient(mean_loss, variables)
+
+    def per_example(method: str):
+        return lambda xb, yb: peg.per_example_gradients(model, loss, xb, yb, method=method)
+
+    methods = [m for m in peg.METHODS if m != "auto"] + ["auto"]
+    candidates = {BASELINE: batch_gradient, **{m: per_example(m) for m in methods}}
+    functions = {
+        name: tf.function(fn, input_signature=signature) for name, fn in candidates.items()
+    }
+    ms = _median_ms(functions, (x, y), repeats)
+    return {name: {"ms": t, "ratio": t / ms[BASELINE]} for name, t in ms.items()}
+
+
+def save_norms_histogram(norms: np.ndarray, path: str | Path, *, title_suffix: str = "") -> Path:
+    """Writes a log-scale histogram of ``[N]`` norms to ``path`` (PNG).
+
+    Uses matplotlib's Agg canvas directly, so the global pyplot backend is
+    left alone. Zero norms cannot sit on a log axis; they are counted in the
+    title instead.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    path = Path(path)
+    positive = norms[norms > 0]
+    fig = Figure(figsize=(7, 4.5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    if len(positive):
+        low, high = float(positive.min()), float(positive.max())
+        bins = np.geomspace(low, high if high > low else low * 10, 40)
+        ax.hist(positive, bins=bins, color="tab:blue", edgecolor="white", linewidth=0.5)
+        ax.set_xscale("log")
+        median = float(np.median(positive))
+        ax.axvline(median, color="tab:orange", linestyle="--", label=f"median {median:.2g}")
+        ax.legend()
+    title = "Per-example gradient norms"
+    if title_suffix:
+        title += f", {title_suffix}"
+    zeros = len(norms) - len(positive)
+    if zeros:
+        title += f" ({zeros} zero norms not shown)"
+    ax.set_title(title)
+    ax.set_xlabel("global L2 norm of the example's loss gradient (log scale)")
+    ax.set_ylabel("number of examples")
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    return path
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain-text table: first column left-aligned, the others right-aligned."""
+    cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[j]) for row in cells) for j in range(len(headers))]
+
+    def line(row):
+        return "  ".join(
+            c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))
+        )
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule] + [line(row) for row in cells[1:]])
+
+
+def format_norm_stats(stats: dict[int, dict[str, float]], norms: np.ndarray | None = None) -> str:
+    """The per-class table of ``class_norm_stats``, with an ``all`` row if ``norms`` is given."""
+    rows = [
+        [c, s["count"], f"{s['mean']:.3e}", f"{s['median']:.3e}", f"{s['max']:.3e}"]
+        for c, s in stats.items()
+    ]
+    if norms is not None and len(norms):
+        rows.append(
+            ["all", len(norms), f"{np.mean(norms):.3e}", f"{np.median(norms):.3e}", f"{np.max(norms):.3e}"]
+        )
+    return format_table(["class", "count", "mean", "median", "max"], rows)
+
+
+def format_top_examples(top: Sequence[dict[str, Any]]) -> str:
+    """The table of ``top_examples``; misclassified examples are marked ``*``."""
+    rows = [
+        [
+            rank,
+            e["index"],
+            e["label"],
+            f"{e['predicted']}{' *' if e['predicted'] != e['label'] else '  '}",
+            f"{e['norm']:.3e}",
+        ]
+        for rank, e in enumerate(top, start=1)
+    ]
+    return format_table(["rank", "index", "label", "predicted", "norm"], rows)
+
+
+def format_timings(timings: dict[str, dict[str, float]]) -> str:
+    """The table of ``time_methods``."""
+    rows = [[name, f"{t['ms']:.2f}", f"{t['ratio']:.1f}x"] for name, t in timings.items()]
+    return format_table(["method", "ms/batch", "vs batch grad"], rows)
+
+
+def _batch_signature(x: Any, y: Any) -> tuple[tf.TensorSpec, tf.TensorSpec]:
+    """Specs for ``([B, *x.shape[1:]], [B])`` batches with unknown ``B``."""
+    return (
+        tf.TensorSpec([None, *x.shape[1:]], tf.as_dtype(x.dtype)),
+        tf.TensorSpec([None], tf.as_dtype(y.dtype)),
+    )
+
+
+def _median_ms(fns: dict[str, Callable], args: tuple, repeats: int) -> dict[str, float]:
+    """Median milliseconds per call of each ``fn(*args)``.
+
+    Every function is called once to trace and warm up. Each measurement
+    times enough back-to-back calls to last at least ``_MIN_MEASUREMENT_S``,
+    so sub-millisecond calls are not swamped by timer noise, and the
+    measurements go round-robin over the functions, so a change in machine
+    load biases none of them.
+    """
+    for fn in fns.values():
+        fn(*args)
+    numbers = {name: _calls_per_measurement(fn, args) for name, fn in fns.items()}
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(max(1, repeats)):
+        for name, fn in fns.items():
+            samples[name].append(_seconds(fn, args, numbers[name]) / numbers[name])
+    return {name: statistics.median(times) * 1e3 for name, times in samples.items()}
+
+
+def _calls_per_measurement(fn: Callable, args: tuple) -> int:
+    number = 1
+    while number < _MAX_CALLS_PER_MEASUREMENT:
+        if _seconds(fn, args, number) >= _MIN_MEASUREMENT_S:
+            break
+        number *= 2
+    return number
+
+
+def _seconds(fn: Callable, args: tuple, number: int) -> float:
+    start = time.perf_counter()
+    for _ in range(number):
+        fn(*args)
+    return time.perf_counter() - start
+
+
+def _silent(*args: Any, **kwargs: Any) -> None:
+    pass

@@ -1,0 +1,163 @@
+"""Batch sizes 0 and 1, NaN isolation, tracing, XLA, batch coupling, fallbacks."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import per_example_grads as peg
+from conftest import assert_grads_close, reference_gradients, sparse_ce
+from model_zoo import ZOO
+
+ISOLATING = ["vectorized", "weight_copies", "loop", "auto"]
+
+
+@pytest.mark.parametrize("method", ISOLATING + ["jacobian"])
+def test_batch_of_zero_gives_empty_gradients(method):
+    case = ZOO["cnn1d"]()
+    grads = peg.per_example_gradients(case.model, sparse_ce, case.x[:0], case.y[:0], method=method)
+    for g, v in zip(grads, case.model.trainable_variables):
+        assert tuple(g.shape) == (0, *v.shape)
+
+
+@pytest.mark.parametrize("method", ISOLATING + ["jacobian"])
+def test_batch_of_zero_inside_tf_function(method):
+    case = ZOO["mlp"]()
+    f = tf.function(
+        lambda x, y: peg.per_example_gradients(case.model, sparse_ce, x, y, method=method),
+        input_signature=[tf.TensorSpec([None, 6]), tf.TensorSpec([None], tf.int32)],
+    )
+    for g, v in zip(f(case.x[:0], case.y[:0]), case.model.trainable_variables):
+        assert tuple(g.shape) == (0, *v.shape)
+
+
+@pytest.mark.parametrize("method", ISOLATING + ["jacobian"])
+def test_batch_of_one(method):
+    case = ZOO["cnn2d"]()
+    expected = reference_gradients(case.model, sparse_ce, case.x[:1], case.y[:1])
+    assert_grads_close(peg.per_example_gradients(case.model, sparse_ce, case.x[:1], case.y[:1], method=method), expected)
+
+
+@pytest.mark.parametrize("method", ISOLATING)
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_example_does_not_leak(method, bad):
+    case = ZOO["cnn2d"]()
+    x = case.x.copy()
+    x[2, 0, 0, 0] = bad
+    grads = peg.per_example_gradients(case.model, sparse_ce, x, case.y, method=method)
+    clean = [0, 1, 3, 4]
+    expected = reference_gradients(case.model, sparse_ce, x[clean], case.y[clean])
+    assert_grads_close([np.asarray(g)[clean] for g in grads], expected)
+    assert not all(np.all(np.isfinite(np.asarray(g)[2])) for g in grads)
+
+
+@pytest.mark.parametrize("method", ISOLATING + ["jacobian"])
+def test_changing_batch_size_does_not_retrace(method):
+    case = ZOO["mlp"]()
+    f = tf.function(
+        lambda x, y: peg.per_example_gradients(case.model, sparse_ce, x, y, method=method),
+        reduce_retracing=True,
+    )
+    f(case.x[:2], case.y[:2])  # first trace, static shapes
+    f(case.x[:3], case.y[:3])  # relaxed to an unknown batch dimension
+    traces = f.experimental_get_tracing_count()
+    for n in (4, 5, 1):
+        got = f(case.x[:n], case.y[:n])
+        assert_grads_close(got, reference_gradients(case.model, sparse_ce, case.x[:n], case.y[:n]))
+    assert f.experimental_get_tracing_count() == traces
+
+
+@pytest.mark.parametrize("method", ["vectorized", "jacobian", "weight_copies", "loop"])
+def test_jit_compile(method):
+    case = ZOO["mlp"]()
+    f = tf.function(
+        lambda x, y: peg.per_example_gradients(case.model, sparse_ce, x, y, method=method),
+        jit_compile=True,
+    )
+    assert_grads_close(f(case.x, case.y), reference_gradients(case.model, sparse_ce, case.x, case.y))
+
+
+def _bn_model():
+    return keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(5), keras.layers.BatchNormalization(name="bn"), keras.layers.Dense(3)]
+    )
+
+
+def test_batchnorm_in_training_mode_is_refused():
+    model = _bn_model()
+    x, y = np.random.randn(4, 4).astype("float32"), np.array([0, 1, 2, 0])
+    with pytest.raises(ValueError, match=r"'bn' \(BatchNormalization\).*GroupNormalization"):
+        peg.per_example_gradients(model, sparse_ce, x, y, training=True)
+
+
+def test_batchnorm_opt_in_and_inference_mode():
+    model = _bn_model()
+    x, y = np.random.randn(4, 4).astype("float32"), np.array([0, 1, 2, 0])
+    assert_grads_close(
+        peg.per_example_gradients(model, sparse_ce, x, y, training=False),
+        reference_gradients(model, sparse_ce, x, y, training=False),
+    )
+    # Opted in, each example is normalized with its own statistics: the
+    # reference loop (batches of one) does exactly that.
+    assert_grads_close(
+        peg.per_example_gradients(model, sparse_ce, x, y, training=True, allow_batch_coupling=True, method="loop"),
+        reference_gradients(model, sparse_ce, x, y, training=True),
+    )
+
+
+def test_dropout_in_training_mode_runs_and_weight_copies_refuses():
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), keras.layers.Dropout(0.5, name="drop"), keras.layers.Dense(3)])
+    x, y = np.random.randn(5, 6).astype("float32"), np.arange(5) % 3
+    for method in ["vectorized", "loop", "auto"]:
+        grads = peg.per_example_gradients(model, sparse_ce, x, y, training=True, method=method)
+        assert all(np.all(np.isfinite(g)) for g in grads)
+    with pytest.raises(ValueError, match=r"weight_copies.*'drop' \(Dropout\)"):
+        peg.per_example_gradients(model, sparse_ce, x, y, training=True, method="weight_copies")
+
+
+def test_auto_warns_once_with_engine_and_reason():
+    case = ZOO["embedding_mask_zero_lstm"]()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        peg.per_example_gradients(case.model, sparse_ce, case.x, case.y)
+        peg.per_example_gradients(case.model, sparse_ce, case.x, case.y)
+    fallback = [w for w in caught if issubclass(w.category, peg.EngineFallbackWarning)]
+    assert len(fallback) == 1
+    assert "used the 'weight_copies' engine" in str(fallback[0].message)
+    assert "not 'vectorized' because it raised TypeError" in str(fallback[0].message)
+
+
+def test_explicit_vectorized_is_refused_on_known_crasher():
+    case = ZOO["transformer_block"]()
+    with pytest.raises(ValueError, match="MultiHeadAttention.*segmentation fault"):
+        peg.per_example_gradients(case.model, sparse_ce, case.x, case.y, method="vectorized")
+
+
+def test_plain_callable_with_variables():
+    w = tf.Variable([[1.0, -2.0], [0.5, 3.0]])
+    b = tf.Variable([0.1, -0.1])
+    forward = lambda x: tf.matmul(x, w) + b
+    x = np.array([[1.0, 2.0], [3.0, -1.0], [0.0, 1.0]], "float32")
+    y = np.zeros((3, 2), "float32")
+    mse = lambda yt, yp: tf.reduce_sum(tf.square(yp - yt), axis=-1)
+    for method in ["vectorized", "jacobian", "loop"]:
+        gw, gb = peg.per_example_gradients(forward, mse, x, y, variables=[w, b], method=method)
+        # Closed form: d/dW ||xW + b||^2 = 2 x^T (xW + b), per example.
+        resid = x @ w.numpy() + b.numpy()
+        np.testing.assert_allclose(gw, 2 * x[:, :, None] * resid[:, None, :], rtol=1e-6)
+        np.testing.assert_allclose(gb, 2 * resid, rtol=1e-6)
+    with pytest.raises(ValueError, match="not keras.Variable"):
+        peg.per_example_gradients(forward, mse, x, y, variables=[w, b], method="weight_copies")
+
+
+def test_per_example_norms_match_materialized():
+    case = ZOO["cnn2d"]()
+    ref = reference_gradients(case.model, sparse_ce, case.x, case.y)
+    norms = peg.per_example_norms(case.model, sparse_ce, case.x, case.y)
+    expected = np.sqrt(sum(np.sum(r.reshape(len(r), -1) ** 2, axis=1) for r in ref))
+    np.testing.assert_allclose(norms, expected, rtol=1e-5)
+    by_var = peg.per_example_norms(case.model, sparse_ce, case.x, case.y, by_variable=True)
+    for n, r in zip(by_var, ref):
+        np.testing.assert_allclose(n, np.linalg.norm(r.reshape(len(r), -1), axis=1), rtol=1e-5)
