@@ -52,10 +52,12 @@ def global_norms(grads: Sequence[tf.Tensor]) -> tf.Tensor:
       >>> global_norms(g).numpy()
       array([5., 2.], dtype=float32)
     """
-    squared = _per_variable_squared_norms(grads)
-    if not squared:
+    if not grads:
         raise ValueError("grads is empty: expected a list of [B, *var.shape] tensors.")
-    return tf.sqrt(tf.add_n(squared))
+    # Scaling by the largest entry keeps squares of huge gradients (1e20 and
+    # up in float32) from overflowing to inf.
+    scale = _max_abs(grads)
+    return scale * tf.sqrt(tf.add_n(_per_variable_squared_norms(grads, scale)))
 
 
 def clip_by_global_norm(
@@ -105,14 +107,29 @@ def mean_examples(grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     return out
 
 
-def _per_variable_squared_norms(grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+def _per_variable_squared_norms(grads: Sequence[tf.Tensor], scale=None) -> list[tf.Tensor]:
+    """``||grads[k][i] / scale[i]||^2`` per variable: list of ``[B]``."""
     out = []
     for g in grads:
         g = tf.convert_to_tensor(g)
         g = tf.cast(g, _norm_dtype(g))
         flat = tf.reshape(g, [tf.shape(g)[0], -1])
+        if scale is not None:
+            flat = flat / tf.cast(scale[:, None], flat.dtype)
         out.append(tf.reduce_sum(tf.square(flat), axis=1))
     return out
+
+
+def _max_abs(grads: Sequence[tf.Tensor]) -> tf.Tensor:
+    """``max_k max |grads[k][i]|`` per example, ``[B]``; 1 where that is 0 or not finite."""
+    per_var = []
+    for g in grads:
+        g = tf.convert_to_tensor(g)
+        g = tf.cast(g, _norm_dtype(g))
+        per_var.append(tf.reduce_max(tf.abs(tf.reshape(g, [tf.shape(g)[0], -1])), axis=1))
+    m = tf.reduce_max(tf.stack([tf.cast(p, tf.float64 if p.dtype == tf.float64 else tf.float32) for p in per_var]), axis=0)
+    usable = tf.logical_and(m > 0, tf.math.is_finite(m))
+    return tf.where(usable, m, tf.ones_like(m))
 
 
 def _expand_to(factors: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
