@@ -13,6 +13,7 @@ example's gradient norm with ``peg.per_example_norms``, and reports:
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 import time
@@ -57,7 +58,7 @@ def run_demo(
     Args:
       out_dir: folder for the histogram PNG; created if missing.
       epochs: training epochs; default ``DEFAULT_EPOCHS``, or 1 with ``fast``.
-      fast: train on the first ``FAST_TRAIN_SIZE`` training examples only,
+      fast: train on a random ``FAST_TRAIN_SIZE`` of the training examples,
         with ``FAST_LEARNING_RATE``, and time with fewer repeats, for a run of
         a few seconds.
       seed: seeds the train/test split, the weights and the shuffling.
@@ -93,8 +94,9 @@ def run_demo(
     split = train_test_split_digits(seed=seed)
     x_train, y_train, train_index = split.x_train, split.y_train, split.train_index
     if fast:
-        x_train, y_train = x_train[:FAST_TRAIN_SIZE], y_train[:FAST_TRAIN_SIZE]
-        train_index = train_index[:FAST_TRAIN_SIZE]
+        rng = np.random.default_rng(seed)
+        keep = np.sort(rng.permutation(len(x_train))[:FAST_TRAIN_SIZE])
+        x_train, y_train, train_index = x_train[keep], y_train[keep], train_index[keep]
 
     say(
         f"Training a {N_FEATURES}-{HIDDEN_UNITS}-{N_CLASSES} MLP on "
@@ -202,7 +204,7 @@ def training_set_norms(
       ``[N]`` float32 norms.
     """
     norms_fn = tf.function(
-        lambda xb, yb: peg.per_example_norms(model, loss, xb, yb),
+        functools.partial(peg.per_example_norms, model, loss),
         input_signature=_batch_signature(x, y),
     )
     parts = []
@@ -286,19 +288,13 @@ def time_methods(
       (``"batch gradient"``) first, then the engines, then ``"auto"``.
     """
     x, y = tf.constant(x), tf.constant(y)
+    # functools.partial rather than closures: TensorFlow counts traces per code
+    # object, and several closures of one code object, each traced once, would
+    # set off its "excessive retracing" warning.
+    candidates = {BASELINE: functools.partial(_batch_gradient, model, loss)}
+    for method in [m for m in peg.METHODS if m != "auto"] + ["auto"]:
+        candidates[method] = functools.partial(_per_example_gradients, model, loss, method)
     signature = _batch_signature(x, y)
-    variables = model.trainable_variables
-
-    def batch_gradient(xb, yb):
-        with tf.GradientTape() as tape:
-            mean_loss = tf.reduce_mean(loss(yb, model(xb, training=False)))
-        return tape.gradient(mean_loss, variables)
-
-    def per_example(method: str):
-        return lambda xb, yb: peg.per_example_gradients(model, loss, xb, yb, method=method)
-
-    methods = [m for m in peg.METHODS if m != "auto"] + ["auto"]
-    candidates = {BASELINE: batch_gradient, **{m: per_example(m) for m in methods}}
     functions = {
         name: tf.function(fn, input_signature=signature) for name, fn in candidates.items()
     }
@@ -357,16 +353,17 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join([line(cells[0]), rule] + [line(row) for row in cells[1:]])
 
 
-def format_norm_stats(stats: dict[int, dict[str, float]], norms: np.ndarray | None = None) -> str:
+def format_norm_stats(
+    stats: dict[int, dict[str, float]], norms: np.ndarray | None = None
+) -> str:
     """The per-class table of ``class_norm_stats``, with an ``all`` row if ``norms`` is given."""
-    rows = [
-        [c, s["count"], f"{s['mean']:.3e}", f"{s['median']:.3e}", f"{s['max']:.3e}"]
-        for c, s in stats.items()
-    ]
+
+    def row(name, count, mean, median, maximum):
+        return [name, count, f"{mean:.3e}", f"{median:.3e}", f"{maximum:.3e}"]
+
+    rows = [row(c, s["count"], s["mean"], s["median"], s["max"]) for c, s in stats.items()]
     if norms is not None and len(norms):
-        rows.append(
-            ["all", len(norms), f"{np.mean(norms):.3e}", f"{np.median(norms):.3e}", f"{np.max(norms):.3e}"]
-        )
+        rows.append(row("all", len(norms), np.mean(norms), np.median(norms), np.max(norms)))
     return format_table(["class", "count", "mean", "median", "max"], rows)
 
 
@@ -389,6 +386,20 @@ def format_timings(timings: dict[str, dict[str, float]]) -> str:
     """The table of ``time_methods``."""
     rows = [[name, f"{t['ms']:.2f}", f"{t['ratio']:.1f}x"] for name, t in timings.items()]
     return format_table(["method", "ms/batch", "vs batch grad"], rows)
+
+
+def _batch_gradient(model: keras.Model, loss: Callable, x: tf.Tensor, y: tf.Tensor) -> list:
+    """``tape.gradient`` of the mean loss: list of ``[*var.shape]``."""
+    with tf.GradientTape() as tape:
+        mean_loss = tf.reduce_mean(loss(y, model(x, training=False)))
+    return tape.gradient(mean_loss, model.trainable_variables)
+
+
+def _per_example_gradients(
+    model: keras.Model, loss: Callable, method: str, x: tf.Tensor, y: tf.Tensor
+) -> list:
+    """``peg.per_example_gradients`` with ``method``: list of ``[B, *var.shape]``."""
+    return peg.per_example_gradients(model, loss, x, y, method=method)
 
 
 def _batch_signature(x: Any, y: Any) -> tuple[tf.TensorSpec, tf.TensorSpec]:

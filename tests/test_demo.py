@@ -49,7 +49,8 @@ def demo_run(tmp_path_factory) -> SimpleNamespace:
 def _class_counts(text: str) -> dict[int, int]:
     """``{class: count}`` from the per-class table printed by the demo."""
     lines = text.splitlines()
-    start = next(i for i, l in enumerate(lines) if re.match(r"class\s+count\s+mean\s+median\s+max", l))
+    header = re.compile(r"class\s+count\s+mean\s+median\s+max")
+    start = next(i for i, line in enumerate(lines) if header.match(line))
     counts = {}
     for line in lines[start + 2 :]:
         match = re.match(r"(\d+)\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)$", line.strip())
@@ -93,7 +94,7 @@ def test_demo_norms_are_finite_and_positive(demo_run):
     assert norms.shape == (demo_run.result["train_size"],)
     assert np.all(np.isfinite(norms))
     assert np.all(norms > 0)
-    for c, stats in demo_run.result["norm_stats"].items():
+    for stats in demo_run.result["norm_stats"].values():
         assert stats["count"] > 0
         assert 0 < stats["median"] <= stats["max"]
         assert 0 < stats["mean"] <= stats["max"]
@@ -111,7 +112,7 @@ def test_demo_top_examples_are_the_largest_norms(demo_run):
     top_norms = [e["norm"] for e in top]
     assert top_norms == sorted(top_norms, reverse=True)
     assert np.isclose(top_norms[0], result["norms"].max())
-    x, y = load_digits()
+    _, y = load_digits()
     for e in top:
         assert y[e["index"]] == e["label"]
         assert 0 <= e["predicted"] < 10
