@@ -7,7 +7,9 @@
 
 from per_example_grads.engines.selection import METHODS
 from per_example_grads.errors import EngineError, EngineFallbackWarning, InvalidLossError
+from per_example_grads.clipping import clipped_gradients
 from per_example_grads.gradients import per_example_gradients, per_example_norms
+from per_example_grads.layerwise import LayerRule, register_layer_rule
 from per_example_grads.transforms import (
     clip_by_global_norm,
     global_norms,
@@ -23,11 +25,14 @@ __all__ = [
     "EngineError",
     "EngineFallbackWarning",
     "InvalidLossError",
+    "LayerRule",
     "clip_by_global_norm",
+    "clipped_gradients",
     "global_norms",
     "mean_examples",
     "per_example_gradients",
     "per_example_norms",
     "per_variable_norms",
+    "register_layer_rule",
     "sum_examples",
 ]

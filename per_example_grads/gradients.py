@@ -9,6 +9,7 @@ import tensorflow as tf
 from per_example_grads import model_inspection, transforms
 from per_example_grads.batch import batch_size, make_batch
 from per_example_grads.engines import selection
+from per_example_grads.layerwise import engine as layerwise
 from per_example_grads.losses import as_per_example_loss
 from per_example_grads.problem import Problem, make_forward, resolve_variables
 
@@ -111,6 +112,18 @@ def per_example_norms(
       >>> tuple(norms.shape)
       (5,)
     """
+    method, training = kwargs.get("method", "auto"), kwargs.get("training", False)
+    selection.check_method(method)
+    problem = _make_problem(
+        model, loss_fn, kwargs.get("variables"), training, kwargs.get("allow_batch_coupling", False)
+    )
+    if layerwise.use_layerwise(method, problem, training):
+        # Ghost norms: closed forms per layer, never B x P.
+        batch = make_batch(model, x, y, kwargs.get("sample_weight"))
+        squared = layerwise.per_variable_squared_norms(problem, layerwise.capture(problem, batch))
+        if by_variable:
+            return [tf.sqrt(s) for s in squared]
+        return tf.sqrt(tf.add_n(squared))
     grads = per_example_gradients(model, loss_fn, x, y, **kwargs)
     if by_variable:
         return transforms.per_variable_norms(grads)

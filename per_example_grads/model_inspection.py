@@ -30,6 +30,17 @@ def iter_layers(model: Any) -> Iterator[keras.layers.Layer]:
     yield from model._flatten_layers(include_self=True, recursive=True)
 
 
+def direct_sublayers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
+    """The layers ``layer`` tracks directly (one level down), in creation order."""
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
+def own_variables(layer: keras.layers.Layer) -> list:
+    """Variables created by ``layer`` itself, not by one of its sublayers."""
+    below = {id(v) for sub in direct_sublayers(layer) for v in sub.weights}
+    return [v for v in layer.weights if id(v) not in below]
+
+
 def vectorization_crashers(model: Any) -> list[keras.layers.Layer]:
     """Layers of ``model`` that can crash ``tf.vectorized_map``."""
     return [l for l in iter_layers(model) if isinstance(l, VECTORIZATION_CRASHERS)]

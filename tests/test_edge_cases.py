@@ -11,7 +11,7 @@ import per_example_grads as peg
 from conftest import assert_grads_close, reference_gradients, sparse_ce
 from model_zoo import ZOO
 
-ISOLATING = ["vectorized", "weight_copies", "loop", "auto"]
+ISOLATING = ["layerwise", "vectorized", "weight_copies", "loop", "auto"]
 
 
 @pytest.mark.parametrize("method", ISOLATING + ["jacobian"])

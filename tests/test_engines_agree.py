@@ -8,7 +8,7 @@ import per_example_grads as peg
 from conftest import assert_grads_close, reference_gradients
 from model_zoo import ZOO
 
-METHODS = ["vectorized", "jacobian", "weight_copies", "loop", "auto"]
+METHODS = ["layerwise", "vectorized", "jacobian", "weight_copies", "loop", "auto"]
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -27,26 +27,23 @@ class Engine:
     Attributes:
       name: the ``method=`` string.
       compute: ``(problem, batch) -> list of [B, *var.shape]``.
-      uses_vectorized_map: True if it runs the model under ``tf.vectorized_map``
-        (and so must never meet a layer in ``VECTORIZATION_CRASHERS``).
       isolates_examples: True if a NaN/Inf in one example can never reach
         another example's gradient.
-      substitutes_weights: True if it swaps Keras variables for per-example
-        copies (needs Keras variables; cannot advance random seeds).
+      why_not: ``(problem, training) -> str | None``: why the engine must not
+        run on this problem (it would crash or be wrong), or None.
     """
 
     name: str
     compute: EngineFn
-    uses_vectorized_map: bool
     isolates_examples: bool
-    substitutes_weights: bool = False
+    why_not: Callable[[Problem, bool], str | None] = lambda problem, training: None
 
 
 ENGINES: dict[str, Engine] = {}
 
 
 def register_engine(**properties) -> Callable[[EngineFn], EngineFn]:
-    """Decorator: ``@register_engine(name=..., uses_vectorized_map=..., ...)``."""
+    """Decorator: ``@register_engine(name=..., isolates_examples=..., why_not=...)``."""
 
     def wrap(fn: EngineFn) -> EngineFn:
         ENGINES[properties["name"]] = Engine(compute=fn, **properties)

@@ -14,7 +14,7 @@ import tensorflow as tf
 from per_example_grads.engines.base import dense_or_zeros, register_engine, watch_variables
 
 
-@register_engine(name="jacobian", uses_vectorized_map=False, isolates_examples=False)
+@register_engine(name="jacobian", isolates_examples=False)
 def jacobian(problem, batch) -> list:
     """``d losses[i] / d var`` for every i -> list of ``[B, *var.shape]``."""
     with tf.GradientTape() as tape:

@@ -13,7 +13,7 @@ import tensorflow as tf
 from per_example_grads.engines.base import example_gradient, register_engine
 
 
-@register_engine(name="loop", uses_vectorized_map=False, isolates_examples=True)
+@register_engine(name="loop", isolates_examples=True)
 def loop(problem, batch) -> list:
     """``[grad of loss_i for i in range(B)]``, stacked -> list of ``[B, *var.shape]``."""
     return tf.map_fn(

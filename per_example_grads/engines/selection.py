@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import warnings
 
-from per_example_grads import model_inspection
 from per_example_grads.batch import Batch
-from per_example_grads.engines.base import ENGINES, Engine
-from per_example_grads.engines.weight_copies import check_supported as _weight_copies_check
+from per_example_grads.engines.base import ENGINES
 from per_example_grads.errors import EngineError, EngineFallbackWarning, InvalidLossError
 from per_example_grads.problem import Problem
 
-AUTO_ORDER = ("vectorized", "weight_copies", "loop")
+AUTO_ORDER = ("layerwise", "vectorized", "weight_copies", "loop")
 METHODS = ("auto",) + tuple(ENGINES)
 
 _warned: set = set()
@@ -40,28 +38,11 @@ def check_method(method: str) -> None:
         raise ValueError(f"method must be one of {list(METHODS)}; got {method!r}.")
 
 
-def why_not(engine: Engine, problem: Problem, training: bool) -> str | None:
-    """Why ``engine`` must not run on ``problem``, or None if it may."""
-    if engine.uses_vectorized_map:
-        crashers = model_inspection.vectorization_crashers(problem.model)
-        if crashers:
-            return (
-                f"the model has {model_inspection.describe(crashers)}, which can "
-                "crash tf.vectorized_map with a segmentation fault"
-            )
-    if engine.substitutes_weights:
-        try:
-            _weight_copies_check(problem, training)
-        except ValueError as err:
-            return str(err)
-    return None
-
-
 def compute(method: str, problem: Problem, batch: Batch, training: bool) -> list:
     """Per-example gradients from ``method``: list of ``[B, *var.shape]``."""
     if method != "auto":
         engine = ENGINES[method]
-        reason = why_not(engine, problem, training)
+        reason = engine.why_not(problem, training)
         if reason:
             raise ValueError(f"method={method!r} cannot run on this model: {reason}.")
         try:
@@ -79,7 +60,7 @@ def compute(method: str, problem: Problem, batch: Batch, training: bool) -> list
     skipped = []
     for name in AUTO_ORDER:
         engine = ENGINES[name]
-        reason = why_not(engine, problem, training)
+        reason = engine.why_not(problem, training)
         if reason is None:
             try:
                 grads = engine.compute(problem, batch)

@@ -12,10 +12,23 @@ import functools
 
 import tensorflow as tf
 
+from per_example_grads import model_inspection
 from per_example_grads.engines.base import example_gradient, register_engine
 
 
-@register_engine(name="vectorized", uses_vectorized_map=True, isolates_examples=True)
+def why_not(problem, training) -> str | None:
+    """Refuses models with a layer known to crash ``tf.vectorized_map``."""
+    del training
+    crashers = model_inspection.vectorization_crashers(problem.model)
+    if crashers:
+        return (
+            f"the model has {model_inspection.describe(crashers)}, which can "
+            "crash tf.vectorized_map with a segmentation fault"
+        )
+    return None
+
+
+@register_engine(name="vectorized", isolates_examples=True, why_not=why_not)
 def vectorized(problem, batch) -> list:
     """``tf.vectorized_map(grad of loss_i)`` -> list of ``[B, *var.shape]``."""
     return tf.vectorized_map(functools.partial(example_gradient, problem), batch)

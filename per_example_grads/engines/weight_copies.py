@@ -23,12 +23,27 @@ from per_example_grads.batch import batch_size
 from per_example_grads.engines.base import dense_or_zeros, register_engine
 
 
-@register_engine(
-    name="weight_copies",
-    uses_vectorized_map=False,
-    isolates_examples=True,
-    substitutes_weights=True,
-)
+def why_not(problem, training: bool) -> str | None:
+    """Why weight copies cannot be exact for this problem, or None."""
+    not_keras = [v for v in problem.variables if not isinstance(v, keras.Variable)]
+    if not_keras:
+        return (
+            "it substitutes Keras variables, but "
+            f"{len(not_keras)} of the variables are not keras.Variable "
+            f"(first: {getattr(not_keras[0], 'name', not_keras[0])}); use "
+            "method='vectorized' or 'loop'"
+        )
+    random = model_inspection.random_layers(problem.model) if training else []
+    if random:
+        return (
+            "it cannot give examples independent random draws in training "
+            f"mode, and the model has random layers: {model_inspection.describe(random)}; "
+            "use method='vectorized' or 'loop', or training=False"
+        )
+    return None
+
+
+@register_engine(name="weight_copies", isolates_examples=True, why_not=why_not)
 def weight_copies(problem, batch) -> list:
     """Gradient of ``sum_i loss_i(W_i)`` w.r.t. copies ``W_i`` -> list of ``[B, *var.shape]``."""
     b = batch_size(batch)
@@ -55,24 +70,4 @@ def weight_copies(problem, batch) -> list:
         )
         total = tf.reduce_sum(losses)
     return dense_or_zeros(tape.gradient(total, copies), copies)
-
-
-def check_supported(problem, training: bool) -> None:
-    """Raises ``ValueError`` if weight copies cannot be exact for this problem."""
-    not_keras = [v for v in problem.variables if not isinstance(v, keras.Variable)]
-    if not_keras:
-        raise ValueError(
-            "method='weight_copies' substitutes Keras variables, but "
-            f"{len(not_keras)} of the variables are not keras.Variable "
-            f"(first: {getattr(not_keras[0], 'name', not_keras[0])}). Use "
-            "method='vectorized' or 'loop'."
-        )
-    random = model_inspection.random_layers(problem.model) if training else []
-    if random:
-        raise ValueError(
-            "method='weight_copies' cannot give examples independent random "
-            f"draws in training mode, and the model has random layers: "
-            f"{model_inspection.describe(random)}. Use method='vectorized' or "
-            "'loop', or training=False."
-        )
 

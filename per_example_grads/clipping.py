@@ -1,0 +1,156 @@
+"""``clipped_gradients``: the sum (or mean) of per-example clipped gradients.
+
+This is the core of DP-SGD. With per-example gradients ``g_i`` and clip norm
+``C``, it returns ``sum_i c_i g_i`` where ``c_i = C / max(||g_i||, C)``, so each
+example contributes a vector of norm at most ``C``.
+
+With the layer-wise engine it takes one forward and one backward pass: the
+norms come from closed forms per layer and the weighted sum from one
+contraction per layer, without building ``B x P``. Other engines materialize
+the per-example gradients, clip and sum them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import tensorflow as tf
+
+from per_example_grads import transforms
+from per_example_grads.batch import batch_size, make_batch
+from per_example_grads.engines import selection
+from per_example_grads.gradients import _make_problem
+from per_example_grads.layerwise import engine as layerwise
+
+ClipNorm = float | Mapping[str, float] | Sequence[float]
+
+
+def clipped_gradients(
+    model: Any,
+    loss_fn: Any,
+    x: Any,
+    y: Any = None,
+    *,
+    l2_norm_clip: ClipNorm,
+    sample_weight: Any = None,
+    reduction: str = "sum",
+    return_norms: bool = False,
+    method: str = "auto",
+    variables: Sequence | None = None,
+    training: bool = False,
+    allow_batch_coupling: bool = False,
+):
+    """Sum (or mean) over examples of each example's gradient, clipped.
+
+    Flat clipping (``l2_norm_clip`` a number ``C``):
+    ``result[k] = sum_i c_i grads[k][i]`` with ``c_i = C / max(n_i, C)`` and
+    ``n_i = sqrt(sum_k ||grads[k][i]||^2)``.
+
+    Per-layer clipping (``l2_norm_clip`` a dict ``{layer_name: C_l}``): each
+    layer's part of an example's gradient is clipped to its own ``C_l``, with
+    ``n_il`` the norm over that layer's variables. A variable belongs to the
+    innermost named layer on its ``path``; every variable needs a key. A list
+    gives one clip norm per variable, aligned with ``variables``.
+
+    Args:
+      model, loss_fn, x, y, sample_weight, variables, training,
+        allow_batch_coupling: as in ``per_example_gradients``.
+      l2_norm_clip: ``C > 0``, a dict of them by layer name, or a list of them
+        aligned with the variables.
+      reduction: ``"sum"`` or ``"mean"`` (the sum divided by ``B``; zeros for
+        ``B = 0``).
+      return_norms: also return the norms before clipping: ``[B]`` for flat
+        clipping, else a dict ``{group: [B]}``.
+      method: ``"auto"`` (layer-wise when it covers the model, else the
+        generic engines) or any ``per_example_gradients`` method.
+
+    Returns:
+      A list of ``[*var.shape]`` tensors aligned with the variables, or
+      ``(that list, norms)`` with ``return_norms=True``.
+
+    Example:
+      >>> import keras, numpy as np
+      >>> import per_example_grads as peg
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+      >>> loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+      >>> x, y = np.ones((8, 3), "float32"), np.arange(8) % 2
+      >>> grads = peg.clipped_gradients(model, loss, x, y, l2_norm_clip=0.1)
+      >>> [tuple(g.shape) for g in grads]
+      [(3, 2), (2,)]
+    """
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduction must be 'sum' or 'mean'; got {reduction!r}.")
+    selection.check_method(method)
+    problem = _make_problem(model, loss_fn, variables, training, allow_batch_coupling)
+    groups, clips = _clip_groups(problem.variables, l2_norm_clip)
+    batch = make_batch(model, x, y, sample_weight)
+    b = batch_size(batch)
+
+    if layerwise.use_layerwise(method, problem, training):
+        captured = layerwise.capture(problem, batch)
+        squared = layerwise.per_variable_squared_norms(problem, captured)
+        norms, factors = _factors(squared, groups, clips)
+        group_of = {id(v): g for g, idx in enumerate(groups) for v in (problem.variables[i] for i in idx)}
+        sums = layerwise.weighted_sums(problem, captured, lambda v: factors[group_of[id(v)]])
+    else:
+        grads = selection.compute(method, problem, batch, training)
+        squared = [tf.square(n) for n in transforms.per_variable_norms(grads)]
+        norms, factors = _factors(squared, groups, clips)
+        sums = [None] * len(grads)
+        for g_index, idx in enumerate(groups):
+            for i in idx:
+                w = tf.reshape(tf.cast(factors[g_index], grads[i].dtype), [-1] + [1] * (grads[i].shape.rank - 1))
+                sums[i] = tf.reduce_sum(grads[i] * w, axis=0)
+
+    if reduction == "mean":
+        sums = [tf.math.divide_no_nan(s, tf.cast(b, s.dtype)) for s in sums]
+    if not return_norms:
+        return sums
+    if isinstance(l2_norm_clip, (int, float)):
+        return sums, norms[0]
+    names = list(l2_norm_clip) if isinstance(l2_norm_clip, Mapping) else list(range(len(groups)))
+    return sums, dict(zip(names, norms))
+
+
+def _clip_groups(variables, l2_norm_clip) -> tuple[list[list[int]], list[float]]:
+    """Variable indices per clipping group, and each group's clip norm."""
+    def check(value, where):
+        if not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{where} must be a number > 0; got {value!r}.")
+        return float(value)
+
+    if isinstance(l2_norm_clip, (int, float)) or (isinstance(l2_norm_clip, tf.Tensor) and l2_norm_clip.shape.rank == 0):
+        if not isinstance(l2_norm_clip, tf.Tensor):
+            check(l2_norm_clip, "l2_norm_clip")
+        return [list(range(len(variables)))], [l2_norm_clip]
+    if isinstance(l2_norm_clip, Mapping):
+        clips = {k: check(v, f"l2_norm_clip[{k!r}]") for k, v in l2_norm_clip.items()}
+        names = list(clips)
+        groups: list[list[int]] = [[] for _ in names]
+        for i, v in enumerate(variables):
+            parts = getattr(v, "path", v.name).split("/")[:-1]
+            owners = [p for p in parts if p in clips]
+            if not owners:
+                raise ValueError(
+                    f"l2_norm_clip has no entry for variable '{getattr(v, 'path', v.name)}'; "
+                    f"give one of the layer names on its path: {parts}."
+                )
+            groups[names.index(owners[-1])].append(i)
+        return groups, [clips[n] for n in names]
+    clips = [check(c, f"l2_norm_clip[{i}]") for i, c in enumerate(l2_norm_clip)]
+    if len(clips) != len(variables):
+        raise ValueError(
+            f"l2_norm_clip as a list needs one clip norm per variable ({len(variables)}); got {len(clips)}."
+        )
+    return [[i] for i in range(len(variables))], clips
+
+
+def _factors(squared, groups, clips):
+    """Per group: norms ``[B]`` and clip factors ``C / max(n, C)``."""
+    norms, factors = [], []
+    for idx, clip in zip(groups, clips):
+        n = tf.sqrt(tf.add_n([squared[i] for i in idx]))
+        c = tf.cast(clip, n.dtype)
+        norms.append(n)
+        factors.append(c / tf.maximum(n, c))
+    return norms, factors

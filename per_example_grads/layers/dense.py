@@ -1,0 +1,58 @@
+"""Dense: closed forms from the layer input ``a`` and the pre-activation gradient ``g``.
+
+``z = a @ W + b`` with ``a`` ``[B, ..., i]``: the per-example kernel gradient
+is ``sum_t a_t^T g_t`` over the positions ``t`` of a sequence input (see
+``outer_products``) and the bias gradient is ``sum_t g_t``. Norms use
+``||a||^2 ||g||^2`` (or the Gram form for sequences), and the clipped sum is
+one contraction: nothing of size ``B x P`` is built for either.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from per_example_grads.layers import outer_products as op
+from per_example_grads.layerwise.rule import LayerRule, register_layer_rule
+
+
+class DenseRule(LayerRule):
+    def unsupported(self, layer):
+        if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+            return "LoRA or quantized Dense layers are handled by the layer-local fallback"
+        return None
+
+    def variables(self, layer):
+        return [layer.kernel] + ([layer.bias] if layer.bias is not None else [])
+
+    def forward(self, layer, call, args, kwargs):
+        a = args[0]
+        z = keras.ops.matmul(a, layer.kernel)
+        if layer.bias is not None:
+            z = keras.ops.add(z, layer.bias)
+        out = layer.activation(z) if layer.activation is not None else z
+        return out, a, [z]
+
+    def per_example(self, layer, saved, grads):
+        a, g = op.as_btf(saved), op.as_btf(grads[0])
+        out = [op.per_example_kernel(a, g)]
+        if layer.bias is not None:
+            out.append(tf.reduce_sum(g, axis=1))
+        return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
+
+    def squared_norms(self, layer, saved, grads):
+        a, g = op.as_btf(saved), op.as_btf(grads[0])
+        out = [op.kernel_squared_norms(a, g)]
+        if layer.bias is not None:
+            out.append(tf.reduce_sum(tf.square(tf.reduce_sum(g, axis=1)), axis=1))
+        return out
+
+    def weighted_sum(self, layer, saved, grads, weights):
+        a, g = op.as_btf(saved), op.as_btf(grads[0])
+        out = [op.weighted_kernel_sum(a, g, weights)]
+        if layer.bias is not None:
+            out.append(tf.einsum("btj,b->j", g, tf.cast(weights, g.dtype)))
+        return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
+
+
+register_layer_rule(keras.layers.Dense, DenseRule())

@@ -1,0 +1,110 @@
+"""EinsumDense (and through it MultiHeadAttention's projections).
+
+For ``z = einsum("<in>,<kernel>-><out>", a, W)`` with batch letter ``b``
+leading ``<in>`` and ``<out>``, example n's kernel gradient is
+``einsum("<in>,<out>->b<kernel>", a, g)`` and the clipped sum is
+``einsum("<in>,<out>-><kernel>", a, c * g)``. When the equation is a Dense
+layer in disguise (input = batch + positions M + contracted C, kernel = C +
+outputs K, output = batch + M + K, as in every MultiHeadAttention projection),
+the norms use Dense's ``||a||^2 ||g||^2`` / Gram forms on ``a`` reshaped to
+``[B, |M|, |C|]`` and ``g`` to ``[B, |M|, |K|]``.
+"""
+
+from __future__ import annotations
+
+import math
+import string
+
+import keras
+import tensorflow as tf
+
+from per_example_grads.layers import outer_products as op
+from per_example_grads.layerwise.rule import LayerRule, register_layer_rule, sum_to_shape
+
+
+def _split(equation: str) -> tuple[str, str, str]:
+    lhs, out = equation.replace(" ", "").split("->")
+    inp, kern = lhs.split(",")
+    return inp, kern, out
+
+
+def _expand(equation: str, a_rank: int) -> tuple[str, str, str]:
+    """Replaces ``...`` with explicit letters for an input of rank ``a_rank``."""
+    inp, kern, out = _split(equation)
+    if "..." in inp:
+        free = [c for c in string.ascii_uppercase if c not in equation]
+        ell = "".join(free[: a_rank - (len(inp) - 3)])
+        inp, out = inp.replace("...", ell), out.replace("...", ell)
+    return inp, kern, out
+
+
+class EinsumDenseRule(LayerRule):
+    def unsupported(self, layer):
+        if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+            return "LoRA or quantized layers are handled by the layer-local fallback"
+        inp, kern, out = _split(layer.equation)
+        if "..." in kern or inp.startswith("...") != out.startswith("..."):
+            return f"equation {layer.equation!r} has no leading batch axis"
+        if not inp.startswith("...") and (inp[0] != out[0] or inp[0] in kern):
+            return f"equation {layer.equation!r} has no leading batch axis"
+        if not set(kern) <= set(inp) | set(out):
+            return f"equation {layer.equation!r} has kernel-only axes"
+        return None
+
+    def variables(self, layer):
+        return [layer.kernel] + ([layer.bias] if layer.bias is not None else [])
+
+    def forward(self, layer, call, args, kwargs):
+        a = args[0]
+        z = keras.ops.einsum(layer.equation, a, layer.kernel)
+        if layer.bias is not None:
+            z = keras.ops.add(z, layer.bias)
+        out = layer.activation(z) if layer.activation is not None else z
+        return out, a, [z]
+
+    @staticmethod
+    def _cast(a, g):
+        dtype = op.compute_dtype(a)
+        return tf.cast(a, dtype), tf.cast(g, dtype)
+
+    def per_example(self, layer, saved, grads):
+        a, g = self._cast(saved, grads[0])
+        inp, kern, out = _expand(layer.equation, a.shape.rank)
+        result = [tf.einsum(f"{inp},{out}->{inp[0]}{kern}", a, g)]
+        if layer.bias is not None:
+            result.append(sum_to_shape(g, layer.bias.shape))
+        return [tf.cast(t, v.dtype) for t, v in zip(result, self.variables(layer))]
+
+    def squared_norms(self, layer, saved, grads):
+        a, g = self._cast(saved, grads[0])
+        inp, kern, out = _expand(layer.equation, a.shape.rank)
+        b = inp[0]
+        contracted = [c for c in inp if c in kern]
+        positions = [c for c in inp[1:] if c not in kern]
+        outputs = [c for c in kern if c not in inp]
+        if set(out[1:]) != set(positions) | set(outputs) or len(out) != 1 + len(positions) + len(outputs):
+            return super().squared_norms(layer, saved, grads)
+        dims = dict(zip(kern, layer.kernel.shape))
+        m, c, k = "".join(positions), "".join(contracted), "".join(outputs)
+        a_btf = tf.reshape(tf.einsum(f"{inp}->{b}{m}{c}", a), [tf.shape(a)[0], -1, math.prod(dims[x] for x in c)])
+        g_btf = tf.reshape(tf.einsum(f"{out}->{b}{m}{k}", g), [tf.shape(g)[0], -1, math.prod(dims[x] for x in k)])
+        if a_btf.shape[1] is None and a.shape[1:].is_fully_defined():
+            a_btf = tf.ensure_shape(a_btf, [None, a.shape[1:].num_elements() // a_btf.shape[2], a_btf.shape[2]])
+            g_btf = tf.ensure_shape(g_btf, [None, a_btf.shape[1], g_btf.shape[2]])
+        result = [op.kernel_squared_norms(a_btf, g_btf)]
+        if layer.bias is not None:
+            bias_g = sum_to_shape(g, layer.bias.shape)
+            result.append(tf.reduce_sum(tf.square(tf.reshape(bias_g, [tf.shape(g)[0], -1])), axis=1))
+        return result
+
+    def weighted_sum(self, layer, saved, grads, weights):
+        a, g = self._cast(saved, grads[0])
+        inp, kern, out = _expand(layer.equation, a.shape.rank)
+        gw = g * tf.reshape(tf.cast(weights, g.dtype), [-1] + [1] * (g.shape.rank - 1))
+        result = [tf.einsum(f"{inp},{out}->{kern}", a, gw)]
+        if layer.bias is not None:
+            result.append(tf.reduce_sum(sum_to_shape(gw, layer.bias.shape), axis=0))
+        return [tf.cast(t, v.dtype) for t, v in zip(result, self.variables(layer))]
+
+
+register_layer_rule(keras.layers.EinsumDense, EinsumDenseRule())

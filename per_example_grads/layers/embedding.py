@@ -1,0 +1,71 @@
+"""Embedding: per-example gradients are scatter-adds of ``g`` into the looked-up rows.
+
+For example n with token ids ``x_n`` (``[T]``) and output gradient ``g_n``
+(``[T, D]``), the gradient of the ``[V, D]`` table is
+``G_n[v] = sum_{t: x_nt = v} g_nt``. Then:
+
+- ``||G_n||^2 = sum_{t,s} [x_nt = x_ns] (g_nt . g_ns)`` (Gram form, ``T^2 D``),
+  used when ``T^2 < V``; otherwise ``G_n`` is built for this layer alone.
+- ``sum_n c_n G_n`` is one scatter-add of ``c_n g_n`` into a ``[V, D]`` table.
+
+Padding ids from ``mask_zero`` need no special case: whatever the downstream
+layers do with the mask is already in ``g``.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from per_example_grads.layerwise.rule import LayerRule, register_layer_rule
+
+
+class EmbeddingRule(LayerRule):
+    def unsupported(self, layer):
+        if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+            return "LoRA or quantized Embedding layers are handled by the layer-local fallback"
+        return None
+
+    def variables(self, layer):
+        return [layer.embeddings]
+
+    def forward(self, layer, call, args, kwargs):
+        ids = args[0]
+        if ids.dtype not in (tf.int32, tf.int64):
+            ids = tf.cast(ids, tf.int32)
+        out = keras.ops.cast(keras.ops.take(layer.embeddings, ids, axis=0), layer.compute_dtype)
+        return out, ids, [out]
+
+    @staticmethod
+    def _flat(layer, ids, g):
+        b = tf.shape(ids)[0]
+        ids = tf.reshape(tf.cast(ids, tf.int32), [b, -1])
+        g = tf.reshape(tf.cast(g, tf.float32), [b, -1, layer.output_dim])
+        return ids, g
+
+    def per_example(self, layer, saved, grads):
+        ids, g = self._flat(layer, saved, grads[0])
+        b, v = tf.shape(ids)[0], layer.input_dim
+        segments = tf.reshape(ids + tf.range(b)[:, None] * v, [-1])
+        table = tf.math.unsorted_segment_sum(tf.reshape(g, [-1, layer.output_dim]), segments, b * v)
+        var = layer.embeddings
+        return [tf.cast(tf.reshape(table, [b, v, layer.output_dim]), var.dtype)]
+
+    def squared_norms(self, layer, saved, grads):
+        ids, g = self._flat(layer, saved, grads[0])
+        t = ids.shape[1]
+        if t is not None and t * t < layer.input_dim:
+            same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), g.dtype)
+            return [tf.reduce_sum(same * tf.einsum("btd,bsd->bts", g, g), axis=[1, 2])]
+        return super().squared_norms(layer, saved, grads)
+
+    def weighted_sum(self, layer, saved, grads, weights):
+        ids, g = self._flat(layer, saved, grads[0])
+        weighted = g * tf.cast(weights, g.dtype)[:, None, None]
+        table = tf.math.unsorted_segment_sum(
+            tf.reshape(weighted, [-1, layer.output_dim]), tf.reshape(ids, [-1]), layer.input_dim
+        )
+        return [tf.cast(table, layer.embeddings.dtype)]
+
+
+register_layer_rule(keras.layers.Embedding, EmbeddingRule())

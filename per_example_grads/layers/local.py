@@ -1,0 +1,104 @@
+"""The layer-local fallback: exact per-example gradients for any layer.
+
+For a layer without a closed form (custom layers, RNNs, normalization layers),
+the engine keeps the layer's call arguments from the forward pass and the loss
+gradient ``g`` at its outputs. Example i's gradient with respect to the
+layer's weights is the vector-Jacobian product
+``d <layer(args_i), g_i> / d weights``, recomputed on that one example; the
+``B`` recomputations run under ``tf.vectorized_map`` (or a ``tf.map_fn`` loop
+for layers that must not be vectorized, or when vectorization fails). Only this
+layer is recomputed, never the whole model.
+
+With ``preactivation=True`` (used for convolutions) the layer's fused
+``activation`` is split off: the tap is the pre-activation output, and the
+recomputation runs without the activation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import keras
+import tensorflow as tf
+
+from per_example_grads import model_inspection
+from per_example_grads.engines.base import dense_or_zeros
+from per_example_grads.layerwise.rule import LayerRule
+
+
+class LocalRule(LayerRule):
+    """Per-example VJPs of one layer's call, vectorized over the batch."""
+
+    def __init__(self, preactivation: bool = False):
+        self.preactivation = preactivation
+
+    def forward(self, layer, call, args, kwargs):
+        with without_activation(layer, self.preactivation):
+            outputs = call(*args, **kwargs)
+        taps = [t for t in tf.nest.flatten(outputs) if _is_float_tensor(t)]
+        if self.preactivation and getattr(layer, "activation", None) is not None:
+            outputs = layer.activation(outputs)
+        return outputs, (args, kwargs), taps
+
+    def per_example(self, layer, saved, grads):
+        args, kwargs = saved
+        variables = self.variables(layer)
+        leaves = tf.nest.flatten((args, kwargs))
+        batched = [i for i, t in enumerate(leaves) if isinstance(t, tf.Tensor) and t.shape.rank]
+        # Recompute in the variables' dtype: outside Layer.__call__'s autocast
+        # scope a float16 input would meet float32 weights.
+        var_dtype = tf.as_dtype(variables[0].dtype) if variables else tf.float32
+
+        def one(elems):
+            example_leaves, example_grads = elems
+            full = list(leaves)
+            for i, t in zip(batched, example_leaves):
+                t = tf.expand_dims(t, 0)
+                full[i] = tf.cast(t, var_dtype) if t.dtype.is_floating else t
+            a, kw = tf.nest.pack_sequence_as((args, kwargs), full)
+            with tf.GradientTape() as tape:
+                with without_activation(layer, self.preactivation):
+                    out = layer(*a, **kw)
+                taps = [t for t in tf.nest.flatten(out) if _is_float_tensor(t)]
+            cotangents = [tf.cast(tf.expand_dims(g, 0), t.dtype) for g, t in zip(example_grads, taps)]
+            return dense_or_zeros(tape.gradient(taps, variables, output_gradients=cotangents), variables)
+
+        elems = ([leaves[i] for i in batched], list(grads))
+        fn = tf.autograph.experimental.do_not_convert(one)
+        specs = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
+
+        def vectorized():
+            if not model_inspection.vectorization_crashers(layer):
+                try:
+                    return tf.vectorized_map(fn, elems)
+                except Exception:  # noqa: BLE001 - fall back to the loop below
+                    pass
+            return tf.map_fn(fn, elems, fn_output_signature=specs)
+
+        # Ops that tf.vectorized_map runs as a while loop fail on an empty
+        # batch, so a batch of 0 short-cuts to empty gradients.
+        b = tf.shape(grads[0])[0]
+        empty = lambda: [tf.zeros([0, *v.shape], v.dtype) for v in variables]
+        if isinstance(grads[0].shape[0], int):
+            return vectorized() if grads[0].shape[0] > 0 else empty()
+        return tf.cond(b > 0, vectorized, empty)
+
+
+LOCAL_RULE = LocalRule()
+
+
+@contextlib.contextmanager
+def without_activation(layer, enabled: bool):
+    activation = getattr(layer, "activation", None)
+    if not enabled or activation is None:
+        yield
+        return
+    object.__setattr__(layer, "activation", None)
+    try:
+        yield
+    finally:
+        object.__setattr__(layer, "activation", activation)
+
+
+def _is_float_tensor(t) -> bool:
+    return isinstance(t, tf.Tensor) and t.dtype.is_floating

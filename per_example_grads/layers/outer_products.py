@@ -1,0 +1,53 @@
+"""Per-example maths of ``z = a @ W``, shared by Dense and EinsumDense.
+
+With ``a`` of shape ``[B, T, i]`` (T positions: 1 for a plain vector input)
+and the loss gradient ``g = dL/dz`` of shape ``[B, T, j]``, example n's kernel
+gradient is ``G_n = sum_t a_nt^T g_nt`` (``[i, j]``). Then:
+
+- ``||G_n||^2 = sum_{t,s} (a_nt . a_ns)(g_nt . g_ns)`` (the Gram form, cost
+  ``T^2 (i + j)``), which for ``T = 1`` is ``||a_n||^2 ||g_n||^2``; the
+  alternative, materializing ``G_n``, costs ``T i j``. ``kernel_squared_norms``
+  picks the cheaper.
+- ``sum_n c_n G_n = a^T (c * g)``, one contraction over ``B`` and ``T``.
+
+All of it runs in float32 (float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+def compute_dtype(t: tf.Tensor) -> tf.DType:
+    return tf.float64 if t.dtype == tf.float64 else tf.float32
+
+
+def as_btf(t: tf.Tensor) -> tf.Tensor:
+    """``[B, ..., f]`` -> ``[B, T, f]`` in the compute dtype."""
+    t = tf.cast(t, compute_dtype(t))
+    positions = t.shape[1:-1]
+    if positions.is_fully_defined():  # keep T static: it picks the norm formula
+        return tf.reshape(t, [-1, positions.num_elements(), t.shape[-1]])
+    return tf.reshape(t, [tf.shape(t)[0], -1, t.shape[-1]])
+
+
+def per_example_kernel(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
+    """``[B, i, j]``: ``sum_t a[:, t, :]^T g[:, t, :]``, from ``[B, T, i]`` and ``[B, T, j]``."""
+    return tf.einsum("bti,btj->bij", a, g)
+
+
+def kernel_squared_norms(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
+    """``[B]``: ``||per_example_kernel(a, g)[n]||^2`` without building it when cheaper."""
+    t, i, j = a.shape[1], a.shape[2], g.shape[2]
+    if t == 1:
+        return tf.reduce_sum(tf.square(a), axis=[1, 2]) * tf.reduce_sum(tf.square(g), axis=[1, 2])
+    if t is not None and t * (i + j) < i * j:
+        aa = tf.einsum("bti,bsi->bts", a, a)
+        gg = tf.einsum("btj,bsj->bts", g, g)
+        return tf.reduce_sum(aa * gg, axis=[1, 2])
+    return tf.reduce_sum(tf.square(per_example_kernel(a, g)), axis=[1, 2])
+
+
+def weighted_kernel_sum(a: tf.Tensor, g: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
+    """``[i, j]``: ``sum_n weights[n] * per_example_kernel(a, g)[n]``."""
+    return tf.einsum("bti,btj->ij", a, g * tf.cast(weights, g.dtype)[:, None, None])

@@ -1,0 +1,159 @@
+"""The layer-wise engine: one forward pass, one backward pass, rules per layer.
+
+``capture`` runs the model once with every unit's ``call`` watched, then takes
+one gradient of the summed (weighted) loss with respect to all taps. The rest
+of this module turns the captured ``(saved, g)`` pairs into per-example
+gradients, per-example squared norms, or weighted sums over examples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+
+from per_example_grads import layers as _builtin_rules  # noqa: F401  (registers the rules)
+from per_example_grads.batch import Batch, batch_size
+from per_example_grads.engines.base import register_engine
+from per_example_grads.layerwise.capture import NotCoverable, Record, Unit, capturing, check_batch_axis, plan_units
+from per_example_grads.problem import Problem
+
+
+@dataclasses.dataclass
+class Captured:
+    """What one forward+backward pass left: records and the gradient at each tap."""
+
+    units: list[Unit]
+    records: list[Record]
+    grads: list[list[tf.Tensor]]  # grads[r][j]: loss gradient at records[r].taps[j]
+    batch_size: tf.Tensor | int
+
+    def by_unit(self) -> dict[Unit, list[tuple[Record, list]]]:
+        out: dict[Unit, list] = {u: [] for u in self.units}
+        for r, g in zip(self.records, self.grads):
+            out[r.unit].append((r, g))
+        return out
+
+
+def why_not(problem: Problem, training: bool) -> str | None:
+    """Why the layer-wise engine cannot cover ``problem``, or None."""
+    del training
+    try:
+        plan_units(problem.model, problem.variables)
+    except NotCoverable as err:
+        return str(err)
+    return None
+
+
+def use_layerwise(method: str, problem: Problem, training: bool) -> bool:
+    """Whether ``method`` means the layer-wise engine for this problem.
+
+    True for ``"layerwise"`` (raising ``ValueError`` with the reason if it
+    cannot cover the model) and for ``"auto"`` when it can.
+    """
+    if method not in ("auto", "layerwise"):
+        return False
+    reason = why_not(problem, training)
+    if reason and method == "layerwise":
+        raise ValueError(f"method='layerwise' cannot run on this model: {reason}.")
+    return reason is None
+
+
+def capture(problem: Problem, batch: Batch) -> Captured:
+    """One forward and one backward pass with every unit watched."""
+    units = plan_units(problem.model, problem.variables)
+    with tf.GradientTape(persistent=False) as tape:
+        with capturing(units) as records:
+            losses = problem.losses(batch)
+        total = tf.reduce_sum(tf.cast(losses, tf.float32))
+        for r in records:  # watched so gradients reach them through frozen layers too
+            tape.watch(r.taps)
+    flat_taps = [t for r in records for t in r.taps]
+    flat_grads = tape.gradient(total, flat_taps) if flat_taps else []
+    grads, i = [], 0
+    for r in records:
+        n = len(r.taps)
+        grads.append([tf.zeros_like(t) if g is None else g for g, t in zip(flat_grads[i : i + n], r.taps)])
+        i += n
+    b = batch_size(batch)
+    check_batch_axis(records, b)
+    return Captured(units, records, grads, b)
+
+
+def unit_per_example(unit: Unit, calls: list) -> list[tf.Tensor]:
+    """``[B, *var.shape]`` per variable of ``unit``, summed over its calls."""
+    total = None
+    for record, g in calls:
+        pe = unit.rule.per_example(unit.layer, record.saved, g)
+        total = pe if total is None else [a + b for a, b in zip(total, pe)]
+    return total
+
+
+def unit_squared_norms(unit: Unit, calls: list) -> list[tf.Tensor]:
+    """``[B]`` squared norms per variable of ``unit`` (exact for shared layers too)."""
+    if len(calls) == 1:
+        record, g = calls[0]
+        return unit.rule.squared_norms(unit.layer, record.saved, g)
+    # A shared layer's norm has cross terms between its calls: build its
+    # per-example gradient (this layer only) and take the norm of the sum.
+    return [
+        tf.reduce_sum(tf.square(tf.reshape(tf.cast(t, tf.float32), [tf.shape(t)[0], -1])), axis=1)
+        for t in unit_per_example(unit, calls)
+    ]
+
+
+def per_variable_squared_norms(problem: Problem, captured: Captured) -> list[tf.Tensor]:
+    """``[B]`` squared norms aligned with ``problem.variables`` (zeros if unreached).
+
+    Units are processed one after another (control dependencies), so at most
+    one layer's per-example tensor exists at a time.
+    """
+    found: dict[int, tf.Tensor] = {}
+    previous: list = []
+    for unit, calls in captured.by_unit().items():
+        if not calls:
+            continue
+        with tf.control_dependencies(previous):
+            norms = unit_squared_norms(unit, calls)
+        previous = norms
+        for v, n in zip(unit.variables, norms):
+            found[id(v)] = n
+    zeros = tf.zeros([captured.batch_size], tf.float32)
+    return [found.get(id(v), zeros) for v in problem.variables]
+
+
+def weighted_sums(problem: Problem, captured: Captured, weights_for) -> list[tf.Tensor]:
+    """``sum_i w_i grad_i`` per variable, ``[*var.shape]``, aligned with ``problem.variables``.
+
+    Args:
+      weights_for: ``variable -> [B]`` weights (the same tensor object for
+        variables clipped together; each distinct one costs one rule call).
+    """
+    requested = {id(v) for v in problem.variables}
+    sums: dict[int, tf.Tensor] = {}
+    for unit, calls in captured.by_unit().items():
+        wanted = [v for v in unit.variables if id(v) in requested]
+        distinct = {id(weights_for(v)): weights_for(v) for v in wanted}
+        for w in distinct.values():
+            for record, g in calls:
+                outputs = unit.rule.weighted_sum(unit.layer, record.saved, g, w)
+                for v, s in zip(unit.variables, outputs):
+                    if id(v) in requested and weights_for(v) is w:
+                        sums[id(v)] = s if id(v) not in sums else sums[id(v)] + s
+    return [sums.get(id(v), tf.zeros(v.shape, v.dtype)) for v in problem.variables]
+
+
+@register_engine(name="layerwise", isolates_examples=True, why_not=why_not)
+def layerwise(problem: Problem, batch: Batch) -> list:
+    """Per-example gradients from closed forms per layer: list of ``[B, *var.shape]``."""
+    captured = capture(problem, batch)
+    found: dict[int, tf.Tensor] = {}
+    for unit, calls in captured.by_unit().items():
+        if calls:
+            for v, t in zip(unit.variables, unit_per_example(unit, calls)):
+                found[id(v)] = t
+    b = captured.batch_size
+    return [
+        found[id(v)] if id(v) in found else tf.zeros(tf.concat([[b], tf.constant(v.shape, tf.int32)], 0), v.dtype)
+        for v in problem.variables
+    ]

@@ -1,0 +1,135 @@
+"""The interface a per-layer rule implements, and the registry of rules.
+
+A rule teaches the layer-wise engine one layer family. During the single
+forward pass the engine calls ``rule.forward`` in place of the layer's own
+``call``; the rule returns the layer's outputs, whatever it needs to keep
+(``saved``: typically the layer's input ``a``), and the ``taps``: the tensors
+at which it wants the loss gradient ``g`` (for a Dense layer, the
+pre-activation ``z = a @ W + b``). After the one backward pass, the rule turns
+``(saved, g)`` into per-example quantities:
+
+- ``per_example``: per-example gradients, ``[B, *var.shape]`` per variable;
+- ``squared_norms``: ``||grad_i||^2`` per variable, ``[B]`` each, ideally
+  without building per-example gradients ("ghost norms");
+- ``weighted_sum``: ``sum_i c_i grad_i`` per variable, ``[*var.shape]``,
+  ideally as one contraction (the clipped sum of DP-SGD).
+
+The defaults of the last two materialize ``per_example`` for this one layer,
+which is exact but costs ``B x (layer's parameters)`` memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import keras
+import tensorflow as tf
+
+
+class LayerRule:
+    """Base class of layer rules; see the module docstring.
+
+    Example (a layer computing ``x * w`` elementwise, with ``w`` of shape [d]):
+
+        class ScaleRule(peg.LayerRule):
+            def variables(self, layer):
+                return [layer.w]
+
+            def forward(self, layer, call, args, kwargs):
+                a = args[0]
+                out = a * layer.w
+                return out, a, [out]
+
+            def per_example(self, layer, saved, grads):
+                a, (g,) = saved, grads
+                return [peg.layerwise.sum_to_shape(a * g, layer.w.shape)]
+
+        peg.register_layer_rule(Scale, ScaleRule())
+    """
+
+    def unsupported(self, layer: keras.layers.Layer) -> str | None:
+        """Why this rule cannot handle ``layer`` (e.g. LoRA enabled), or None."""
+        return None
+
+    def variables(self, layer: keras.layers.Layer) -> list:
+        """The variables the rule returns gradients for, in its output order."""
+        return list(layer.trainable_variables)
+
+    def forward(self, layer, call, args: tuple, kwargs: dict) -> tuple[Any, Any, list]:
+        """Runs the layer; returns ``(outputs, saved, taps)``.
+
+        ``call`` is the layer's original ``call``; ``args``/``kwargs`` are what
+        Keras passed to it (inputs already autocast).
+        """
+        raise NotImplementedError
+
+    def per_example(self, layer, saved, grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """Per-example gradients, list of ``[B, *var.shape]`` aligned with ``variables``.
+
+        ``grads[j]`` is the loss gradient at ``taps[j]``, same shape.
+        """
+        raise NotImplementedError
+
+    def squared_norms(self, layer, saved, grads) -> list[tf.Tensor]:
+        """``||grad_i||^2`` per variable: list of ``[B]`` float32."""
+        return [_squared_norm(g) for g in self.per_example(layer, saved, grads)]
+
+    def weighted_sum(self, layer, saved, grads, weights: tf.Tensor) -> list[tf.Tensor]:
+        """``sum_i weights[i] * grad_i`` per variable: list of ``[*var.shape]``.
+
+        Args:
+          weights: ``[B]`` float32.
+        """
+        out = []
+        for g in self.per_example(layer, saved, grads):
+            w = tf.reshape(tf.cast(weights, g.dtype), [-1] + [1] * (g.shape.rank - 1))
+            out.append(tf.reduce_sum(g * w, axis=0))
+        return out
+
+
+RULES: dict[type, LayerRule] = {}
+
+
+def register_layer_rule(layer_class: type, rule: LayerRule) -> None:
+    """Teaches the layer-wise engine ``layer_class`` (and its subclasses).
+
+    Args:
+      layer_class: a ``keras.layers.Layer`` subclass.
+      rule: a ``LayerRule`` instance. A rule registered for a more specific
+        class wins over one for a base class.
+    """
+    if not (isinstance(layer_class, type) and issubclass(layer_class, keras.layers.Layer)):
+        raise TypeError(f"layer_class must be a keras.layers.Layer subclass; got {layer_class!r}.")
+    if not isinstance(rule, LayerRule):
+        raise TypeError(f"rule must be a per_example_grads.LayerRule instance; got {type(rule).__name__}.")
+    RULES[layer_class] = rule
+
+
+def rule_for(layer: keras.layers.Layer) -> LayerRule | None:
+    """The rule registered for the most specific class in ``type(layer)``'s MRO."""
+    for cls in type(layer).__mro__:
+        if cls in RULES:
+            return RULES[cls]
+    return None
+
+
+def sum_to_shape(g: tf.Tensor, shape) -> tf.Tensor:
+    """Sums per-example ``g`` ``[B, ...]`` down to ``[B, *shape]``.
+
+    The gradient of a broadcast: ``shape`` (a variable's shape, e.g. a bias) is
+    aligned with the trailing axes of ``g``; extra leading axes are summed, and
+    so are axes where ``shape`` has 1 and ``g`` does not.
+    """
+    shape = list(shape)
+    extra = g.shape.rank - 1 - len(shape)
+    if extra > 0:
+        g = tf.reduce_sum(g, axis=list(range(1, 1 + extra)))
+    keep = [i + 1 for i, d in enumerate(shape) if d == 1 and g.shape[i + 1] != 1]
+    if keep:
+        g = tf.reduce_sum(g, axis=keep, keepdims=True)
+    return g
+
+
+def _squared_norm(g: tf.Tensor) -> tf.Tensor:
+    g = tf.cast(g, tf.float32) if g.dtype != tf.float64 else g
+    return tf.reduce_sum(tf.square(tf.reshape(g, [tf.shape(g)[0], -1])), axis=1)

@@ -1,0 +1,270 @@
+"""The layer-wise engine: every rule, the fallback, ghost norms and clipped sums
+against the one-example-at-a-time loop."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import per_example_grads as peg
+from conftest import assert_grads_close, reference_gradients, sparse_ce
+
+B = 4
+rng = np.random.default_rng(7)
+
+
+def _seq(model_layers, x_shape, dtype="float32", n_classes=3):
+    model = keras.Sequential([keras.Input(x_shape[1:], dtype=dtype)] + model_layers + [keras.layers.Flatten(), keras.layers.Dense(n_classes)])
+    if dtype == "int32":
+        x = rng.integers(0, 12, x_shape).astype("int32")
+    else:
+        x = rng.normal(size=x_shape).astype("float32")
+    return model, x, rng.integers(0, n_classes, x_shape[0]).astype("int32")
+
+
+def _custom_with_inner_dense():
+    class Block(keras.layers.Layer):
+        def __init__(self):
+            super().__init__()
+            self.inner = keras.layers.Dense(4, activation="relu")
+
+        def call(self, x):
+            return self.inner(x) * 2.0 + 1.0
+
+    return _seq([Block()], (B, 5))
+
+
+class Scale(keras.layers.Layer):
+    """A custom layer with its own weight: no rule, so the layer-local fallback."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1],), initializer="random_normal", name="w")
+
+    def call(self, x):
+        return x * self.w + tf.sin(x * self.w)
+
+
+def _mha():
+    inp = keras.Input((5, 8))
+    h = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)(inp, inp)
+    out = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h))
+    return keras.Model(inp, out), rng.normal(size=(B, 5, 8)).astype("float32"), rng.integers(0, 3, B).astype("int32")
+
+
+CASES = {
+    "dense_rank2": lambda: _seq([keras.layers.Dense(5, activation="tanh")], (B, 6)),
+    "dense_sequence_gram": lambda: _seq([keras.layers.Dense(16, activation="relu")], (B, 3, 16)),
+    "dense_sequence_materialized": lambda: _seq([keras.layers.Dense(2)], (B, 9, 2)),
+    "dense_rank4_no_bias": lambda: _seq([keras.layers.Dense(3, use_bias=False)], (B, 2, 3, 4)),
+    "einsum_dense_bias_axes": lambda: _seq([keras.layers.EinsumDense("abc,cde->abde", (3, 2, 4), bias_axes="de", activation="relu")], (B, 3, 5)),
+    "einsum_dense_ellipsis": lambda: _seq([keras.layers.EinsumDense("...b,bc->...c", 4, bias_axes="c")], (B, 2, 5)),
+    "einsum_dense_not_dense_like": lambda: _seq([keras.layers.EinsumDense("abc,bd->adc", (4, 3))], (B, 3, 3)),
+    "conv1d_causal_dilated": lambda: _seq([keras.layers.Conv1D(4, 3, padding="causal", dilation_rate=2, activation="relu")], (B, 10, 3)),
+    "conv1d_strided_groups": lambda: _seq([keras.layers.Conv1D(4, 3, strides=2, groups=2, padding="same")], (B, 10, 4)),
+    "conv2d_strided_valid": lambda: _seq([keras.layers.Conv2D(3, 3, strides=2, activation="tanh")], (B, 9, 9, 2)),
+    "conv2d_dilated_same": lambda: _seq([keras.layers.Conv2D(3, 2, dilation_rate=2, padding="same")], (B, 7, 7, 2)),
+    "conv3d": lambda: _seq([keras.layers.Conv3D(2, 2, strides=(1, 2, 1))], (B, 4, 5, 4, 2)),
+    "depthwise_conv2d": lambda: _seq([keras.layers.DepthwiseConv2D(3, depth_multiplier=2, padding="same")], (B, 6, 6, 2)),
+    "separable_conv2d": lambda: _seq([keras.layers.SeparableConv2D(3, 3, activation="relu")], (B, 6, 6, 2)),
+    "embedding_mask_zero_pooled": lambda: _seq([keras.layers.Embedding(12, 4, mask_zero=True), keras.layers.GlobalAveragePooling1D()], (B, 6), dtype="int32"),
+    "embedding_long_sequence": lambda: _seq([keras.layers.Embedding(12, 3)], (B, 8), dtype="int32"),
+    "layer_norm": lambda: _seq([keras.layers.Dense(6), keras.layers.LayerNormalization()], (B, 5)),
+    "group_norm": lambda: _seq([keras.layers.Conv1D(4, 2), keras.layers.GroupNormalization(groups=2)], (B, 6, 3)),
+    "batch_norm_inference": lambda: _seq([keras.layers.Dense(6), keras.layers.BatchNormalization()], (B, 5)),
+    "prelu": lambda: _seq([keras.layers.Dense(6), keras.layers.PReLU()], (B, 5)),
+    "lstm_fallback": lambda: _seq([keras.layers.LSTM(4, return_sequences=True)], (B, 5, 3)),
+    "custom_layer_fallback": lambda: _seq([Scale()], (B, 5)),
+    "dense_inside_custom_call": _custom_with_inner_dense,
+    "multi_head_attention": _mha,
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_rule_matches_loop(name):
+    model, x, y = CASES[name]()
+    expected = reference_gradients(model, sparse_ce, x, y)
+    assert_grads_close(peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise"), expected)
+    norms = peg.per_example_norms(model, sparse_ce, x, y, method="layerwise", by_variable=True)
+    for n, e in zip(norms, expected):
+        np.testing.assert_allclose(n, np.linalg.norm(e.reshape(len(e), -1), axis=1), rtol=1e-5, atol=1e-7)
+
+
+def _shared_model():
+    inp = keras.Input((6,))
+    shared = keras.layers.Dense(6, activation="tanh")
+    emb_in = keras.Input((5,), dtype="int32")
+    emb = keras.layers.Embedding(10, 6)
+    h = shared(shared(inp)) + keras.layers.GlobalAveragePooling1D()(emb(emb_in) + emb(emb_in[:, ::-1]))
+    model = keras.Model([inp, emb_in], keras.layers.Dense(3)(h))
+    x = [rng.normal(size=(B, 6)).astype("float32"), rng.integers(0, 10, (B, 5)).astype("int32")]
+    return model, x, rng.integers(0, 3, B).astype("int32")
+
+
+def test_shared_layers_sum_contributions_and_norms_have_cross_terms():
+    model, x, y = _shared_model()
+    expected = reference_gradients(model, sparse_ce, x, y)
+    assert_grads_close(peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise"), expected)
+    flat = np.concatenate([e.reshape(B, -1) for e in expected], axis=1)
+    np.testing.assert_allclose(peg.per_example_norms(model, sparse_ce, x, y, method="layerwise"), np.linalg.norm(flat, axis=1), rtol=1e-5)
+
+
+@pytest.mark.parametrize("clip", [1e-3, 0.3, 1e3])
+@pytest.mark.parametrize("name", ["dense_sequence_gram", "conv2d_strided_valid", "embedding_mask_zero_pooled", "multi_head_attention", "lstm_fallback"])
+def test_clipped_gradients_match_clipping_materialized(name, clip):
+    model, x, y = CASES[name]()
+    expected = reference_gradients(model, sparse_ce, x, y)
+    norms = np.sqrt(sum(np.sum(e.reshape(B, -1) ** 2, axis=1) for e in expected))
+    factors = clip / np.maximum(norms, clip)
+    want = [np.tensordot(factors, e, axes=1) for e in expected]
+    for method in ["layerwise", "vectorized" if name != "multi_head_attention" else "loop"]:
+        got, got_norms = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=clip, return_norms=True, method=method)
+        np.testing.assert_allclose(got_norms, norms, rtol=1e-5)
+        scale = max(np.abs(w).max() for w in want)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * scale)
+    # Every clipped example's norm is at most C (1 + 1e-6).
+    assert np.all(norms * factors <= clip * (1 + 1e-6))
+
+
+def test_clipped_mean_and_sample_weights():
+    model, x, y = CASES["dense_rank2"]()
+    sw = np.array([1.0, 0.0, 2.0, 0.5], "float32")
+    expected = reference_gradients(model, sparse_ce, x, y, sample_weight=sw)
+    norms = np.sqrt(sum(np.sum(e.reshape(B, -1) ** 2, axis=1) for e in expected))
+    factors = 0.1 / np.maximum(norms, 0.1)
+    got = peg.clipped_gradients(model, sparse_ce, x, y, sample_weight=sw, l2_norm_clip=0.1, reduction="mean")
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, np.tensordot(factors, e, axes=1) / B, rtol=1e-5, atol=1e-6 * np.abs(e).max())
+
+
+def test_per_layer_clipping():
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, name="hidden"), keras.layers.Dense(3, name="head")])
+    x, y = rng.normal(size=(B, 5)).astype("float32"), rng.integers(0, 3, B)
+    expected = reference_gradients(model, sparse_ce, x, y)
+    clips = {"hidden": 0.05, "head": 0.2}
+    got, norms = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=clips, return_norms=True)
+    for name, idx in [("hidden", [0, 1]), ("head", [2, 3])]:
+        n = np.sqrt(sum(np.sum(expected[i].reshape(B, -1) ** 2, axis=1) for i in idx))
+        np.testing.assert_allclose(norms[name], n, rtol=1e-5)
+        f = clips[name] / np.maximum(n, clips[name])
+        for i in idx:
+            np.testing.assert_allclose(got[i], np.tensordot(f, expected[i], axes=1), rtol=1e-5, atol=1e-6 * np.abs(expected[i]).max())
+    # One clip norm per variable, the generic path, agrees with per-variable maths.
+    per_var = [0.1, 0.01, 0.1, 0.01]
+    got = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=per_var, method="vectorized")
+    for g, e, c in zip(got, expected, per_var):
+        n = np.linalg.norm(e.reshape(B, -1), axis=1)
+        np.testing.assert_allclose(g, np.tensordot(c / np.maximum(n, c), e, axes=1), rtol=1e-5, atol=1e-6 * np.abs(e).max())
+    with pytest.raises(ValueError, match="no entry for variable"):
+        peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip={"hidden": 1.0})
+    with pytest.raises(ValueError, match=r"l2_norm_clip\['head'\] must be a number > 0"):
+        peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip={"hidden": 1.0, "head": -1})
+
+
+def test_register_layer_rule_extension_point():
+    class Shift(keras.layers.Layer):
+        def build(self, shape):
+            self.b = self.add_weight(shape=(shape[-1],), initializer="random_normal", name="b")
+
+        def call(self, x):
+            return x + self.b
+
+    class ShiftRule(peg.LayerRule):
+        def variables(self, layer):
+            return [layer.b]
+
+        def forward(self, layer, call, args, kwargs):
+            out = args[0] + layer.b
+            return out, None, [out]
+
+        def per_example(self, layer, saved, grads):
+            return [peg.layerwise.sum_to_shape(grads[0], layer.b.shape)]
+
+    peg.register_layer_rule(Shift, ShiftRule())
+    model, x, y = _seq([Shift(), keras.layers.Dense(4, activation="tanh")], (B, 2, 5))
+    from per_example_grads.layerwise.capture import plan_units
+
+    assert any(isinstance(u.rule, ShiftRule) for u in plan_units(model, model.trainable_variables))
+    assert_grads_close(peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise"), reference_gradients(model, sparse_ce, x, y))
+    with pytest.raises(TypeError, match="LayerRule"):
+        peg.register_layer_rule(Shift, object())
+
+
+def test_layerwise_in_tf_function_unknown_batch_and_empty_batch():
+    model, x, y = CASES["conv1d_causal_dilated"]()
+    f = tf.function(
+        lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.5, return_norms=True),
+        input_signature=[tf.TensorSpec([None, 10, 3]), tf.TensorSpec([None], tf.int32)],
+    )
+    for n in (4, 1, 0):
+        sums, norms = f(x[:n], y[:n])
+        assert norms.shape == (n,)
+        if n == 0:
+            assert all(np.all(np.asarray(s) == 0) for s in sums)
+    expected = reference_gradients(model, sparse_ce, x, y)
+    grads = tf.function(lambda x, y: peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise"))(x, y)
+    assert_grads_close(grads, expected)
+
+
+def test_auto_prefers_layerwise_and_no_batch_sized_tensors_for_norms():
+    model, x, y = CASES["dense_rank2"]()
+    from per_example_grads.engines import selection
+
+    assert selection.AUTO_ORDER[0] == "layerwise"
+    graph = tf.function(lambda x, y: peg.per_example_norms(model, sparse_ce, x, y)).get_concrete_function(
+        tf.TensorSpec([None, 6]), tf.TensorSpec([None], tf.int32)
+    ).graph
+    # Ghost norms: no op output has the shape of per-example kernels [B, 6, 5].
+    shapes = [tuple(o.shape.as_list()) for op in graph.get_operations() for o in op.outputs if o.shape.rank == 3]
+    assert (None, 6, 5) not in shapes
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_matches_float32(policy):
+    def build():
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3, dtype="float32")])
+
+    model32 = build()
+    x, y = rng.normal(size=(B, 6)).astype("float32"), rng.integers(0, 3, B)
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        mixed = build()
+        mixed.set_weights(model32.get_weights())
+        grads = peg.per_example_gradients(mixed, sparse_ce, x, y, method="layerwise")
+        norms = peg.per_example_norms(mixed, sparse_ce, x, y)
+        clipped = peg.clipped_gradients(mixed, sparse_ce, x, y, l2_norm_clip=0.1)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert norms.dtype == tf.float32 and all(g.dtype == tf.float32 for g in grads)
+    expected = reference_gradients(model32, sparse_ce, x, y)
+    tol = 2e-2 if policy == "mixed_float16" else 1e-1  # bfloat16 keeps 8 bits of mantissa
+    scale = max(np.abs(e).max() for e in expected)
+    for g, e in zip(grads, expected):
+        np.testing.assert_allclose(g, e, rtol=tol, atol=tol * scale)
+    np.testing.assert_allclose(norms, np.sqrt(sum(np.sum(e.reshape(B, -1) ** 2, axis=1) for e in expected)), rtol=tol)
+    ref_clipped = peg.clipped_gradients(model32, sparse_ce, x, y, l2_norm_clip=0.1)
+    for c, r in zip(clipped, ref_clipped):
+        np.testing.assert_allclose(c, r, rtol=tol, atol=tol * 0.1)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.integers(1, 3), st.integers(1, 2), st.sampled_from([1, 2]), st.sampled_from(["valid", "same"]),
+    st.sampled_from([1, 2]), st.integers(1, 4), st.integers(0, 2**16),
+)
+def test_random_conv_and_sequence_dense(kernel, strides, dilation, padding, t, width, seed):
+    dilation = 1 if strides > 1 else dilation
+    r = np.random.default_rng(seed)
+    model = keras.Sequential([
+        keras.Input((8, 2)),
+        keras.layers.Conv1D(width, kernel, strides=strides, dilation_rate=dilation, padding=padding),
+        keras.layers.Dense(width + 1, activation="tanh"),
+        keras.layers.Flatten(), keras.layers.Dense(3),
+    ])
+    x, y = r.normal(size=(3, 8, 2)).astype("float32"), r.integers(0, 3, 3)
+    expected = reference_gradients(model, sparse_ce, x, y)
+    assert_grads_close(peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise"), expected)
+    flat = np.concatenate([e.reshape(3, -1) for e in expected], axis=1)
+    np.testing.assert_allclose(peg.per_example_norms(model, sparse_ce, x, y, method="layerwise"), np.linalg.norm(flat, axis=1), rtol=1e-5)
