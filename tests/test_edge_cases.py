@@ -117,16 +117,36 @@ def test_dropout_in_training_mode_runs_and_weight_copies_refuses():
         peg.per_example_gradients(model, sparse_ce, x, y, training=True, method="weight_copies")
 
 
-def test_auto_warns_once_with_engine_and_reason():
-    case = ZOO["embedding_mask_zero_lstm"]()
+class _MaskedRnnWithOwnWeight(keras.Model):
+    """Layer-wise cannot cover it (own weight) and tf.vectorized_map cannot convert it."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = keras.layers.Embedding(15, 4, mask_zero=True)
+        self.rnn = keras.layers.LSTM(5)
+        self.head = keras.layers.Dense(3)
+        self.temperature = self.add_weight(shape=(), initializer="ones", name="temperature")
+
+    def call(self, x, training=False):
+        return self.head(self.rnn(self.embed(x))) * self.temperature
+
+
+def test_auto_falls_back_and_warns_once_with_engine_and_reasons():
+    model = _MaskedRnnWithOwnWeight()
+    x = np.array([[1, 2, 0, 0], [3, 4, 5, 0], [2, 0, 0, 0]], "int32")
+    y = np.array([0, 1, 2])
+    model(x)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        peg.per_example_gradients(case.model, sparse_ce, case.x, case.y)
-        peg.per_example_gradients(case.model, sparse_ce, case.x, case.y)
+        grads = peg.per_example_gradients(model, sparse_ce, x, y)
+        peg.per_example_gradients(model, sparse_ce, x, y)
     fallback = [w for w in caught if issubclass(w.category, peg.EngineFallbackWarning)]
     assert len(fallback) == 1
-    assert "used the 'weight_copies' engine" in str(fallback[0].message)
-    assert "not 'vectorized' because it raised TypeError" in str(fallback[0].message)
+    message = str(fallback[0].message)
+    assert "used the 'weight_copies' engine" in message
+    assert "not 'layerwise' because" in message and "owns variables itself" in message
+    assert "not 'vectorized' because it raised TypeError" in message
+    assert_grads_close(grads, reference_gradients(model, sparse_ce, x, y))
 
 
 def test_explicit_vectorized_is_refused_on_known_crasher():

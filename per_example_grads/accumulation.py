@@ -1,0 +1,144 @@
+"""``GradientAccumulator``: large logical batches from micro-batches, plain or private.
+
+Micro-batches of any sizes are added into non-trainable ``tf.Variable`` sums,
+so accumulation works eagerly, inside one ``tf.function`` and in a Keras
+``train_step``, and the state checkpoints with ``tf.train.Checkpoint``.
+
+- Plain mode: ``sum`` holds ``sum_i w_i grad loss_i`` and ``count`` holds
+  ``sum_i w_i`` (``w_i = 1`` without sample weights), so ``result()`` is the
+  full-batch gradient of the (weighted) mean loss, however the batch was split.
+- DP mode (``l2_norm_clip`` given): ``sum`` holds the clipped per-example
+  gradients' sum; ``result()`` adds ``N(0, (sigma C)^2)`` noise *once* and
+  divides by ``expected_batch_size``. Adding noise per micro-batch instead
+  would multiply the noise by ``sqrt(k)``.
+
+For non-private training, Keras 3 optimizers already accumulate with
+``gradient_accumulation_steps=k`` (they average ``k`` consecutive batches'
+gradients and apply every k-th step); use that with ``fit``. This class is for
+custom loops, for unequal micro-batches, and for DP, where clipping and noise
+must follow per-example rules across the micro-batches.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import tensorflow as tf
+
+from per_example_grads.batch import batch_size, make_batch
+from per_example_grads.clipping import clipped_gradients
+from per_example_grads.dp.noise import NoiseSeed, gaussian_like
+from per_example_grads.dp.private import check_dp_arguments, noise_stddev
+from per_example_grads.gradients import _make_problem
+
+
+class GradientAccumulator(tf.Module):
+    """Accumulates micro-batch gradients and applies them once.
+
+    Args:
+      model: a Keras model (or callable with ``variables``).
+      loss_fn: per-example loss, as in ``per_example_gradients``.
+      variables: defaults to ``model.trainable_variables``.
+      l2_norm_clip: enables DP mode: each example's gradient is clipped to it.
+      noise_multiplier: DP noise multiplier ``sigma`` (DP mode only).
+      seed: noise source (see ``per_example_grads.dp.noise``); an int makes a
+        seeded ``tf.random.Generator``.
+      expected_batch_size: DP mode's divisor (``q N`` for Poisson sampling);
+        defaults to ``count``.
+      method: per-example engine for DP mode.
+
+    Attributes:
+      sums: list of non-trainable ``[*var.shape]`` variables.
+      count: scalar float32 variable, examples (or summed weights) so far.
+      steps: int64 variable, logical batches applied (what an accountant counts).
+
+    Example:
+      >>> import keras, numpy as np
+      >>> import per_example_grads as peg
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+      >>> acc = peg.GradientAccumulator(model, "mse")
+      >>> acc.accumulate(np.ones((5, 3)), np.zeros((5, 2)))
+      >>> acc.accumulate(np.ones((2, 3)), np.zeros((2, 2)))
+      >>> float(acc.count.numpy())
+      7.0
+      >>> acc.apply(keras.optimizers.SGD(0.1))
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        loss_fn: Any,
+        *,
+        variables: Sequence | None = None,
+        l2_norm_clip: Any = None,
+        noise_multiplier: float | None = None,
+        seed: NoiseSeed = None,
+        expected_batch_size: float | None = None,
+        method: str = "auto",
+    ):
+        super().__init__(name="gradient_accumulator")
+        self._problem = _make_problem(model, loss_fn, variables, False, False)
+        self._model, self._loss_fn, self._method = model, loss_fn, method
+        self.private = l2_norm_clip is not None
+        if self.private:
+            if noise_multiplier is None:
+                raise ValueError("noise_multiplier is required with l2_norm_clip (use 0.0 for no noise).")
+            check_dp_arguments(l2_norm_clip, noise_multiplier, expected_batch_size)
+        elif noise_multiplier is not None:
+            raise ValueError("noise_multiplier needs l2_norm_clip: noise without clipping gives no privacy.")
+        self.l2_norm_clip, self.noise_multiplier = l2_norm_clip, noise_multiplier
+        self.expected_batch_size = expected_batch_size
+        self.variables_ = list(self._problem.variables)
+        with tf.init_scope():
+            self.sums = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False, name="sum") for v in self.variables_]
+            self.count = tf.Variable(0.0, trainable=False, name="count")
+            self.steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="steps")
+            if isinstance(seed, int):
+                seed = tf.random.Generator.from_seed(seed)
+        self._seed = seed
+
+    def accumulate(self, x: Any, y: Any = None, sample_weight: Any = None) -> None:
+        """Adds one micro-batch (``[b, ...]``, any ``b``, 0 included)."""
+        batch = make_batch(self._model, x, y, sample_weight)
+        if self.private:
+            contribution = clipped_gradients(
+                self._model, self._loss_fn, x, y, l2_norm_clip=self.l2_norm_clip,
+                sample_weight=sample_weight, method=self._method, variables=self.variables_,
+            )
+        else:
+            with tf.GradientTape() as tape:
+                total = tf.reduce_sum(self._problem.losses(batch))
+            contribution = tape.gradient(total, self.variables_)
+            contribution = [tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g) for g, v in zip(contribution, self.variables_)]
+        for s, c in zip(self.sums, contribution):
+            s.assign_add(tf.cast(c, s.dtype))
+        if sample_weight is None:
+            added = tf.cast(batch_size(batch), tf.float32)
+        else:
+            w = tf.cast(batch["sample_weight"], tf.float32)
+            added = tf.reduce_sum(tf.cast(tf.not_equal(w, 0), tf.float32)) if self.private else tf.reduce_sum(w)
+        self.count.assign_add(added)
+
+    def result(self) -> list[tf.Tensor]:
+        """The gradient of the logical batch: ``[*var.shape]`` per variable.
+
+        Plain: ``sum / count`` (zeros if nothing was added). DP: ``(sum +
+        noise) / expected_batch_size``, with fresh noise on every call.
+        """
+        if not self.private:
+            return [tf.math.divide_no_nan(s, tf.cast(self.count, s.dtype)) for s in self.sums]
+        divisor = self.expected_batch_size if self.expected_batch_size is not None else tf.maximum(self.count, 1.0)
+        noise = gaussian_like([s.value() for s in self.sums], noise_stddev(self.l2_norm_clip, self.noise_multiplier), self._seed)
+        return [(s + n) / tf.cast(divisor, s.dtype) for s, n in zip(self.sums, noise)]
+
+    def apply(self, optimizer) -> None:
+        """``optimizer.apply_gradients(result())``, one step counted, then ``reset()``."""
+        optimizer.apply_gradients(zip(self.result(), self.variables_))
+        self.steps.assign_add(1)
+        self.reset()
+
+    def reset(self) -> None:
+        """Zeros the sums and the count (not ``steps``)."""
+        for s in self.sums:
+            s.assign(tf.zeros_like(s))
+        self.count.assign(0.0)

@@ -1,0 +1,604 @@
+"""Poisson-sampled logical batches with a fixed padded shape, and physical chunks.
+
+Why Poisson sampling
+--------------------
+The privacy accountants used for DP-SGD (RDP / PLD accounting of the
+subsampled Gaussian mechanism) assume that at every step each of the ``N``
+training examples joins the batch independently with probability ``q``. The
+batch size is then random, ``Binomial(N, q)``, with mean ``q * N``. Shuffling
+and cutting the data into equal batches is a different sampling scheme, and
+the usual accountants' numbers do not apply to it.
+
+Shapes and the padding / mask contract
+--------------------------------------
+``tf.function`` retraces when a shape changes, so a random batch size would
+retrace at almost every step. Each *logical* batch is therefore padded to a
+fixed ``max_batch_size = M`` rows and comes with a mask:
+
+* ``x_batch``: same structure as ``x``, every leaf ``[M, ...]``;
+* ``y_batch``: same structure as ``y``, every leaf ``[M, ...]`` (``None``
+  when no ``y`` was given);
+* ``mask``: ``float32 [M]``, ``1.0`` for a sampled example, ``0.0`` for
+  padding.
+
+The ``b`` sampled examples fill rows ``0 .. b-1`` (in increasing index order);
+rows ``b .. M-1`` are all zeros. Pass ``mask`` as ``sample_weight``: it
+multiplies each example's loss, so a padded row has a zero loss and exactly
+zero gradient. ``b = 0`` happens (with probability ``(1-q)^N``) and gives an
+all-zero mask; such a step is valid and must still be taken (DP-SGD then
+adds noise only). Note that DP-SGD normalizes the noisy sum by the
+*expected* batch size ``q * N``, not by ``b`` nor by ``M``.
+
+No example is ever dropped: if a step samples more than ``M`` examples,
+iteration stops with ``tf.errors.InvalidArgumentError`` whose message names
+``max_batch_size``. The default ``M`` (``default_max_batch_size``) is the
+smallest size whose per-step overflow probability is at most ``1e-12``
+(computed from the exact binomial tail), so in practice that error is only
+seen when ``max_batch_size`` is set by hand too small.
+
+Physical chunks
+---------------
+A logical batch may be too large to compute per-example gradients for at
+once. ``physical_chunks`` (a Python generator, eager) and
+``physical_chunks_dataset`` (a ``tf.data`` transformation) split it into
+chunks of a fixed ``physical_batch_size = P`` rows holding only the real rows:
+``max(1, ceil(b / P))`` chunks, the last padded with mask ``0``, each flagged
+``is_last`` on the final chunk of its logical batch. Accumulate the clipped
+gradient sums over the chunks and apply the noisy update when ``is_last``.
+An empty logical batch gives one all-masked chunk, so the optimizer still
+steps.
+
+Example:
+  >>> import numpy as np
+  >>> x = np.arange(100, dtype="float32")[:, None]          # [N=100, 1]
+  >>> y = np.arange(100) % 2                                 # [N]
+  >>> ds = poisson_batches(x, y, sampling_probability=0.1, seed=0)
+  >>> xb, yb, mask = next(iter(ds))
+  >>> xb.shape, yb.shape, mask.shape                         # M = 36 here
+  (TensorShape([36, 1]), TensorShape([36]), TensorShape([36]))
+  >>> chunks = list(physical_chunks(xb, yb, mask, physical_batch_size=8))
+  >>> [c.is_last for c in chunks][-1], chunks[0].x.shape
+  (True, TensorShape([8, 1]))
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterator, NamedTuple
+
+import numpy as np
+import tensorflow as tf
+
+from per_example_grads.batch import _check_leading_dims, _to_tensors
+
+__all__ = [
+    "PhysicalChunk",
+    "default_max_batch_size",
+    "physical_chunks",
+    "physical_chunks_dataset",
+    "poisson_batches",
+    "poisson_batches_from_dataset",
+]
+
+#: Per-step probability that a batch overflows the default ``max_batch_size``.
+DEFAULT_OVERFLOW_PROBABILITY = 1e-12
+
+
+class PhysicalChunk(NamedTuple):
+    """One fixed-shape piece of a logical batch.
+
+    Attributes:
+      x: structure of ``x``, each leaf ``[P, ...]``.
+      y: structure of ``y``, each leaf ``[P, ...]``, or ``None``.
+      mask: ``float32 [P]``; the logical batch's mask values for real rows,
+        ``0.0`` for padding.
+      is_last: ``True`` on the final chunk of its logical batch (a Python
+        bool from ``physical_chunks``, a scalar ``tf.bool`` tensor from
+        ``physical_chunks_dataset``).
+    """
+
+    x: Any
+    y: Any
+    mask: tf.Tensor
+    is_last: Any
+
+
+# --------------------------------------------------------------------------
+# Argument checking
+# --------------------------------------------------------------------------
+
+
+def _check_probability(q: Any) -> float:
+    if isinstance(q, bool) or not isinstance(q, (int, float, np.integer, np.floating)):
+        raise TypeError(
+            f"sampling_probability must be a number in (0, 1]; got {type(q).__name__}."
+        )
+    q = float(q)
+    if not (0.0 < q <= 1.0):  # also rejects NaN
+        raise ValueError(f"sampling_probability must be in (0, 1]; got {q}.")
+    return q
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a positive integer; got {type(value).__name__}.")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer; got {value}.")
+    return int(value)
+
+
+def _seed_or_entropy(seed: int | None) -> int:
+    if seed is None:
+        return int(np.random.SeedSequence().entropy) % (2**63)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be None or a non-negative integer; got {seed!r}.")
+    return int(seed)
+
+
+# --------------------------------------------------------------------------
+# Default padded size: an upper quantile of Binomial(N, q)
+# --------------------------------------------------------------------------
+
+
+def default_max_batch_size(
+    num_examples: int,
+    sampling_probability: float,
+    overflow_probability: float = DEFAULT_OVERFLOW_PROBABILITY,
+) -> int:
+    """Smallest ``M`` with ``P(Binomial(N, q) > M) <= overflow_probability``.
+
+    Computed from the exact binomial probabilities (not a normal
+    approximation, which is far too optimistic when ``q * N`` is small).
+    The result is at least 1 and at most ``N``.
+
+    Args:
+      num_examples: ``N``, the dataset size.
+      sampling_probability: ``q`` in ``(0, 1]``.
+      overflow_probability: the tolerated per-step chance that a Poisson
+        batch is larger than ``M``; in ``(0, 1)``.
+
+    Returns:
+      ``M``, a Python int.
+
+    Example:
+      >>> default_max_batch_size(60_000, 256 / 60_000)
+      376
+    """
+    n = _check_positive_int("num_examples", num_examples)
+    q = _check_probability(sampling_probability)
+    if not (0.0 < overflow_probability < 1.0):
+        raise ValueError(f"overflow_probability must be in (0, 1); got {overflow_probability}.")
+    if q == 1.0:
+        return n
+    mean = n * q
+    std = math.sqrt(n * q * (1.0 - q))
+    start = min(n, int(math.floor(mean)))
+    # Beyond start + 40 std + 40 the binomial tail is far below 1e-25 (by
+    # Bernstein's inequality), so truncating the sum there changes nothing.
+    stop = min(n, start + int(math.ceil(40.0 * std)) + 40)
+    ks = np.arange(start, stop + 1, dtype=np.float64)
+    log_pmf_start = (
+        math.lgamma(n + 1)
+        - math.lgamma(start + 1)
+        - math.lgamma(n - start + 1)
+        + start * math.log(q)
+        + (n - start) * math.log1p(-q)
+    )
+    # log pmf(k+1) - log pmf(k) = log((n-k)/(k+1)) + log(q/(1-q))
+    steps = np.log(n - ks[:-1]) - np.log(ks[:-1] + 1.0) + (math.log(q) - math.log1p(-q))
+    pmf = np.exp(log_pmf_start + np.concatenate([[0.0], np.cumsum(steps)]))
+    # survival[i] = P(B > ks[i]), summed from the small end for accuracy.
+    survival = np.concatenate([np.cumsum(pmf[::-1])[::-1][1:], [0.0]])
+    first_ok = int(np.argmax(survival <= overflow_probability))
+    return max(1, min(n, int(ks[first_ok])))
+
+
+# --------------------------------------------------------------------------
+# Poisson batches
+# --------------------------------------------------------------------------
+
+
+def _pad_rows(rows: tf.Tensor, num_rows: tf.Tensor, target: Any) -> tf.Tensor:
+    """``rows [num_rows, ...]`` -> ``[target, ...]`` with zero rows appended."""
+    paddings = tf.concat(
+        [[[0, target - num_rows]], tf.zeros([tf.rank(rows) - 1, 2], tf.int32)], axis=0
+    )
+    return tf.pad(rows, paddings)
+
+
+def poisson_batches(
+    x: Any,
+    y: Any = None,
+    *,
+    sampling_probability: float,
+    max_batch_size: int | None = None,
+    steps: int | None = None,
+    seed: int | None = None,
+) -> tf.data.Dataset:
+    """A dataset of ``steps`` Poisson-sampled batches, each padded to ``M`` rows.
+
+    At every step each example ``i`` in ``0 .. N-1`` is included
+    independently with probability ``q = sampling_probability``.
+
+    Each element is ``(x_batch, y_batch, mask)``:
+
+    * ``x_batch``: structure of ``x``, leaves ``[M, ...]``;
+    * ``y_batch``: structure of ``y``, leaves ``[M, ...]``, or ``None``
+      if ``y`` is ``None``;
+    * ``mask``: ``float32 [M]``; ``1.0`` on rows ``0 .. b-1`` (the ``b``
+      sampled examples, in increasing index order), ``0.0`` after.
+
+    Padded rows are exactly zero. All elements have the same static shapes,
+    so a ``tf.function`` taking them traces once. The element layout is the
+    Keras ``(x, y, sample_weight)`` one, with the mask as the sample weight.
+
+    Randomness: each pass over the dataset (each ``iter(...)``, e.g. each
+    Keras epoch) draws fresh, independent batches, as Poisson sampling
+    requires; reusing a pass's batches in the next one would not be. Two
+    datasets built with the same ``seed`` produce the same sequence of passes;
+    the global TensorFlow seed plays no part. Iterate one pass at a time:
+    concurrent iterators over one dataset share its random stream.
+
+    The arrays are held in memory and gathered from with ``tf.gather``.
+
+    Args:
+      x: array, tensor, or nested structure (dict, tuple, list) of them,
+        every leaf ``[N, ...]`` with the same ``N >= 1``.
+      y: ``None`` or the same kind of structure, leaves ``[N, ...]``.
+      sampling_probability: ``q`` in ``(0, 1]``.
+      max_batch_size: ``M``, the padded number of rows. Defaults to
+        ``default_max_batch_size(N, q)`` (overflow chance at most 1e-12 per
+        step). A step that samples more than ``M`` examples stops iteration
+        with ``tf.errors.InvalidArgumentError`` naming ``max_batch_size``;
+        examples are never dropped silently.
+      steps: batches per pass. Defaults to ``round(1 / q)``, one epoch in
+        expectation.
+      seed: non-negative int for reproducible batches; ``None`` seeds from
+        OS entropy.
+
+    Returns:
+      A ``tf.data.Dataset`` of known cardinality ``steps``.
+
+    Raises:
+      ValueError: ``sampling_probability`` outside ``(0, 1]``, mismatched
+        leading dimensions, ``N == 0``, or a non-positive ``steps`` /
+        ``max_batch_size``.
+      TypeError: non-numeric inputs or arguments of the wrong type.
+
+    Example:
+      >>> import numpy as np
+      >>> x = {"ids": np.arange(20)[:, None]}
+      >>> ds = poisson_batches(x, sampling_probability=0.5, max_batch_size=20, seed=1)
+      >>> for xb, yb, mask in ds.take(1):
+      ...     print(xb["ids"].shape, yb, mask.shape, mask.dtype.name)
+      (20, 1) None (20,) float32
+    """
+    q = _check_probability(sampling_probability)
+    xs = _to_tensors("x", x)
+    inputs = {"x": xs}
+    if y is not None:
+        inputs["y"] = _to_tensors("y", y)
+    _check_leading_dims(inputs)
+    n = tf.nest.flatten(xs)[0].shape[0]
+    if n is None or n == 0:
+        raise ValueError(f"x must hold at least one example (leading dimension N >= 1); got N={n}.")
+    if max_batch_size is None:
+        max_batch_size = default_max_batch_size(n, q)
+    m = _check_positive_int("max_batch_size", max_batch_size)
+    if steps is None:
+        steps = max(1, int(math.floor(1.0 / q + 0.5)))
+    steps = _check_positive_int("steps", steps)
+    generator = tf.random.Generator.from_seed(_seed_or_entropy(seed))
+    overflow_message = (
+        f"examples, more than max_batch_size={m} (N={n}, sampling_probability={q}). "
+        f"Dropping the extra examples would invalidate the privacy analysis; pass a "
+        f"larger max_batch_size (default_max_batch_size(N, q) overflows with "
+        f"probability <= {DEFAULT_OVERFLOW_PROBABILITY:g} per step)."
+    )
+
+    def pass_seeds(_):
+        # One draw per pass, of all its per-step seeds at once: how far a
+        # prefetching iterator ran ahead cannot change the next pass.
+        return tf.transpose(generator.make_seeds(steps))  # [steps, 2]
+
+    def sample(step_seed):
+        u = tf.random.stateless_uniform([n], seed=step_seed, dtype=tf.float64)
+        chosen = tf.where(u < q)[:, 0]  # sorted example indices
+        b = tf.size(chosen)
+        check = tf.debugging.Assert(b <= m, ["A Poisson batch sampled", b, overflow_message])
+        with tf.control_dependencies([check]):
+            b = tf.identity(b)
+
+        def take(leaf):
+            rows = _pad_rows(tf.gather(leaf, chosen), b, m)
+            return tf.ensure_shape(rows, [m] + leaf.shape[1:].as_list())
+
+        xb = tf.nest.map_structure(take, inputs["x"])
+        yb = tf.nest.map_structure(take, inputs["y"]) if "y" in inputs else None
+        mask = tf.cast(tf.range(m) < b, tf.float32)
+        return xb, yb, mask
+
+    ds = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).map(pass_seeds)
+    ds = ds.flat_map(tf.data.Dataset.from_tensor_slices)
+    ds = ds.apply(tf.data.experimental.assert_cardinality(steps))
+    ds = ds.map(sample, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def _unpack_element(element: Any) -> tuple[Any, Any]:
+    """Keras convention: ``(x, y)``, ``(x,)`` or a bare ``x``."""
+    if isinstance(element, tuple) and not hasattr(element, "_fields"):
+        if len(element) == 1:
+            return element[0], None
+        if len(element) == 2:
+            return element
+        raise ValueError(
+            f"dataset elements must be (x, y), (x,) or x; got a tuple of {len(element)}. "
+            "Per-example sample weights are not supported: the padding mask is the "
+            "sample weight of a Poisson batch."
+        )
+    return element, None
+
+
+def poisson_batches_from_dataset(
+    dataset: tf.data.Dataset,
+    num_examples: int | None = None,
+    *,
+    sampling_probability: float,
+    max_batch_size: int | None = None,
+    steps: int | None = None,
+    seed: int | None = None,
+    progress: bool = False,
+) -> tf.data.Dataset:
+    """``poisson_batches`` for a finite dataset of single (unbatched) examples.
+
+    The dataset is read once and its examples stacked into arrays in memory
+    (with a ``tqdm`` progress bar if ``progress``), then sampled exactly as
+    ``poisson_batches`` does, with the same element structure and fixed
+    shapes. Streaming alternatives were rejected: a per-element Bernoulli
+    filter must read all ``N`` examples for every step, that is ``N / q``
+    reads per epoch. Data that does not fit in memory needs an indexable
+    store (gather by index) instead.
+
+    Elements follow the Keras convention: ``(x, y)``, ``(x,)`` or a bare
+    ``x`` (a dict or a single tensor); multi-input ``x`` must be nested,
+    e.g. ``((x1, x2), y)``. All examples must have the same shapes.
+
+    Args:
+      dataset: a finite ``tf.data.Dataset`` of single examples.
+      num_examples: ``N``, if known. When given, the dataset must hold
+        exactly ``N`` examples (checked; at most ``N + 1`` are read, so an
+        accidentally repeated dataset fails fast).
+      sampling_probability, max_batch_size, steps, seed: as in
+        ``poisson_batches``.
+      progress: show a progress bar while reading the dataset.
+
+    Returns:
+      A ``tf.data.Dataset`` of ``(x_batch, y_batch, mask)``, as in
+      ``poisson_batches``.
+
+    Raises:
+      ValueError: an infinite dataset, a count different from
+        ``num_examples``, an empty dataset, elements that are 3-tuples, or
+        any error ``poisson_batches`` raises.
+
+    Example:
+      >>> import numpy as np
+      >>> ds = tf.data.Dataset.from_tensor_slices((np.ones([50, 3], "float32"), np.arange(50)))
+      >>> batches = poisson_batches_from_dataset(ds, 50, sampling_probability=0.2, seed=0)
+      >>> xb, yb, mask = next(iter(batches))
+      >>> xb.shape[1:], yb.shape == mask.shape
+      (TensorShape([3]), True)
+    """
+    if not isinstance(dataset, tf.data.Dataset):
+        raise TypeError(f"dataset must be a tf.data.Dataset; got {type(dataset).__name__}.")
+    _check_probability(sampling_probability)
+    cardinality = int(dataset.cardinality())
+    if cardinality == tf.data.INFINITE_CARDINALITY:
+        raise ValueError("dataset is infinite; Poisson sampling needs a finite set of N examples.")
+    limit = None
+    if num_examples is not None:
+        num_examples = _check_positive_int("num_examples", num_examples)
+        if cardinality >= 0 and cardinality != num_examples:
+            raise ValueError(
+                f"num_examples={num_examples} but the dataset has {cardinality} elements."
+            )
+        limit = num_examples + 1
+    x_spec, y_spec = _unpack_element(dataset.element_spec)
+    source = dataset if limit is None else dataset.take(limit)
+    x_parts: list[list[np.ndarray]] = [[] for _ in tf.nest.flatten(x_spec)]
+    y_parts: list[list[np.ndarray]] = [[] for _ in tf.nest.flatten(y_spec)]
+    total = None if cardinality < 0 else cardinality
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc="Reading examples", unit="ex")
+    count = 0
+    try:
+        for chunk in source.batch(4096):
+            xc, yc = _unpack_element(chunk)
+            for parts, leaf in zip(x_parts, tf.nest.flatten(xc)):
+                parts.append(np.asarray(leaf))
+            for parts, leaf in zip(y_parts, tf.nest.flatten(yc)):
+                parts.append(np.asarray(leaf))
+            got = int(tf.nest.flatten(xc)[0].shape[0])
+            count += got
+            if bar is not None:
+                bar.update(got)
+    except tf.errors.InvalidArgumentError as e:
+        raise ValueError(
+            f"Could not stack the dataset's examples; they must all have the same shapes. ({e.message})"
+        ) from None
+    finally:
+        if bar is not None:
+            bar.close()
+    if num_examples is not None and count != num_examples:
+        raise ValueError(
+            f"num_examples={num_examples} but the dataset has "
+            f"{'more' if count > num_examples else count} elements."
+        )
+    if count == 0:
+        raise ValueError("dataset is empty; Poisson sampling needs at least one example.")
+    x = tf.nest.pack_sequence_as(x_spec, [np.concatenate(p) for p in x_parts])
+    y = None if y_spec is None else tf.nest.pack_sequence_as(y_spec, [np.concatenate(p) for p in y_parts])
+    return poisson_batches(
+        x,
+        y,
+        sampling_probability=sampling_probability,
+        max_batch_size=max_batch_size,
+        steps=steps,
+        seed=seed,
+    )
+
+
+# --------------------------------------------------------------------------
+# Physical chunks
+# --------------------------------------------------------------------------
+
+
+def _stack_chunks(x: Any, y: Any, mask: tf.Tensor, p: int):
+    """Real rows of one logical batch as ``[C, P, ...]`` stacks, ``C >= 1``.
+
+    Works eagerly and in graphs. Returns ``(x_stack, y_stack, mask_stack
+    [C, P], is_last [C], C)``.
+    """
+    keep = tf.where(mask != 0)[:, 0]
+    b = tf.size(keep)
+    num_chunks = tf.maximum(1, (b + p - 1) // p)
+    rows = num_chunks * p
+
+    def split(leaf):
+        padded = _pad_rows(tf.gather(leaf, keep), b, rows)
+        new_shape = tf.concat([[num_chunks, p], tf.shape(leaf)[1:]], axis=0)
+        stacked = tf.reshape(padded, new_shape)
+        stacked.set_shape(tf.TensorShape([None, p]).concatenate(leaf.shape[1:]))
+        return stacked
+
+    xs = tf.nest.map_structure(split, x)
+    ys = None if y is None else tf.nest.map_structure(split, y)
+    ms = split(mask)
+    is_last = tf.equal(tf.range(num_chunks), num_chunks - 1)
+    return xs, ys, ms, is_last, num_chunks
+
+
+def _check_chunk_inputs(x: Any, y: Any, mask: Any, physical_batch_size: Any):
+    p = _check_positive_int("physical_batch_size", physical_batch_size)
+    mask = tf.convert_to_tensor(mask)
+    if mask.shape.rank != 1:
+        raise ValueError(f"mask must have shape [M]; got shape {mask.shape}.")
+    mask = tf.cast(mask, tf.float32)
+    xs = _to_tensors("x", x)
+    ys = None if y is None else _to_tensors("y", y)
+    for name, tree in (("x", xs), ("y", ys)):
+        for leaf in [] if tree is None else tf.nest.flatten(tree):
+            if leaf.shape[0] != mask.shape[0]:
+                raise ValueError(
+                    f"{name} and mask must share the leading dimension M: mask has "
+                    f"M={mask.shape[0]} but {name} has a leaf of shape {leaf.shape}."
+                )
+    return xs, ys, mask, p
+
+
+def physical_chunks(
+    x_batch: Any, y_batch: Any, mask: Any, physical_batch_size: int
+) -> Iterator[PhysicalChunk]:
+    """Splits one padded logical batch into fixed-shape chunks (eager only).
+
+    Takes the rows where ``mask != 0`` (``b`` of them, in order) and yields
+    ``max(1, ceil(b / P))`` ``PhysicalChunk(x, y, mask, is_last)`` with
+    ``P = physical_batch_size``: ``x`` / ``y`` leaves ``[P, ...]``, ``mask``
+    ``float32 [P]``, ``is_last`` a Python bool, ``True`` on the final chunk.
+    Every real row appears in exactly one chunk; the last chunk is padded
+    with zero rows and mask ``0``; an empty logical batch (all-zero mask)
+    yields a single all-masked chunk. Mask values other than 1 are carried
+    over unchanged.
+
+    Every chunk has the same shapes, so a ``tf.function`` called per chunk
+    traces once. The number of chunks depends on the mask's values, so this
+    needs eager tensors or arrays; inside a ``tf.function`` use
+    ``physical_chunks_dataset`` on the dataset instead.
+
+    Args:
+      x_batch: structure of ``[M, ...]`` leaves.
+      y_batch: ``None`` or a structure of ``[M, ...]`` leaves.
+      mask: ``[M]``, zero on padded rows.
+      physical_batch_size: ``P >= 1``.
+
+    Yields:
+      ``PhysicalChunk`` tuples (tensors; ``y`` is ``None`` if ``y_batch`` is).
+
+    Example:
+      >>> import numpy as np
+      >>> x = np.arange(6, dtype="float32")[:, None]
+      >>> mask = np.array([1, 1, 1, 0, 0, 0], "float32")
+      >>> [(c.x[:, 0].numpy().tolist(), c.is_last) for c in physical_chunks(x, None, mask, 2)]
+      [([0.0, 1.0], False), ([2.0, 0.0], True)]
+    """
+    if not tf.executing_eagerly():
+        raise RuntimeError(
+            "physical_chunks needs eager tensors (the number of chunks depends on the "
+            "mask's values); inside tf.function use physical_chunks_dataset."
+        )
+    x, y, mask, p = _check_chunk_inputs(x_batch, y_batch, mask, physical_batch_size)
+    xs, ys, ms, _, num_chunks = _stack_chunks(x, y, mask, p)
+    num_chunks = int(num_chunks)
+    for i in range(num_chunks):
+        yield PhysicalChunk(
+            x=tf.nest.map_structure(lambda t: t[i], xs),
+            y=None if ys is None else tf.nest.map_structure(lambda t: t[i], ys),
+            mask=ms[i],
+            is_last=i == num_chunks - 1,
+        )
+
+
+def physical_chunks_dataset(
+    dataset: tf.data.Dataset, physical_batch_size: int
+) -> tf.data.Dataset:
+    """``physical_chunks`` as a ``tf.data`` transformation.
+
+    Turns a dataset of logical batches ``(x_batch, y_batch, mask)`` (as from
+    ``poisson_batches``) into a flat dataset of ``PhysicalChunk(x, y, mask,
+    is_last)`` with ``x`` / ``y`` leaves ``[P, ...]``, ``mask`` ``float32
+    [P]`` and ``is_last`` a scalar ``tf.bool``. The chunks of one logical
+    batch are consecutive and the last has ``is_last == True``; a training
+    loop accumulates until then and applies one update per logical batch.
+    The number of chunks per logical batch varies, so the cardinality is
+    unknown, but shapes are fixed.
+
+    Args:
+      dataset: elements ``(x_batch, y_batch, mask)``; ``y_batch`` may be
+        ``None``.
+      physical_batch_size: ``P >= 1``.
+
+    Returns:
+      A ``tf.data.Dataset`` of ``PhysicalChunk``.
+
+    Example:
+      >>> import numpy as np
+      >>> logical = poisson_batches(np.arange(30.0)[:, None], sampling_probability=0.3, seed=0)
+      >>> chunks = physical_chunks_dataset(logical, 4)
+      >>> chunks.element_spec.x.shape, chunks.element_spec.is_last.dtype.name
+      (TensorShape([4, 1]), 'bool')
+    """
+    p = _check_positive_int("physical_batch_size", physical_batch_size)
+    spec = dataset.element_spec
+    if not (isinstance(spec, tuple) and len(spec) == 3):
+        raise ValueError(
+            "physical_chunks_dataset expects elements (x_batch, y_batch, mask); "
+            f"got element_spec {spec}."
+        )
+    mask_spec = spec[2]
+    if not isinstance(mask_spec, tf.TensorSpec) or mask_spec.shape.rank != 1:
+        raise ValueError(f"mask must be a [M] tensor; got {mask_spec}.")
+
+    def to_chunks(x, y, mask):
+        xs, ys, ms, is_last, _ = _stack_chunks(x, y, tf.cast(mask, tf.float32), p)
+        if ys is None:
+            # from_tensor_slices cannot slice a None component.
+            return tf.data.Dataset.from_tensor_slices((xs, ms, is_last)).map(
+                lambda cx, cm, last: PhysicalChunk(cx, None, cm, last)
+            )
+        return tf.data.Dataset.from_tensor_slices(PhysicalChunk(xs, ys, ms, is_last))
+
+    return dataset.flat_map(to_chunks)

@@ -1,0 +1,161 @@
+"""``DPModel``: DP-SGD through the ordinary Keras ``compile`` / ``fit`` workflow."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from per_example_grads.clipping import clipped_gradients
+from per_example_grads.dp import adaptive as adaptive_clipping
+from per_example_grads.dp import validation
+from per_example_grads.dp.private import check_dp_arguments, noise_stddev, noised_average
+from per_example_grads.losses import as_per_example_loss
+
+
+class DPModel(keras.Model):
+    """A Keras model trained with DP-SGD.
+
+    Each ``train_step``:
+
+    1. computes every example's gradient of its own loss (times its
+       ``sample_weight``) and clips it to global L2 norm ``l2_norm_clip``;
+    2. sums them and adds Gaussian noise of std ``noise_multiplier *
+       l2_norm_clip`` once;
+    3. divides by ``expected_batch_size`` (default: the rows in the batch) and
+       applies the result with the compiled optimizer.
+
+    ``compile``, ``fit``, ``evaluate``, ``predict``, callbacks and metrics work
+    as usual. Supported losses: one loss (a ``keras.losses.Loss`` with any
+    reduction, a loss function or name) whose per-example values the model
+    takes itself; multi-output loss lists/dicts, ``loss_weights`` and
+    regularization losses are not supported. ``sample_weight`` multiplies
+    each example's loss *before* clipping, so every example's contribution
+    stays bounded by the clip norm; a Poisson batch's mask is passed as
+    ``sample_weight`` (padded rows then contribute nothing). The reported
+    ``loss`` and metrics come from an inference-mode forward pass on the batch
+    before the update. ``clipped_fraction`` is logged as well (it is computed
+    from the private gradient norms: do not publish it without accounting).
+
+    Saving: save the wrapped network, ``dp_model.model.save("m.keras")``, or
+    use ``save_weights`` / checkpoints on the DPModel itself (they include the
+    ``dp_steps`` counter, so a restarted run keeps counting privacy steps).
+
+    Args:
+      model: the Keras model to train privately.
+      l2_norm_clip: ``C > 0``, or per-layer ``{layer_name: C_l}`` (see
+        ``peg.clipped_gradients``). Ignored when ``adaptive_clipping`` is set.
+      noise_multiplier: ``sigma >= 0``, the one the accountant uses.
+      expected_batch_size: ``q * N`` under Poisson sampling; default the
+        batch's number of rows.
+      num_examples: ``N``, for ``epsilon()``.
+      seed: None (OS entropy, for real use) or an int (reproducible noise).
+      adaptive_clipping: ``peg.dp.AdaptiveClipping`` settings, or None.
+      method: per-example gradient engine (``"auto"`` prefers layer-wise).
+
+    Example:
+      >>> import keras, numpy as np
+      >>> import per_example_grads as peg
+      >>> net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+      >>> dp = peg.keras.DPModel(net, l2_norm_clip=1.0, noise_multiplier=1.1, seed=0)
+      >>> dp.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+      >>> history = dp.fit(np.ones((16, 4), "float32"), np.arange(16) % 3, batch_size=8, verbose=0)
+      >>> int(dp.dp_steps.numpy())
+      2
+    """
+
+    def __init__(
+        self,
+        model: keras.Model,
+        *,
+        l2_norm_clip: Any = 1.0,
+        noise_multiplier: float,
+        expected_batch_size: float | None = None,
+        num_examples: int | None = None,
+        seed: int | None = None,
+        adaptive_clipping: adaptive_clipping.AdaptiveClipping | None = None,
+        method: str = "auto",
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        check_dp_arguments(l2_norm_clip, noise_multiplier, expected_batch_size)
+        validation.check_model(model, training=True)
+        self.model = model
+        self.noise_multiplier = float(noise_multiplier)
+        self.expected_batch_size = expected_batch_size
+        self.num_examples = num_examples
+        self.method = method
+        self.adaptive = adaptive_clipping
+        if adaptive_clipping is not None:
+            from per_example_grads.dp.accounting import adaptive_clipping_noise_multiplier
+
+            self._gradient_noise_multiplier = adaptive_clipping_noise_multiplier(
+                noise_multiplier, adaptive_clipping.clipped_count_stddev, expected_batch_size or 1
+            ) if noise_multiplier > 0 else 0.0
+            self.l2_norm_clip = keras.Variable(
+                adaptive_clipping.initial_l2_norm_clip, dtype="float32", trainable=False, name="l2_norm_clip"
+            )
+        else:
+            self._gradient_noise_multiplier = self.noise_multiplier
+            self.l2_norm_clip = l2_norm_clip
+        self.dp_steps = keras.Variable(0, dtype="int64", trainable=False, name="dp_steps")
+        with tf.init_scope():
+            self._noise = (
+                tf.random.Generator.from_non_deterministic_state() if seed is None
+                else tf.random.Generator.from_seed(seed)
+            )
+        self._clipped_fraction = keras.metrics.Mean(name="clipped_fraction")
+
+    def call(self, inputs, training=None):
+        return self.model(inputs, training=training)
+
+    @property
+    def metrics(self):
+        return super().metrics + [self._clipped_fraction]
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if isinstance(self.loss, (list, tuple, dict)):
+            raise ValueError("DPModel supports one loss for one output; got a list or dict of losses.")
+        loss_fn = as_per_example_loss(self.loss)
+        y_pred = self.model(x, training=False)
+
+        clip = tf.convert_to_tensor(self.l2_norm_clip) if isinstance(self.l2_norm_clip, keras.Variable) else self.l2_norm_clip
+        sums, norms = clipped_gradients(
+            self.model, loss_fn, x, y, l2_norm_clip=clip, sample_weight=sample_weight,
+            return_norms=True, method=self.method, training=True,
+        )
+        rows = tf.shape(tf.nest.flatten(x)[0])[0]
+        divisor = self.expected_batch_size if self.expected_batch_size is not None else tf.maximum(rows, 1)
+        real = tf.ones([rows]) if sample_weight is None else tf.cast(tf.not_equal(sample_weight, 0), tf.float32)
+        global_norms = norms if not isinstance(norms, dict) else tf.sqrt(tf.add_n([tf.square(n) for n in norms.values()]))
+        clip_total = noise_stddev(clip, 1.0)
+        self._clipped_fraction.update_state(
+            tf.math.divide_no_nan(tf.reduce_sum(tf.cast(global_norms > clip_total, tf.float32) * real), tf.reduce_sum(real))
+        )
+        grads = noised_average(sums, noise_stddev(clip, self._gradient_noise_multiplier), divisor, self._noise)
+        if self.adaptive is not None:
+            self.l2_norm_clip.assign(
+                adaptive_clipping.updated_clip(self.adaptive, clip, global_norms, real, divisor, self._noise)
+            )
+        self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
+        self.dp_steps.assign_add(1)
+
+        loss = self.compute_loss(x, y, y_pred, sample_weight)
+        self._loss_tracker.update_state(loss)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def epsilon(self, delta: float, *, accountant: str = "pld") -> float:
+        """ε spent so far (``dp_steps`` steps), with Poisson sampling at ``q = expected_batch_size / num_examples``."""
+        if self.num_examples is None or self.expected_batch_size is None:
+            raise ValueError("epsilon() needs num_examples and expected_batch_size given to DPModel.")
+        from per_example_grads.dp.accounting import compute_epsilon
+
+        steps = int(self.dp_steps.numpy())
+        if steps == 0:
+            return 0.0
+        return compute_epsilon(
+            self.num_examples, self.expected_batch_size, None, self.noise_multiplier, delta,
+            accountant=accountant, steps=steps,
+        )

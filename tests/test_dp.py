@@ -1,0 +1,201 @@
+"""DP-SGD: private_gradients, noise, DPModel, the validator, adaptive clipping."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import per_example_grads as peg
+from conftest import reference_gradients, sparse_ce
+from per_example_grads.dp import adaptive, noise, validation
+from per_example_grads.dp.private import private_gradients
+
+rng = np.random.default_rng(11)
+
+
+def _mlp(d_in=6, hidden=8, n_classes=3):
+    return keras.Sequential([keras.Input((d_in,)), keras.layers.Dense(hidden, activation="tanh"), keras.layers.Dense(n_classes)])
+
+
+def _hand_dp_step(model, x, y, clip, divisor, sample_weight=None):
+    ref = reference_gradients(model, sparse_ce, x, y, sample_weight=sample_weight)
+    norms = np.sqrt(sum(np.sum(r.reshape(len(r), -1) ** 2, axis=1) for r in ref))
+    factors = np.minimum(1.0, clip / norms)
+    return [np.tensordot(factors, r, axes=1) / divisor for r in ref], norms * factors
+
+
+@pytest.mark.parametrize("method", ["layerwise", "vectorized"])
+def test_noiseless_step_equals_hand_computation(method):
+    model = _mlp()
+    x, y = rng.normal(size=(6, 6)).astype("float32") * 5, rng.integers(0, 3, 6)
+    want, clipped_norms = _hand_dp_step(model, x, y, clip=0.3, divisor=10.0)
+    got = private_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, noise_multiplier=0.0, expected_batch_size=10.0, method=method)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * np.abs(w).max())
+    assert np.all(clipped_norms <= 0.3 * (1 + 1e-6))
+
+
+def test_huge_gradients_are_clipped_to_c():
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    x, y = rng.normal(size=(5, 6)).astype("float32") * 1e6, rng.integers(0, 3, 5)
+    grads = peg.per_example_gradients(model, sparse_ce, x, y)
+    clipped, norms = peg.clip_by_global_norm(grads, 0.5)
+    assert norms.numpy().max() > 1e3
+    assert np.all(peg.global_norms(clipped).numpy() <= 0.5 * (1 + 1e-6))
+    sums, norms = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.5, return_norms=True)
+    assert np.sqrt(sum(np.sum(np.square(s)) for s in sums)) <= 5 * 0.5 * (1 + 1e-6)
+
+
+def test_noise_statistics_and_seeding():
+    """Noise alone: zero data contribution (sample weights 0), sigma * C = 3."""
+    model = keras.Sequential([keras.Input((200,)), keras.layers.Dense(100)])
+    x, y = rng.normal(size=(4, 200)).astype("float32"), rng.integers(0, 100, 4)
+    kwargs = dict(l2_norm_clip=2.0, noise_multiplier=1.5, expected_batch_size=1.0, sample_weight=np.zeros(4, "float32"))
+    grads = private_gradients(model, sparse_ce, x, y, seed=(7, 3), **kwargs)
+    sample = np.concatenate([np.ravel(g) for g in grads])
+    n, sd = sample.size, 3.0
+    assert n == 200 * 100 + 100
+    # Mean within 5 standard errors; the sample std's std is sd / sqrt(2n).
+    assert abs(sample.mean()) < 5 * sd / np.sqrt(n)
+    assert abs(sample.std() - sd) < 5 * sd / np.sqrt(2 * n)
+    again = private_gradients(model, sparse_ce, x, y, seed=(7, 3), **kwargs)
+    other = private_gradients(model, sparse_ce, x, y, seed=(7, 4), **kwargs)
+    np.testing.assert_array_equal(again[0], grads[0])
+    assert not np.allclose(other[0], grads[0])
+    gen_a, gen_b = tf.random.Generator.from_seed(5), tf.random.Generator.from_seed(5)
+    a = private_gradients(model, sparse_ce, x, y, seed=gen_a, **kwargs)
+    b = private_gradients(model, sparse_ce, x, y, seed=gen_b, **kwargs)
+    np.testing.assert_array_equal(a[0], b[0])
+    # OS entropy: two draws differ.
+    c = private_gradients(model, sparse_ce, x, y, seed=None, **kwargs)
+    d = private_gradients(model, sparse_ce, x, y, seed=None, **kwargs)
+    assert not np.allclose(c[0], d[0])
+
+
+def test_private_gradients_in_tf_function_apply():
+    model = _mlp()
+    opt = keras.optimizers.SGD(0.1)
+    gen = tf.random.Generator.from_seed(1)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 6]), tf.TensorSpec([None], tf.int32)])
+    def step(x, y):
+        grads = private_gradients(model, sparse_ce, x, y, l2_norm_clip=1.0, noise_multiplier=1.0, seed=gen, expected_batch_size=8.0)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return grads
+
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    for n in (8, 5, 0):  # an empty batch still steps (noise only)
+        step(rng.normal(size=(n, 6)).astype("float32"), rng.integers(0, 3, n).astype("int32"))
+    assert step.experimental_get_tracing_count() == 1
+    assert any(not np.allclose(b, v.numpy()) for b, v in zip(before, model.trainable_variables))
+
+
+def test_padded_rows_contribute_nothing():
+    model = _mlp()
+    x, y = rng.normal(size=(4, 6)).astype("float32"), rng.integers(0, 3, 4)
+    padded_x = np.concatenate([x, np.zeros((3, 6), "float32")])
+    padded_y = np.concatenate([y, np.zeros(3, int)])
+    mask = np.array([1, 1, 1, 1, 0, 0, 0], "float32")
+    a = private_gradients(model, sparse_ce, x, y, l2_norm_clip=0.5, noise_multiplier=0.0, expected_batch_size=4.0)
+    b = private_gradients(model, sparse_ce, padded_x, padded_y, sample_weight=mask, l2_norm_clip=0.5, noise_multiplier=0.0, expected_batch_size=4.0)
+    for u, v in zip(a, b):
+        np.testing.assert_allclose(u, v, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(l2_norm_clip=0.0, noise_multiplier=1.0), "l2_norm_clip"),
+        (dict(l2_norm_clip=-1.0, noise_multiplier=1.0), "l2_norm_clip"),
+        (dict(l2_norm_clip=1.0, noise_multiplier=-0.5), "noise_multiplier"),
+        (dict(l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=0), "expected_batch_size"),
+    ],
+)
+def test_bad_dp_arguments(kwargs, match):
+    model = _mlp()
+    with pytest.raises(ValueError, match=match):
+        private_gradients(model, sparse_ce, np.ones((2, 6), "float32"), np.zeros(2, int), **kwargs)
+    if "expected_batch_size" not in kwargs:
+        with pytest.raises(ValueError, match=match):
+            peg.keras.DPModel(model, **kwargs)
+
+
+def test_scalar_loss_is_rejected():
+    model = _mlp()
+    with pytest.raises(peg.InvalidLossError):
+        private_gradients(model, lambda y, p: tf.reduce_mean(sparse_ce(y, p)), np.ones((2, 6), "float32"), np.zeros(2, int), l2_norm_clip=1.0, noise_multiplier=1.0)
+
+
+def test_validator_names_offending_and_slow_layers():
+    model = keras.Sequential([
+        keras.Input((5, 4)), keras.layers.LSTM(3, return_sequences=True, name="rnn"),
+        keras.layers.BatchNormalization(name="bn1"), keras.layers.Flatten(),
+        keras.layers.BatchNormalization(name="bn2"), keras.layers.Dense(2),
+    ])
+    report = validation.validate(model)
+    assert len(report.errors) == 2 and "'bn1'" in report.errors[0] and "'bn2'" in report.errors[1]
+    assert "GroupNormalization" in str(report)
+    assert any("'rnn'" in s for s in report.slow)
+    with pytest.raises(ValueError, match="(?s)bn1.*bn2"):
+        peg.keras.DPModel(model, l2_norm_clip=1.0, noise_multiplier=1.0)
+    assert validation.validate(model, training=False).errors == []
+
+
+def _digits(n_train=600, seed=0):
+    from per_example_grads.data import load_digits
+
+    x, y = load_digits()
+    idx = np.random.default_rng(seed).permutation(len(x))
+    return x[idx[:n_train]], y[idx[:n_train]], x[idx[-300:]], y[idx[-300:]]
+
+
+def test_dp_model_learns_and_saves(tmp_path):
+    x, y, xt, yt = _digits()
+    net = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)])
+    dp = peg.keras.DPModel(net, l2_norm_clip=1.0, noise_multiplier=0.5, expected_batch_size=50, num_examples=len(x), seed=0)
+    dp.compile(optimizer=keras.optimizers.Adam(1e-2), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    history = dp.fit(x, y, batch_size=50, epochs=4, verbose=0)
+    assert int(dp.dp_steps.numpy()) == 4 * 12
+    assert {"loss", "accuracy", "clipped_fraction"} <= set(history.history)
+    acc = dp.evaluate(xt, yt, verbose=0, return_dict=True)["accuracy"]
+    assert acc > 0.5, acc  # chance is 0.1
+    assert 0 < dp.epsilon(1e-5) < float("inf")
+    # The wrapped network saves and loads as a plain Keras model.
+    net.save(tmp_path / "net.keras")
+    loaded = keras.models.load_model(tmp_path / "net.keras")
+    np.testing.assert_allclose(loaded.predict(xt, verbose=0), net.predict(xt, verbose=0), rtol=1e-6)
+    # DPModel weights (including the privacy step counter) round-trip.
+    dp.save_weights(tmp_path / "dp.weights.h5")
+    fresh = peg.keras.DPModel(keras.models.clone_model(net), l2_norm_clip=1.0, noise_multiplier=0.5, seed=1)
+    fresh(xt[:1])  # build before loading
+    fresh.load_weights(tmp_path / "dp.weights.h5")
+    assert int(fresh.dp_steps.numpy()) == 48
+    np.testing.assert_allclose(fresh.predict(xt, verbose=0), dp.predict(xt, verbose=0), rtol=1e-6)
+
+
+def test_adaptive_clipping_tracks_the_quantile():
+    norms = tf.constant(np.linspace(0.1, 2.0, 20), tf.float32)  # median about 1.05
+    settings = adaptive.AdaptiveClipping(target_quantile=0.5, learning_rate=0.2, clipped_count_stddev=1e-3, initial_l2_norm_clip=5.0)
+    clip = tf.constant(5.0)
+    gen = tf.random.Generator.from_seed(0)
+    for _ in range(200):
+        clip = adaptive.updated_clip(settings, clip, norms, tf.ones([20]), 20.0, gen)
+    assert 0.9 < float(clip) < 1.2
+    # Padding rows (norm 0) are not counted as unclipped.
+    padded = tf.concat([norms, tf.zeros([20])], 0)
+    clip2 = tf.constant(5.0)
+    for _ in range(200):
+        clip2 = adaptive.updated_clip(settings, clip2, padded, tf.concat([tf.ones([20]), tf.zeros([20])], 0), 20.0, gen)
+    assert 0.9 < float(clip2) < 1.2
+    with pytest.raises(ValueError, match="target_quantile"):
+        adaptive.AdaptiveClipping(target_quantile=1.5)
+
+
+def test_dp_model_with_adaptive_clipping_moves_the_clip():
+    x, y, _, _ = _digits(200)
+    net = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+    settings = adaptive.AdaptiveClipping(initial_l2_norm_clip=100.0, clipped_count_stddev=2.0)
+    dp = peg.keras.DPModel(net, noise_multiplier=1.0, expected_batch_size=50, adaptive_clipping=settings, seed=0)
+    dp.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    dp.fit(x, y, batch_size=50, epochs=2, verbose=0)
+    assert float(dp.l2_norm_clip.numpy()) < 100.0
