@@ -106,7 +106,7 @@ def clipped_gradients(
         sums = [tf.math.divide_no_nan(s, tf.cast(b, s.dtype)) for s in sums]
     if not return_norms:
         return sums
-    if isinstance(l2_norm_clip, (int, float)):
+    if isinstance(l2_norm_clip, (int, float)) or tf.is_tensor(l2_norm_clip):
         return sums, norms[0]
     names = list(l2_norm_clip) if isinstance(l2_norm_clip, Mapping) else list(range(len(groups)))
     return sums, dict(zip(names, norms))
@@ -119,8 +119,8 @@ def _clip_groups(variables, l2_norm_clip) -> tuple[list[list[int]], list[float]]
             raise ValueError(f"{where} must be a number > 0; got {value!r}.")
         return float(value)
 
-    if isinstance(l2_norm_clip, (int, float)) or (isinstance(l2_norm_clip, tf.Tensor) and l2_norm_clip.shape.rank == 0):
-        if not isinstance(l2_norm_clip, tf.Tensor):
+    if isinstance(l2_norm_clip, (int, float)) or (tf.is_tensor(l2_norm_clip) and l2_norm_clip.shape.rank == 0):
+        if not tf.is_tensor(l2_norm_clip):
             check(l2_norm_clip, "l2_norm_clip")
         return [list(range(len(variables)))], [l2_norm_clip]
     if isinstance(l2_norm_clip, Mapping):

@@ -35,8 +35,10 @@ class DPModel(keras.Model):
     stays bounded by the clip norm; a Poisson batch's mask is passed as
     ``sample_weight`` (padded rows then contribute nothing). The reported
     ``loss`` and metrics come from an inference-mode forward pass on the batch
-    before the update. ``clipped_fraction`` is logged as well (it is computed
-    from the private gradient norms: do not publish it without accounting).
+    before the update. ``clipped_fraction`` (epoch running mean) and
+    ``step_clipped_fraction`` (this step's) are logged as well; they are
+    computed from the private gradient norms, so do not publish them without
+    accounting for them.
 
     Saving: save the wrapped network, ``dp_model.model.save("m.keras")``, or
     use ``save_weights`` / checkpoints on the DPModel itself (they include the
@@ -131,9 +133,10 @@ class DPModel(keras.Model):
         real = tf.ones([rows]) if sample_weight is None else tf.cast(tf.not_equal(sample_weight, 0), tf.float32)
         global_norms = norms if not isinstance(norms, dict) else tf.sqrt(tf.add_n([tf.square(n) for n in norms.values()]))
         clip_total = noise_stddev(clip, 1.0)
-        self._clipped_fraction.update_state(
-            tf.math.divide_no_nan(tf.reduce_sum(tf.cast(global_norms > clip_total, tf.float32) * real), tf.reduce_sum(real))
+        step_clipped_fraction = tf.math.divide_no_nan(
+            tf.reduce_sum(tf.cast(global_norms > clip_total, tf.float32) * real), tf.reduce_sum(real)
         )
+        self._clipped_fraction.update_state(step_clipped_fraction)
         grads = noised_average(sums, noise_stddev(clip, self._gradient_noise_multiplier), divisor, self._noise)
         if self.adaptive is not None:
             self.l2_norm_clip.assign(
@@ -144,7 +147,11 @@ class DPModel(keras.Model):
 
         loss = self.compute_loss(x, y, y_pred, sample_weight)
         self._loss_tracker.update_state(loss)
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        # This step's own value (the metric above is the epoch's running mean),
+        # for callbacks that plot per-step clipping.
+        logs["step_clipped_fraction"] = step_clipped_fraction
+        return logs
 
     def epsilon(self, delta: float, *, accountant: str = "pld") -> float:
         """ε spent so far (``dp_steps`` steps), with Poisson sampling at ``q = expected_batch_size / num_examples``."""

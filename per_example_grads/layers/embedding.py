@@ -38,9 +38,12 @@ class EmbeddingRule(LayerRule):
 
     @staticmethod
     def _flat(layer, ids, g):
-        b = tf.shape(ids)[0]
-        ids = tf.reshape(tf.cast(ids, tf.int32), [b, -1])
-        g = tf.reshape(tf.cast(g, tf.float32), [b, -1, layer.output_dim])
+        """``ids`` -> ``[B, T]`` int32, ``g`` -> ``[B, T, D]`` float32, T static when known."""
+        positions = ids.shape[1:]
+        t = positions.num_elements() if positions.is_fully_defined() else -1
+        b = -1 if t != -1 else tf.shape(ids)[0]
+        ids = tf.reshape(tf.cast(ids, tf.int32), [b, t])
+        g = tf.reshape(tf.cast(g, tf.float32), [b, t, layer.output_dim])
         return ids, g
 
     def per_example(self, layer, saved, grads):

@@ -1,0 +1,225 @@
+"""Layer-wise engine vs the plain batch gradient: DP-step costs and peak memory.
+
+    python benchmarks/bench_layerwise.py                 # timings + memory, 4 models x B in {64, 256}
+    python benchmarks/bench_layerwise.py --quick         # smoke run
+
+Timing: for every (model, B) one process builds the model and wraps each
+quantity in a ``tf.function`` with an unknown batch dimension, then times the
+quantities round-robin (the order rotates every repeat), so machine noise hits
+all alike. Reported: the median over ``--repeats`` and its ratio to the median
+of the plain batch-gradient step (``tape.gradient`` of the mean loss).
+
+Quantities:
+  batch_grad         plain step, the baseline
+  clipped_layerwise  peg.clipped_gradients (one forward + one backward, no B x P)
+  norms_layerwise    peg.per_example_norms (ghost norms)
+  grads_layerwise    peg.per_example_gradients(method="layerwise"), materialized
+  clipped_vectorized tf.vectorized_map per-example gradients, clip, sum
+                     (what a generic vectorized DP-SGD step costs; refused on
+                     MultiHeadAttention, so not run on the transformer)
+
+Memory (``--memory``): each quantity runs in a fresh subprocess that builds the
+model, runs the quantity 3 times and reports ``ru_maxrss``; a subprocess that
+only builds the model and data gives the baseline. Reported: peak RSS, and the
+increment over the baseline as a ratio to batch_grad's increment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+MODELS = ("mlp", "cnn", "transformer", "embedding_bag")
+QUANTITIES = ("batch_grad", "clipped_layerwise", "norms_layerwise", "grads_layerwise", "clipped_vectorized")
+
+
+def build(name: str, b: int):
+    import keras
+    import numpy as np
+
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    if name == "mlp":
+        model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(512, activation="relu"),
+                                  keras.layers.Dense(512, activation="relu"), keras.layers.Dense(10)])
+        x = rng.normal(size=(b, 784)).astype("float32")
+        n_classes = 10
+    elif name == "cnn":
+        model = keras.Sequential([
+            keras.Input((28, 28, 1)), keras.layers.Conv2D(16, 3, activation="relu"), keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(32, 3, activation="relu"), keras.layers.MaxPooling2D(), keras.layers.Flatten(),
+            keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
+        x = rng.normal(size=(b, 28, 28, 1)).astype("float32")
+        n_classes = 10
+    elif name == "transformer":
+        t, d = 32, 64
+        inp = keras.Input((t,), dtype="int32")
+        tok = keras.layers.Embedding(1000, d)(inp)
+        pos = keras.layers.Embedding(t, d)(keras.ops.arange(t)[None])
+        h = tok + pos
+        a = keras.layers.MultiHeadAttention(num_heads=4, key_dim=d // 4)(h, h)
+        h = keras.layers.LayerNormalization()(h + a)
+        f = keras.layers.Dense(d)(keras.layers.Dense(128, activation="relu")(h))
+        h = keras.layers.LayerNormalization()(h + f)
+        out = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling1D()(h))
+        model = keras.Model(inp, out)
+        x = rng.integers(0, 1000, (b, t)).astype("int32")
+        n_classes = 2
+    elif name == "embedding_bag":
+        model = keras.Sequential([keras.Input((64,), dtype="int32"), keras.layers.Embedding(20000, 32),
+                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)])
+        x = rng.integers(0, 20000, (b, 64)).astype("int32")
+        n_classes = 2
+    else:
+        raise ValueError(name)
+    y = rng.integers(0, n_classes, b).astype("int32")
+    return model, x, y
+
+
+def quantity_fn(name: str, model, x):
+    import keras
+    import tensorflow as tf
+
+    import per_example_grads as peg
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    variables = model.trainable_variables
+
+    def batch_grad(x, y):
+        with tf.GradientTape() as tape:
+            l = tf.reduce_mean(loss(y, model(x)))
+        return tape.gradient(l, variables)
+
+    def clipped_vectorized(x, y):
+        grads = peg.per_example_gradients(model, loss, x, y, method="vectorized")
+        clipped, _ = peg.clip_by_global_norm(grads, 1.0)
+        return peg.sum_examples(clipped)
+
+    fns = {
+        "batch_grad": batch_grad,
+        "clipped_layerwise": lambda x, y: peg.clipped_gradients(model, loss, x, y, l2_norm_clip=1.0, method="layerwise"),
+        "norms_layerwise": lambda x, y: peg.per_example_norms(model, loss, x, y, method="layerwise"),
+        "grads_layerwise": lambda x, y: peg.per_example_gradients(model, loss, x, y, method="layerwise"),
+        "clipped_vectorized": clipped_vectorized,
+    }
+    spec = [tf.TensorSpec([None, *x.shape[1:]], tf.as_dtype(x.dtype)), tf.TensorSpec([None], tf.int32)]
+    return tf.function(fns[name], input_signature=spec)
+
+
+def _sync(out) -> None:
+    """Waits for ``out`` (IndexedSlices, from embedding gradients, via their values)."""
+    import tensorflow as tf
+
+    for t in tf.nest.flatten(out, expand_composites=False):
+        (t.values if isinstance(t, tf.IndexedSlices) else t).numpy()
+
+
+def runnable(model_name: str, q: str) -> bool:
+    return not (model_name == "transformer" and q == "clipped_vectorized")
+
+
+def time_cell(model_name: str, b: int, repeats: int) -> dict:
+    import tensorflow as tf
+
+    model, x, y = build(model_name, b)
+    fns = {q: quantity_fn(q, model, x) for q in QUANTITIES if runnable(model_name, q)}
+    for fn in fns.values():  # trace and warm up
+        _sync(fn(x, y))
+        _sync(fn(x, y))
+    times = {q: [] for q in fns}
+    order = list(fns)
+    for r in range(repeats):
+        order = order[1:] + order[:1]
+        for q in order:
+            inner = 3
+            start = time.perf_counter()
+            for _ in range(inner):
+                out = fns[q](x, y)
+            _sync(out)
+            times[q].append((time.perf_counter() - start) / inner)
+    return {q: statistics.median(v) for q, v in times.items()}
+
+
+def memory_cell(model_name: str, b: int, q: str) -> int:
+    """Peak RSS (KiB) of a process that runs ``q`` (or only builds, for q='none')."""
+    import tensorflow as tf
+
+    model, x, y = build(model_name, b)
+    model(x[:2])
+    if q != "none":
+        fn = quantity_fn(q, model, x)
+        for _ in range(3):
+            _sync(fn(x, y))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--batch-sizes", default="64,256")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--memory", action="store_true", help="also measure peak RSS per quantity in subprocesses")
+    p.add_argument("--out")
+    p.add_argument("--cell", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.cell:  # memory worker: model,B,quantity
+        m, b, q = args.cell.split(",")
+        print(json.dumps({"maxrss_kib": memory_cell(m, int(b), q)}))
+        return 0
+    import tensorflow as tf
+
+    sizes = [16] if args.quick else [int(s) for s in args.batch_sizes.split(",")]
+    repeats = 2 if args.quick else args.repeats
+    models = args.models.split(",")
+    lines = [
+        f"command: python benchmarks/bench_layerwise.py {' '.join(argv if argv is not None else sys.argv[1:])}",
+        f"tensorflow {tf.__version__}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}",
+        "",
+        "| model | B | quantity | median ms | ratio to batch_grad |",
+        "|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
+    for m in models:
+        for b in sizes:
+            res = time_cell(m, b, repeats)
+            for q in QUANTITIES:
+                row = (f"| {m} | {b} | {q} | {res[q] * 1e3:.2f} | {res[q] / res['batch_grad']:.2f} |" if q in res
+                       else f"| {m} | {b} | {q} | refused (MultiHeadAttention) | |")
+                lines.append(row)
+                print(row, flush=True)
+    if args.memory:
+        mem = ["", "| model | B | quantity | peak RSS MiB | increment over build-only MiB | increment / batch_grad's |", "|---|---|---|---|---|---|"]
+        print("\n".join(mem), flush=True)
+        for m in models:
+            for b in sizes:
+                def run(q):
+                    out = subprocess.run([sys.executable, __file__, "--cell", f"{m},{b},{q}"], capture_output=True, text=True, timeout=900)
+                    return json.loads(out.stdout.strip().splitlines()[-1])["maxrss_kib"] / 1024
+                base = run("none")
+                incs = {}
+                for q in QUANTITIES:
+                    if not runnable(m, q):
+                        continue
+                    peak = run(q)
+                    incs[q] = peak - base
+                    row = f"| {m} | {b} | {q} | {peak:.0f} | {incs[q]:.0f} | {incs[q] / max(incs['batch_grad'], 1e-9):.2f} |"
+                    mem.append(row)
+                    print(row, flush=True)
+        lines += mem
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
