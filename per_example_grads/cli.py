@@ -5,6 +5,11 @@ its arguments and ``_run_<name>`` runs it and returns the exit status. To add
 one, write that pair and list the first in ``_SUBCOMMANDS``.
 
     pegrad demo [--out DIR] [--fast] [--epochs N] [--seed S]
+    pegrad demo --dp [--out DIR] [--fast] [--epochs N] [--seed S] [--target-epsilon E]
+    pegrad epsilon --num-examples N --batch-size B (--epochs E | --steps T)
+                   (--noise-multiplier S | --target-epsilon EPS) --delta D
+                   [--accountant pld|rdp] [--sampling poisson|shuffle]
+    pegrad diagnose [MODEL.keras DATA.npz] [--out DIR] [--fast] [--batch-size B]
     python -m per_example_grads.cli demo --fast
 """
 
@@ -53,27 +58,49 @@ def _add_demo_parser(subparsers: "argparse._SubParsersAction") -> None:
         description=(
             "Train a small MLP on the bundled digits, print per-class gradient "
             "norm statistics, the examples with the largest norms, and engine "
-            "timings, and save a histogram of the norms."
+            "timings, and save a histogram of the norms. With --dp: train it "
+            "with DP-SGD at a target epsilon and without privacy, compare the "
+            "test accuracies, and save a plot of both runs."
         ),
     )
     p.add_argument(
+        "--dp", action="store_true",
+        help="the private demo: DP-SGD against non-private training",
+    )
+    p.add_argument(
         "--out", default="pegrad_out", metavar="DIR",
-        help="folder for norms_histogram.png (default: %(default)s)",
+        help="folder for norms_histogram.png, or dp_training.png with --dp "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--fast", action="store_true",
-        help="1 epoch on a subset and fewer timing repeats (a few seconds)",
+        help="1 epoch on a subset and fewer timing repeats (a few seconds); "
+        "with --dp: 5 epochs",
     )
     p.add_argument(
         "--epochs", type=_positive_int, default=None,
-        help="training epochs (default: 15, or 1 with --fast)",
+        help="training epochs (default: 15, or 1 with --fast; with --dp: 30, or 5 with --fast)",
     )
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
-    p.set_defaults(run=_run_demo)
+    p.add_argument(
+        "--target-epsilon", type=_positive_float, default=None, metavar="E",
+        help="with --dp: the privacy budget epsilon, at delta = 1e-5 (default: 8)",
+    )
+    p.set_defaults(run=_run_demo, parser=p)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    if args.target_epsilon is not None and not args.dp:
+        args.parser.error("--target-epsilon needs --dp")
     _quiet_tensorflow()
+    if args.dp:
+        from per_example_grads.dp_demo import DEFAULT_TARGET_EPSILON, run_dp_demo
+
+        target = DEFAULT_TARGET_EPSILON if args.target_epsilon is None else args.target_epsilon
+        run_dp_demo(
+            args.out, target_epsilon=target, epochs=args.epochs, fast=args.fast, seed=args.seed
+        )
+        return 0
     from per_example_grads.demo import run_demo
 
     run_demo(args.out, epochs=args.epochs, fast=args.fast, seed=args.seed)
@@ -94,7 +121,150 @@ def _positive_int(text: str) -> int:
     return value
 
 
-_SUBCOMMANDS: tuple[_Adder, ...] = (_add_demo_parser,)
+def _add_epsilon_parser(subparsers: "argparse._SubParsersAction") -> None:
+    p = subparsers.add_parser(
+        "epsilon",
+        help="the epsilon of a DP-SGD run, or the noise multiplier for a target epsilon",
+        description=(
+            "Privacy accounting for DP-SGD (example-level, add/remove-one, "
+            "through Google's dp_accounting). With --noise-multiplier, print "
+            "the epsilon spent; with --target-epsilon, print the smallest "
+            "noise multiplier that stays within it. The sampling probability "
+            "is q = batch size / examples and the steps ceil(epochs / q)."
+        ),
+    )
+    p.add_argument("--num-examples", type=_positive_int, required=True, metavar="N",
+                   help="training examples N")
+    p.add_argument("--batch-size", type=_positive_float, required=True, metavar="B",
+                   help="(expected) batch size B; q = B / N")
+    length = p.add_mutually_exclusive_group(required=True)
+    length.add_argument("--epochs", type=_positive_float, metavar="E", help="epochs of training")
+    length.add_argument("--steps", type=_positive_int, metavar="T", help="training steps (instead of --epochs)")
+    goal = p.add_mutually_exclusive_group(required=True)
+    goal.add_argument("--noise-multiplier", type=_non_negative_float, metavar="SIGMA",
+                      help="noise std / clip norm; print the epsilon spent")
+    goal.add_argument("--target-epsilon", type=_positive_float, metavar="EPS",
+                      help="print the noise multiplier needed for this epsilon")
+    p.add_argument("--delta", type=_probability, required=True, metavar="D",
+                   help="delta in (0, 1), much smaller than 1/N")
+    p.add_argument("--accountant", choices=("pld", "rdp"), default="pld",
+                   help="privacy loss distributions (tighter) or Renyi DP (default: %(default)s)")
+    p.add_argument("--sampling", choices=("poisson", "shuffle"), default="poisson",
+                   help="how batches are drawn; 'shuffle' is accounted as Poisson, a "
+                        "heuristic without a proven bound (default: %(default)s)")
+    p.set_defaults(run=_run_epsilon, parser=p)
+
+
+def _run_epsilon(args: argparse.Namespace) -> int:
+    import math
+    import sys
+    import warnings
+
+    from per_example_grads.dp import accounting
+
+    if args.batch_size > args.num_examples:
+        args.parser.error(
+            f"--batch-size ({args.batch_size:g}) must be <= --num-examples ({args.num_examples})"
+        )
+    run = dict(
+        num_examples=args.num_examples, batch_size=args.batch_size, epochs=args.epochs,
+        steps=args.steps, accountant=args.accountant, sampling=args.sampling,
+    )
+    q, steps = accounting.dp_sgd_schedule(args.num_examples, args.batch_size, args.epochs, args.steps, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if args.target_epsilon is None:
+            sigma = args.noise_multiplier
+        else:
+            # Rounded up, so the printed value itself meets the target.
+            exact = accounting.noise_multiplier_for_epsilon(args.target_epsilon, args.delta, **run)
+            scale = 10 ** (5 - math.floor(math.log10(exact)))
+            sigma = math.ceil(exact * scale) / scale
+        epsilon = accounting.compute_epsilon(noise_multiplier=sigma, delta=args.delta, **run)
+    for message in dict.fromkeys(str(w.message) for w in caught):
+        print(f"warning: {message}", file=sys.stderr)
+
+    length = f"{args.epochs:g} epochs" if args.steps is None else "given"
+    print(f"sampling probability q = {q:.6g} (batch size {args.batch_size:g} / {args.num_examples} examples, {args.sampling} sampling)")
+    print(f"steps = {steps} ({length})")
+    if args.target_epsilon is not None:
+        print(f"noise multiplier = {sigma:.6g} for epsilon <= {args.target_epsilon:g} at delta = {args.delta:g} ({args.accountant} accountant)")
+    print(f"epsilon = {epsilon:.6g} at delta = {args.delta:g} with noise multiplier {sigma:g} ({args.accountant} accountant)")
+    return 0
+
+
+def _positive_float(text: str) -> float:
+    value = _float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0; got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0; got {text}")
+    return value
+
+
+def _probability(text: str) -> float:
+    value = _float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1); got {text}")
+    return value
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"must be finite; got {text}")
+    return value
+
+
+def _add_diagnose_parser(subparsers: "argparse._SubParsersAction") -> None:
+    p = subparsers.add_parser(
+        "diagnose",
+        help="gradient statistics of a model on data: noise scale, variance, GSNR, top examples",
+        description=(
+            "Stream over DATA.npz (arrays x, y) and report the model's gradient "
+            "statistics: trace of the per-example gradient covariance, GSNR per "
+            "variable, per-example norms, the gradient noise scale B_simple and "
+            "a suggested batch size. Writes report.json, report.png and "
+            "norms_histogram.png. With no MODEL/DATA, trains the demo's digits "
+            "MLP briefly and diagnoses it on the shipped digits."
+        ),
+    )
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL.keras", help="a saved Keras model")
+    p.add_argument("data", nargs="?", default=None, metavar="DATA.npz", help="arrays x and y")
+    p.add_argument("--out", default="pegrad_diagnose", metavar="DIR",
+                   help="folder for the report files (default: %(default)s)")
+    p.add_argument("--fast", action="store_true", help="a small subset and 1 training epoch for the demo")
+    p.add_argument("--batch-size", type=_positive_int, default=32, metavar="B",
+                   help="current training batch size, for the accumulation advice (default: %(default)s)")
+    p.add_argument("--top-k", type=_positive_int, default=10, metavar="K",
+                   help="largest-norm examples to report (default: %(default)s)")
+    p.add_argument("--loss", default=None, metavar="NAME", help="Keras loss name, if the model has none")
+    p.add_argument("--seed", type=int, default=0, help="random seed for the demo (default: %(default)s)")
+    p.set_defaults(run=_run_diagnose, parser=p)
+
+
+def _run_diagnose(args: argparse.Namespace) -> int:
+    if (args.model is None) != (args.data is None):
+        args.parser.error("give both MODEL.keras and DATA.npz, or neither for the demo model")
+    _quiet_tensorflow()
+    from per_example_grads.diagnostics.command import run_diagnose
+
+    run_diagnose(
+        args.out, args.model, args.data, fast=args.fast, batch_size=args.batch_size,
+        top_k=args.top_k, loss=args.loss, seed=args.seed,
+    )
+    return 0
+
+
+_SUBCOMMANDS: tuple[_Adder, ...] = (_add_demo_parser, _add_epsilon_parser, _add_diagnose_parser)
 
 
 if __name__ == "__main__":

@@ -199,3 +199,21 @@ def test_dp_model_with_adaptive_clipping_moves_the_clip():
     dp.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     dp.fit(x, y, batch_size=50, epochs=2, verbose=0)
     assert float(dp.l2_norm_clip.numpy()) < 100.0
+
+
+def test_dp_model_physical_chunks_equal_one_big_batch():
+    """A logical batch of 24 in chunks of 5 gives the same noiseless step as one pass."""
+    x, y, _, _ = _digits(24)
+    steps = []
+    for physical in (None, 5):
+        keras.utils.set_random_seed(3)
+        net = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(10)])
+        dp = peg.keras.DPModel(net, l2_norm_clip=0.5, noise_multiplier=0.0, expected_batch_size=24.0, physical_batch_size=physical)
+        dp.compile(optimizer=keras.optimizers.SGD(1.0), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        before = [v.numpy().copy() for v in net.trainable_variables]
+        dp.fit(x, y, batch_size=24, epochs=1, verbose=0, shuffle=False)
+        steps.append([b - v.numpy() for b, v in zip(before, net.trainable_variables)])
+    for a, b in zip(*steps):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="physical_batch_size"):
+        peg.keras.DPModel(_mlp(), l2_norm_clip=1.0, noise_multiplier=1.0, physical_batch_size=0)

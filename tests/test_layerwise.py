@@ -268,3 +268,19 @@ def test_random_conv_and_sequence_dense(kernel, strides, dilation, padding, t, w
     assert_grads_close(peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise"), expected)
     flat = np.concatenate([e.reshape(3, -1) for e in expected], axis=1)
     np.testing.assert_allclose(peg.per_example_norms(model, sparse_ce, x, y, method="layerwise"), np.linalg.norm(flat, axis=1), rtol=1e-5)
+
+
+def test_frozen_layers_explicitly_requested():
+    """Frozen Dense and Conv2D weights asked for by ``variables=`` get exact gradients."""
+    conv = keras.layers.Conv2D(3, 3, name="frozen_conv")
+    dense = keras.layers.Dense(4, name="frozen_dense")
+    model = keras.Sequential([keras.Input((6, 6, 2)), conv, keras.layers.Flatten(), dense, keras.layers.Dense(3)])
+    conv.trainable = False
+    dense.trainable = False
+    x, y = rng.normal(size=(B, 6, 6, 2)).astype("float32"), rng.integers(0, 3, B)
+    variables = [conv.kernel, conv.bias, dense.kernel] + model.trainable_variables
+    expected = reference_gradients(model, sparse_ce, x, y, variables=variables)
+    assert_grads_close(peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise", variables=variables), expected)
+    norms = peg.per_example_norms(model, sparse_ce, x, y, method="layerwise", variables=variables, by_variable=True)
+    for n, e in zip(norms, expected):
+        np.testing.assert_allclose(n, np.linalg.norm(e.reshape(B, -1), axis=1), rtol=1e-5)

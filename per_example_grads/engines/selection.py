@@ -1,14 +1,18 @@
 """Which engine runs: the rule behind ``method="auto"``, and its fallbacks.
 
-The rule, in order of preference (fastest first, as measured in
-``benchmarks/RESULTS.md``):
+The rule, in order of preference:
 
-1. ``vectorized``, unless the model contains a layer known to crash
+1. ``layerwise``, when every requested variable belongs to a layer (closed
+   forms per layer, or the exact layer-local fallback); see
+   ``per_example_grads.layerwise``.
+2. ``vectorized``, unless the model contains a layer known to crash
    ``tf.vectorized_map`` (``model_inspection.VECTORIZATION_CRASHERS``). A
    segfault cannot be caught, so such models never reach it.
-2. ``weight_copies``, unless a variable is not a Keras variable, or the model
-   has active random layers in training mode.
-3. ``loop``, which runs anything that runs on one example.
+3. ``weight_copies``, the fallback the design asks for when vectorization is
+   impossible, unless a variable is not a Keras variable, or the model has
+   active random layers in training mode. (``benchmarks/RESULTS.md`` measures
+   it 1.3-2.7x slower than ``loop`` on CPU.)
+4. ``loop``, which runs anything that runs on one example.
 
 ``jacobian`` is never chosen automatically: it costs ``O(B^2)`` and does not
 isolate examples from each other's NaNs. When an engine raises an exception

@@ -55,6 +55,10 @@ class DPModel(keras.Model):
       seed: None (OS entropy, for real use) or an int (reproducible noise).
       adaptive_clipping: ``peg.dp.AdaptiveClipping`` settings, or None.
       method: per-example gradient engine (``"auto"`` prefers layer-wise).
+      physical_batch_size: process each (logical) batch in chunks of this many
+        rows, summing their clipped gradients in a loop before the single
+        noise draw, so ``fit`` can use logical batches far larger than fit in
+        memory (e.g. Poisson batches of 4096 in chunks of 64). Flat clipping only.
 
     Example:
       >>> import keras, numpy as np
@@ -78,6 +82,7 @@ class DPModel(keras.Model):
         seed: int | None = None,
         adaptive_clipping: adaptive_clipping.AdaptiveClipping | None = None,
         method: str = "auto",
+        physical_batch_size: int | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -88,6 +93,12 @@ class DPModel(keras.Model):
         self.expected_batch_size = expected_batch_size
         self.num_examples = num_examples
         self.method = method
+        if physical_batch_size is not None:
+            if not (isinstance(physical_batch_size, int) and physical_batch_size > 0):
+                raise ValueError(f"physical_batch_size must be a positive int; got {physical_batch_size!r}.")
+            if not isinstance(l2_norm_clip, (int, float)):
+                raise ValueError("physical_batch_size supports a single (flat) l2_norm_clip.")
+        self.physical_batch_size = physical_batch_size
         self.adaptive = adaptive_clipping
         if adaptive_clipping is not None:
             from per_example_grads.dp.accounting import adaptive_clipping_noise_multiplier
@@ -124,10 +135,7 @@ class DPModel(keras.Model):
         y_pred = self.model(x, training=False)
 
         clip = tf.convert_to_tensor(self.l2_norm_clip) if isinstance(self.l2_norm_clip, keras.Variable) else self.l2_norm_clip
-        sums, norms = clipped_gradients(
-            self.model, loss_fn, x, y, l2_norm_clip=clip, sample_weight=sample_weight,
-            return_norms=True, method=self.method, training=True,
-        )
+        sums, norms = self._clipped_sums(loss_fn, x, y, sample_weight, clip)
         rows = tf.shape(tf.nest.flatten(x)[0])[0]
         divisor = self.expected_batch_size if self.expected_batch_size is not None else tf.maximum(rows, 1)
         real = tf.ones([rows]) if sample_weight is None else tf.cast(tf.not_equal(sample_weight, 0), tf.float32)
@@ -152,6 +160,39 @@ class DPModel(keras.Model):
         # for callbacks that plot per-step clipping.
         logs["step_clipped_fraction"] = step_clipped_fraction
         return logs
+
+    def _clipped_sums(self, loss_fn, x, y, sample_weight, clip):
+        """Clipped-gradient sums and ``[rows]`` norms, in physical chunks if asked."""
+        clip_args = dict(l2_norm_clip=clip, return_norms=True, method=self.method, training=True)
+        if self.physical_batch_size is None:
+            return clipped_gradients(self.model, loss_fn, x, y, sample_weight=sample_weight, **clip_args)
+        p = self.physical_batch_size
+        rows = tf.shape(tf.nest.flatten(x)[0])[0]
+        chunks = (rows + p - 1) // p
+        weights = tf.ones([rows]) if sample_weight is None else tf.cast(sample_weight, tf.float32)
+        data = {"x": x, "sample_weight": weights} | ({} if y is None else {"y": y})
+
+        def chunked(t):  # [rows, ...] -> [chunks, p, ...], zero-padded (weight 0)
+            t = tf.convert_to_tensor(t)
+            t = tf.pad(t, [[0, chunks * p - rows]] + [[0, 0]] * (t.shape.rank - 1))
+            return tf.reshape(t, tf.concat([[chunks, p], tf.shape(t)[1:]], 0))
+
+        data = tf.nest.map_structure(chunked, data)
+        variables = self.model.trainable_variables
+
+        def body(i, sums, norms):
+            part = tf.nest.map_structure(lambda t: t[i], data)
+            s, n = clipped_gradients(
+                self.model, loss_fn, part["x"], part.get("y"), sample_weight=part["sample_weight"], **clip_args
+            )
+            return i + 1, [a + b for a, b in zip(sums, s)], norms.write(i, n)
+
+        _, sums, norms = tf.while_loop(
+            lambda i, *_: i < chunks,
+            body,
+            (tf.constant(0), [tf.zeros(v.shape, v.dtype) for v in variables], tf.TensorArray(tf.float32, size=chunks)),
+        )
+        return sums, tf.reshape(norms.stack(), [-1])[:rows]
 
     def epsilon(self, delta: float, *, accountant: str = "pld") -> float:
         """ε spent so far (``dp_steps`` steps), with Poisson sampling at ``q = expected_batch_size / num_examples``."""

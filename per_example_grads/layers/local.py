@@ -22,7 +22,7 @@ import keras
 import tensorflow as tf
 
 from per_example_grads import model_inspection
-from per_example_grads.engines.base import dense_or_zeros
+from per_example_grads.engines.base import dense_or_zeros, watch_variables
 from per_example_grads.layerwise.rule import LayerRule
 
 
@@ -40,9 +40,10 @@ class LocalRule(LayerRule):
             outputs = layer.activation(outputs)
         return outputs, (args, kwargs), taps
 
-    def per_example(self, layer, saved, grads):
+    def per_example(self, layer, saved, grads, variables=None):
+        """As ``LayerRule.per_example``; ``variables`` overrides ``self.variables(layer)``."""
         args, kwargs = saved
-        variables = self.variables(layer)
+        variables = self.variables(layer) if variables is None else variables
         leaves = tf.nest.flatten((args, kwargs))
         batched = [i for i, t in enumerate(leaves) if isinstance(t, tf.Tensor) and t.shape.rank]
         # Recompute in the variables' dtype: outside Layer.__call__'s autocast
@@ -57,6 +58,7 @@ class LocalRule(LayerRule):
                 full[i] = tf.cast(t, var_dtype) if t.dtype.is_floating else t
             a, kw = tf.nest.pack_sequence_as((args, kwargs), full)
             with tf.GradientTape() as tape:
+                watch_variables(tape, variables)
                 with without_activation(layer, self.preactivation):
                     out = layer(*a, **kw)
                 taps = [t for t in tf.nest.flatten(out) if _is_float_tensor(t)]

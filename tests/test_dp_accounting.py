@@ -1,0 +1,370 @@
+"""Privacy accounting: PrivacyAccountant, compute_epsilon, calibration, EpsilonCallback, ``pegrad epsilon``.
+
+Every epsilon is checked against ``dp_accounting`` called directly here, with
+events and accountants built in the test, never against hard-coded numbers.
+"""
+
+import json
+import math
+import re
+import warnings
+
+import dp_accounting
+import keras
+import numpy as np
+import pytest
+from dp_accounting.pld import PLDAccountant
+from dp_accounting.rdp import RdpAccountant
+
+from per_example_grads import cli
+from per_example_grads.dp import (
+    PrivacyAccountant,
+    adaptive_clipping_noise_multiplier,
+    compute_epsilon,
+    noise_multiplier_for_epsilon,
+)
+from per_example_grads.keras import EpsilonCallback
+
+ADD_REMOVE = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+
+
+def direct_epsilon(kind, q, sigma, steps, delta):
+    """dp_accounting on ``steps`` Poisson-sampled Gaussian steps, built by hand."""
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
+    )
+    accountant = PLDAccountant(ADD_REMOVE) if kind == "pld" else RdpAccountant(neighboring_relation=ADD_REMOVE)
+    return accountant.compose(event).get_epsilon(delta)
+
+
+# (num_examples, batch_size, epochs, sigma, delta); PLD is slow for small
+# sigma, so its configurations keep sigma >= 1.
+CONFIGS = [
+    (60_000, 256, 60, 1.1, 1e-5),  # the classic MNIST setting
+    (10_000, 100, 2, 1.5, 1e-6),
+    (1_000, 100, 3, 2.0, 1e-4),
+    (50_000, 500, 4, 2.0, 1e-6),
+]
+RDP_ONLY = [
+    (50_000, 512, 10, 0.8, 1e-5),
+    (2_000, 64, 0.5, 1.0, 1e-5),  # a fractional epoch: ceil(0.5 * 2000 / 64) = 16 steps
+    (100_000, 1_000, 100, 0.6, 1e-7),
+]
+
+
+@pytest.mark.parametrize(
+    "kind, n, b, epochs, sigma, delta",
+    [("rdp", *c) for c in CONFIGS + RDP_ONLY] + [("pld", *c) for c in CONFIGS],
+)
+def test_compute_epsilon_equals_dp_accounting(kind, n, b, epochs, sigma, delta):
+    steps = math.ceil(epochs * n / b)
+    expected = direct_epsilon(kind, b / n, sigma, steps, delta)
+    assert compute_epsilon(n, b, epochs, sigma, delta, accountant=kind) == pytest.approx(expected, rel=1e-12)
+    assert 0 < expected < math.inf
+
+
+@pytest.mark.parametrize("kind", ["rdp", "pld"])
+def test_steps_and_sampling_probability_override_the_schedule(kind):
+    expected = direct_epsilon(kind, 0.01, 2.0, 250, 1e-6)
+    got = compute_epsilon(10_000, 50, None, 2.0, 1e-6, accountant=kind, steps=250, sampling_probability=0.01)
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_zero_noise_is_infinite_and_zero_steps_is_zero():
+    for kind in ("rdp", "pld"):
+        assert compute_epsilon(1000, 10, 1, 0.0, 1e-5, accountant=kind) == math.inf
+        assert compute_epsilon(1000, 10, None, 1.0, 1e-5, accountant=kind, steps=0) == 0.0
+        assert PrivacyAccountant(1.0, 0.1, accountant=kind).epsilon(1e-5) == 0.0
+
+
+@pytest.mark.parametrize("kind", ["rdp", "pld"])
+def test_accountant_matches_dp_accounting_and_grows_with_steps(kind):
+    acc = PrivacyAccountant(2.0, 0.01, accountant=kind)
+    previous = acc.epsilon(1e-5)
+    for more in (1, 9, 90):
+        acc.step(more)
+        eps = acc.epsilon(1e-5)
+        assert eps == pytest.approx(direct_epsilon(kind, 0.01, 2.0, acc.steps, 1e-5), rel=1e-12)
+        assert eps > previous
+        previous = eps
+    assert acc.steps == 100
+
+
+def test_accountant_composes_mixed_segments_like_dp_accounting():
+    acc = PrivacyAccountant(1.5, 0.01, accountant="rdp")
+    acc.step(10)
+    acc.step(5, noise_multiplier=2.0)
+    acc.step(3, sampling_probability=0.02)
+    acc.step(2)
+    acc.compose_gaussian(20.0, count=3)
+    assert acc.steps == 20
+
+    def sampled(q, sigma, count):
+        return dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), count
+        )
+
+    event = dp_accounting.ComposedDpEvent([
+        sampled(0.01, 1.5, 12),
+        sampled(0.01, 2.0, 5),
+        sampled(0.02, 1.5, 3),
+        dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(20.0), 3),
+    ])
+    expected = RdpAccountant(neighboring_relation=ADD_REMOVE).compose(event).get_epsilon(1e-5)
+    assert acc.epsilon(1e-5) == pytest.approx(expected, rel=1e-9)
+    assert "steps=20" in repr(acc) and "other_releases=3" in repr(acc)
+
+
+def test_state_round_trip_through_json_keeps_epsilon_and_continues():
+    acc = PrivacyAccountant(1.1, 0.02, accountant="rdp", extra_noise_multipliers=[8.0])
+    acc.step(30)
+    acc.step(7, noise_multiplier=1.5)
+    state = json.loads(json.dumps(acc.get_state()))
+    restored = PrivacyAccountant.from_state(state)
+    assert restored.steps == acc.steps == 37
+    assert restored.epsilon(1e-5) == acc.epsilon(1e-5)
+    assert repr(restored) == repr(acc)
+    assert restored.get_state() == acc.get_state()
+    acc.step(13)
+    restored.step(13)
+    assert restored.epsilon(1e-5) == acc.epsilon(1e-5)
+
+
+@pytest.mark.parametrize(
+    "state, match",
+    [
+        ({"version": 99}, "version"),
+        ({"version": 1, "accountant": "rdp"}, "missing the key"),
+    ],
+)
+def test_from_state_rejects_bad_state(state, match):
+    with pytest.raises(ValueError, match=match):
+        PrivacyAccountant.from_state(state)
+
+
+def test_from_state_rejects_bad_segment():
+    state = PrivacyAccountant(1.0, 0.1).get_state()
+    state["segments"] = [{"kind": "step", "noise_multipliers": [1.0], "sampling_probability": 2.0, "count": 3}]
+    with pytest.raises(ValueError, match=r"state\['segments'\]\[0\]\['sampling_probability'\]"):
+        PrivacyAccountant.from_state(state)
+
+
+def test_adaptive_clipping_formula_and_its_accounting():
+    sigma, sigma_b = 1.1, 3.0
+    grad_sigma = adaptive_clipping_noise_multiplier(sigma, sigma_b, 64)
+    assert grad_sigma == pytest.approx((sigma**-2 - (2 * sigma_b) ** -2) ** -0.5, rel=1e-15)
+    assert grad_sigma > sigma
+    # The paper's default sigma_b = expected_batch_size / 20.
+    assert adaptive_clipping_noise_multiplier(1.0, None, 100) == pytest.approx(adaptive_clipping_noise_multiplier(1.0, 5.0))
+
+    # Gradient + centred count on the same batch cost what sigma alone costs.
+    # dp_accounting's RDP accountant combines Gaussians inside one Poisson
+    # sample itself; compare both with it.
+    q, steps = 0.01, 200
+    inner = dp_accounting.ComposedDpEvent(
+        [dp_accounting.GaussianDpEvent(grad_sigma), dp_accounting.GaussianDpEvent(2 * sigma_b)]
+    )
+    event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(q, inner), steps)
+    expected = RdpAccountant(neighboring_relation=ADD_REMOVE).compose(event).get_epsilon(1e-5)
+    parts = PrivacyAccountant(grad_sigma, q, accountant="rdp", extra_noise_multipliers=[2 * sigma_b])
+    total = PrivacyAccountant(sigma, q, accountant="rdp")
+    parts.step(steps)
+    total.step(steps)
+    assert parts.epsilon(1e-5) == pytest.approx(expected, rel=1e-9)
+    assert total.epsilon(1e-5) == pytest.approx(expected, rel=1e-9)
+    gradient_only = PrivacyAccountant(grad_sigma, q, accountant="rdp")
+    gradient_only.step(steps)
+    assert gradient_only.epsilon(1e-5) < expected  # forgetting the count under-reports
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((0.0, 3.0), "total_noise_multiplier must be > 0"),
+        ((1.0, -1.0), "clipped_count_stddev must be > 0"),
+        ((2.0, 1.0), r"total_noise_multiplier \(2.0\) must be < 2 \* clipped_count_stddev"),
+        ((1.0,), "give clipped_count_stddev, or expected_batch_size"),
+        ((1.0, None, 0), "expected_batch_size must be > 0"),
+    ],
+)
+def test_adaptive_clipping_bad_inputs(args, match):
+    with pytest.raises(ValueError, match=match):
+        adaptive_clipping_noise_multiplier(*args)
+
+
+@pytest.mark.parametrize(
+    "kind, target, n, b, epochs, delta",
+    [
+        ("rdp", 3.0, 60_000, 256, 5, 1e-5),
+        ("rdp", 8.0, 5_000, 50, 3, 1e-6),
+        ("pld", 0.3, 1_000, 20, 2, 1e-5),
+    ],
+)
+def test_noise_multiplier_for_epsilon_is_the_smallest_within_budget(kind, target, n, b, epochs, delta):
+    sigma = noise_multiplier_for_epsilon(target, delta, n, b, epochs, accountant=kind)
+    steps = math.ceil(epochs * n / b)
+    assert direct_epsilon(kind, b / n, sigma, steps, delta) <= target
+    assert direct_epsilon(kind, b / n, 0.99 * sigma, steps, delta) > target
+
+
+BAD_INPUTS = [
+    (lambda: compute_epsilon(1000, 10, 1, -0.5, 1e-5), ValueError, "noise_multiplier must be >= 0"),
+    (lambda: compute_epsilon(1000, 10, 1, 1.0, 0.0), ValueError, r"delta must be in \(0, 1\)"),
+    (lambda: compute_epsilon(1000, 10, 1, 1.0, 1.0), ValueError, r"delta must be in \(0, 1\)"),
+    (lambda: compute_epsilon(0, 10, 1, 1.0, 1e-5), ValueError, "num_examples must be >= 1"),
+    (lambda: compute_epsilon(1000.5, 10, 1, 1.0, 1e-5), TypeError, "num_examples must be an integer"),
+    (lambda: compute_epsilon(1000, 0, 1, 1.0, 1e-5), ValueError, "batch_size must be > 0"),
+    (lambda: compute_epsilon(1000, 2000, 1, 1.0, 1e-5), ValueError, r"batch_size \(2000\) must be <= num_examples"),
+    (lambda: compute_epsilon(1000, 10, 0, 1.0, 1e-5), ValueError, "epochs must be > 0"),
+    (lambda: compute_epsilon(1000, 10, None, 1.0, 1e-5), ValueError, "epochs is required unless steps"),
+    (lambda: compute_epsilon(1000, 10, None, 1.0, 1e-5, steps=-1), ValueError, "steps must be >= 0"),
+    (lambda: compute_epsilon(1000, 10, 1, 1.0, 1e-5, sampling_probability=1.5), ValueError, r"sampling_probability must be in \(0, 1\]"),
+    (lambda: compute_epsilon(1000, 10, 1, 1.0, 1e-5, accountant="moments"), ValueError, "accountant must be one of 'pld', 'rdp'"),
+    (lambda: compute_epsilon(1000, 10, 1, 1.0, 1e-5, sampling="uniform"), ValueError, "sampling must be one of 'poisson', 'shuffle'"),
+    (lambda: compute_epsilon(1000, 10, 1, float("nan"), 1e-5), ValueError, "noise_multiplier must be finite"),
+    (lambda: compute_epsilon(1000, "10", 1, 1.0, 1e-5), TypeError, "batch_size must be a number"),
+    (lambda: PrivacyAccountant(-1.0, 0.1), ValueError, "noise_multiplier must be >= 0"),
+    (lambda: PrivacyAccountant(1.0, 0.0), ValueError, r"sampling_probability must be in \(0, 1\]"),
+    (lambda: PrivacyAccountant(1.0, 1.5), ValueError, r"sampling_probability must be in \(0, 1\]"),
+    (lambda: PrivacyAccountant(1.0, 0.1, accountant="gdp"), ValueError, "accountant must be one of"),
+    (lambda: PrivacyAccountant(1.0, 0.1, extra_noise_multipliers=[-2.0]), ValueError, r"extra_noise_multipliers\[0\] must be >= 0"),
+    (lambda: PrivacyAccountant(1.0, 0.1).epsilon(2.0), ValueError, r"delta must be in \(0, 1\)"),
+    (lambda: PrivacyAccountant(1.0, 0.1).step(-1), ValueError, "n must be >= 0"),
+    (lambda: PrivacyAccountant(1.0, 0.1).step(1, noise_multiplier=-1), ValueError, "noise_multiplier must be >= 0"),
+    (lambda: noise_multiplier_for_epsilon(0.0, 1e-5, 1000, 10, 1), ValueError, "target_epsilon must be > 0"),
+    (lambda: noise_multiplier_for_epsilon(1.0, 1e-5, 1000, 10, 1, rtol=0), ValueError, r"rtol must be in \(0, 1\)"),
+]
+
+
+@pytest.mark.parametrize("call, error, match", BAD_INPUTS)
+def test_bad_inputs_raise_naming_the_argument(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_delta_not_below_one_over_n_warns():
+    with pytest.warns(UserWarning, match=r"delta=0.001 is >= 1/num_examples"):
+        compute_epsilon(1000, 10, 1, 1.0, 1e-3, accountant="rdp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compute_epsilon(1000, 10, 1, 1.0, 1e-4, accountant="rdp")
+
+
+def test_shuffle_warns_and_is_accounted_as_poisson():
+    with pytest.warns(UserWarning, match="not a proven bound"):
+        shuffled = compute_epsilon(1000, 10, 2, 1.0, 1e-5, accountant="rdp", sampling="shuffle")
+    assert shuffled == compute_epsilon(1000, 10, 2, 1.0, 1e-5, accountant="rdp")
+    with pytest.warns(UserWarning, match="sampling='shuffle'"):
+        acc = PrivacyAccountant(1.0, 0.01, accountant="rdp", sampling="shuffle")
+    assert acc.sampling == "shuffle"
+
+
+# --------------------------------------------------------------------------
+# EpsilonCallback
+# --------------------------------------------------------------------------
+
+
+def _tiny_fit(callback, epochs=2, steps_per_execution=1):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=steps_per_execution, run_eagerly=True)
+    x = np.random.default_rng(0).normal(size=(12, 3)).astype("float32")
+    return model.fit(x, x[:, :1], batch_size=4, epochs=epochs, callbacks=[callback], verbose=0)
+
+
+def test_callback_counts_steps_and_logs_increasing_epsilon():
+    acc = PrivacyAccountant(1.0, 4 / 12, accountant="rdp")
+    history = _tiny_fit(EpsilonCallback(acc, delta=1e-3))
+    assert acc.steps == 6
+    eps = history.history["epsilon"]
+    assert len(eps) == 2 and 0 < eps[0] < eps[1]
+    assert eps[1] == pytest.approx(direct_epsilon("rdp", 4 / 12, 1.0, 6, 1e-3), rel=1e-12)
+
+
+def test_callback_with_steps_per_execution_counts_batches_not_calls():
+    acc = PrivacyAccountant(1.0, 4 / 12, accountant="rdp")
+    _tiny_fit(EpsilonCallback(acc, delta=1e-3), steps_per_execution=2)
+    assert acc.steps == 6
+
+
+def test_callback_builds_accountant_and_can_leave_counting_to_the_model(capsys):
+    callback = EpsilonCallback(
+        delta=1e-3, noise_multiplier=1.0, sampling_probability=1 / 3, method="rdp", verbose=1
+    )
+    history = _tiny_fit(callback, epochs=1)
+    assert callback.accountant.steps == 3
+    assert "Epoch 1: epsilon = " in capsys.readouterr().out
+    assert history.history["epsilon"][0] == pytest.approx(callback.accountant.epsilon(1e-3))
+
+    acc = PrivacyAccountant(1.0, 1 / 3, accountant="rdp")
+    history = _tiny_fit(EpsilonCallback(acc, delta=1e-3, count_steps=False), epochs=1)
+    assert acc.steps == 0 and history.history["epsilon"] == [0.0]
+
+
+def test_callback_bad_arguments():
+    with pytest.raises(ValueError, match="delta is required"):
+        EpsilonCallback(PrivacyAccountant(1.0, 0.1))
+    with pytest.raises(ValueError, match="noise_multiplier and sampling_probability"):
+        EpsilonCallback(delta=1e-5)
+    with pytest.raises(ValueError, match=r"delta must be in \(0, 1\)"):
+        EpsilonCallback(PrivacyAccountant(1.0, 0.1), delta=5.0)
+    with pytest.raises(TypeError, match="PrivacyAccountant"):
+        EpsilonCallback("pld", delta=1e-5)
+
+
+# --------------------------------------------------------------------------
+# pegrad epsilon
+# --------------------------------------------------------------------------
+
+
+def _number(pattern, text):
+    match = re.search(pattern + r" = ([0-9.eE+-]+)", text)
+    assert match, text
+    return float(match.group(1))
+
+
+def test_cli_prints_epsilon_q_and_steps(capsys):
+    argv = ["epsilon", "--num-examples", "60000", "--batch-size", "256", "--epochs", "60",
+            "--noise-multiplier", "1.1", "--delta", "1e-5", "--accountant", "rdp"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    expected = compute_epsilon(60_000, 256, 60, 1.1, 1e-5, accountant="rdp")
+    assert _number("epsilon", out) == pytest.approx(expected, rel=1e-5)
+    assert _number("sampling probability q", out) == pytest.approx(256 / 60_000, rel=1e-5)
+    assert _number("steps", out) == 14063
+
+
+def test_cli_target_epsilon_prints_the_noise_needed(capsys):
+    argv = ["epsilon", "--num-examples", "10000", "--batch-size", "100", "--epochs", "2",
+            "--target-epsilon", "2", "--delta", "1e-6", "--accountant", "rdp"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    sigma = _number("noise multiplier", out)
+    assert compute_epsilon(10_000, 100, 2, sigma, 1e-6, accountant="rdp") <= 2.0
+    assert compute_epsilon(10_000, 100, 2, 0.99 * sigma, 1e-6, accountant="rdp") > 2.0
+    assert _number("epsilon", out) <= 2.0
+
+
+def test_cli_shuffle_prints_the_warning(capsys):
+    argv = ["epsilon", "--num-examples", "1000", "--batch-size", "10", "--steps", "50",
+            "--noise-multiplier", "1", "--delta", "1e-5", "--sampling", "shuffle", "--accountant", "rdp"]
+    assert cli.main(argv) == 0
+    assert "warning: sampling='shuffle'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--noise-multiplier", "-1"], "argument --noise-multiplier: must be >= 0"),
+        (["--noise-multiplier", "1", "--delta", "2"], r"argument --delta: must be in \(0, 1\)"),
+        ([], "one of the arguments --noise-multiplier --target-epsilon is required"),
+        (["--noise-multiplier", "1", "--target-epsilon", "1"], "not allowed with argument"),
+        (["--noise-multiplier", "1", "--accountant", "moments"], "argument --accountant: invalid choice"),
+        (["--noise-multiplier", "1", "--batch-size", "5000"], r"--batch-size \(5000\) must be <= --num-examples \(1000\)"),
+    ],
+)
+def test_cli_errors(capsys, extra, message):
+    argv = ["epsilon", "--num-examples", "1000", "--batch-size", "10", "--epochs", "1", "--delta", "1e-5"]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv + extra)
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
