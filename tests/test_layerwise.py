@@ -78,7 +78,14 @@ CASES = {
     "custom_layer_fallback": lambda: _seq([Scale()], (B, 5)),
     "dense_inside_custom_call": _custom_with_inner_dense,
     "multi_head_attention": _mha,
+    "dense_lora_fallback": lambda: _lora_model(),
 }
+
+
+def _lora_model():
+    model, x, y = _seq([keras.layers.Dense(5, activation="tanh", name="adapted")], (B, 6))
+    model.get_layer("adapted").enable_lora(rank=2)
+    return model, x, y
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from per_example_grads.layers import outer_products as op
 from per_example_grads.layers.local import LocalRule, without_activation
-from per_example_grads.layerwise.rule import LayerRule, register_layer_rule
+from per_example_grads.layerwise.rule import LayerRule, register_layer_rule, reparametrized
 
 
 class ConvPatchesRule(LayerRule):
@@ -32,9 +32,7 @@ class ConvPatchesRule(LayerRule):
             return "only 1-D and 2-D convolutions have the patches closed form"
         if layer.groups != 1 or layer.data_format != "channels_last":
             return "grouped or channels_first convolutions use the layer-local fallback"
-        if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
-            return "LoRA or quantized convolutions use the layer-local fallback"
-        return None
+        return reparametrized(layer)
 
     def variables(self, layer):
         return [layer.kernel] + ([layer.bias] if layer.use_bias else [])

@@ -13,14 +13,12 @@ import keras
 import tensorflow as tf
 
 from per_example_grads.layers import outer_products as op
-from per_example_grads.layerwise.rule import LayerRule, register_layer_rule
+from per_example_grads.layerwise.rule import LayerRule, register_layer_rule, reparametrized
 
 
 class DenseRule(LayerRule):
     def unsupported(self, layer):
-        if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
-            return "LoRA or quantized Dense layers are handled by the layer-local fallback"
-        return None
+        return reparametrized(layer)
 
     def variables(self, layer):
         return [layer.kernel] + ([layer.bias] if layer.bias is not None else [])

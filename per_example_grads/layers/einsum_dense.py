@@ -19,7 +19,7 @@ import keras
 import tensorflow as tf
 
 from per_example_grads.layers import outer_products as op
-from per_example_grads.layerwise.rule import LayerRule, register_layer_rule, sum_to_shape
+from per_example_grads.layerwise.rule import LayerRule, register_layer_rule, reparametrized, sum_to_shape
 
 
 def _split(equation: str) -> tuple[str, str, str]:
@@ -40,8 +40,8 @@ def _expand(equation: str, a_rank: int) -> tuple[str, str, str]:
 
 class EinsumDenseRule(LayerRule):
     def unsupported(self, layer):
-        if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
-            return "LoRA or quantized layers are handled by the layer-local fallback"
+        if reparametrized(layer):
+            return reparametrized(layer)
         inp, kern, out = _split(layer.equation)
         if "..." in kern or inp.startswith("...") != out.startswith("..."):
             return f"equation {layer.equation!r} has no leading batch axis"

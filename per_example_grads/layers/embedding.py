@@ -17,14 +17,12 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from per_example_grads.layerwise.rule import LayerRule, register_layer_rule
+from per_example_grads.layerwise.rule import LayerRule, register_layer_rule, reparametrized
 
 
 class EmbeddingRule(LayerRule):
     def unsupported(self, layer):
-        if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
-            return "LoRA or quantized Embedding layers are handled by the layer-local fallback"
-        return None
+        return reparametrized(layer)
 
     def variables(self, layer):
         return [layer.embeddings]

@@ -113,6 +113,17 @@ def rule_for(layer: keras.layers.Layer) -> LayerRule | None:
     return None
 
 
+def reparametrized(layer: keras.layers.Layer) -> str | None:
+    """Why a closed form cannot read ``layer.kernel`` directly (LoRA, quantization), or None.
+
+    Such layers compute their kernel from other variables; the layer-local
+    fallback handles them exactly.
+    """
+    if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+        return "LoRA or quantized layers use the layer-local fallback"
+    return None
+
+
 def sum_to_shape(g: tf.Tensor, shape) -> tf.Tensor:
     """Sums per-example ``g`` ``[B, ...]`` down to ``[B, *shape]``.
 
