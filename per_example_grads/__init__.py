@@ -6,6 +6,7 @@
 """
 
 from per_example_grads import dp, keras  # noqa: F401  (peg.dp.*, peg.keras.DPModel)
+from per_example_grads import diagnostics  # noqa: F401  (peg.diagnostics.*)
 from per_example_grads.accumulation import GradientAccumulator
 from per_example_grads.engines.selection import METHODS
 from per_example_grads.errors import EngineError, EngineFallbackWarning, InvalidLossError

@@ -1,0 +1,258 @@
+"""Gradient similarity between examples, and TracIn influence.
+
+``gradient_similarity`` returns the ``[Ba, Bb]`` matrix ``K[i, j] = <g_i, h_j>``
+of dot products between the per-example gradients ``g_i`` of batch a and
+``h_j`` of batch b (or their cosines).
+
+*Closed form (Dense-only models).* When every watched layer is a Dense layer
+called once on a rank-2 input, example n's kernel gradient is the outer
+product ``a_n g_n^T`` of the layer input ``a_n`` ``[i]`` and the
+pre-activation gradient ``g_n`` ``[j]``, and its bias gradient is ``g_n``. So
+
+    <a_n g_n^T, a'_m g'_m^T> = (a_n . a'_m) (g_n . g'_m)
+
+and, per layer, ``K_layer = (A_a A_b^T) * (G_a G_b^T) + G_a G_b^T`` (``*``
+elementwise; the second term for the bias), with ``A_a`` ``[Ba, i]`` and
+``G_a`` ``[Ba, j]`` from one forward+backward pass per batch. Cost
+``Ba Bb (i + j)`` per layer; nothing of size ``B x P`` is built.
+
+*Fallback.* Otherwise both batches' per-example gradients are materialized
+(``per_example_gradients``), flattened to ``[B, P]`` and multiplied.
+
+``tracin_scores`` (Pruthi et al., 2020, "Estimating Training Data Influence
+by Tracing Gradient Descent", the TracInCP form) sums, over checkpoints ``c``
+with learning rate ``eta_c``:
+
+    TracIn(z_i, z'_j) = sum_c eta_c <grad loss(z_i; w_c), grad loss(z'_j; w_c)>
+
+A positive score marks a *proponent* (a gradient step on ``z_i`` lowers the
+loss of ``z'_j``: helpful), a negative one an *opponent* (harmful).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from per_example_grads import gradients as _gradients
+from per_example_grads.batch import make_batch
+from per_example_grads.diagnostics.moments import dense_fast_path
+from per_example_grads.engines import selection
+from per_example_grads.layerwise import engine as layerwise
+from per_example_grads.problem import Problem
+
+F64 = tf.float64
+
+
+@dataclasses.dataclass
+class _Features:
+    """What the dot products of one batch need.
+
+    ``dense``: per Dense layer ``(A [B, i] or None, G [B, j], with_bias)``;
+    ``flat``: ``[B, P]`` materialized gradients. Exactly one is set.
+    """
+
+    dense: list[tuple[tf.Tensor | None, tf.Tensor, bool]] | None = None
+    flat: tf.Tensor | None = None
+
+    def squared_norms(self) -> tf.Tensor:
+        """``[B]`` ``||g_n||^2``."""
+        if self.flat is not None:
+            return tf.reduce_sum(tf.square(self.flat), axis=1)
+        total = 0.0
+        for a, g, bias in self.dense:
+            g2 = tf.reduce_sum(tf.square(g), axis=1)
+            if a is not None:
+                total += tf.reduce_sum(tf.square(a), axis=1) * g2
+            if bias:
+                total += g2
+        return total
+
+
+def _features(problem: Problem, x: Any, y: Any, method: str, materialize: bool = False) -> _Features:
+    batch = make_batch(problem.model, x, y)
+    if not materialize and layerwise.use_layerwise(method, problem, False):
+        captured = layerwise.capture(problem, batch)
+        wanted = {id(v) for v in problem.variables}
+        dense = []
+        for unit, calls in captured.by_unit().items():
+            if not any(id(v) in wanted for v in unit.variables):
+                continue
+            if not calls:
+                continue  # the loss does not reach this layer: zero gradients
+            if not dense_fast_path(unit, calls):
+                dense = None
+                break
+            record, g = calls[0]
+            layer = unit.layer
+            a = tf.cast(record.saved, F64) if id(layer.kernel) in wanted else None
+            bias = layer.bias is not None and id(layer.bias) in wanted
+            dense.append((a, tf.cast(g[0], F64), bias))
+        if dense is not None:
+            return _Features(dense=dense)
+    grads = selection.compute(method, problem, batch, False)
+    b = tf.shape(grads[0])[0]
+    return _Features(flat=tf.concat([tf.reshape(tf.cast(t, F64), [b, -1]) for t in grads], axis=1))
+
+
+def _dots(fa: _Features, fb: _Features) -> tf.Tensor:
+    """``[Ba, Bb]`` gradient dot products."""
+    if fa.flat is not None:
+        return tf.matmul(fa.flat, fb.flat, transpose_b=True)
+    total = None
+    for (aa, ga, bias), (ab, gb, _) in zip(fa.dense, fb.dense):
+        gg = tf.matmul(ga, gb, transpose_b=True)
+        k = gg if bias else tf.zeros_like(gg)
+        if aa is not None:
+            k = k + tf.matmul(aa, ab, transpose_b=True) * gg
+        total = k if total is None else total + k
+    if total is None:
+        raise ValueError("no requested variable is reached by the loss.")
+    return total
+
+
+def _cosine(k: tf.Tensor, fa: _Features, fb: _Features) -> tf.Tensor:
+    na = tf.sqrt(fa.squared_norms())
+    nb = tf.sqrt(fb.squared_norms())
+    return tf.math.divide_no_nan(k, na[:, None] * nb[None, :])
+
+
+def gradient_similarity(
+    model: Any,
+    loss_fn: Callable | str,
+    xa: Any,
+    ya: Any,
+    xb: Any,
+    yb: Any,
+    *,
+    cosine: bool = False,
+    method: str = "auto",
+) -> tf.Tensor:
+    """``[Ba, Bb]`` dot products (or cosines) of per-example gradients.
+
+    Args:
+      model, loss_fn: as in ``per_example_gradients``.
+      xa, ya: batch a, ``[Ba, ...]``; xb, yb: batch b, ``[Bb, ...]``.
+      cosine: divide by both gradients' norms (0 where a norm is 0).
+      method: ``"auto"`` uses the closed form when every watched layer is a
+        Dense layer called once on a rank-2 input, else materializes with the
+        ``"auto"`` engine; ``"layerwise"`` behaves like ``"auto"`` and
+        every other engine name always materializes.
+
+    Returns:
+      ``K[i, j] = <g_i, h_j>`` (or ``cos``), float64 ``[Ba, Bb]``.
+    """
+    selection.check_method(method)
+    problem = _gradients._make_problem(model, loss_fn, None, False, False)
+    fa = _features(problem, xa, ya, method)
+    fb = _features(problem, xb, yb, method)
+    if (fa.flat is None) != (fb.flat is None):  # one batch fell back: both must
+        fa = _features(problem, xa, ya, method, materialize=True)
+        fb = _features(problem, xb, yb, method, materialize=True)
+    k = _dots(fa, fb)
+    return _cosine(k, fa, fb) if cosine else k
+
+
+def _head(x: Any, y: Any, n: int = 2) -> tuple[Any, Any]:
+    return tf.nest.map_structure(lambda t: t[:n], x), tf.nest.map_structure(lambda t: t[:n], y)
+
+
+def uses_closed_form(model: Any, loss_fn: Callable | str, x: Any, y: Any) -> bool:
+    """Whether ``gradient_similarity`` takes the Dense closed form on this model."""
+    problem = _gradients._make_problem(model, loss_fn, None, False, False)
+    return _features(problem, x, y, "auto").dense is not None
+
+
+@dataclasses.dataclass
+class TracInResult:
+    """TracIn scores and the most influential training examples.
+
+    Attributes:
+      scores: ``[N_train, N_test]`` float64,
+        ``sum_c eta_c <grad loss(train_i; w_c), grad loss(test_j; w_c)>``.
+      helpful: ``[N_test, k]`` training indices with the largest scores
+        (proponents), largest first.
+      harmful: ``[N_test, k]`` training indices with the smallest (most
+        negative) scores (opponents), most negative first.
+    """
+
+    scores: np.ndarray
+    helpful: np.ndarray
+    harmful: np.ndarray
+
+
+def tracin_scores(
+    checkpoints: Sequence[Any],
+    model: Any,
+    loss_fn: Callable | str,
+    x_train: Any,
+    y_train: Any,
+    x_test: Any,
+    y_test: Any,
+    *,
+    learning_rates: float | Sequence[float],
+    top_k: int = 10,
+    batch_size: int = 256,
+    method: str = "auto",
+) -> TracInResult:
+    """TracIn influence of every training example on every test example.
+
+    Args:
+      checkpoints: weights at each checkpoint: lists of arrays as returned by
+        ``model.get_weights()``, or paths to ``.weights.h5`` files for
+        ``model.load_weights``. The model's own weights are restored after.
+      model, loss_fn: as in ``per_example_gradients``.
+      x_train, y_train: ``[N_train, ...]``; x_test, y_test: ``[N_test, ...]``.
+      learning_rates: one learning rate for all checkpoints, or one per
+        checkpoint.
+      top_k: how many helpful / harmful indices per test example.
+      batch_size: training (and test) examples per similarity block, so
+        memory is ``O(batch_size^2)`` plus the scores.
+      method: as in ``gradient_similarity``.
+
+    Returns:
+      A ``TracInResult``.
+    """
+    checkpoints = list(checkpoints)
+    if not checkpoints:
+        raise ValueError("checkpoints is empty.")
+    if np.ndim(learning_rates) == 0:
+        lrs = [float(learning_rates)] * len(checkpoints)
+    else:
+        lrs = [float(r) for r in learning_rates]
+        if len(lrs) != len(checkpoints):
+            raise ValueError(f"{len(lrs)} learning_rates for {len(checkpoints)} checkpoints.")
+    n_train = int(np.shape(tf.nest.flatten(x_train)[0])[0])
+    n_test = int(np.shape(tf.nest.flatten(x_test)[0])[0])
+    scores = np.zeros((n_train, n_test), np.float64)
+    selection.check_method(method)
+    problem = _gradients._make_problem(model, loss_fn, None, False, False)
+    # One kind of features for every block (whether the closed form holds
+    # depends on the model, not on the batch).
+    materialize = _features(problem, *_head(x_train, y_train), method).dense is None
+    original = model.get_weights()
+
+    def chunk(x, y, start):
+        sl = slice(start, start + batch_size)
+        return tf.nest.map_structure(lambda t: t[sl], x), tf.nest.map_structure(lambda t: t[sl], y)
+
+    try:
+        for checkpoint, lr in zip(checkpoints, lrs):
+            if isinstance(checkpoint, (str, bytes)) or hasattr(checkpoint, "__fspath__"):
+                model.load_weights(checkpoint)
+            else:
+                model.set_weights(checkpoint)
+            test_features = [_features(problem, *chunk(x_test, y_test, t0), method, materialize) for t0 in range(0, n_test, batch_size)]
+            for s0 in range(0, n_train, batch_size):
+                train_features = _features(problem, *chunk(x_train, y_train, s0), method, materialize)
+                for t0, ft in zip(range(0, n_test, batch_size), test_features):
+                    k = _dots(train_features, ft).numpy()
+                    scores[s0 : s0 + k.shape[0], t0 : t0 + k.shape[1]] += lr * k
+    finally:
+        model.set_weights(original)
+    k = min(top_k, n_train)
+    order = np.argsort(-scores.T, axis=1, kind="stable")
+    return TracInResult(scores=scores, helpful=order[:, :k], harmful=order[:, ::-1][:, :k])

@@ -1,0 +1,72 @@
+"""Turning the ``data`` a user passes into a stream of ``(x, y)`` batches."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+import tensorflow as tf
+
+DEFAULT_BATCH_SIZE = 256
+
+
+def iterate_batches(data: Any, batch_size: int | None = None) -> Iterator[tuple[Any, Any]]:
+    """Yields ``(x, y)`` batches, each leaf ``[B, ...]``.
+
+    Args:
+      data: a *batched* ``tf.data.Dataset`` whose elements are ``(x, y)``
+        (or ``(x, y, ...)``: extra entries are ignored), or a tuple/list
+        ``(x, y)`` of arrays (or nested structures of arrays) sharing the
+        leading axis ``N``.
+      batch_size: examples per batch for array data (default
+        ``DEFAULT_BATCH_SIZE``); ignored for datasets, which are batched
+        already.
+
+    Raises:
+      TypeError: for anything else.
+    """
+    if isinstance(data, tf.data.Dataset):
+        for element in data:
+            if not isinstance(element, (tuple, list)) or len(element) < 2:
+                raise TypeError(
+                    "data must be a batched tf.data.Dataset of (x, y) pairs; got elements "
+                    f"of type {type(element).__name__}."
+                )
+            yield element[0], element[1]
+        return
+    if isinstance(data, (tuple, list)) and len(data) == 2:
+        x, y = data
+        n = num_examples(data)
+        step = DEFAULT_BATCH_SIZE if batch_size is None else int(batch_size)
+        if step < 1:
+            raise ValueError(f"batch_size must be >= 1; got {batch_size}.")
+        for start in range(0, n, step):
+            sl = slice(start, start + step)
+            yield (
+                tf.nest.map_structure(lambda t: t[sl], x),
+                tf.nest.map_structure(lambda t: t[sl], y),
+            )
+        return
+    raise TypeError(
+        "data must be a batched tf.data.Dataset of (x, y) or a tuple (x, y) of arrays; "
+        f"got {type(data).__name__}."
+    )
+
+
+def num_examples(data: Any) -> int | None:
+    """``N`` for array data, None for datasets (unknown without iterating)."""
+    if isinstance(data, (tuple, list)) and len(data) == 2:
+        return int(np.shape(tf.nest.flatten(data[0])[0])[0])
+    return None
+
+
+def num_batches(data: Any, batch_size: int | None = None) -> int | None:
+    """Batches ``iterate_batches`` will yield, when known in advance."""
+    if isinstance(data, tf.data.Dataset):
+        n = int(data.cardinality())
+        return n if n >= 0 else None
+    n = num_examples(data)
+    if n is None:
+        return None
+    step = DEFAULT_BATCH_SIZE if batch_size is None else int(batch_size)
+    return -(-n // step)
