@@ -217,3 +217,15 @@ def test_dp_model_physical_chunks_equal_one_big_batch():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="physical_batch_size"):
         peg.keras.DPModel(_mlp(), l2_norm_clip=1.0, noise_multiplier=1.0, physical_batch_size=0)
+
+
+def test_epsilon_callback_follows_dp_model_steps():
+    x, y, _, _ = _digits(100)
+    net = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+    dp = peg.keras.DPModel(net, l2_norm_clip=1.0, noise_multiplier=1.2, expected_batch_size=25, num_examples=100, seed=0)
+    dp.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    accountant = peg.dp.PrivacyAccountant(1.2, 0.25)
+    callback = peg.keras.EpsilonCallback(accountant, delta=1e-3, count_steps=False)
+    history = dp.fit(x, y, batch_size=25, epochs=2, verbose=0, callbacks=[callback])
+    assert accountant.steps == int(dp.dp_steps.numpy()) == 8
+    assert history.history["epsilon"][-1] == pytest.approx(dp.epsilon(1e-3), rel=1e-9)

@@ -23,7 +23,9 @@ class EpsilonCallback(keras.callbacks.Callback):
     ``on_train_batch_end``: one per call, or ``steps_per_execution`` per call.
     When an epoch's length is unknown to Keras and ``steps_per_execution >
     1``, its last call may report more steps than ran, so epsilon errs on the
-    high side. With ``count_steps=False`` the callback only reports: use it
+    high side. With ``count_steps=False`` on a ``peg.keras.DPModel`` the accountant
+    follows the model's ``dp_steps`` counter (the steps actually applied,
+    restored with the model's checkpoints). Otherwise ``count_steps=False`` only reports: use it
     when the model (or your own loop) calls ``accountant.step()`` itself, so
     steps are not counted twice.
 
@@ -102,6 +104,11 @@ class EpsilonCallback(keras.callbacks.Callback):
             self._batches_seen += new
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        applied = getattr(self.model, "dp_steps", None)  # a DPModel counts its own steps
+        if not self.count_steps and applied is not None:
+            behind = int(applied.numpy()) - self.accountant.steps
+            if behind > 0:
+                self.accountant.step(behind)
         epsilon = self.accountant.epsilon(self.delta)
         if logs is not None:
             logs[self.log_name] = epsilon
