@@ -19,9 +19,11 @@ Quantities:
                      MultiHeadAttention, so not run on the transformer)
 
 Memory (``--memory``): each quantity runs in a fresh subprocess that builds the
-model, runs the quantity 3 times and reports ``ru_maxrss``; a subprocess that
-only builds the model and data gives the baseline. Reported: peak RSS, and the
-increment over the baseline as a ratio to batch_grad's increment.
+model, traces the quantity and runs it once; then it resets the kernel's
+peak-RSS mark (``/proc/self/clear_refs``), notes the resident size, runs the
+quantity 3 more times and reads the new peak (``VmHWM``). Reported: that
+increment (the memory the step itself needs beyond what stays allocated) and
+its ratio to batch_grad's. Linux only.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -148,17 +149,25 @@ def time_cell(model_name: str, b: int, repeats: int) -> dict:
     return {q: statistics.median(v) for q, v in times.items()}
 
 
-def memory_cell(model_name: str, b: int, q: str) -> int:
-    """Peak RSS (KiB) of a process that runs ``q`` (or only builds, for q='none')."""
-    import tensorflow as tf
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
 
+
+def memory_cell(model_name: str, b: int, q: str) -> float:
+    """MiB the step ``q`` needs at its peak beyond the resident size before it."""
     model, x, y = build(model_name, b)
-    model(x[:2])
-    if q != "none":
-        fn = quantity_fn(q, model, x)
-        for _ in range(3):
-            _sync(fn(x, y))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    fn = quantity_fn(q, model, x)
+    _sync(fn(x, y))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    before = _status_kib("VmRSS")
+    for _ in range(3):
+        _sync(fn(x, y))
+    return (_status_kib("VmHWM") - before) / 1024
 
 
 def main(argv=None) -> int:
@@ -173,7 +182,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.cell:  # memory worker: model,B,quantity
         m, b, q = args.cell.split(",")
-        print(json.dumps({"maxrss_kib": memory_cell(m, int(b), q)}))
+        print(json.dumps({"increment_mib": memory_cell(m, int(b), q)}))
         return 0
     import tensorflow as tf
 
@@ -197,21 +206,17 @@ def main(argv=None) -> int:
                 lines.append(row)
                 print(row, flush=True)
     if args.memory:
-        mem = ["", "| model | B | quantity | peak RSS MiB | increment over build-only MiB | increment / batch_grad's |", "|---|---|---|---|---|---|"]
+        mem = ["", "| model | B | quantity | peak increment MiB | ratio to batch_grad's |", "|---|---|---|---|---|"]
         print("\n".join(mem), flush=True)
         for m in models:
             for b in sizes:
-                def run(q):
-                    out = subprocess.run([sys.executable, __file__, "--cell", f"{m},{b},{q}"], capture_output=True, text=True, timeout=900)
-                    return json.loads(out.stdout.strip().splitlines()[-1])["maxrss_kib"] / 1024
-                base = run("none")
                 incs = {}
                 for q in QUANTITIES:
                     if not runnable(m, q):
                         continue
-                    peak = run(q)
-                    incs[q] = peak - base
-                    row = f"| {m} | {b} | {q} | {peak:.0f} | {incs[q]:.0f} | {incs[q] / max(incs['batch_grad'], 1e-9):.2f} |"
+                    out = subprocess.run([sys.executable, __file__, "--cell", f"{m},{b},{q}"], capture_output=True, text=True, timeout=900)
+                    incs[q] = json.loads(out.stdout.strip().splitlines()[-1])["increment_mib"]
+                    row = f"| {m} | {b} | {q} | {incs[q]:.1f} | {incs[q] / max(incs['batch_grad'], 1e-9):.2f} |"
                     mem.append(row)
                     print(row, flush=True)
         lines += mem

@@ -25,3 +25,5 @@ class EngineError(RuntimeError):
     The message names the engine and the underlying failure; ``method="auto"``
     would have fallen back to another engine instead.
     """
+
+    __init__ = Exception.__init__  # recognizable through tf.function (see InvalidLossError)

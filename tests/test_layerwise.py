@@ -291,3 +291,32 @@ def test_frozen_layers_explicitly_requested():
     norms = peg.per_example_norms(model, sparse_ce, x, y, method="layerwise", variables=variables, by_variable=True)
     for n, e in zip(norms, expected):
         np.testing.assert_allclose(n, np.linalg.norm(e.reshape(B, -1), axis=1), rtol=1e-5)
+
+
+class WithPositions(keras.Model):
+    """Adds a learned positional embedding looked up on ``arange(T)[None]``: not batch-shaped."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = keras.layers.Embedding(12, 4)
+        self.positions = keras.layers.Embedding(6, 4)
+        self.head = keras.layers.Dense(3)
+
+    def call(self, x):
+        h = self.tokens(x) + self.positions(keras.ops.arange(6)[None])
+        return self.head(keras.ops.mean(h, axis=1))
+
+
+def test_layer_called_on_non_batch_tensor_is_refused_and_auto_falls_back():
+    model = WithPositions()
+    x, y = rng.integers(0, 12, (B, 6)).astype("int32"), rng.integers(0, 3, B)
+    model(x)
+    with pytest.raises(peg.EngineError, match="not the batch"):
+        peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise")
+    f = tf.function(lambda x, y: peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise"),
+                    input_signature=[tf.TensorSpec([None, 6], tf.int32), tf.TensorSpec([None], tf.int32)])
+    with pytest.raises(peg.EngineError, match="not the batch"):
+        f(x, y)
+    with pytest.warns(peg.EngineFallbackWarning, match="not the batch"):
+        grads = peg.per_example_gradients(model, sparse_ce, x, y)
+    assert_grads_close(grads, reference_gradients(model, sparse_ce, x, y))

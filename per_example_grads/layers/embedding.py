@@ -5,7 +5,8 @@ For example n with token ids ``x_n`` (``[T]``) and output gradient ``g_n``
 ``G_n[v] = sum_{t: x_nt = v} g_nt``. Then:
 
 - ``||G_n||^2 = sum_{t,s} [x_nt = x_ns] (g_nt . g_ns)`` (Gram form, ``T^2 D``),
-  used when ``T^2 < V``; otherwise ``G_n`` is built for this layer alone.
+  used when ``T^2 <= 2 V`` (building ``G_n`` costs a ``V x D`` fill and a
+  ``V x D`` norm per example); otherwise ``G_n`` is built for this layer alone.
 - ``sum_n c_n G_n`` is one scatter-add of ``c_n g_n`` into a ``[V, D]`` table.
 
 Padding ids from ``mask_zero`` need no special case: whatever the downstream
@@ -55,7 +56,7 @@ class EmbeddingRule(LayerRule):
     def squared_norms(self, layer, saved, grads):
         ids, g = self._flat(layer, saved, grads[0])
         t = ids.shape[1]
-        if t is not None and t * t < layer.input_dim:
+        if t is not None and t * t <= 2 * layer.input_dim:
             same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), g.dtype)
             return [tf.reduce_sum(same * tf.einsum("btd,bsd->bts", g, g), axis=[1, 2])]
         return super().squared_norms(layer, saved, grads)

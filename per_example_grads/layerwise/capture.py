@@ -131,9 +131,23 @@ def _watched_call(unit: Unit, original, records: list[Record]):
 
 
 def check_batch_axis(records: list[Record], batch_size) -> None:
-    """Asserts each tap's leading axis is the batch (a layer fed a reshaped batch fails)."""
+    """Checks each tap's leading axis is the batch; a layer fed something else cannot be split per example.
+
+    Decided while tracing when shapes allow (``NotCoverable``, so ``auto``
+    moves to another engine): a static leading size that differs from a static
+    ``B``, or any static leading size when ``B`` is dynamic (a constant, such as
+    positions ``arange(T)[None]``, is not the batch). Otherwise asserted at run
+    time.
+    """
+    static_b = batch_size if isinstance(batch_size, int) else None
     for r in records:
         for t in r.taps:
+            lead = t.shape[0] if t.shape.rank else None
+            if lead is not None and (static_b is None or lead != static_b):
+                raise NotCoverable(
+                    f"layer '{r.unit.layer.name}' was called on a tensor whose leading axis "
+                    f"({lead}) is not the batch"
+                )
             tf.debugging.assert_equal(
                 tf.shape(t)[0],
                 tf.cast(batch_size, tf.int32),
