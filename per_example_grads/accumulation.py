@@ -29,7 +29,7 @@ from per_example_grads.batch import batch_size, make_batch
 from per_example_grads.clipping import clipped_gradients
 from per_example_grads.dp.noise import NoiseSeed, gaussian_like
 from per_example_grads.dp.private import check_dp_arguments, noise_stddev
-from per_example_grads.gradients import _make_problem
+from per_example_grads.problem import make_problem
 
 
 class GradientAccumulator(tf.Module):
@@ -77,7 +77,7 @@ class GradientAccumulator(tf.Module):
         method: str = "auto",
     ):
         super().__init__(name="gradient_accumulator")
-        self._problem = _make_problem(model, loss_fn, variables, False, False)
+        self._problem = make_problem(model, loss_fn, variables, False, False)
         self._model, self._loss_fn, self._method = model, loss_fn, method
         self.private = l2_norm_clip is not None
         if self.private:

@@ -19,7 +19,7 @@ import tensorflow as tf
 from per_example_grads import transforms
 from per_example_grads.batch import batch_size, make_batch
 from per_example_grads.engines import selection
-from per_example_grads.gradients import _make_problem
+from per_example_grads.problem import make_problem
 from per_example_grads.layerwise import engine as layerwise
 
 ClipNorm = float | Mapping[str, float] | Sequence[float]
@@ -81,7 +81,7 @@ def clipped_gradients(
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean'; got {reduction!r}.")
     selection.check_method(method)
-    problem = _make_problem(model, loss_fn, variables, training, allow_batch_coupling)
+    problem = make_problem(model, loss_fn, variables, training, allow_batch_coupling)
     groups, clips = _clip_groups(problem.variables, l2_norm_clip)
     batch = make_batch(model, x, y, sample_weight)
     b = batch_size(batch)

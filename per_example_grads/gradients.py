@@ -6,12 +6,11 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
-from per_example_grads import model_inspection, transforms
+from per_example_grads import transforms
 from per_example_grads.batch import batch_size, make_batch
 from per_example_grads.engines import selection
 from per_example_grads.layerwise import engine as layerwise
-from per_example_grads.losses import as_per_example_loss
-from per_example_grads.problem import Problem, make_forward, resolve_variables
+from per_example_grads.problem import make_problem
 
 
 @tf.autograph.experimental.do_not_convert
@@ -74,7 +73,7 @@ def per_example_gradients(
       [(4, 3, 2), (4, 2)]
     """
     selection.check_method(method)
-    problem = _make_problem(model, loss_fn, variables, training, allow_batch_coupling)
+    problem = make_problem(model, loss_fn, variables, training, allow_batch_coupling)
     batch = make_batch(model, x, y, sample_weight)
     if isinstance(batch_size(batch), int) and batch_size(batch) == 0:
         return [tf.zeros([0, *v.shape], v.dtype) for v in problem.variables]
@@ -114,7 +113,7 @@ def per_example_norms(
     """
     method, training = kwargs.get("method", "auto"), kwargs.get("training", False)
     selection.check_method(method)
-    problem = _make_problem(
+    problem = make_problem(
         model, loss_fn, kwargs.get("variables"), training, kwargs.get("allow_batch_coupling", False)
     )
     if layerwise.use_layerwise(method, problem, training):
@@ -128,22 +127,3 @@ def per_example_norms(
     if by_variable:
         return transforms.per_variable_norms(grads)
     return transforms.global_norms(grads)
-
-
-def _make_problem(model, loss_fn, variables, training, allow_batch_coupling) -> Problem:
-    coupling = model_inspection.batch_coupling_layers(model, training)
-    if coupling and not allow_batch_coupling:
-        raise ValueError(
-            "Per-example gradients are ill-defined with training=True: "
-            f"{model_inspection.describe(coupling)} normalizes each example "
-            "with statistics of the whole batch. Replace it with "
-            "keras.layers.GroupNormalization (or LayerNormalization), call with "
-            "training=False, or pass allow_batch_coupling=True to accept "
-            "per-example batch statistics."
-        )
-    return Problem(
-        model=model,
-        forward=make_forward(model, training),
-        loss=as_per_example_loss(loss_fn),
-        variables=resolve_variables(model, variables),
-    )

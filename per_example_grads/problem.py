@@ -15,8 +15,9 @@ from typing import Any, Callable, Sequence
 import keras
 import tensorflow as tf
 
+from per_example_grads import model_inspection
 from per_example_grads.batch import Batch, add_batch_axis
-from per_example_grads.losses import PerExampleLoss
+from per_example_grads.losses import PerExampleLoss, as_per_example_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,4 +91,28 @@ def _accepts_training(fn: Callable) -> bool:
         return False
     return "training" in params or any(
         p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
+    )
+
+
+def make_problem(model, loss_fn, variables, training: bool, allow_batch_coupling: bool) -> Problem:
+    """Validates the model, loss and variables; returns the ``Problem`` engines differentiate.
+
+    Raises ``ValueError`` for batch-coupling layers in training mode unless
+    ``allow_batch_coupling``.
+    """
+    coupling = model_inspection.batch_coupling_layers(model, training)
+    if coupling and not allow_batch_coupling:
+        raise ValueError(
+            "Per-example gradients are ill-defined with training=True: "
+            f"{model_inspection.describe(coupling)} normalizes each example "
+            "with statistics of the whole batch. Replace it with "
+            "keras.layers.GroupNormalization (or LayerNormalization), call with "
+            "training=False, or pass allow_batch_coupling=True to accept "
+            "per-example batch statistics."
+        )
+    return Problem(
+        model=model,
+        forward=make_forward(model, training),
+        loss=as_per_example_loss(loss_fn),
+        variables=resolve_variables(model, variables),
     )

@@ -37,12 +37,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from per_example_grads import gradients as _gradients
 from per_example_grads.batch import make_batch
 from per_example_grads.diagnostics.moments import dense_fast_path
 from per_example_grads.engines import selection
 from per_example_grads.layerwise import engine as layerwise
 from per_example_grads.problem import Problem
+from per_example_grads.problem import make_problem
 
 F64 = tf.float64
 
@@ -146,7 +146,7 @@ def gradient_similarity(
       ``K[i, j] = <g_i, h_j>`` (or ``cos``), float64 ``[Ba, Bb]``.
     """
     selection.check_method(method)
-    problem = _gradients._make_problem(model, loss_fn, None, False, False)
+    problem = make_problem(model, loss_fn, None, False, False)
     fa = _features(problem, xa, ya, method)
     fb = _features(problem, xb, yb, method)
     if (fa.flat is None) != (fb.flat is None):  # one batch fell back: both must
@@ -162,7 +162,7 @@ def _head(x: Any, y: Any, n: int = 2) -> tuple[Any, Any]:
 
 def uses_closed_form(model: Any, loss_fn: Callable | str, x: Any, y: Any) -> bool:
     """Whether ``gradient_similarity`` takes the Dense closed form on this model."""
-    problem = _gradients._make_problem(model, loss_fn, None, False, False)
+    problem = make_problem(model, loss_fn, None, False, False)
     return _features(problem, x, y, "auto").dense is not None
 
 
@@ -229,7 +229,7 @@ def tracin_scores(
     n_test = int(np.shape(tf.nest.flatten(x_test)[0])[0])
     scores = np.zeros((n_train, n_test), np.float64)
     selection.check_method(method)
-    problem = _gradients._make_problem(model, loss_fn, None, False, False)
+    problem = make_problem(model, loss_fn, None, False, False)
     # One kind of features for every block (whether the closed form holds
     # depends on the model, not on the batch).
     materialize = _features(problem, *_head(x_train, y_train), method).dense is None

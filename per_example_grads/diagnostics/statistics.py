@@ -59,12 +59,12 @@ import numpy as np
 import tensorflow as tf
 from tqdm import tqdm
 
-from per_example_grads import gradients as _gradients
 from per_example_grads.batch import make_batch
 from per_example_grads.diagnostics.moments import batch_moments
 from per_example_grads.diagnostics.report import GradientReport
 from per_example_grads.diagnostics.streams import iterate_batches, num_batches
 from per_example_grads.engines import selection
+from per_example_grads.problem import make_problem
 
 COSINE_MODES = ("final", "running", None)
 
@@ -96,7 +96,7 @@ class GradientStatistics:
     ):
         selection.check_method(method)
         self.model = model
-        self.problem = _gradients._make_problem(model, loss_fn, None, training, False)
+        self.problem = make_problem(model, loss_fn, None, training, False)
         self.method = method
         self.training = training
         self.running_cosine = running_cosine

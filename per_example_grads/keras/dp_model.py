@@ -10,6 +10,7 @@ import tensorflow as tf
 from per_example_grads.clipping import clipped_gradients
 from per_example_grads.dp import adaptive as adaptive_clipping
 from per_example_grads.dp import validation
+from per_example_grads.dp.accounting import adaptive_clipping_noise_multiplier, compute_epsilon
 from per_example_grads.dp.private import check_dp_arguments, noise_stddev, noised_average
 from per_example_grads.losses import as_per_example_loss
 
@@ -101,8 +102,6 @@ class DPModel(keras.Model):
         self.physical_batch_size = physical_batch_size
         self.adaptive = adaptive_clipping
         if adaptive_clipping is not None:
-            from per_example_grads.dp.accounting import adaptive_clipping_noise_multiplier
-
             self._gradient_noise_multiplier = adaptive_clipping_noise_multiplier(
                 noise_multiplier, adaptive_clipping.clipped_count_stddev, expected_batch_size or 1
             ) if noise_multiplier > 0 else 0.0
@@ -198,8 +197,6 @@ class DPModel(keras.Model):
         """ε spent so far (``dp_steps`` steps), with Poisson sampling at ``q = expected_batch_size / num_examples``."""
         if self.num_examples is None or self.expected_batch_size is None:
             raise ValueError("epsilon() needs num_examples and expected_batch_size given to DPModel.")
-        from per_example_grads.dp.accounting import compute_epsilon
-
         steps = int(self.dp_steps.numpy())
         if steps == 0:
             return 0.0
