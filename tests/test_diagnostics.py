@@ -357,3 +357,17 @@ def test_planted_mislabeled_digit_is_in_the_top_k():
     model.fit(x, y, epochs=5, batch_size=32, verbose=0)
     report = gradient_statistics(model, SCCE, (x, y), batch_size=256, top_k=10, cosine=None, progress=False)
     assert planted in [e["index"] for e in report.top_examples()]
+
+
+def test_sample_weights_in_data_are_refused_not_dropped():
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import per_example_grads as peg
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    ds = tf.data.Dataset.from_tensor_slices((np.ones((4, 3), "float32"), np.zeros(4, "int32"), np.ones(4, "float32"))).batch(2)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    with pytest.raises(ValueError, match="3 entries"):
+        peg.diagnostics.gradient_statistics(model, loss, ds, progress=False)

@@ -15,7 +15,7 @@ def iterate_batches(data: Any, batch_size: int | None = None) -> Iterator[tuple[
 
     Args:
       data: a *batched* ``tf.data.Dataset`` whose elements are ``(x, y)``
-        (or ``(x, y, ...)``: extra entries are ignored), or a tuple/list
+        (sample weights are not supported yet and raise), or a tuple/list
         ``(x, y)`` of arrays (or nested structures of arrays) sharing the
         leading axis ``N``.
       batch_size: examples per batch for array data (default
@@ -31,6 +31,11 @@ def iterate_batches(data: Any, batch_size: int | None = None) -> Iterator[tuple[
                 raise TypeError(
                     "data must be a batched tf.data.Dataset of (x, y) pairs; got elements "
                     f"of type {type(element).__name__}."
+                )
+            if len(element) > 2:
+                raise ValueError(
+                    f"data elements have {len(element)} entries; gradient statistics take "
+                    "(x, y) only (sample weights would be silently dropped)."
                 )
             yield element[0], element[1]
         return
