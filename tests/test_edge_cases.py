@@ -69,7 +69,7 @@ def test_changing_batch_size_does_not_retrace(method):
     assert f.experimental_get_tracing_count() == traces
 
 
-@pytest.mark.parametrize("method", ["vectorized", "jacobian", "weight_copies", "loop"])
+@pytest.mark.parametrize("method", ["layerwise", "vectorized", "jacobian", "weight_copies", "loop"])
 def test_jit_compile(method):
     case = ZOO["mlp"]()
     f = tf.function(
