@@ -27,8 +27,8 @@ import tensorflow as tf
 
 from per_example_grads.batch import batch_size, make_batch
 from per_example_grads.clipping import clipped_gradients
-from per_example_grads.dp.noise import NoiseSeed, gaussian_like
-from per_example_grads.dp.private import check_dp_arguments, noise_stddev
+from per_example_grads.dp.noise import NoiseSeed
+from per_example_grads.dp.private import check_dp_arguments, noise_stddev, noised_average
 from per_example_grads.problem import make_problem
 
 
@@ -128,8 +128,8 @@ class GradientAccumulator(tf.Module):
         if not self.private:
             return [tf.math.divide_no_nan(s, tf.cast(self.count, s.dtype)) for s in self.sums]
         divisor = self.expected_batch_size if self.expected_batch_size is not None else tf.maximum(self.count, 1.0)
-        noise = gaussian_like([s.value() for s in self.sums], noise_stddev(self.l2_norm_clip, self.noise_multiplier), self._seed)
-        return [(s + n) / tf.cast(divisor, s.dtype) for s, n in zip(self.sums, noise)]
+        stddev = noise_stddev(self.l2_norm_clip, self.noise_multiplier)
+        return noised_average([s.value() for s in self.sums], stddev, divisor, self._seed)
 
     def apply(self, optimizer) -> None:
         """``optimizer.apply_gradients(result())``, one step counted, then ``reset()``."""

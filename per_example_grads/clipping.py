@@ -150,7 +150,6 @@ def _factors(squared, groups, clips):
     norms, factors = [], []
     for idx, clip in zip(groups, clips):
         n = tf.sqrt(tf.add_n([squared[i] for i in idx]))
-        c = tf.cast(clip, n.dtype)
         norms.append(n)
-        factors.append(c / tf.maximum(n, c))
+        factors.append(transforms.clip_factors(n, clip))
     return norms, factors

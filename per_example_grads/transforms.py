@@ -87,10 +87,15 @@ def clip_by_global_norm(
     if isinstance(l2_norm_clip, (int, float)) and not l2_norm_clip > 0:
         raise ValueError(f"l2_norm_clip must be > 0; got {l2_norm_clip}.")
     norms = global_norms(grads)
-    clip = tf.cast(l2_norm_clip, norms.dtype)
-    factors = clip / tf.maximum(norms, clip)
+    factors = clip_factors(norms, l2_norm_clip)
     clipped = [g * tf.cast(_expand_to(factors, g), g.dtype) for g in grads]
     return clipped, norms
+
+
+def clip_factors(norms: tf.Tensor, l2_norm_clip) -> tf.Tensor:
+    """``C / max(n_i, C)`` per example: ``[B]`` scale factors that bring norms ``n`` to at most ``C``."""
+    clip = tf.cast(l2_norm_clip, norms.dtype)
+    return clip / tf.maximum(norms, clip)
 
 
 def sum_examples(grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
