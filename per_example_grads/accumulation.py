@@ -17,6 +17,14 @@ For non-private training, Keras 3 optimizers already accumulate with
 gradients and apply every k-th step); use that with ``fit``. This class is for
 custom loops, for unequal micro-batches, and for DP, where clipping and noise
 must follow per-example rules across the micro-batches.
+
+Under ``tf.distribute`` (create the accumulator inside ``strategy.scope()``
+and call ``accumulate``/``apply`` inside ``strategy.run``): the sums and the
+count are sync-on-read variables, so each replica adds its own micro-batches
+locally with no communication. ``result()`` on a replica returns its share
+(its sums over the global count, plus ``1/sqrt(R)`` of the DP noise); the
+optimizer's all-reduce in ``apply`` adds the shares (``P`` floats each). Read
+in cross-replica code, ``sums`` and ``count`` are the totals over replicas.
 """
 
 from __future__ import annotations
@@ -25,8 +33,10 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
+from per_example_grads import replicas
 from per_example_grads.batch import batch_size, make_batch
 from per_example_grads.clipping import clipped_gradients
+from per_example_grads.dp.applied_steps import AppliedSteps
 from per_example_grads.dp.noise import NoiseSeed
 from per_example_grads.dp.private import check_dp_arguments, noise_stddev, noised_average
 from per_example_grads.problem import make_problem
@@ -50,7 +60,9 @@ class GradientAccumulator(tf.Module):
     Attributes:
       sums: list of non-trainable ``[*var.shape]`` variables.
       count: scalar float32 variable, examples (or summed weights) so far.
-      steps: int64 variable, logical batches applied (what an accountant counts).
+      steps: int64 variable, logical batches applied (what an accountant
+        counts), ``applied.count``; ``applied.update(accountant)`` hands them over.
+      strategy: the ``tf.distribute`` strategy in scope when it was created.
 
     Example:
       >>> import keras, numpy as np
@@ -89,16 +101,23 @@ class GradientAccumulator(tf.Module):
         self.l2_norm_clip, self.noise_multiplier = l2_norm_clip, noise_multiplier
         self.expected_batch_size = expected_batch_size
         self.variables_ = list(self._problem.variables)
+        local = dict(
+            trainable=False,
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.SUM,
+        )
+        self.strategy = tf.distribute.get_strategy()  # the one the variables belong to
         with tf.init_scope():
-            self.sums = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False, name="sum") for v in self.variables_]
-            self.count = tf.Variable(0.0, trainable=False, name="count")
-            self.steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="steps")
+            self.sums = [tf.Variable(tf.zeros(v.shape, v.dtype), name="sum", **local) for v in self.variables_]
+            self.count = tf.Variable(0.0, name="count", **local)
             if isinstance(seed, int):
                 seed = tf.random.Generator.from_seed(seed)
+        self.applied = AppliedSteps(name="steps")
         self._seed = seed
 
     def accumulate(self, x: Any, y: Any = None, sample_weight: Any = None) -> None:
         """Adds one micro-batch (``[b, ...]``, any ``b``, 0 included)."""
+        _check_replica_context(self, "accumulate")
         batch = make_batch(self._model, x, y, sample_weight)
         if self.private:
             contribution = clipped_gradients(
@@ -124,21 +143,47 @@ class GradientAccumulator(tf.Module):
 
         Plain: ``sum / count`` (zeros if nothing was added). DP: ``(sum +
         noise) / expected_batch_size``, with fresh noise on every call.
+        Inside ``strategy.run``, this replica's share (see the module docstring).
         """
+        # This replica's own values inside strategy.run. tf.identity: on TF 2.21 a
+        # sync-on-read variable's value() cannot be all-reduced across workers directly.
+        sums = [tf.identity(s.value()) for s in self.sums]
+        count = replicas.global_sum(tf.identity(self.count.value()))
         if not self.private:
-            return [tf.math.divide_no_nan(s, tf.cast(self.count, s.dtype)) for s in self.sums]
-        divisor = self.expected_batch_size if self.expected_batch_size is not None else tf.maximum(self.count, 1.0)
+            return [tf.math.divide_no_nan(s, tf.cast(count, s.dtype)) for s in sums]
+        divisor = self.expected_batch_size if self.expected_batch_size is not None else tf.maximum(count, 1.0)
         stddev = noise_stddev(self.l2_norm_clip, self.noise_multiplier)
-        return noised_average([s.value() for s in self.sums], stddev, divisor, self._seed)
+        return noised_average(sums, stddev, divisor, self._seed)
 
     def apply(self, optimizer) -> None:
-        """``optimizer.apply_gradients(result())``, one step counted, then ``reset()``."""
-        optimizer.apply_gradients(zip(self.result(), self.variables_))
-        self.steps.assign_add(1)
+        """``optimizer.apply_gradients(result())``, one step counted, then ``reset()``.
+
+        The step is counted before it is applied, so a crash in between can
+        only over-count what an accountant reads from ``steps``.
+        """
+        _check_replica_context(self, "apply")
+        self.applied.apply_gradients(optimizer, zip(self.result(), self.variables_))
         self.reset()
+
+    @property
+    def steps(self) -> tf.Variable:
+        return self.applied.count
 
     def reset(self) -> None:
         """Zeros the sums and the count (not ``steps``)."""
         for s in self.sums:
             s.assign(tf.zeros_like(s))
         self.count.assign(0.0)
+
+
+def _check_replica_context(accumulator: GradientAccumulator, method: str) -> None:
+    """The variables of an accumulator made under a multi-replica strategy change only inside its ``run``."""
+    strategy = accumulator.strategy
+    if strategy.num_replicas_in_sync > 1 and (
+        tf.distribute.in_cross_replica_context() or tf.distribute.get_strategy() is not strategy
+    ):
+        raise ValueError(
+            f"GradientAccumulator.{method} was called outside strategy.run of the "
+            f"{strategy.num_replicas_in_sync}-replica strategy it was created under; call it inside "
+            "strategy.run(...), so that each replica adds its own shard."
+        )

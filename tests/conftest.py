@@ -11,6 +11,15 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+# Two logical CPU devices for the MirroredStrategy tests (tests/test_distribute_mirrored.py).
+# Must happen before TensorFlow initializes its devices; every other test runs on /cpu:0.
+try:
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
+    )
+except RuntimeError:  # devices already initialized by whoever imported TensorFlow first
+    pass
+
 # float32 agreement with the one-example-at-a-time loop: rtol 1e-5, with an
 # absolute floor of 1e-6 times the largest reference entry (over all
 # variables) for entries that are zero up to rounding, such as attention key

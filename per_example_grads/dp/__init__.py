@@ -13,6 +13,7 @@ from per_example_grads.dp.accounting import (
     noise_multiplier_for_epsilon,
 )
 from per_example_grads.dp.adaptive import AdaptiveClipping
+from per_example_grads.dp.applied_steps import AppliedSteps
 from per_example_grads.dp.private import private_gradients
 from per_example_grads.dp.sampling import (
     PhysicalChunk,
@@ -26,6 +27,7 @@ from per_example_grads.dp.validation import ValidationReport, check_model, valid
 
 __all__ = [
     "AdaptiveClipping",
+    "AppliedSteps",
     "PhysicalChunk",
     "PrivacyAccountant",
     "ValidationReport",

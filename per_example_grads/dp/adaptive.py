@@ -17,6 +17,10 @@ own noise multiplier is lowered to
 ``sigma_grad = (sigma^-2 - (2 sigma_b)^-2)^(-1/2)`` (the paper's Theorem 1;
 ``per_example_grads.dp.accounting.adaptive_clipping_noise_multiplier``), and
 the accountant is run with ``sigma``.
+
+Inside ``strategy.run`` each replica counts its own shard and adds
+``N(0, sigma_b^2 / R)``; the noisy counts are all-reduced, so every replica
+computes the same next ``C`` from one global noisy count.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import dataclasses
 
 import tensorflow as tf
 
+from per_example_grads import replicas
 from per_example_grads.dp.noise import NoiseSeed, gaussian_like
 
 
@@ -74,6 +79,7 @@ def updated_clip(
       expected_batch_size: the divisor of the noisy count.
     """
     centred = tf.reduce_sum((tf.cast(norms <= clip, tf.float32) - 0.5) * tf.cast(real, tf.float32))
-    noisy = centred + gaussian_like([centred], settings.clipped_count_stddev, seed)[0]
+    noise = gaussian_like([centred], replicas.noise_share(settings.clipped_count_stddev), seed)[0]
+    noisy = replicas.global_sum(centred + noise)
     fraction = noisy / tf.cast(expected_batch_size, tf.float32) + 0.5
     return clip * tf.exp(-settings.learning_rate * (fraction - settings.target_quantile))

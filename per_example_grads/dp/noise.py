@@ -12,6 +12,10 @@ Where the randomness comes from (``seed``):
   ``tf.random.stateless_normal`` with that seed. The same seed gives the same
   noise, so vary it every step (for example ``seed=(run_seed, step)``). For
   experiments and tests only.
+
+Inside ``strategy.run`` every replica must draw independently (see
+``per_example_grads.replicas``): generators already give each replica its
+own stream, and stateless seeds are folded with the replica id here.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import tensorflow as tf
+
+from per_example_grads import replicas
 
 NoiseSeed = int | tuple | tf.Tensor | tf.random.Generator | None
 
@@ -50,6 +56,8 @@ def gaussian_like(tensors: Sequence[tf.Tensor], stddev, seed: NoiseSeed = None) 
         draws = [generator.normal(tf.shape(t), dtype=tf.float32) for t in tensors]
     else:
         base = _stateless_seed(seed)
+        if replicas.num_replicas() > 1:
+            base = tf.cast(tf.random.experimental.stateless_fold_in(base, replicas.replica_id()), tf.int64)
         draws = [
             tf.random.stateless_normal(tf.shape(t), seed=base + tf.constant([0, 1], tf.int64) * (1_000_003 * i), dtype=tf.float32)
             for i, t in enumerate(tensors)

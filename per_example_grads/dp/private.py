@@ -7,6 +7,10 @@ For a batch with per-example gradients ``g_i``:
 with ``clip_C(g) = g * min(1, C / ||g||)``. Noise is added exactly once, to the
 sum, and the division is by the *expected* batch size (``q * N`` under Poisson
 sampling), not by the realized one, which would itself leak information.
+
+Inside ``strategy.run`` each replica clips its own shard and adds its share
+of the noise, ``N(0, (sigma C)^2 / R)``; the optimizer's all-reduce sums the
+shares into one noised gradient (``per_example_grads.replicas``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any, Mapping, Sequence
 
 import tensorflow as tf
 
+from per_example_grads import replicas
 from per_example_grads.batch import batch_size, make_batch
 from per_example_grads.clipping import clipped_gradients
 from per_example_grads.dp.noise import NoiseSeed, gaussian_like
@@ -73,13 +78,16 @@ def private_gradients(
       seed: where the noise comes from; see ``per_example_grads.dp.noise``.
         ``None`` seeds from the operating system's entropy.
       expected_batch_size: the divisor; pass ``q * N`` with Poisson sampling.
-        Defaults to the number of rows ``B``.
+        Defaults to the number of rows ``B`` (of the global batch, inside
+        ``strategy.run``).
       sample_weight: ``[B]``; a Poisson batch's mask goes here (padded rows
         weigh 0 and contribute exactly nothing).
 
     Returns:
       list of ``[*var.shape]`` tensors aligned with the variables, for
-      ``optimizer.apply_gradients(zip(grads, variables))``.
+      ``optimizer.apply_gradients(zip(grads, variables))``. Inside
+      ``strategy.run``, this replica's share: the shares sum (as the
+      optimizer's all-reduce does) to the noised gradient of the global batch.
 
     Example:
       >>> import keras, numpy as np
@@ -97,11 +105,15 @@ def private_gradients(
         method=method, variables=variables, training=training,
     )
     if expected_batch_size is None:
-        expected_batch_size = tf.maximum(batch_size(make_batch(model, x)), 1)
+        expected_batch_size = tf.maximum(replicas.global_sum(batch_size(make_batch(model, x))), 1)
     return noised_average(sums, noise_stddev(l2_norm_clip, noise_multiplier), expected_batch_size, seed)
 
 
 def noised_average(sums: Sequence[tf.Tensor], stddev, expected_batch_size, seed: NoiseSeed = None) -> list[tf.Tensor]:
-    """``(sums[k] + N(0, stddev^2)) / expected_batch_size`` for every k: the noise is added once."""
-    noise = gaussian_like(sums, stddev, seed)
+    """``(sums[k] + N(0, stddev^2)) / expected_batch_size`` for every k: the noise is added once.
+
+    Inside ``strategy.run`` the noise std is ``stddev / sqrt(R)`` on each of
+    the ``R`` replicas, so the sum of the replicas' results has it once.
+    """
+    noise = gaussian_like(sums, replicas.noise_share(stddev), seed)
     return [(s + n) / tf.cast(expected_batch_size, s.dtype) for s, n in zip(sums, noise)]

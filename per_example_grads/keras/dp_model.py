@@ -7,10 +7,11 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from per_example_grads import replicas
 from per_example_grads.clipping import clipped_gradients
 from per_example_grads.dp import adaptive as adaptive_clipping
 from per_example_grads.dp import validation
-from per_example_grads.dp.accounting import adaptive_clipping_noise_multiplier, compute_epsilon
+from per_example_grads.dp.accounting import PrivacyAccountant, adaptive_clipping_noise_multiplier
 from per_example_grads.dp.private import check_dp_arguments, noise_stddev, noised_average
 from per_example_grads.losses import as_per_example_loss
 
@@ -42,8 +43,21 @@ class DPModel(keras.Model):
     accounting for them.
 
     Saving: save the wrapped network, ``dp_model.model.save("m.keras")``, or
-    use ``save_weights`` / checkpoints on the DPModel itself (they include the
-    ``dp_steps`` counter, so a restarted run keeps counting privacy steps).
+    use ``save_weights`` / checkpoints / ``keras.callbacks.BackupAndRestore``
+    on the DPModel itself. Those include the privacy ledger, three
+    non-trainable variables: ``dp_steps`` (steps applied), and the smallest
+    noise multiplier and largest sampling probability any of them used. A
+    restarted run restores and keeps counting them, so ``epsilon()`` after a
+    restart equals that of an uninterrupted run with as many steps, and it can
+    only over-report (never under-report) if a restart changed ``sigma`` or
+    ``q``.
+
+    Under ``tf.distribute`` (build and compile the DPModel inside
+    ``strategy.scope()``): each replica clips the examples of its shard and
+    adds ``N(0, (sigma C)^2 / R)``; Keras's optimizer all-reduces the ``R``
+    shares (``P`` floats each) into one step with noise ``N(0, (sigma C)^2)``,
+    divided by ``expected_batch_size`` (default: the rows of the *global*
+    batch). See ``per_example_grads.replicas``.
 
     Args:
       model: the Keras model to train privately.
@@ -106,12 +120,17 @@ class DPModel(keras.Model):
                 noise_multiplier, adaptive_clipping.clipped_count_stddev, expected_batch_size or 1
             ) if noise_multiplier > 0 else 0.0
             self.l2_norm_clip = keras.Variable(
-                adaptive_clipping.initial_l2_norm_clip, dtype="float32", trainable=False, name="l2_norm_clip"
+                adaptive_clipping.initial_l2_norm_clip, dtype="float32", trainable=False, name="l2_norm_clip",
+                aggregation="only_first_replica",  # every replica computes the same next C
             )
         else:
             self._gradient_noise_multiplier = self.noise_multiplier
             self.l2_norm_clip = l2_norm_clip
-        self.dp_steps = keras.Variable(0, dtype="int64", trainable=False, name="dp_steps")
+        # The privacy ledger, saved with the weights (see the class docstring).
+        ledger = dict(trainable=False, aggregation="only_first_replica")
+        self.dp_steps = keras.Variable(0, dtype="int64", name="dp_steps", **ledger)
+        self.dp_min_noise_multiplier = keras.Variable(float("inf"), dtype="float64", name="dp_min_noise_multiplier", **ledger)
+        self.dp_max_sampling_probability = keras.Variable(0.0, dtype="float64", name="dp_max_sampling_probability", **ledger)
         with tf.init_scope():
             self._noise = (
                 tf.random.Generator.from_non_deterministic_state() if seed is None
@@ -136,24 +155,29 @@ class DPModel(keras.Model):
         clip = tf.convert_to_tensor(self.l2_norm_clip) if isinstance(self.l2_norm_clip, keras.Variable) else self.l2_norm_clip
         sums, norms = self._clipped_sums(loss_fn, x, y, sample_weight, clip)
         rows = tf.shape(tf.nest.flatten(x)[0])[0]
-        divisor = self.expected_batch_size if self.expected_batch_size is not None else tf.maximum(rows, 1)
+        divisor = self.expected_batch_size if self.expected_batch_size is not None else tf.maximum(replicas.global_sum(rows), 1)
         real = tf.ones([rows]) if sample_weight is None else tf.cast(tf.not_equal(sample_weight, 0), tf.float32)
         global_norms = norms if not isinstance(norms, dict) else tf.sqrt(tf.add_n([tf.square(n) for n in norms.values()]))
         clip_total = noise_stddev(clip, 1.0)
-        step_clipped_fraction = tf.math.divide_no_nan(
-            tf.reduce_sum(tf.cast(global_norms > clip_total, tf.float32) * real), tf.reduce_sum(real)
+        clipped, counted = replicas.global_sum(
+            [tf.reduce_sum(tf.cast(global_norms > clip_total, tf.float32) * real), tf.reduce_sum(real)]
         )
+        step_clipped_fraction = tf.math.divide_no_nan(clipped, counted)
         self._clipped_fraction.update_state(step_clipped_fraction)
         grads = noised_average(sums, noise_stddev(clip, self._gradient_noise_multiplier), divisor, self._noise)
         if self.adaptive is not None:
             self.l2_norm_clip.assign(
                 adaptive_clipping.updated_clip(self.adaptive, clip, global_norms, real, divisor, self._noise)
             )
+        # The ledger is updated before the step is applied: a crash in between
+        # can only over-count.
+        self._record_step()
         self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
-        self.dp_steps.assign_add(1)
 
-        loss = self.compute_loss(x, y, y_pred, sample_weight)
-        self._loss_tracker.update_state(loss)
+        # compute_loss divides by the replicas in sync (for Keras's own
+        # gradient all-reduce); the tracker wants this replica's mean loss.
+        loss = self.compute_loss(x, y, y_pred, sample_weight) * replicas.num_replicas()
+        self._loss_tracker.update_state(loss, sample_weight=rows)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         # This step's own value (the metric above is the epoch's running mean),
         # for callbacks that plot per-step clipping.
@@ -193,14 +217,40 @@ class DPModel(keras.Model):
         )
         return sums, tf.reshape(norms.stack(), [-1])[:rows]
 
-    def epsilon(self, delta: float, *, accountant: str = "pld") -> float:
-        """ε spent so far (``dp_steps`` steps), with Poisson sampling at ``q = expected_batch_size / num_examples``."""
+    @property
+    def sampling_probability(self) -> float | None:
+        """``q = expected_batch_size / num_examples``, or None when either is unknown."""
         if self.num_examples is None or self.expected_batch_size is None:
-            raise ValueError("epsilon() needs num_examples and expected_batch_size given to DPModel.")
-        steps = int(self.dp_steps.numpy())
-        if steps == 0:
-            return 0.0
-        return compute_epsilon(
-            self.num_examples, self.expected_batch_size, None, self.noise_multiplier, delta,
-            accountant=accountant, steps=steps,
+            return None
+        return min(1.0, float(self.expected_batch_size) / self.num_examples)
+
+    def _record_step(self) -> None:
+        """Adds this step to the ledger variables (an unknown ``q`` is recorded as 1, the worst case)."""
+        q = self.sampling_probability
+        self.dp_steps.assign_add(1)
+        self.dp_min_noise_multiplier.assign(
+            tf.minimum(self.dp_min_noise_multiplier, tf.constant(self.noise_multiplier, tf.float64))
         )
+        self.dp_max_sampling_probability.assign(
+            tf.maximum(self.dp_max_sampling_probability, tf.constant(1.0 if q is None else q, tf.float64))
+        )
+
+    def accountant(self, *, accountant: str = "pld") -> PrivacyAccountant:
+        """A ``PrivacyAccountant`` holding the saved ledger: ``dp_steps`` Poisson-sampled steps.
+
+        It uses the smallest noise multiplier and the largest sampling
+        probability any recorded step used (exactly the run's own when they
+        never changed), so its epsilon never under-reports.
+        """
+        if self.sampling_probability is None:
+            raise ValueError("accounting needs num_examples and expected_batch_size given to DPModel.")
+        steps = int(self.dp_steps.numpy())
+        sigma = float(self.dp_min_noise_multiplier.numpy()) if steps else self.noise_multiplier
+        q = float(self.dp_max_sampling_probability.numpy()) if steps else self.sampling_probability
+        ledger = PrivacyAccountant(sigma, q, accountant=accountant)
+        ledger.step(steps)
+        return ledger
+
+    def epsilon(self, delta: float, *, accountant: str = "pld") -> float:
+        """ε spent so far: ``self.accountant(accountant=...).epsilon(delta)``."""
+        return self.accountant(accountant=accountant).epsilon(delta)

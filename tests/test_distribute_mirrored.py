@@ -1,0 +1,241 @@
+"""MirroredStrategy on two logical CPU devices (set up in conftest).
+
+Every distributed result is compared with the same computation on one
+device: without noise to the float32 tolerance of the suite, with noise by
+its standard deviation (the noise of one step must be ``sigma C`` in total,
+not ``sqrt(R)`` times that, nor ``1/sqrt(R)``).
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import per_example_grads as peg
+from tests.conftest import RTOL, assert_grads_close, reference_gradients, sparse_ce
+
+B, D, K = 16, 6, 3
+
+
+_STRATEGY = []
+
+
+def _strategy():
+    """One strategy for the whole process: strategies created one after another
+    in a process share collective instance keys, and a second one's first
+    all-reduce can meet the first one's (TF 2.21 aborts all collectives then)."""
+    devices = tf.config.list_logical_devices("CPU")
+    if len(devices) < 2:
+        pytest.skip("needs two logical CPU devices (configured in conftest before TensorFlow starts)")
+    if not _STRATEGY:
+        _STRATEGY.append(tf.distribute.MirroredStrategy([d.name for d in devices[:2]]))
+    return _STRATEGY[0]
+
+
+def _data(seed=0):
+    rng = np.random.RandomState(seed)
+    x = (3 * rng.randn(B, D)).astype("float32")  # large inputs: most examples get clipped
+    y = (np.arange(B) % K).astype("int32")
+    return x, y
+
+
+def _net():
+    return keras.Sequential([keras.Input((D,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(K)])
+
+
+def _twins(strategy):
+    """The same network twice: one built under the strategy, one on a single device."""
+    with strategy.scope():
+        distributed = _net()
+    single = _net()
+    single.set_weights(distributed.get_weights())
+    return distributed, single
+
+
+def _distributed_batch(strategy, *arrays):
+    ds = tf.data.Dataset.from_tensor_slices(arrays).batch(B)
+    return next(iter(strategy.experimental_distribute_dataset(ds)))
+
+
+def _local(strategy, value):
+    return strategy.experimental_local_results(value)
+
+
+def test_per_example_gradients_per_replica_shards_match_the_loop():
+    strategy = _strategy()
+    model, _ = _twins(strategy)
+    x, y = _data()
+    xb, yb = _distributed_batch(strategy, x, y)
+    out = strategy.run(tf.function(lambda a, b: peg.per_example_gradients(model, sparse_ce, a, b)), args=(xb, yb))
+    shards = _local(strategy, out)
+    assert len(shards) == 2 and shards[0][0].shape[0] == B // 2
+    joined = [np.concatenate([s[k] for s in shards]) for k in range(len(model.trainable_variables))]
+    assert_grads_close(joined, reference_gradients(model, sparse_ce, x, y))
+
+
+def test_clipped_sums_all_reduced_equal_one_device():
+    strategy = _strategy()
+    model, single = _twins(strategy)
+    x, y = _data()
+    xb, yb = _distributed_batch(strategy, x, y)
+
+    @tf.function
+    def step(a, b):
+        def replica(a, b):
+            sums = peg.clipped_gradients(model, sparse_ce, a, b, l2_norm_clip=0.5)
+            return tf.distribute.get_replica_context().all_reduce("SUM", sums)
+        return strategy.run(replica, args=(a, b))
+
+    total = _local(strategy, step(xb, yb))[0]
+    expected = peg.clipped_gradients(single, sparse_ce, x, y, l2_norm_clip=0.5)
+    assert_grads_close([t.numpy() for t in total], [e.numpy() for e in expected])
+
+
+def _private_step(strategy, model, seed, noise_multiplier):
+    """One DP-SGD step's all-reduced gradient, as the optimizer would sum the replicas' shares."""
+    x, y = _data()
+    xb, yb = _distributed_batch(strategy, x, y)
+
+    @tf.function
+    def step(a, b):
+        def replica(a, b):
+            share = peg.dp.private_gradients(
+                model, sparse_ce, a, b, l2_norm_clip=0.5, noise_multiplier=noise_multiplier, seed=seed
+            )
+            return tf.distribute.get_replica_context().all_reduce("SUM", share)
+        return strategy.run(replica, args=(a, b))
+
+    return step(xb, yb)
+
+
+@pytest.mark.parametrize("seed_kind", ["generator", "stateless"])
+def test_private_gradients_have_noise_sigma_c_exactly_once(seed_kind):
+    """4003 parameters: the sample std's relative standard error is 1/sqrt(2n) = 1.1%.
+
+    Every replica adding all the noise would give sqrt(2) sigma C (+41%); one
+    replica's share alone sigma C / sqrt(2) (-29%); the test allows 5 standard errors (5.6%).
+    """
+    strategy = _strategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((D,)), keras.layers.Dense(400), keras.layers.Dense(K)])
+        seed = tf.random.Generator.from_seed(3) if seed_kind == "generator" else (3, 5)
+    x, y = _data()
+    sigma, clip = 1.5, 0.5
+    noisy = _local(strategy, _private_step(strategy, model, seed, sigma))
+    for a, b in zip(*noisy):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())  # every replica holds the same sum
+    clean = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=clip)
+    # The default divisor is the *global* batch, 16, not a replica's 8.
+    noise = np.concatenate([(a.numpy() * B - c.numpy()).ravel() for a, c in zip(noisy[0], clean)])
+    rel_se = 1 / np.sqrt(2 * noise.size)
+    assert abs(noise.std() / (sigma * clip) - 1) < 5 * rel_se, noise.std()
+    assert abs(noise.mean()) < 5 * sigma * clip / np.sqrt(noise.size)
+
+
+def test_accumulator_under_strategy_equals_one_device():
+    strategy = _strategy()
+    model, single = _twins(strategy)
+    x, y = _data()
+    with strategy.scope():
+        plain = peg.GradientAccumulator(model, sparse_ce)
+        private = peg.GradientAccumulator(model, sparse_ce, l2_norm_clip=0.5, noise_multiplier=0.0)
+    halves = [_distributed_batch(strategy, x[i : i + 8], y[i : i + 8]) for i in (0, 8)]  # 2 micro-batches, 4 rows per replica
+
+    @tf.function
+    def add(a, b):
+        strategy.run(lambda a, b: (plain.accumulate(a, b), private.accumulate(a, b)), args=(a, b))
+
+    for a, b in halves:
+        add(a, b)
+    assert float(plain.count.read_value()) == B  # cross-replica read: the total over replicas
+
+    @tf.function
+    def results():
+        def replica():
+            ctx = tf.distribute.get_replica_context()
+            return ctx.all_reduce("SUM", plain.result()), ctx.all_reduce("SUM", private.result())
+        return strategy.run(replica)
+
+    mean, clipped = _local(strategy, results())[0]
+    ref = reference_gradients(single, sparse_ce, x, y)
+    assert_grads_close([m.numpy() for m in mean], [r.mean(0) for r in ref])
+    expected = peg.clipped_gradients(single, sparse_ce, x, y, l2_norm_clip=0.5, reduction="mean")
+    assert_grads_close([c.numpy() for c in clipped], [e.numpy() for e in expected])
+
+    with pytest.raises(ValueError, match="inside strategy.run"):
+        plain.accumulate(x, y)  # cross-replica code: each replica must add its own shard
+
+
+def test_accumulator_apply_under_strategy_counts_one_step():
+    strategy = _strategy()
+    model, single = _twins(strategy)
+    x, y = _data()
+    with strategy.scope():
+        acc = peg.GradientAccumulator(model, sparse_ce)
+        opt = keras.optimizers.SGD(0.1)
+        opt.build(model.trainable_variables)
+    a, b = _distributed_batch(strategy, x, y)
+
+    @tf.function
+    def step(a, b):
+        def replica(a, b):
+            acc.accumulate(a, b)
+            acc.apply(opt)
+        strategy.run(replica, args=(a, b))
+
+    step(a, b)
+    assert int(acc.steps.numpy()) == 1 and float(acc.count.read_value()) == 0.0
+    expected = [w - 0.1 * r.mean(0) for w, r in zip(single.get_weights(), reference_gradients(single, sparse_ce, x, y))]
+    for got, want in zip(model.get_weights(), expected):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-7)
+
+
+def _fit(model, x, y, **dp_args):
+    dp = peg.keras.DPModel(model, **dp_args)
+    dp.compile(optimizer=keras.optimizers.SGD(0.2), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = dp.fit(x, y, batch_size=B, epochs=3, shuffle=False, verbose=0)
+    return dp, history
+
+
+@pytest.mark.parametrize("divisor", [None, 16])
+def test_dp_model_fit_without_noise_equals_one_device(divisor):
+    strategy = _strategy()
+    model, single = _twins(strategy)
+    x, y = np.concatenate([_data(0)[0], _data(1)[0]]), np.concatenate([_data(0)[1], _data(1)[1]])
+    args = dict(l2_norm_clip=0.5, noise_multiplier=0.0, expected_batch_size=divisor, num_examples=2 * B, seed=1)
+    with strategy.scope():
+        dp, history = _fit(model, x, y, **args)
+    ref, ref_history = _fit(single, x, y, **args)
+    for got, want in zip(model.get_weights(), single.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-6)
+    assert int(dp.dp_steps.numpy()) == int(ref.dp_steps.numpy()) == 6  # counted once per step, not per replica
+    np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(history.history["clipped_fraction"], ref_history.history["clipped_fraction"], rtol=1e-6)
+
+
+def test_dp_model_adaptive_clipping_under_strategy_tracks_one_device():
+    strategy = _strategy()
+    model, single = _twins(strategy)
+    x, y = _data()
+    adaptive = peg.dp.AdaptiveClipping(target_quantile=0.5, learning_rate=0.3, clipped_count_stddev=1e-4)
+    args = dict(noise_multiplier=0.0, adaptive_clipping=adaptive, expected_batch_size=B, seed=1)
+    with strategy.scope():
+        dp, _ = _fit(model, x, y, **args)
+    ref, _ = _fit(single, x, y, **args)
+    # The unclipped count is all-reduced: the same next C on every replica, equal to one device's
+    # up to the 1e-4 count noise (a relative change of exp(0.3 * 1e-4 / 16 * ...) per step).
+    assert float(dp.l2_norm_clip.numpy()) == pytest.approx(float(ref.l2_norm_clip.numpy()), rel=1e-4)
+    assert float(dp.l2_norm_clip.numpy()) != pytest.approx(1.0, rel=1e-3)  # it did move
+
+
+def test_gradient_statistics_under_scope_equal_one_device():
+    strategy = _strategy()
+    model, single = _twins(strategy)
+    x, y = _data()
+    with strategy.scope():
+        report = peg.diagnostics.gradient_statistics(model, sparse_ce, (x, y), batch_size=8, progress=False)
+    ref = peg.diagnostics.gradient_statistics(single, sparse_ce, (x, y), batch_size=8, progress=False)
+    np.testing.assert_allclose(report.per_example_norms, ref.per_example_norms, rtol=RTOL)
+    assert report.trace_covariance == pytest.approx(ref.trace_covariance, rel=1e-5)
