@@ -173,6 +173,36 @@ def test_dp_model_learns_and_saves(tmp_path):
     np.testing.assert_allclose(fresh.predict(xt, verbose=0), dp.predict(xt, verbose=0), rtol=1e-6)
 
 
+def test_dp_model_ledger_survives_a_restart_with_other_settings(tmp_path):
+    """The saved ledger keeps the worst sigma and q seen, so epsilon can only over-report."""
+    x, y, _, _ = _digits(n_train=200)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def run(sigma, batch, weights=None):
+        net = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+        dp = peg.keras.DPModel(net, l2_norm_clip=1.0, noise_multiplier=sigma, expected_batch_size=batch, num_examples=200, seed=0)
+        dp.compile(optimizer="sgd", loss=loss)
+        dp(x[:1])
+        if weights:
+            dp.load_weights(weights)
+        dp.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+        return dp
+
+    first = run(1.1, 50)  # 4 steps at q = 0.25
+    first.save_weights(tmp_path / "a.weights.h5")
+    assert first.epsilon(1e-5) == pytest.approx(
+        peg.dp.compute_epsilon(200, 50, None, 1.1, 1e-5, steps=4), rel=1e-12
+    )
+    second = run(2.0, 40, tmp_path / "a.weights.h5")  # 5 more steps at q = 0.2, larger sigma
+    assert int(second.dp_steps.numpy()) == 9
+    ledger = second.accountant()
+    assert (ledger.noise_multiplier, ledger.sampling_probability, ledger.steps) == (1.1, 0.25, 9)
+    exact = peg.dp.PrivacyAccountant(1.1, 0.25)
+    exact.step(4)
+    exact.step(5, noise_multiplier=2.0, sampling_probability=0.2)
+    assert second.epsilon(1e-5) >= exact.epsilon(1e-5)
+
+
 def test_adaptive_clipping_tracks_the_quantile():
     norms = tf.constant(np.linspace(0.1, 2.0, 20), tf.float32)  # median about 1.05
     settings = adaptive.AdaptiveClipping(target_quantile=0.5, learning_rate=0.2, clipped_count_stddev=1e-3, initial_l2_norm_clip=5.0)
