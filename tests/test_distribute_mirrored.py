@@ -72,7 +72,10 @@ def test_per_example_gradients_per_replica_shards_match_the_loop():
     shards = _local(strategy, out)
     assert len(shards) == 2 and shards[0][0].shape[0] == B // 2
     joined = [np.concatenate([s[k] for s in shards]) for k in range(len(model.trainable_variables))]
-    assert_grads_close(joined, reference_gradients(model, sparse_ce, x, y))
+    reference = reference_gradients(model, sparse_ce, x, y)
+    assert_grads_close(joined, reference)
+    with strategy.scope():  # cross-replica code under the scope: the whole batch on one device
+        assert_grads_close([g.numpy() for g in peg.per_example_gradients(model, sparse_ce, x, y)], reference)
 
 
 def test_clipped_sums_all_reduced_equal_one_device():
