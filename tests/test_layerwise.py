@@ -65,6 +65,8 @@ CASES = {
     "conv1d_strided_groups": lambda: _seq([keras.layers.Conv1D(4, 3, strides=2, groups=2, padding="same")], (B, 10, 4)),
     "conv2d_strided_valid": lambda: _seq([keras.layers.Conv2D(3, 3, strides=2, activation="tanh")], (B, 9, 9, 2)),
     "conv2d_dilated_same": lambda: _seq([keras.layers.Conv2D(3, 2, dilation_rate=2, padding="same")], (B, 7, 7, 2)),
+    "conv2d_few_positions_gram": lambda: _seq([keras.layers.Conv2D(16, 3, strides=2, activation="relu")], (B, 5, 5, 8)),
+    "conv1d_strided_same_no_bias": lambda: _seq([keras.layers.Conv1D(5, 4, strides=3, padding="same", use_bias=False)], (B, 11, 2)),
     "conv3d": lambda: _seq([keras.layers.Conv3D(2, 2, strides=(1, 2, 1))], (B, 4, 5, 4, 2)),
     "depthwise_conv2d": lambda: _seq([keras.layers.DepthwiseConv2D(3, depth_multiplier=2, padding="same")], (B, 6, 6, 2)),
     "separable_conv2d": lambda: _seq([keras.layers.SeparableConv2D(3, 3, activation="relu")], (B, 6, 6, 2)),
@@ -118,7 +120,11 @@ def test_shared_layers_sum_contributions_and_norms_have_cross_terms():
 
 
 @pytest.mark.parametrize("clip", [1e-3, 0.3, 1e3])
-@pytest.mark.parametrize("name", ["dense_sequence_gram", "conv2d_strided_valid", "embedding_mask_zero_pooled", "multi_head_attention", "lstm_fallback"])
+@pytest.mark.parametrize("name", [
+    "dense_sequence_gram", "conv2d_strided_valid", "conv2d_dilated_same", "conv2d_few_positions_gram",
+    "conv1d_causal_dilated", "conv1d_strided_same_no_bias", "embedding_mask_zero_pooled", "multi_head_attention",
+    "lstm_fallback",
+])
 def test_clipped_gradients_match_clipping_materialized(name, clip):
     model, x, y = CASES[name]()
     expected = reference_gradients(model, sparse_ce, x, y)
