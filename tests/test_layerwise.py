@@ -72,6 +72,9 @@ CASES = {
     "separable_conv2d": lambda: _seq([keras.layers.SeparableConv2D(3, 3, activation="relu")], (B, 6, 6, 2)),
     "embedding_mask_zero_pooled": lambda: _seq([keras.layers.Embedding(12, 4, mask_zero=True), keras.layers.GlobalAveragePooling1D()], (B, 6), dtype="int32"),
     "embedding_long_sequence": lambda: _seq([keras.layers.Embedding(12, 3)], (B, 8), dtype="int32"),
+    # T > GRAM_MAX_T: the sorted-keys norm; 24 ids out of 12 repeat in every example.
+    "embedding_sorted_repeated_ids": lambda: _seq([keras.layers.Embedding(12, 3)], (B, 24), dtype="int32"),
+    "embedding_sorted_mask_zero_pooled": lambda: _seq([keras.layers.Embedding(12, 4, mask_zero=True), keras.layers.GlobalAveragePooling1D()], (B, 20), dtype="int32"),
     "layer_norm": lambda: _seq([keras.layers.Dense(6), keras.layers.LayerNormalization()], (B, 5)),
     "group_norm": lambda: _seq([keras.layers.Conv1D(4, 2), keras.layers.GroupNormalization(groups=2)], (B, 6, 3)),
     "batch_norm_inference": lambda: _seq([keras.layers.Dense(6), keras.layers.BatchNormalization()], (B, 5)),
@@ -122,7 +125,8 @@ def test_shared_layers_sum_contributions_and_norms_have_cross_terms():
 @pytest.mark.parametrize("clip", [1e-3, 0.3, 1e3])
 @pytest.mark.parametrize("name", [
     "dense_sequence_gram", "conv2d_strided_valid", "conv2d_dilated_same", "conv2d_few_positions_gram",
-    "conv1d_causal_dilated", "conv1d_strided_same_no_bias", "embedding_mask_zero_pooled", "multi_head_attention",
+    "conv1d_causal_dilated", "conv1d_strided_same_no_bias", "embedding_mask_zero_pooled",
+    "embedding_sorted_repeated_ids", "embedding_sorted_mask_zero_pooled", "multi_head_attention",
     "lstm_fallback",
 ])
 def test_clipped_gradients_match_clipping_materialized(name, clip):
@@ -326,3 +330,20 @@ def test_layer_called_on_non_batch_tensor_is_refused_and_auto_falls_back():
     with pytest.warns(peg.EngineFallbackWarning, match="not the batch"):
         grads = peg.per_example_gradients(model, sparse_ce, x, y)
     assert_grads_close(grads, reference_gradients(model, sparse_ce, x, y))
+
+
+@pytest.mark.parametrize("b", [0, 1, 5])
+def test_embedding_grouped_squared_norms_against_dense_tables(b):
+    from per_example_grads.layers.embedding import grouped_squared_norms
+
+    r = np.random.default_rng(b)
+    ids = r.integers(0, 7, (b, 30)).astype("int32")
+    g = r.normal(size=(b, 30, 3)).astype("float32")
+    tables = np.zeros((b, 7, 3), "float32")
+    for n in range(b):
+        np.add.at(tables[n], ids[n], g[n])
+    want = np.sum(tables**2, axis=(1, 2))
+    f = tf.function(lambda i, g: grouped_squared_norms(i, g, 7), input_signature=[tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None, None, 3])])
+    for got in (grouped_squared_norms(ids, g, 7), f(ids, g)):
+        assert got.shape == (b,)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
