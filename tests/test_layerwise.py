@@ -76,6 +76,11 @@ CASES = {
     "embedding_sorted_repeated_ids": lambda: _seq([keras.layers.Embedding(12, 3)], (B, 24), dtype="int32"),
     "embedding_sorted_mask_zero_pooled": lambda: _seq([keras.layers.Embedding(12, 4, mask_zero=True), keras.layers.GlobalAveragePooling1D()], (B, 20), dtype="int32"),
     "layer_norm": lambda: _seq([keras.layers.Dense(6), keras.layers.LayerNormalization()], (B, 5)),
+    "layer_norm_sequence": lambda: _seq([keras.layers.Dense(6), keras.layers.LayerNormalization(epsilon=0.3)], (B, 4, 5)),
+    "layer_norm_two_axes_rank4": lambda: _seq([keras.layers.LayerNormalization(axis=[1, 3])], (B, 3, 2, 4)),
+    "layer_norm_middle_axis_no_center": lambda: _seq([keras.layers.LayerNormalization(axis=1, center=False)], (B, 4, 3)),
+    "layer_norm_rms_scaling": lambda: _seq([keras.layers.Dense(6), keras.layers.LayerNormalization(rms_scaling=True)], (B, 3, 5)),
+    "layer_norm_no_scale": lambda: _seq([keras.layers.LayerNormalization(scale=False)], (B, 3, 5)),
     "group_norm": lambda: _seq([keras.layers.Conv1D(4, 2), keras.layers.GroupNormalization(groups=2)], (B, 6, 3)),
     "batch_norm_inference": lambda: _seq([keras.layers.Dense(6), keras.layers.BatchNormalization()], (B, 5)),
     "prelu": lambda: _seq([keras.layers.Dense(6), keras.layers.PReLU()], (B, 5)),
@@ -126,7 +131,8 @@ def test_shared_layers_sum_contributions_and_norms_have_cross_terms():
 @pytest.mark.parametrize("name", [
     "dense_sequence_gram", "conv2d_strided_valid", "conv2d_dilated_same", "conv2d_few_positions_gram",
     "conv1d_causal_dilated", "conv1d_strided_same_no_bias", "embedding_mask_zero_pooled",
-    "embedding_sorted_repeated_ids", "embedding_sorted_mask_zero_pooled", "multi_head_attention",
+    "embedding_sorted_repeated_ids", "embedding_sorted_mask_zero_pooled", "layer_norm_sequence",
+    "layer_norm_two_axes_rank4", "layer_norm_middle_axis_no_center", "layer_norm_rms_scaling", "multi_head_attention",
     "lstm_fallback",
 ])
 def test_clipped_gradients_match_clipping_materialized(name, clip):
@@ -241,7 +247,8 @@ def test_auto_prefers_layerwise_and_no_batch_sized_tensors_for_norms():
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_mixed_precision_matches_float32(policy):
     def build():
-        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3, dtype="float32")])
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.LayerNormalization(),
+                                 keras.layers.Dense(3, dtype="float32")])
 
     model32 = build()
     x, y = rng.normal(size=(B, 6)).astype("float32"), rng.integers(0, 3, B)
@@ -347,3 +354,13 @@ def test_embedding_grouped_squared_norms_against_dense_tables(b):
     for got in (grouped_squared_norms(ids, g, 7), f(ids, g)):
         assert got.shape == (b,)
         np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_layer_norm_uses_its_closed_form_unless_over_the_batch_axis():
+    from per_example_grads.layers.normalization import LayerNormRule
+    from per_example_grads.layerwise.capture import plan_units
+
+    model, _, _ = CASES["layer_norm_two_axes_rank4"]()
+    assert [type(u.rule) for u in plan_units(model, model.trainable_variables)][0] is LayerNormRule
+    over_batch = keras.layers.LayerNormalization(axis=[0, 1])
+    assert LayerNormRule().unsupported(over_batch) is not None
