@@ -145,8 +145,10 @@ def test_clipped_gradients_match_clipping_materialized(name, clip):
         got, got_norms = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=clip, return_norms=True, method=method)
         np.testing.assert_allclose(got_norms, norms, rtol=1e-5)
         scale = max(np.abs(w).max() for w in want)
-        for g, w in zip(got, want):
-            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * scale)
+        for g, w, v in zip(got, want, model.trainable_variables):
+            # The layer-wise engine returns an embedding table's sum as IndexedSlices, like tape.gradient.
+            assert isinstance(g, tf.IndexedSlices) == (method == "layerwise" and "embedding" in v.path)
+            np.testing.assert_allclose(tf.convert_to_tensor(g), w, rtol=1e-5, atol=1e-6 * scale)
     # Every clipped example's norm is at most C (1 + 1e-6).
     assert np.all(norms * factors <= clip * (1 + 1e-6))
 
@@ -364,3 +366,31 @@ def test_layer_norm_uses_its_closed_form_unless_over_the_batch_axis():
     assert [type(u.rule) for u in plan_units(model, model.trainable_variables)][0] is LayerNormRule
     over_batch = keras.layers.LayerNormalization(axis=[0, 1])
     assert LayerNormRule().unsupported(over_batch) is not None
+
+
+def test_embedding_clipped_sums_are_indexed_slices_and_every_consumer_densifies_them():
+    """Shared embedding (two calls: slices concatenated), mean reduction, DP noise, accumulation."""
+    model, x, y = _shared_model()
+    variables = model.trainable_variables
+    emb_index = next(i for i, v in enumerate(variables) if "embedding" in v.path)
+    expected = reference_gradients(model, sparse_ce, x, y)
+    norms = np.sqrt(sum(np.sum(e.reshape(B, -1) ** 2, axis=1) for e in expected))
+    factors = 0.05 / np.maximum(norms, 0.05)
+    want = [np.tensordot(factors, e, axes=1) for e in expected]
+    for reduction, divisor in (("sum", 1), ("mean", B)):
+        got = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.05, reduction=reduction, method="layerwise")
+        assert isinstance(got[emb_index], tf.IndexedSlices)
+        assert got[emb_index].values.shape[0] == 2 * B * 5  # two calls, no dense [V, D] table
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(tf.convert_to_tensor(g), w / divisor, rtol=1e-5, atol=1e-7)
+    # Zero noise: private_gradients is the clipped sum over the expected batch size, dense.
+    private = peg.dp.private_gradients(model, sparse_ce, x, y, l2_norm_clip=0.05, noise_multiplier=0.0,
+                                       expected_batch_size=8, method="layerwise")
+    for g, w in zip(private, want):
+        assert not isinstance(g, tf.IndexedSlices)
+        np.testing.assert_allclose(g, w / 8, rtol=1e-5, atol=1e-7)
+    acc = peg.GradientAccumulator(model, sparse_ce, l2_norm_clip=0.05, noise_multiplier=0.0, expected_batch_size=8, method="layerwise")
+    acc.accumulate([t[:2] for t in x], y[:2])
+    acc.accumulate([t[2:] for t in x], y[2:])
+    for g, w in zip(acc.result(), want):
+        np.testing.assert_allclose(g, w / 8, rtol=1e-5, atol=1e-7)

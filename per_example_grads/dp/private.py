@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 import tensorflow as tf
 
 from per_example_grads.batch import batch_size, make_batch
-from per_example_grads.clipping import clipped_gradients
+from per_example_grads.clipping import clipped_gradients, dense_sums
 from per_example_grads.dp.noise import NoiseSeed, gaussian_like
 
 
@@ -103,5 +103,6 @@ def private_gradients(
 
 def noised_average(sums: Sequence[tf.Tensor], stddev, expected_batch_size, seed: NoiseSeed = None) -> list[tf.Tensor]:
     """``(sums[k] + N(0, stddev^2)) / expected_batch_size`` for every k: the noise is added once."""
+    sums = dense_sums(sums)  # the noise is dense: every row of an embedding table gets some
     noise = gaussian_like(sums, stddev, seed)
     return [(s + n) / tf.cast(expected_batch_size, s.dtype) for s, n in zip(sums, noise)]

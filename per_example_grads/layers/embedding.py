@@ -10,7 +10,11 @@ For example n with token ids ``x_n`` (``[T]``) and output gradient ``g_n``
   norms added per example. Cost ``O(B T log(B T) + B T D)``, never ``V``.
   For short sequences (``T <= GRAM_MAX_T``) the Gram form
   ``sum_{t,s} [x_nt = x_ns] (g_nt . g_ns)`` (``B T^2 D``, no sort) is used.
-- ``sum_n c_n G_n`` is one scatter-add of ``c_n g_n`` into a ``[V, D]`` table.
+- ``sum_n c_n G_n`` is returned as ``tf.IndexedSlices`` (values ``c_n g_nt``,
+  ``[B T, D]``; indices ``x_nt``; dense shape ``[V, D]``), as ``tape.gradient``
+  returns an embedding table's gradient: nothing of size ``V`` is built.
+  Repeated ids are repeated rows (``tf.convert_to_tensor`` or an optimizer's
+  sparse update adds them up).
 
 Padding ids from ``mask_zero`` need no special case: whatever the downstream
 layers do with the mask is already in ``g``.
@@ -81,12 +85,12 @@ class EmbeddingRule(LayerRule):
         return [grouped_squared_norms(ids, g, layer.input_dim)]
 
     def weighted_sum(self, layer, saved, grads, weights):
+        """``[tf.IndexedSlices]`` of dense shape ``[V, D]``: ``sum_n weights[n] G_n``."""
         ids, g = self._flat(layer, saved, grads[0])
         weighted = g * tf.cast(weights, g.dtype)[:, None, None]
-        table = tf.math.unsorted_segment_sum(
-            tf.reshape(weighted, [-1, layer.output_dim]), tf.reshape(ids, [-1]), layer.input_dim
-        )
-        return [tf.cast(table, layer.embeddings.dtype)]
+        values = tf.cast(tf.reshape(weighted, [-1, layer.output_dim]), layer.embeddings.dtype)
+        shape = tf.constant([layer.input_dim, layer.output_dim], tf.int32)
+        return [tf.IndexedSlices(values, tf.reshape(ids, [-1]), dense_shape=shape)]
 
 
 register_layer_rule(keras.layers.Embedding, EmbeddingRule())

@@ -125,6 +125,8 @@ def per_variable_squared_norms(problem: Problem, captured: Captured) -> list[tf.
 def weighted_sums(problem: Problem, captured: Captured, weights_for) -> list[tf.Tensor]:
     """``sum_i w_i grad_i`` per variable, ``[*var.shape]``, aligned with ``problem.variables``.
 
+    Embedding tables' sums are ``tf.IndexedSlices`` (see ``layers.embedding``).
+
     Args:
       weights_for: ``variable -> [B]`` weights (the same tensor object for
         variables clipped together; each distinct one costs one rule call).
@@ -139,8 +141,15 @@ def weighted_sums(problem: Problem, captured: Captured, weights_for) -> list[tf.
                 outputs = unit.rule.weighted_sum(unit.layer, record.saved, g, w)
                 for v, s in zip(unit.variables, outputs):
                     if id(v) in requested and weights_for(v) is w:
-                        sums[id(v)] = s if id(v) not in sums else sums[id(v)] + s
+                        sums[id(v)] = s if id(v) not in sums else add_sums(sums[id(v)], s)
     return [sums.get(id(v), tf.zeros(v.shape, v.dtype)) for v in problem.variables]
+
+
+def add_sums(a, b):
+    """``a + b`` for tensors or ``tf.IndexedSlices`` (two slices stay slices: rows concatenated)."""
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape)
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
 
 
 @register_engine(name="layerwise", isolates_examples=True, why_not=why_not)

@@ -77,6 +77,9 @@ class LayerRule:
     def weighted_sum(self, layer, saved, grads, weights: tf.Tensor) -> list[tf.Tensor]:
         """``sum_i weights[i] * grad_i`` per variable: list of ``[*var.shape]``.
 
+        A rule may return a ``tf.IndexedSlices`` of dense shape ``var.shape``
+        for a variable whose gradient is sparse (an embedding table).
+
         Args:
           weights: ``[B]`` float32.
         """
