@@ -91,10 +91,11 @@ def clipped_gradients(
 
     if layerwise.use_layerwise(method, problem, training):
         captured = layerwise.capture(problem, batch)
-        squared = layerwise.per_variable_squared_norms(problem, captured)
+        kept: dict = {}
+        squared = layerwise.per_variable_squared_norms(problem, captured, kept)
         norms, factors = _factors(squared, groups, clips)
         group_of = {id(v): g for g, idx in enumerate(groups) for v in (problem.variables[i] for i in idx)}
-        sums = layerwise.weighted_sums(problem, captured, lambda v: factors[group_of[id(v)]])
+        sums = layerwise.weighted_sums(problem, captured, lambda v: factors[group_of[id(v)]], kept)
     else:
         grads = selection.compute(method, problem, batch, training)
         squared = [tf.square(n) for n in transforms.per_variable_norms(grads)]

@@ -66,6 +66,7 @@ CASES = {
     "conv2d_strided_valid": lambda: _seq([keras.layers.Conv2D(3, 3, strides=2, activation="tanh")], (B, 9, 9, 2)),
     "conv2d_dilated_same": lambda: _seq([keras.layers.Conv2D(3, 2, dilation_rate=2, padding="same")], (B, 7, 7, 2)),
     "conv2d_few_positions_gram": lambda: _seq([keras.layers.Conv2D(16, 3, strides=2, activation="relu")], (B, 5, 5, 8)),
+    "conv2d_same_small_input": lambda: _seq([keras.layers.Conv2D(8, 3, padding="same")], (B, 3, 3, 2)),
     "conv1d_strided_same_no_bias": lambda: _seq([keras.layers.Conv1D(5, 4, strides=3, padding="same", use_bias=False)], (B, 11, 2)),
     "conv3d": lambda: _seq([keras.layers.Conv3D(2, 2, strides=(1, 2, 1))], (B, 4, 5, 4, 2)),
     "depthwise_conv2d": lambda: _seq([keras.layers.DepthwiseConv2D(3, depth_multiplier=2, padding="same")], (B, 6, 6, 2)),
@@ -129,7 +130,7 @@ def test_shared_layers_sum_contributions_and_norms_have_cross_terms():
 
 @pytest.mark.parametrize("clip", [1e-3, 0.3, 1e3])
 @pytest.mark.parametrize("name", [
-    "dense_sequence_gram", "conv2d_strided_valid", "conv2d_dilated_same", "conv2d_few_positions_gram",
+    "dense_sequence_gram", "conv2d_strided_valid", "conv2d_dilated_same", "conv2d_few_positions_gram", "conv2d_same_small_input",
     "conv1d_causal_dilated", "conv1d_strided_same_no_bias", "embedding_mask_zero_pooled",
     "embedding_sorted_repeated_ids", "embedding_sorted_mask_zero_pooled", "layer_norm_sequence",
     "layer_norm_two_axes_rank4", "layer_norm_middle_axis_no_center", "layer_norm_rms_scaling", "multi_head_attention",
@@ -394,3 +395,35 @@ def test_embedding_clipped_sums_are_indexed_slices_and_every_consumer_densifies_
     acc.accumulate([t[2:] for t in x], y[2:])
     for g, w in zip(acc.result(), want):
         np.testing.assert_allclose(g, w / 8, rtol=1e-5, atol=1e-7)
+
+
+CONV_CLIPPED = ["conv2d_strided_valid", "conv2d_dilated_same", "conv2d_same_small_input", "conv1d_causal_dilated", "conv1d_strided_same_no_bias"]
+
+
+@pytest.mark.parametrize("keep, jit", [(False, True), (True, False)])
+@pytest.mark.parametrize("name", CONV_CLIPPED)
+def test_conv_clipped_sum_by_kernel_vjp_or_kept_kernels_with_and_without_xla(name, keep, jit, monkeypatch):
+    from per_example_grads.layers import conv
+
+    monkeypatch.setattr(conv, "KEEP_PER_EXAMPLE_KERNELS", keep)
+    monkeypatch.setattr(conv, "NORMS_JIT_COMPILE", jit)
+    model, x, y = CASES[name]()
+    expected = reference_gradients(model, sparse_ce, x, y)
+    norms = np.sqrt(sum(np.sum(e.reshape(B, -1) ** 2, axis=1) for e in expected))
+    factors = 0.3 / np.maximum(norms, 0.3)
+    got, got_norms = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, return_norms=True, method="layerwise")
+    np.testing.assert_allclose(got_norms, norms, rtol=1e-5)
+    for g, e in zip(got, expected):
+        w = np.tensordot(factors, e, axes=1)
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * np.abs(w).max())
+
+
+def test_conv_keeps_per_example_kernels_only_when_small():
+    from per_example_grads.layers import conv
+
+    a, g = tf.zeros([2, 9, 9, 2]), tf.zeros([2, 4, 4, 3])  # f k = 54 <= 162 + 48
+    spec = conv.ConvSpec(2, (3, 3), (2, 2), (1, 1), "valid")
+    assert conv.kernel_squared_norms(spec, a, g, keep=True)[1].shape == (2, 3, 18)  # [B, k, f]: the smaller axis first
+    assert conv.kernel_squared_norms(spec, a, g, keep=False)[1] is None
+    a, g = tf.zeros([2, 3, 3, 2]), tf.zeros([2, 3, 3, 8])  # f k = 144 > 18 + 72
+    assert conv.kernel_squared_norms(conv.ConvSpec(2, (3, 3), (1, 1), (1, 1), "same"), a, g, keep=True)[1] is None
