@@ -427,3 +427,22 @@ def test_conv_keeps_per_example_kernels_only_when_small():
     assert conv.kernel_squared_norms(spec, a, g, keep=False)[1] is None
     a, g = tf.zeros([2, 3, 3, 2]), tf.zeros([2, 3, 3, 8])  # f k = 144 > 18 + 72
     assert conv.kernel_squared_norms(conv.ConvSpec(2, (3, 3), (1, 1), (1, 1), "same"), a, g, keep=True)[1] is None
+
+
+@pytest.mark.parametrize("physical", [None, 3])
+def test_dp_model_with_embedding_takes_sparse_clipped_sums_in_and_out_of_chunks(physical):
+    """Noiseless DPModel step on an embedding model, whole batch or in chunks: SGD(1) moves by the clipped mean."""
+    keras.utils.set_random_seed(5)
+    net = keras.Sequential([keras.Input((20,), dtype="int32"), keras.layers.Embedding(12, 4),
+                            keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+    x, y = rng.integers(0, 12, (8, 20)).astype("int32"), rng.integers(0, 3, 8).astype("int32")
+    expected = reference_gradients(net, sparse_ce, x, y)
+    norms = np.sqrt(sum(np.sum(e.reshape(8, -1) ** 2, axis=1) for e in expected))
+    factors = 0.1 / np.maximum(norms, 0.1)
+    dp = peg.keras.DPModel(net, l2_norm_clip=0.1, noise_multiplier=0.0, expected_batch_size=8.0,
+                           physical_batch_size=physical, method="layerwise")
+    dp.compile(optimizer=keras.optimizers.SGD(1.0), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    before = [v.numpy().copy() for v in net.trainable_variables]
+    dp.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    for b, v, e in zip(before, net.trainable_variables, expected):
+        np.testing.assert_allclose(b - v.numpy(), np.tensordot(factors, e, axes=1) / 8, rtol=1e-4, atol=1e-7)
