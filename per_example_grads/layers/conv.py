@@ -9,30 +9,28 @@ Notation: ``a`` ``[B, *spatial_in, c_in]`` is the layer input (causal padding
 applied), ``g`` ``[B, *spatial_out, c_out]`` the loss gradient at the
 pre-activation output ``z = conv(a, W) + b``.
 
+Norms. A convolution is a Dense layer applied to every input patch: with
+``p = extract_patches(a)`` ``[B, positions, f]`` (``f = kh*kw*c_in``), example
+n's kernel gradient is ``G_n = sum_t p_nt^T g_nt``. ``||G_n||^2`` is the Gram
+form ``sum_{t,s} (p_nt . p_ns)(g_nt . g_ns)`` when
+``positions (f + c_out) < f c_out``; otherwise ``G_n`` is built, one layer at a
+time, by batched matrix products with the smaller of ``f`` and ``c_out`` first
+(measured faster). Those products run under XLA (``jit_compile=True``, patches
+outside it): on this project's CPU, XLA's batched small products were measured
+1.7-2x faster than TensorFlow's ``BatchMatMul``, while extracting the patches
+inside XLA was slower. ``NORMS_JIT_COMPILE = False`` runs them without XLA.
+
 Clipped sum. The convolution is linear in ``W`` and the examples do not mix,
 so ``sum_n c_n dL_n/dW`` is the kernel gradient of the *batch* convolution with
 output gradient ``c * g`` (``c_n`` scaling example n's rows):
 ``VJP_W(conv(a, .))(c * g)``. That is one call of the layer's own
 weight-gradient op (``Conv2DBackpropFilter`` for a 2-D convolution), with the
 layer's strides, dilation and padding, not a second backward pass through the
-model. The bias part is ``sum_{n,t} c_n g_nt``.
-
-Norms first. A convolution is a Dense layer applied to every input patch: with
-``p = extract_patches(a)`` ``[B, positions, kh*kw*c_in]``, example n's kernel
-gradient is ``G_n = sum_t p_nt^T g_nt`` and ``||G_n||^2`` comes from
-``outer_products`` (the Gram form ``sum_{t,s} (p_nt . p_ns)(g_nt . g_ns)`` when
-``positions^2 (f + c_out) < positions f c_out``, else ``G_n`` built one layer at
-a time, with the smaller of its two axes first, which measured faster). The
-patches and the batched products run as one XLA cluster
-(``jit_compile=True``): on CPU, XLA's batched small matrix products were
-measured 1.7-2x faster than TensorFlow's ``BatchMatMul`` here. Set
-``NORMS_JIT_COMPILE = False`` to run them without XLA.
-
-When the norms built the per-example kernels ``G_n`` and they are no larger
-than the layer's input and output gradient together (``f c_out <= size(a_n) +
-positions c_out``), the clipped sum reuses them: ``sum_n c_n G_n`` costs
-``B f c_out`` instead of a second weight-gradient convolution. Set
-``KEEP_PER_EXAMPLE_KERNELS = False`` to always use the convolution VJP.
+model. When the norms built ``G_n`` and it is no larger than the layer's input
+and output gradient together (``f c_out <= size(a_n) + positions c_out``: both
+are held until the clipped sum anyway), the clipped sum is ``sum_n c_n G_n``
+instead, which costs ``B f c_out``. ``KEEP_PER_EXAMPLE_KERNELS = False``
+always uses the convolution VJP. The bias part is ``sum_{n,t} c_n g_nt``.
 
 Materialized per-example kernels come from the layer-local VJP (measured as
 fast as ``tf.vectorized_map`` and faster than the patch contraction).
