@@ -66,7 +66,10 @@ def clipped_gradients(
 
     Returns:
       A list of ``[*var.shape]`` tensors aligned with the variables, or
-      ``(that list, norms)`` with ``return_norms=True``.
+      ``(that list, norms)`` with ``return_norms=True``. With the layer-wise
+      engine an embedding table's entry is a ``tf.IndexedSlices`` (as from
+      ``tape.gradient``): ``optimizer.apply_gradients`` takes it as is, and
+      ``tf.convert_to_tensor`` (or ``dense_sums``) makes it a dense tensor.
 
     Example:
       >>> import keras, numpy as np
@@ -88,10 +91,11 @@ def clipped_gradients(
 
     if layerwise.use_layerwise(method, problem, training):
         captured = layerwise.capture(problem, batch)
-        squared = layerwise.per_variable_squared_norms(problem, captured)
+        kept: dict = {}
+        squared = layerwise.per_variable_squared_norms(problem, captured, kept)
         norms, factors = _factors(squared, groups, clips)
         group_of = {id(v): g for g, idx in enumerate(groups) for v in (problem.variables[i] for i in idx)}
-        sums = layerwise.weighted_sums(problem, captured, lambda v: factors[group_of[id(v)]])
+        sums = layerwise.weighted_sums(problem, captured, lambda v: factors[group_of[id(v)]], kept)
     else:
         grads = selection.compute(method, problem, batch, training)
         squared = [tf.square(n) for n in transforms.per_variable_norms(grads)]
@@ -103,13 +107,24 @@ def clipped_gradients(
                 sums[i] = tf.reduce_sum(grads[i] * w, axis=0)
 
     if reduction == "mean":
-        sums = [tf.math.divide_no_nan(s, tf.cast(b, s.dtype)) for s in sums]
+        sums = [_divide_no_nan(s, tf.cast(b, s.dtype)) for s in sums]
     if not return_norms:
         return sums
     if isinstance(l2_norm_clip, (int, float)) or tf.is_tensor(l2_norm_clip):
         return sums, norms[0]
     names = list(l2_norm_clip) if isinstance(l2_norm_clip, Mapping) else list(range(len(groups)))
     return sums, dict(zip(names, norms))
+
+
+def dense_sums(sums: Sequence) -> list[tf.Tensor]:
+    """``sums`` with every ``tf.IndexedSlices`` made a dense tensor (repeated indices added)."""
+    return [tf.convert_to_tensor(s) if isinstance(s, tf.IndexedSlices) else s for s in sums]
+
+
+def _divide_no_nan(s, d):
+    if isinstance(s, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.math.divide_no_nan(s.values, d), s.indices, s.dense_shape)
+    return tf.math.divide_no_nan(s, d)
 
 
 def _clip_groups(variables, l2_norm_clip) -> tuple[list[list[int]], list[float]]:

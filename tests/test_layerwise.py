@@ -65,12 +65,23 @@ CASES = {
     "conv1d_strided_groups": lambda: _seq([keras.layers.Conv1D(4, 3, strides=2, groups=2, padding="same")], (B, 10, 4)),
     "conv2d_strided_valid": lambda: _seq([keras.layers.Conv2D(3, 3, strides=2, activation="tanh")], (B, 9, 9, 2)),
     "conv2d_dilated_same": lambda: _seq([keras.layers.Conv2D(3, 2, dilation_rate=2, padding="same")], (B, 7, 7, 2)),
+    "conv2d_few_positions_gram": lambda: _seq([keras.layers.Conv2D(16, 3, strides=2, activation="relu")], (B, 5, 5, 8)),
+    "conv2d_same_small_input": lambda: _seq([keras.layers.Conv2D(8, 3, padding="same")], (B, 3, 3, 2)),
+    "conv1d_strided_same_no_bias": lambda: _seq([keras.layers.Conv1D(5, 4, strides=3, padding="same", use_bias=False)], (B, 11, 2)),
     "conv3d": lambda: _seq([keras.layers.Conv3D(2, 2, strides=(1, 2, 1))], (B, 4, 5, 4, 2)),
     "depthwise_conv2d": lambda: _seq([keras.layers.DepthwiseConv2D(3, depth_multiplier=2, padding="same")], (B, 6, 6, 2)),
     "separable_conv2d": lambda: _seq([keras.layers.SeparableConv2D(3, 3, activation="relu")], (B, 6, 6, 2)),
     "embedding_mask_zero_pooled": lambda: _seq([keras.layers.Embedding(12, 4, mask_zero=True), keras.layers.GlobalAveragePooling1D()], (B, 6), dtype="int32"),
     "embedding_long_sequence": lambda: _seq([keras.layers.Embedding(12, 3)], (B, 8), dtype="int32"),
+    # T > GRAM_MAX_T: the sorted-keys norm; 24 ids out of 12 repeat in every example.
+    "embedding_sorted_repeated_ids": lambda: _seq([keras.layers.Embedding(12, 3)], (B, 24), dtype="int32"),
+    "embedding_sorted_mask_zero_pooled": lambda: _seq([keras.layers.Embedding(12, 4, mask_zero=True), keras.layers.GlobalAveragePooling1D()], (B, 20), dtype="int32"),
     "layer_norm": lambda: _seq([keras.layers.Dense(6), keras.layers.LayerNormalization()], (B, 5)),
+    "layer_norm_sequence": lambda: _seq([keras.layers.Dense(6), keras.layers.LayerNormalization(epsilon=0.3)], (B, 4, 5)),
+    "layer_norm_two_axes_rank4": lambda: _seq([keras.layers.LayerNormalization(axis=[1, 3])], (B, 3, 2, 4)),
+    "layer_norm_middle_axis_no_center": lambda: _seq([keras.layers.LayerNormalization(axis=1, center=False)], (B, 4, 3)),
+    "layer_norm_rms_scaling": lambda: _seq([keras.layers.Dense(6), keras.layers.LayerNormalization(rms_scaling=True)], (B, 3, 5)),
+    "layer_norm_no_scale": lambda: _seq([keras.layers.LayerNormalization(scale=False)], (B, 3, 5)),
     "group_norm": lambda: _seq([keras.layers.Conv1D(4, 2), keras.layers.GroupNormalization(groups=2)], (B, 6, 3)),
     "batch_norm_inference": lambda: _seq([keras.layers.Dense(6), keras.layers.BatchNormalization()], (B, 5)),
     "prelu": lambda: _seq([keras.layers.Dense(6), keras.layers.PReLU()], (B, 5)),
@@ -118,7 +129,13 @@ def test_shared_layers_sum_contributions_and_norms_have_cross_terms():
 
 
 @pytest.mark.parametrize("clip", [1e-3, 0.3, 1e3])
-@pytest.mark.parametrize("name", ["dense_sequence_gram", "conv2d_strided_valid", "embedding_mask_zero_pooled", "multi_head_attention", "lstm_fallback"])
+@pytest.mark.parametrize("name", [
+    "dense_sequence_gram", "conv2d_strided_valid", "conv2d_dilated_same", "conv2d_few_positions_gram", "conv2d_same_small_input",
+    "conv1d_causal_dilated", "conv1d_strided_same_no_bias", "embedding_mask_zero_pooled",
+    "embedding_sorted_repeated_ids", "embedding_sorted_mask_zero_pooled", "layer_norm_sequence",
+    "layer_norm_two_axes_rank4", "layer_norm_middle_axis_no_center", "layer_norm_rms_scaling", "multi_head_attention",
+    "lstm_fallback",
+])
 def test_clipped_gradients_match_clipping_materialized(name, clip):
     model, x, y = CASES[name]()
     expected = reference_gradients(model, sparse_ce, x, y)
@@ -129,8 +146,10 @@ def test_clipped_gradients_match_clipping_materialized(name, clip):
         got, got_norms = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=clip, return_norms=True, method=method)
         np.testing.assert_allclose(got_norms, norms, rtol=1e-5)
         scale = max(np.abs(w).max() for w in want)
-        for g, w in zip(got, want):
-            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * scale)
+        for g, w, v in zip(got, want, model.trainable_variables):
+            # The layer-wise engine returns an embedding table's sum as IndexedSlices, like tape.gradient.
+            assert isinstance(g, tf.IndexedSlices) == (method == "layerwise" and "embedding" in v.path)
+            np.testing.assert_allclose(tf.convert_to_tensor(g), w, rtol=1e-5, atol=1e-6 * scale)
     # Every clipped example's norm is at most C (1 + 1e-6).
     assert np.all(norms * factors <= clip * (1 + 1e-6))
 
@@ -231,7 +250,8 @@ def test_auto_prefers_layerwise_and_no_batch_sized_tensors_for_norms():
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_mixed_precision_matches_float32(policy):
     def build():
-        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3, dtype="float32")])
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.LayerNormalization(),
+                                 keras.layers.Dense(3, dtype="float32")])
 
     model32 = build()
     x, y = rng.normal(size=(B, 6)).astype("float32"), rng.integers(0, 3, B)
@@ -320,3 +340,109 @@ def test_layer_called_on_non_batch_tensor_is_refused_and_auto_falls_back():
     with pytest.warns(peg.EngineFallbackWarning, match="not the batch"):
         grads = peg.per_example_gradients(model, sparse_ce, x, y)
     assert_grads_close(grads, reference_gradients(model, sparse_ce, x, y))
+
+
+@pytest.mark.parametrize("b", [0, 1, 5])
+def test_embedding_grouped_squared_norms_against_dense_tables(b):
+    from per_example_grads.layers.embedding import grouped_squared_norms
+
+    r = np.random.default_rng(b)
+    ids = r.integers(0, 7, (b, 30)).astype("int32")
+    g = r.normal(size=(b, 30, 3)).astype("float32")
+    tables = np.zeros((b, 7, 3), "float32")
+    for n in range(b):
+        np.add.at(tables[n], ids[n], g[n])
+    want = np.sum(tables**2, axis=(1, 2))
+    f = tf.function(lambda i, g: grouped_squared_norms(i, g, 7), input_signature=[tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None, None, 3])])
+    for got in (grouped_squared_norms(ids, g, 7), f(ids, g)):
+        assert got.shape == (b,)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_layer_norm_uses_its_closed_form_unless_over_the_batch_axis():
+    from per_example_grads.layers.normalization import LayerNormRule
+    from per_example_grads.layerwise.capture import plan_units
+
+    model, _, _ = CASES["layer_norm_two_axes_rank4"]()
+    assert [type(u.rule) for u in plan_units(model, model.trainable_variables)][0] is LayerNormRule
+    over_batch = keras.layers.LayerNormalization(axis=[0, 1])
+    assert LayerNormRule().unsupported(over_batch) is not None
+
+
+def test_embedding_clipped_sums_are_indexed_slices_and_every_consumer_densifies_them():
+    """Shared embedding (two calls: slices concatenated), mean reduction, DP noise, accumulation."""
+    model, x, y = _shared_model()
+    variables = model.trainable_variables
+    emb_index = next(i for i, v in enumerate(variables) if "embedding" in v.path)
+    expected = reference_gradients(model, sparse_ce, x, y)
+    norms = np.sqrt(sum(np.sum(e.reshape(B, -1) ** 2, axis=1) for e in expected))
+    factors = 0.05 / np.maximum(norms, 0.05)
+    want = [np.tensordot(factors, e, axes=1) for e in expected]
+    for reduction, divisor in (("sum", 1), ("mean", B)):
+        got = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.05, reduction=reduction, method="layerwise")
+        assert isinstance(got[emb_index], tf.IndexedSlices)
+        assert got[emb_index].values.shape[0] == 2 * B * 5  # two calls, no dense [V, D] table
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(tf.convert_to_tensor(g), w / divisor, rtol=1e-5, atol=1e-7)
+    # Zero noise: private_gradients is the clipped sum over the expected batch size, dense.
+    private = peg.dp.private_gradients(model, sparse_ce, x, y, l2_norm_clip=0.05, noise_multiplier=0.0,
+                                       expected_batch_size=8, method="layerwise")
+    for g, w in zip(private, want):
+        assert not isinstance(g, tf.IndexedSlices)
+        np.testing.assert_allclose(g, w / 8, rtol=1e-5, atol=1e-7)
+    acc = peg.GradientAccumulator(model, sparse_ce, l2_norm_clip=0.05, noise_multiplier=0.0, expected_batch_size=8, method="layerwise")
+    acc.accumulate([t[:2] for t in x], y[:2])
+    acc.accumulate([t[2:] for t in x], y[2:])
+    for g, w in zip(acc.result(), want):
+        np.testing.assert_allclose(g, w / 8, rtol=1e-5, atol=1e-7)
+
+
+CONV_CLIPPED = ["conv2d_strided_valid", "conv2d_dilated_same", "conv2d_same_small_input", "conv1d_causal_dilated", "conv1d_strided_same_no_bias"]
+
+
+@pytest.mark.parametrize("keep, jit", [(False, True), (True, False)])
+@pytest.mark.parametrize("name", CONV_CLIPPED)
+def test_conv_clipped_sum_by_kernel_vjp_or_kept_kernels_with_and_without_xla(name, keep, jit, monkeypatch):
+    from per_example_grads.layers import conv
+
+    monkeypatch.setattr(conv, "KEEP_PER_EXAMPLE_KERNELS", keep)
+    monkeypatch.setattr(conv, "NORMS_JIT_COMPILE", jit)
+    model, x, y = CASES[name]()
+    expected = reference_gradients(model, sparse_ce, x, y)
+    norms = np.sqrt(sum(np.sum(e.reshape(B, -1) ** 2, axis=1) for e in expected))
+    factors = 0.3 / np.maximum(norms, 0.3)
+    got, got_norms = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, return_norms=True, method="layerwise")
+    np.testing.assert_allclose(got_norms, norms, rtol=1e-5)
+    for g, e in zip(got, expected):
+        w = np.tensordot(factors, e, axes=1)
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * np.abs(w).max())
+
+
+def test_conv_keeps_per_example_kernels_only_when_small():
+    from per_example_grads.layers import conv
+
+    a, g = tf.zeros([2, 9, 9, 2]), tf.zeros([2, 4, 4, 3])  # f k = 54 <= 162 + 48
+    spec = conv.ConvSpec(2, (3, 3), (2, 2), (1, 1), "valid")
+    assert conv.kernel_squared_norms(spec, a, g, keep=True)[1].shape == (2, 3, 18)  # [B, k, f]: the smaller axis first
+    assert conv.kernel_squared_norms(spec, a, g, keep=False)[1] is None
+    a, g = tf.zeros([2, 3, 3, 2]), tf.zeros([2, 3, 3, 8])  # f k = 144 > 18 + 72
+    assert conv.kernel_squared_norms(conv.ConvSpec(2, (3, 3), (1, 1), (1, 1), "same"), a, g, keep=True)[1] is None
+
+
+@pytest.mark.parametrize("physical", [None, 3])
+def test_dp_model_with_embedding_takes_sparse_clipped_sums_in_and_out_of_chunks(physical):
+    """Noiseless DPModel step on an embedding model, whole batch or in chunks: SGD(1) moves by the clipped mean."""
+    keras.utils.set_random_seed(5)
+    net = keras.Sequential([keras.Input((20,), dtype="int32"), keras.layers.Embedding(12, 4),
+                            keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+    x, y = rng.integers(0, 12, (8, 20)).astype("int32"), rng.integers(0, 3, 8).astype("int32")
+    expected = reference_gradients(net, sparse_ce, x, y)
+    norms = np.sqrt(sum(np.sum(e.reshape(8, -1) ** 2, axis=1) for e in expected))
+    factors = 0.1 / np.maximum(norms, 0.1)
+    dp = peg.keras.DPModel(net, l2_norm_clip=0.1, noise_multiplier=0.0, expected_batch_size=8.0,
+                           physical_batch_size=physical, method="layerwise")
+    dp.compile(optimizer=keras.optimizers.SGD(1.0), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    before = [v.numpy().copy() for v in net.trainable_variables]
+    dp.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    for b, v, e in zip(before, net.trainable_variables, expected):
+        np.testing.assert_allclose(b - v.numpy(), np.tensordot(factors, e, axes=1) / 8, rtol=1e-4, atol=1e-7)

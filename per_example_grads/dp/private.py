@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from per_example_grads import replicas
 from per_example_grads.batch import batch_size, make_batch
-from per_example_grads.clipping import clipped_gradients
+from per_example_grads.clipping import clipped_gradients, dense_sums
 from per_example_grads.dp.noise import NoiseSeed, gaussian_like
 
 
@@ -115,5 +115,6 @@ def noised_average(sums: Sequence[tf.Tensor], stddev, expected_batch_size, seed:
     Inside ``strategy.run`` the noise std is ``stddev / sqrt(R)`` on each of
     the ``R`` replicas, so the sum of the replicas' results has it once.
     """
+    sums = dense_sums(sums)  # the noise is dense: every row of an embedding table gets some
     noise = gaussian_like(sums, replicas.noise_share(stddev), seed)
     return [(s + n) / tf.cast(expected_batch_size, s.dtype) for s, n in zip(sums, noise)]

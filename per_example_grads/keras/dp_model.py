@@ -8,7 +8,7 @@ import keras
 import tensorflow as tf
 
 from per_example_grads import replicas
-from per_example_grads.clipping import clipped_gradients
+from per_example_grads.clipping import clipped_gradients, dense_sums
 from per_example_grads.dp import adaptive as adaptive_clipping
 from per_example_grads.dp import validation
 from per_example_grads.dp.accounting import PrivacyAccountant, adaptive_clipping_noise_multiplier
@@ -208,7 +208,7 @@ class DPModel(keras.Model):
             s, n = clipped_gradients(
                 self.model, loss_fn, part["x"], part.get("y"), sample_weight=part["sample_weight"], **clip_args
             )
-            return i + 1, [a + b for a, b in zip(sums, s)], norms.write(i, n)
+            return i + 1, [a + b for a, b in zip(sums, dense_sums(s))], norms.write(i, n)
 
         _, sums, norms = tf.while_loop(
             lambda i, *_: i < chunks,

@@ -4,10 +4,17 @@ For example n with token ids ``x_n`` (``[T]``) and output gradient ``g_n``
 (``[T, D]``), the gradient of the ``[V, D]`` table is
 ``G_n[v] = sum_{t: x_nt = v} g_nt``. Then:
 
-- ``||G_n||^2 = sum_{t,s} [x_nt = x_ns] (g_nt . g_ns)`` (Gram form, ``T^2 D``),
-  used when ``T^2 <= 2 V`` (building ``G_n`` costs a ``V x D`` fill and a
-  ``V x D`` norm per example); otherwise ``G_n`` is built for this layer alone.
-- ``sum_n c_n G_n`` is one scatter-add of ``c_n g_n`` into a ``[V, D]`` table.
+- ``||G_n||^2 = sum_v ||G_n[v]||^2`` over the ids ``v`` that occur in ``x_n``:
+  the rows ``g_nt`` are grouped by the key ``(n, x_nt)`` (one sort of the
+  ``B T`` keys), each group summed (``segment_sum``) and the groups' squared
+  norms added per example. Cost ``O(B T log(B T) + B T D)``, never ``V``.
+  For short sequences (``T <= GRAM_MAX_T``) the Gram form
+  ``sum_{t,s} [x_nt = x_ns] (g_nt . g_ns)`` (``B T^2 D``, no sort) is used.
+- ``sum_n c_n G_n`` is returned as ``tf.IndexedSlices`` (values ``c_n g_nt``,
+  ``[B T, D]``; indices ``x_nt``; dense shape ``[V, D]``), as ``tape.gradient``
+  returns an embedding table's gradient: nothing of size ``V`` is built.
+  Repeated ids are repeated rows (``tf.convert_to_tensor`` or an optimizer's
+  sparse update adds them up).
 
 Padding ids from ``mask_zero`` need no special case: whatever the downstream
 layers do with the mask is already in ``g``.
@@ -19,6 +26,22 @@ import keras
 import tensorflow as tf
 
 from per_example_grads.layerwise.rule import LayerRule, register_layer_rule, reparametrized
+
+GRAM_MAX_T = 16
+
+
+def grouped_squared_norms(ids: tf.Tensor, g: tf.Tensor, vocabulary_size: int) -> tf.Tensor:
+    """``[B]``: ``sum_v ||sum_{t: ids[n, t] = v} g[n, t]||^2`` from ``ids`` ``[B, T]`` and ``g`` ``[B, T, D]``."""
+    b = tf.shape(ids)[0]
+    keys = tf.reshape(tf.cast(ids, tf.int64) + tf.cast(tf.range(b)[:, None], tf.int64) * vocabulary_size, [-1])
+    order = tf.argsort(keys, stable=True)
+    sorted_keys = tf.gather(keys, order)
+    starts = tf.not_equal(sorted_keys, tf.concat([[-1], sorted_keys[:-1]], 0))  # keys are >= 0
+    group = tf.cumsum(tf.cast(starts, tf.int32)) - 1  # [B*T], non-decreasing
+    rows = tf.gather(tf.reshape(g, [-1, g.shape[-1]]), order)
+    sums = tf.math.segment_sum(rows, group)  # [groups, D]
+    example = tf.cast(tf.boolean_mask(sorted_keys, starts) // vocabulary_size, tf.int32)  # [groups]
+    return tf.math.unsorted_segment_sum(tf.reduce_sum(tf.square(sums), axis=1), example, b)
 
 
 class EmbeddingRule(LayerRule):
@@ -56,18 +79,18 @@ class EmbeddingRule(LayerRule):
     def squared_norms(self, layer, saved, grads):
         ids, g = self._flat(layer, saved, grads[0])
         t = ids.shape[1]
-        if t is not None and t * t <= 2 * layer.input_dim:
+        if t is not None and t <= GRAM_MAX_T:
             same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), g.dtype)
             return [tf.reduce_sum(same * tf.einsum("btd,bsd->bts", g, g), axis=[1, 2])]
-        return super().squared_norms(layer, saved, grads)
+        return [grouped_squared_norms(ids, g, layer.input_dim)]
 
     def weighted_sum(self, layer, saved, grads, weights):
+        """``[tf.IndexedSlices]`` of dense shape ``[V, D]``: ``sum_n weights[n] G_n``."""
         ids, g = self._flat(layer, saved, grads[0])
         weighted = g * tf.cast(weights, g.dtype)[:, None, None]
-        table = tf.math.unsorted_segment_sum(
-            tf.reshape(weighted, [-1, layer.output_dim]), tf.reshape(ids, [-1]), layer.input_dim
-        )
-        return [tf.cast(table, layer.embeddings.dtype)]
+        values = tf.cast(tf.reshape(weighted, [-1, layer.output_dim]), layer.embeddings.dtype)
+        shape = tf.constant([layer.input_dim, layer.output_dim], tf.int32)
+        return [tf.IndexedSlices(values, tf.reshape(ids, [-1]), dense_shape=shape)]
 
 
 register_layer_rule(keras.layers.Embedding, EmbeddingRule())

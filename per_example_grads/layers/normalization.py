@@ -1,14 +1,96 @@
-"""LayerNormalization, GroupNormalization, BatchNormalization (inference only).
+"""LayerNormalization (closed form); GroupNormalization, BatchNormalization (inference only).
 
-Their weights are small (scale and offset per channel), so the exact
-layer-local VJP costs little. BatchNormalization in training mode couples the
-examples of a batch and is refused before any engine runs.
+LayerNormalization normalizes each example on its own: with the normalized
+input ``xh = (x - mean) / sqrt(var + eps)`` (``x / sqrt(var + eps)`` with
+``rms_scaling``; moments over ``layer.axis``) the output is
+``y = xh * gamma + beta``, ``gamma`` and ``beta`` of shape ``[*x.shape[axis]]``
+broadcast over the other axes. With the loss gradient ``g = dL/dy``, example
+n's gradients are
+
+- ``dL_n/dgamma = sum_{other axes} g_n * xh_n`` and
+- ``dL_n/dbeta = sum_{other axes} g_n``,
+
+``[B, *gamma.shape]`` each: no recomputation of the layer per example. The
+rule computes ``xh`` once in the forward pass (in at least float32, as Keras
+does) and taps ``y``. A LayerNormalization whose axes include the batch axis
+uses the layer-local fallback.
+
+GroupNormalization and BatchNormalization keep the exact layer-local VJP:
+their weights are small (scale and offset per channel). BatchNormalization in
+training mode couples the examples of a batch and is refused before any
+engine runs.
 """
 
+from __future__ import annotations
+
 import keras
+import tensorflow as tf
 
 from per_example_grads.layers.local import LOCAL_RULE
-from per_example_grads.layerwise.rule import register_layer_rule
+from per_example_grads.layerwise.rule import LayerRule, register_layer_rule
 
-for _cls in (keras.layers.LayerNormalization, keras.layers.GroupNormalization, keras.layers.BatchNormalization):
+
+def _axes(layer, rank: int) -> list[int]:
+    """``layer.axis`` as sorted non-negative axes of a rank-``rank`` input."""
+    axis = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
+    return sorted(a % rank for a in axis)
+
+
+class LayerNormRule(LayerRule):
+    def unsupported(self, layer):
+        axis = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
+        if 0 in axis:
+            return "a LayerNormalization over the batch axis couples examples"
+        return None
+
+    def variables(self, layer):
+        return [v for v in (layer.gamma, layer.beta) if v is not None]
+
+    def forward(self, layer, call, args, kwargs):
+        x = args[0]
+        rank = x.shape.rank
+        axes = _axes(layer, rank)
+        if 0 in axes:
+            raise ValueError(f"LayerNormalization '{layer.name}' normalizes over the batch axis.")
+        dtype = tf.float64 if x.dtype == tf.float64 else tf.float32
+        xh = keras.ops.layer_normalization(tf.cast(x, dtype), None, None, axes, layer.epsilon, rms_scaling=layer.rms_scaling)
+        shape = [x.shape[a] if a in axes else 1 for a in range(rank)]
+        y = xh
+        if layer.gamma is not None:
+            y = y * tf.reshape(tf.cast(layer.gamma, dtype), shape)
+        if layer.beta is not None:
+            y = y + tf.reshape(tf.cast(layer.beta, dtype), shape)
+        y = tf.cast(y, layer.compute_dtype)
+        return y, (xh, axes), [y]
+
+    @staticmethod
+    def _other_axes(rank: int, axes: list[int]) -> list[int]:
+        return [a for a in range(1, rank) if a not in axes]
+
+    def per_example(self, layer, saved, grads):
+        xh, axes = saved
+        g = tf.cast(grads[0], xh.dtype)
+        other = self._other_axes(xh.shape.rank, axes)
+        out = []
+        if layer.gamma is not None:
+            out.append(tf.reduce_sum(g * xh, axis=other) if other else g * xh)
+        if layer.beta is not None:
+            out.append(tf.reduce_sum(g, axis=other) if other else g)
+        return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
+
+    def weighted_sum(self, layer, saved, grads, weights):
+        xh, axes = saved
+        g = tf.cast(grads[0], xh.dtype)
+        g = g * tf.reshape(tf.cast(weights, g.dtype), [-1] + [1] * (g.shape.rank - 1))
+        summed = [0] + self._other_axes(xh.shape.rank, axes)
+        out = []
+        if layer.gamma is not None:
+            out.append(tf.reduce_sum(g * xh, axis=summed))
+        if layer.beta is not None:
+            out.append(tf.reduce_sum(g, axis=summed))
+        return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
+
+
+register_layer_rule(keras.layers.LayerNormalization, LayerNormRule())
+for _cls in (keras.layers.GroupNormalization, keras.layers.BatchNormalization):
     register_layer_rule(_cls, LOCAL_RULE)

@@ -102,19 +102,31 @@ def unit_squared_norms(unit: Unit, calls: list) -> list[tf.Tensor]:
     ]
 
 
-def per_variable_squared_norms(problem: Problem, captured: Captured) -> list[tf.Tensor]:
+def per_variable_squared_norms(problem: Problem, captured: Captured, kept: dict | None = None) -> list[tf.Tensor]:
     """``[B]`` squared norms aligned with ``problem.variables`` (zeros if unreached).
 
     Units are processed one after another (control dependencies), so at most
-    one layer's per-example tensor exists at a time.
+    one layer's per-example tensor exists at a time, last layer first: the
+    order in which the backward pass produces their gradients, so the norms
+    of the last layers overlap with the backward pass of the first.
+
+    Args:
+      kept: if given, filled with ``{id(record): what the rule kept}`` for
+        ``weighted_sums`` (``LayerRule.squared_norms_keeping``).
     """
     found: dict[int, tf.Tensor] = {}
     previous: list = []
-    for unit, calls in captured.by_unit().items():
+    for unit, calls in reversed(list(captured.by_unit().items())):
         if not calls:
             continue
         with tf.control_dependencies(previous):
-            norms = unit_squared_norms(unit, calls)
+            if kept is not None and len(calls) == 1:
+                record, g = calls[0]
+                norms, state = unit.rule.squared_norms_keeping(unit.layer, record.saved, g)
+                if state is not None:
+                    kept[id(record)] = state
+            else:
+                norms = unit_squared_norms(unit, calls)
         previous = norms
         for v, n in zip(unit.variables, norms):
             found[id(v)] = n
@@ -122,13 +134,17 @@ def per_variable_squared_norms(problem: Problem, captured: Captured) -> list[tf.
     return [found.get(id(v), zeros) for v in problem.variables]
 
 
-def weighted_sums(problem: Problem, captured: Captured, weights_for) -> list[tf.Tensor]:
+def weighted_sums(problem: Problem, captured: Captured, weights_for, kept: dict | None = None) -> list[tf.Tensor]:
     """``sum_i w_i grad_i`` per variable, ``[*var.shape]``, aligned with ``problem.variables``.
+
+    Embedding tables' sums are ``tf.IndexedSlices`` (see ``layers.embedding``).
 
     Args:
       weights_for: ``variable -> [B]`` weights (the same tensor object for
         variables clipped together; each distinct one costs one rule call).
+      kept: what ``per_variable_squared_norms`` kept, by ``id(record)``.
     """
+    kept = kept or {}
     requested = {id(v) for v in problem.variables}
     sums: dict[int, tf.Tensor] = {}
     for unit, calls in captured.by_unit().items():
@@ -136,11 +152,21 @@ def weighted_sums(problem: Problem, captured: Captured, weights_for) -> list[tf.
         distinct = {id(weights_for(v)): weights_for(v) for v in wanted}
         for w in distinct.values():
             for record, g in calls:
-                outputs = unit.rule.weighted_sum(unit.layer, record.saved, g, w)
+                if id(record) in kept:
+                    outputs = unit.rule.weighted_sum_kept(unit.layer, record.saved, g, w, kept[id(record)])
+                else:
+                    outputs = unit.rule.weighted_sum(unit.layer, record.saved, g, w)
                 for v, s in zip(unit.variables, outputs):
                     if id(v) in requested and weights_for(v) is w:
-                        sums[id(v)] = s if id(v) not in sums else sums[id(v)] + s
+                        sums[id(v)] = s if id(v) not in sums else add_sums(sums[id(v)], s)
     return [sums.get(id(v), tf.zeros(v.shape, v.dtype)) for v in problem.variables]
+
+
+def add_sums(a, b):
+    """``a + b`` for tensors or ``tf.IndexedSlices`` (two slices stay slices: rows concatenated)."""
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape)
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
 
 
 @register_engine(name="layerwise", isolates_examples=True, why_not=why_not)

@@ -74,8 +74,24 @@ class LayerRule:
         """``||grad_i||^2`` per variable: list of ``[B]`` float32."""
         return [_squared_norm(g) for g in self.per_example(layer, saved, grads)]
 
+    def squared_norms_keeping(self, layer, saved, grads) -> tuple[list[tf.Tensor], Any]:
+        """``squared_norms``, plus anything ``weighted_sum_kept`` can reuse (``None``: nothing).
+
+        For the clipped sum, where the norms come first and the weighted sum
+        after: a rule that built small per-example gradients for the norms
+        can keep them instead of recomputing the sum from ``(saved, grads)``.
+        """
+        return self.squared_norms(layer, saved, grads), None
+
+    def weighted_sum_kept(self, layer, saved, grads, weights: tf.Tensor, kept: Any) -> list[tf.Tensor]:
+        """``weighted_sum``, given what ``squared_norms_keeping`` kept (not ``None``)."""
+        return self.weighted_sum(layer, saved, grads, weights)
+
     def weighted_sum(self, layer, saved, grads, weights: tf.Tensor) -> list[tf.Tensor]:
         """``sum_i weights[i] * grad_i`` per variable: list of ``[*var.shape]``.
+
+        A rule may return a ``tf.IndexedSlices`` of dense shape ``var.shape``
+        for a variable whose gradient is sparse (an embedding table).
 
         Args:
           weights: ``[B]`` float32.

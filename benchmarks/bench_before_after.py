@@ -1,0 +1,114 @@
+"""Two versions of the library side by side in one process: clipped sums, norms and peak memory.
+
+    git archive <base-commit> per_example_grads | tar -x -C /tmp/base
+    mv /tmp/base/per_example_grads /tmp/base/per_example_grads_base
+    grep -rl per_example_grads /tmp/base/per_example_grads_base | xargs sed -i 's/\\bper_example_grads\\b/per_example_grads_base/g'
+    PYTHONPATH=.:/tmp/base python benchmarks/bench_before_after.py mlp,cnn,transformer,embedding_bag 64,256 9 2
+
+Arguments: models, batch sizes, timing repeats, memory repeats (0: no memory).
+``per_example_grads_base`` (the renamed copy) is "before", the checkout
+"after". Both are traced on the same model and timed round-robin with the
+plain batch gradient, as in ``bench_layerwise.py``, so machine load hits all
+alike; reported are ratios of medians to the batch gradient's. Memory: as
+``bench_layerwise.py --memory`` (peak-RSS increment of 3 runs after one
+warm-up, fresh subprocess per cell), the median over the memory repeats.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_layerwise import _status_kib, _sync, build  # noqa: E402
+
+
+def fns(model, x):
+    import keras
+    import per_example_grads as new
+    import per_example_grads_base as old
+    import tensorflow as tf
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    variables = model.trainable_variables
+
+    def batch_grad(x, y):
+        with tf.GradientTape() as t:
+            l = tf.reduce_mean(loss(y, model(x)))
+        return t.gradient(l, variables)
+
+    out = {"batch_grad": batch_grad}
+    for tag, peg in (("before", old), ("after", new)):
+        out[f"clipped_{tag}"] = (lambda peg: lambda x, y: peg.clipped_gradients(model, loss, x, y, l2_norm_clip=1.0, method="layerwise"))(peg)
+        out[f"norms_{tag}"] = (lambda peg: lambda x, y: peg.per_example_norms(model, loss, x, y, method="layerwise"))(peg)
+    spec = [tf.TensorSpec([None, *x.shape[1:]], tf.as_dtype(x.dtype)), tf.TensorSpec([None], tf.int32)]
+    return {k: tf.function(f, input_signature=spec) for k, f in out.items()}
+
+
+def time_cell(m: str, b: int, repeats: int) -> dict:
+    model, x, y = build(m, b)
+    fs = fns(model, x)
+    for f in fs.values():
+        _sync(f(x, y))
+        _sync(f(x, y))
+    times = {q: [] for q in fs}
+    order = list(fs)
+    for _ in range(repeats):
+        order = order[1:] + order[:1]
+        for q in order:
+            start = time.perf_counter()
+            for _ in range(3):
+                out = fs[q](x, y)
+            _sync(out)
+            times[q].append((time.perf_counter() - start) / 3)
+    return {q: statistics.median(v) for q, v in times.items()}
+
+
+def mem_cell(m: str, b: int, q: str) -> float:
+    model, x, y = build(m, b)
+    f = fns(model, x)[q]
+    _sync(f(x, y))
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    before = _status_kib("VmRSS")
+    for _ in range(3):
+        _sync(f(x, y))
+    return (_status_kib("VmHWM") - before) / 1024
+
+
+def main() -> None:
+    if sys.argv[1] == "--cell":
+        m, b, q = sys.argv[2].split(",")
+        print(json.dumps(mem_cell(m, int(b), q)))
+        return
+    models, sizes = sys.argv[1].split(","), [int(s) for s in sys.argv[2].split(",")]
+    repeats, mem_reps = int(sys.argv[3]), int(sys.argv[4])
+    print("| model | B | clipped before | clipped after | norms before | norms after | batch_grad ms |\n|---|---|---|---|---|---|---|", flush=True)
+    for m in models:
+        for b in sizes:
+            r = time_cell(m, b, repeats)
+            base = r["batch_grad"]
+            print(f"| {m} | {b} | {r['clipped_before'] / base:.2f} | {r['clipped_after'] / base:.2f} | "
+                  f"{r['norms_before'] / base:.2f} | {r['norms_after'] / base:.2f} | {base * 1e3:.1f} |", flush=True)
+    if not mem_reps:
+        return
+    print("\n| model | B | batch_grad MiB | clipped before MiB (ratio) | clipped after MiB (ratio) |\n|---|---|---|---|---|", flush=True)
+    for m in models:
+        for b in sizes:
+            vals = {}
+            for q in ("batch_grad", "clipped_before", "clipped_after"):
+                runs = []
+                for _ in range(mem_reps):
+                    out = subprocess.run([sys.executable, __file__, "--cell", f"{m},{b},{q}"], capture_output=True, text=True, timeout=900)
+                    runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+                vals[q] = statistics.median(runs)
+            bg = max(vals["batch_grad"], 1e-9)
+            print(f"| {m} | {b} | {vals['batch_grad']:.1f} | {vals['clipped_before']:.1f} ({vals['clipped_before'] / bg:.2f}) | "
+                  f"{vals['clipped_after']:.1f} ({vals['clipped_after'] / bg:.2f}) |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
