@@ -130,10 +130,12 @@ class GradientAccumulator(tf.Module):
             contribution = tape.gradient(total, self.variables_)
             contribution = [tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g) for g, v in zip(contribution, self.variables_)]
         for s, c in zip(self.sums, contribution):
-            if isinstance(c, tf.IndexedSlices):  # an embedding table's clipped sum: add its rows only
+            # An embedding table's clipped sum: add its rows only, except into a
+            # sync-on-read variable (multi-replica strategy), which cannot scatter.
+            if isinstance(c, tf.IndexedSlices) and not isinstance(s, tf.distribute.DistributedValues):
                 s.scatter_add(tf.IndexedSlices(tf.cast(c.values, s.dtype), c.indices, c.dense_shape))
             else:
-                s.assign_add(tf.cast(c, s.dtype))
+                s.assign_add(tf.cast(tf.convert_to_tensor(c), s.dtype))
         if sample_weight is None:
             added = tf.cast(batch_size(batch), tf.float32)
         else:

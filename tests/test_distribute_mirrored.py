@@ -242,3 +242,42 @@ def test_gradient_statistics_under_scope_equal_one_device():
     ref = peg.diagnostics.gradient_statistics(single, sparse_ce, (x, y), batch_size=8, progress=False)
     np.testing.assert_allclose(report.per_example_norms, ref.per_example_norms, rtol=RTOL)
     assert report.trace_covariance == pytest.approx(ref.trace_covariance, rel=1e-5)
+
+
+def test_embedding_model_sparse_sums_under_strategy_equal_one_device():
+    """An embedding table's clipped sum is an IndexedSlices: all-reduced by the optimizer, scatter-added by the accumulator."""
+    strategy = _strategy()
+
+    def text_net():
+        return keras.Sequential([
+            keras.Input((5,), dtype="int32"), keras.layers.Embedding(50, 4),
+            keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(K),
+        ])
+
+    with strategy.scope():
+        model = text_net()
+    single = text_net()
+    single.set_weights(model.get_weights())
+    x = np.random.RandomState(0).randint(0, 50, (B, 5)).astype("int32")
+    y = (np.arange(B) % K).astype("int32")
+    with strategy.scope():
+        acc = peg.GradientAccumulator(model, sparse_ce, l2_norm_clip=0.05, noise_multiplier=0.0)
+    a, b = _distributed_batch(strategy, x, y)
+
+    @tf.function
+    def accumulated(a, b):
+        def replica(a, b):
+            acc.accumulate(a, b)
+            return tf.distribute.get_replica_context().all_reduce("SUM", acc.result())
+        return strategy.run(replica, args=(a, b))
+
+    got = _local(strategy, accumulated(a, b))[0]
+    expected = peg.clipped_gradients(single, sparse_ce, x, y, l2_norm_clip=0.05, reduction="mean")
+    assert_grads_close([g.numpy() for g in got], [tf.convert_to_tensor(e).numpy() for e in expected])
+
+    args = dict(l2_norm_clip=0.05, noise_multiplier=0.0, expected_batch_size=B, seed=1)
+    with strategy.scope():
+        _fit(model, x, y, **args)
+    _fit(single, x, y, **args)
+    for got, want in zip(model.get_weights(), single.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-6)
