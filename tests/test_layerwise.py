@@ -343,18 +343,23 @@ def test_layer_called_on_non_batch_tensor_is_refused_and_auto_falls_back():
 
 
 @pytest.mark.parametrize("b", [0, 1, 5])
-def test_embedding_grouped_squared_norms_against_dense_tables(b):
+@pytest.mark.parametrize("vocabulary,table_factor", [(7, None), (7, 1), (500, None), (500, 1), (500, 64)])
+def test_embedding_grouped_squared_norms_against_dense_tables(b, vocabulary, table_factor):
+    """Few ids (every row repeats) and many (most rows alone in their hash bucket, some colliding)."""
     from per_example_grads.layers.embedding import grouped_squared_norms
 
     r = np.random.default_rng(b)
-    ids = r.integers(0, 7, (b, 30)).astype("int32")
+    ids = r.integers(0, vocabulary, (b, 30)).astype("int32")
+    if b:
+        ids[0, :3] = ids[0, 3]  # a repeat in the large vocabulary too
     g = r.normal(size=(b, 30, 3)).astype("float32")
-    tables = np.zeros((b, 7, 3), "float32")
+    tables = np.zeros((b, vocabulary, 3), "float32")
     for n in range(b):
         np.add.at(tables[n], ids[n], g[n])
     want = np.sum(tables**2, axis=(1, 2))
-    f = tf.function(lambda i, g: grouped_squared_norms(i, g, 7), input_signature=[tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None, None, 3])])
-    for got in (grouped_squared_norms(ids, g, 7), f(ids, g)):
+    f = tf.function(lambda i, g: grouped_squared_norms(i, g, vocabulary, table_factor),
+                    input_signature=[tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None, None, 3])])
+    for got in (grouped_squared_norms(ids, g, vocabulary, table_factor), f(ids, g)):
         assert got.shape == (b,)
         np.testing.assert_allclose(got, want, rtol=1e-5)
 
