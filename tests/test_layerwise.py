@@ -451,3 +451,24 @@ def test_dp_model_with_embedding_takes_sparse_clipped_sums_in_and_out_of_chunks(
     dp.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
     for b, v, e in zip(before, net.trainable_variables, expected):
         np.testing.assert_allclose(b - v.numpy(), np.tensordot(factors, e, axes=1) / 8, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("spec, shape", [
+    ((2, (3, 3), (1, 1), (1, 1), "valid"), (3, 9, 8, 1)),
+    ((2, (3, 2), (2, 3), (1, 1), "valid"), (2, 11, 10, 3)),
+    ((2, (3, 3), (2, 2), (1, 1), "same"), (2, 9, 8, 2)),
+    ((2, (2, 3), (1, 1), (2, 2), "same"), (2, 7, 9, 2)),
+    ((1, (3,), (2,), (1,), "same"), (2, 10, 3)),
+    ((1, (3,), (1,), (2,), "causal"), (2, 9, 2)),
+    ((1, (1,), (1,), (1,), "valid"), (2, 5, 4)),
+])
+def test_conv_sliced_patches_equal_extract_patches(spec, shape):
+    """The strided-slice patches the norms use under XLA are extract_patches' exactly, in its feature order."""
+    from per_example_grads.layers import conv
+
+    layer = conv.ConvSpec(*spec)
+    a = tf.random.stateless_normal(shape, [1, 2])
+    want = conv.patches(layer, a).numpy()
+    got = conv.sliced_patches(layer, tuple(shape[1:-1]), a).numpy()
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
