@@ -15,16 +15,19 @@ n's kernel gradient is ``G_n = sum_t p_nt^T g_nt``. ``||G_n||^2`` is the Gram
 form ``sum_{t,s} (p_nt . p_ns)(g_nt . g_ns)`` when
 ``positions (f + c_out) < f c_out``; otherwise ``G_n`` is built, one layer at a
 time, by batched matrix products with the smaller of ``f`` and ``c_out`` first
-(measured faster). The patches and those products run as one XLA function
-(``jit_compile=True``), with the patches built as the concatenation over the
+(measured faster). When ``f <= c_out`` the patches and those products run as one XLA
+function (``jit_compile=True``), with the patches built as the concatenation over the
 kernel offsets ``(i, j)`` of the strided slices
 ``a[:, i d_h : i d_h + (oh - 1) s_h + 1 : s_h, j d_w : ... : s_w, :]`` of the
 (explicitly padded) input, in the ``(i, j, c_in)`` order of
 ``tf.image.extract_patches``: XLA fuses these slices into the product's
-operand, which on this project's CPU was measured 5x faster than
+operand, which on this project's CPU was measured 4.5x faster than
 ``extract_patches`` outside XLA for the first convolution of the benchmark CNN
-(``c_in = 1``) and 1.3x for the second, while ``extract_patches`` *inside* XLA
-was slower. ``NORMS_JIT_COMPILE = False`` runs the same without XLA.
+(``c_in = 1``, ``f = 9 <= c_out``). When ``f > c_out`` (the CNN's second
+convolution, ``f = 144``) the fused slices were 1.3x faster at ``B = 64`` but
+1.5x slower at ``B = 256``, so there the patches are extracted outside XLA
+and only the products run under it; ``extract_patches`` *inside* XLA was
+slower in both. ``NORMS_JIT_COMPILE = False`` runs the same without XLA.
 ``"same"`` padding pads ``pad = max((o - 1) s + (k - 1) d + 1 - n, 0)``,
 ``pad // 2`` before, as TensorFlow does (``o = ceil(n / s)``).
 
@@ -120,13 +123,14 @@ def kernel_squared_norms(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, keep: bool
     t = g.shape[1:-1].num_elements() if g.shape[1:-1].is_fully_defined() else None
     if t is not None and f is not None and t * (f + k) < f * k:
         return op.kernel_squared_norms(patches(layer, a), op.as_btf(g)), None  # the Gram form
-    if None in spatial or f is None:  # slices need static sizes
+    if None in spatial or f is None or f > k:  # slices need static sizes; measured slower when f > k
         p, g2 = patches(layer, a), op.as_btf(g)
-        norms, kernels = _materialized_norms(p, g2) if f <= k else _materialized_norms(g2, p)
+        materialized = _materialized_norms_xla if NORMS_JIT_COMPILE else _materialized_norms
+        norms, kernels = materialized(p, g2) if f is not None and f <= k else materialized(g2, p)
     else:
         fn = _sliced_norms_xla if NORMS_JIT_COMPILE else _sliced_norms
         norms, kernels = fn(layer, spatial, a, g)
-    small = t is not None and a.shape[1:].is_fully_defined() and f * k <= a.shape[1:].num_elements() + t * k
+    small = t is not None and f is not None and a.shape[1:].is_fully_defined() and f * k <= a.shape[1:].num_elements() + t * k
     return norms, (kernels if keep and KEEP_PER_EXAMPLE_KERNELS and small else None)
 
 
@@ -163,6 +167,7 @@ def _sliced_norms(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor, g: tf
     return _materialized_norms(p, g) if p.shape[-1] <= g.shape[-1] else _materialized_norms(g, p)
 
 
+_materialized_norms_xla = tf.function(_materialized_norms, jit_compile=True, reduce_retracing=True)
 _sliced_norms_xla = tf.function(_sliced_norms, jit_compile=True, reduce_retracing=True)
 
 
