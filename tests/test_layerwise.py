@@ -343,18 +343,23 @@ def test_layer_called_on_non_batch_tensor_is_refused_and_auto_falls_back():
 
 
 @pytest.mark.parametrize("b", [0, 1, 5])
-def test_embedding_grouped_squared_norms_against_dense_tables(b):
+@pytest.mark.parametrize("vocabulary,table_factor", [(7, None), (7, 1), (500, None), (500, 1), (500, 64)])
+def test_embedding_grouped_squared_norms_against_dense_tables(b, vocabulary, table_factor):
+    """Few ids (every row repeats) and many (most rows alone in their hash bucket, some colliding)."""
     from per_example_grads.layers.embedding import grouped_squared_norms
 
     r = np.random.default_rng(b)
-    ids = r.integers(0, 7, (b, 30)).astype("int32")
+    ids = r.integers(0, vocabulary, (b, 30)).astype("int32")
+    if b:
+        ids[0, :3] = ids[0, 3]  # a repeat in the large vocabulary too
     g = r.normal(size=(b, 30, 3)).astype("float32")
-    tables = np.zeros((b, 7, 3), "float32")
+    tables = np.zeros((b, vocabulary, 3), "float32")
     for n in range(b):
         np.add.at(tables[n], ids[n], g[n])
     want = np.sum(tables**2, axis=(1, 2))
-    f = tf.function(lambda i, g: grouped_squared_norms(i, g, 7), input_signature=[tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None, None, 3])])
-    for got in (grouped_squared_norms(ids, g, 7), f(ids, g)):
+    f = tf.function(lambda i, g: grouped_squared_norms(i, g, vocabulary, table_factor),
+                    input_signature=[tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None, None, 3])])
+    for got in (grouped_squared_norms(ids, g, vocabulary, table_factor), f(ids, g)):
         assert got.shape == (b,)
         np.testing.assert_allclose(got, want, rtol=1e-5)
 
@@ -446,3 +451,24 @@ def test_dp_model_with_embedding_takes_sparse_clipped_sums_in_and_out_of_chunks(
     dp.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
     for b, v, e in zip(before, net.trainable_variables, expected):
         np.testing.assert_allclose(b - v.numpy(), np.tensordot(factors, e, axes=1) / 8, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("spec, shape", [
+    ((2, (3, 3), (1, 1), (1, 1), "valid"), (3, 9, 8, 1)),
+    ((2, (3, 2), (2, 3), (1, 1), "valid"), (2, 11, 10, 3)),
+    ((2, (3, 3), (2, 2), (1, 1), "same"), (2, 9, 8, 2)),
+    ((2, (2, 3), (1, 1), (2, 2), "same"), (2, 7, 9, 2)),
+    ((1, (3,), (2,), (1,), "same"), (2, 10, 3)),
+    ((1, (3,), (1,), (2,), "causal"), (2, 9, 2)),
+    ((1, (1,), (1,), (1,), "valid"), (2, 5, 4)),
+])
+def test_conv_sliced_patches_equal_extract_patches(spec, shape):
+    """The strided-slice patches the norms use under XLA are extract_patches' exactly, in its feature order."""
+    from per_example_grads.layers import conv
+
+    layer = conv.ConvSpec(*spec)
+    a = tf.random.stateless_normal(shape, [1, 2])
+    want = conv.patches(layer, a).numpy()
+    got = conv.sliced_patches(layer, tuple(shape[1:-1]), a).numpy()
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got, want)

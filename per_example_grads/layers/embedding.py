@@ -5,9 +5,18 @@ For example n with token ids ``x_n`` (``[T]``) and output gradient ``g_n``
 ``G_n[v] = sum_{t: x_nt = v} g_nt``. Then:
 
 - ``||G_n||^2 = sum_v ||G_n[v]||^2`` over the ids ``v`` that occur in ``x_n``:
-  the rows ``g_nt`` are grouped by the key ``(n, x_nt)`` (one sort of the
-  ``B T`` keys), each group summed (``segment_sum``) and the groups' squared
-  norms added per example. Cost ``O(B T log(B T) + B T D)``, never ``V``.
+  the rows ``g_nt`` are grouped by the key ``k_nt = n V + x_nt``, each group
+  summed and the groups' squared norms added per example. Most keys occur
+  once, so the grouping is split by a hash ``h(k) = k mod M`` (``M = 4 B T +
+  1``, counts of each bucket by one scatter-add): a row whose bucket holds only
+  it has a key no other row has, so it is a group of one and contributes
+  ``||g_nt||^2`` as it is (this part runs under XLA, one fused pass over
+  ``g``). The remaining rows (true repeats and hash collisions, about
+  ``1 - e^{-1/4}`` of distinct keys) are grouped exactly by one sort of their
+  keys and a ``segment_sum``. Grouping the whole batch by one sort
+  (``O(B T log(B T))``) was measured 1.5x slower at ``B T = 16384``. The
+  result is exact whatever ``M``: a hash only decides which rows skip the
+  sort. Cost ``O(B T D + M)`` plus the sort of the rest, never ``V``.
   For short sequences (``T <= GRAM_MAX_T``) the Gram form
   ``sum_{t,s} [x_nt = x_ns] (g_nt . g_ns)`` (``B T^2 D``, no sort) is used.
 - ``sum_n c_n G_n`` is returned as ``tf.IndexedSlices`` (values ``c_n g_nt``,
@@ -28,20 +37,52 @@ import tensorflow as tf
 from per_example_grads.layerwise.rule import LayerRule, register_layer_rule, reparametrized
 
 GRAM_MAX_T = 16
+NORMS_JIT_COMPILE = True
 
 
-def grouped_squared_norms(ids: tf.Tensor, g: tf.Tensor, vocabulary_size: int) -> tf.Tensor:
-    """``[B]``: ``sum_v ||sum_{t: ids[n, t] = v} g[n, t]||^2`` from ``ids`` ``[B, T]`` and ``g`` ``[B, T, D]``."""
+HASH_TABLE_FACTOR = 4
+
+
+def _hash_singletons(ids: tf.Tensor, g: tf.Tensor, vocabulary_size: int, table_factor: int):
+    """``(norms, single, keys)``: ``sum_t [single_nt] ||g_nt||^2`` ``[B]``, ``single`` ``[B, T]`` and ``keys`` ``[B T]``.
+
+    ``single_nt``: no other row's key ``n V + ids[n, t]`` falls in its bucket
+    ``k mod (table_factor B T + 1)``, so no other row shares its key.
+    """
     b = tf.shape(ids)[0]
     keys = tf.reshape(tf.cast(ids, tf.int64) + tf.cast(tf.range(b)[:, None], tf.int64) * vocabulary_size, [-1])
-    order = tf.argsort(keys, stable=True)
-    sorted_keys = tf.gather(keys, order)
+    m = table_factor * tf.size(keys) + 1
+    bucket = tf.cast(keys % tf.cast(m, tf.int64), tf.int32)
+    count = tf.math.unsorted_segment_sum(tf.ones_like(bucket), bucket, m)
+    single = tf.reshape(tf.equal(tf.gather(count, bucket), 1), tf.shape(ids))
+    norms = tf.reduce_sum(tf.where(single[:, :, None], tf.square(g), tf.zeros_like(g)), axis=[1, 2])
+    return norms, single, keys
+
+
+_hash_singletons_xla = tf.function(_hash_singletons, jit_compile=True, reduce_retracing=True)
+
+
+def grouped_squared_norms(ids: tf.Tensor, g: tf.Tensor, vocabulary_size: int, table_factor: int | None = None) -> tf.Tensor:
+    """``[B]``: ``sum_v ||sum_{t: ids[n, t] = v} g[n, t]||^2`` from ``ids`` ``[B, T]`` and ``g`` ``[B, T, D]``.
+
+    Rows alone in their hash bucket are added as ``||g_nt||^2``; the rest are
+    grouped by sorting their keys (module docstring). ``table_factor``
+    (default ``HASH_TABLE_FACTOR``) sizes the hash table; any value >= 1 gives
+    the same result.
+    """
+    b = tf.shape(ids)[0]
+    singletons = _hash_singletons_xla if NORMS_JIT_COMPILE else _hash_singletons
+    norms, single, keys = singletons(ids, g, vocabulary_size, table_factor or HASH_TABLE_FACTOR)
+    rest = tf.reshape(tf.where(tf.logical_not(tf.reshape(single, [-1]))), [-1])  # [R] flat row indices
+    rest_keys = tf.gather(keys, rest)
+    order = tf.argsort(rest_keys, stable=True)
+    sorted_keys = tf.gather(rest_keys, order)
     starts = tf.not_equal(sorted_keys, tf.concat([[-1], sorted_keys[:-1]], 0))  # keys are >= 0
-    group = tf.cumsum(tf.cast(starts, tf.int32)) - 1  # [B*T], non-decreasing
-    rows = tf.gather(tf.reshape(g, [-1, g.shape[-1]]), order)
+    group = tf.cumsum(tf.cast(starts, tf.int32)) - 1  # [R], non-decreasing
+    rows = tf.gather(tf.reshape(g, [-1, g.shape[-1]]), tf.gather(rest, order))
     sums = tf.math.segment_sum(rows, group)  # [groups, D]
     example = tf.cast(tf.boolean_mask(sorted_keys, starts) // vocabulary_size, tf.int32)  # [groups]
-    return tf.math.unsorted_segment_sum(tf.reduce_sum(tf.square(sums), axis=1), example, b)
+    return norms + tf.math.unsorted_segment_sum(tf.reduce_sum(tf.square(sums), axis=1), example, b)
 
 
 class EmbeddingRule(LayerRule):
