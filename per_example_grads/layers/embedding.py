@@ -38,8 +38,6 @@ from per_example_grads.layerwise.rule import LayerRule, register_layer_rule, rep
 
 GRAM_MAX_T = 16
 NORMS_JIT_COMPILE = True
-
-
 HASH_TABLE_FACTOR = 4
 
 
