@@ -73,9 +73,9 @@ CASES = {
     "separable_conv2d": lambda: _seq([keras.layers.SeparableConv2D(3, 3, activation="relu")], (B, 6, 6, 2)),
     "embedding_mask_zero_pooled": lambda: _seq([keras.layers.Embedding(12, 4, mask_zero=True), keras.layers.GlobalAveragePooling1D()], (B, 6), dtype="int32"),
     "embedding_long_sequence": lambda: _seq([keras.layers.Embedding(12, 3)], (B, 8), dtype="int32"),
-    # T > GRAM_MAX_T: the sorted-keys norm; 24 ids out of 12 repeat in every example.
-    "embedding_sorted_repeated_ids": lambda: _seq([keras.layers.Embedding(12, 3)], (B, 24), dtype="int32"),
-    "embedding_sorted_mask_zero_pooled": lambda: _seq([keras.layers.Embedding(12, 4, mask_zero=True), keras.layers.GlobalAveragePooling1D()], (B, 20), dtype="int32"),
+    # 24 ids out of 12: every example has repeated ids.
+    "embedding_repeated_ids": lambda: _seq([keras.layers.Embedding(12, 3)], (B, 24), dtype="int32"),
+    "embedding_long_mask_zero_pooled": lambda: _seq([keras.layers.Embedding(12, 4, mask_zero=True), keras.layers.GlobalAveragePooling1D()], (B, 20), dtype="int32"),
     "layer_norm": lambda: _seq([keras.layers.Dense(6), keras.layers.LayerNormalization()], (B, 5)),
     "layer_norm_sequence": lambda: _seq([keras.layers.Dense(6), keras.layers.LayerNormalization(epsilon=0.3)], (B, 4, 5)),
     "layer_norm_two_axes_rank4": lambda: _seq([keras.layers.LayerNormalization(axis=[1, 3])], (B, 3, 2, 4)),
@@ -132,7 +132,7 @@ def test_shared_layers_sum_contributions_and_norms_have_cross_terms():
 @pytest.mark.parametrize("name", [
     "dense_sequence_gram", "conv2d_strided_valid", "conv2d_dilated_same", "conv2d_few_positions_gram", "conv2d_same_small_input",
     "conv1d_causal_dilated", "conv1d_strided_same_no_bias", "embedding_mask_zero_pooled",
-    "embedding_sorted_repeated_ids", "embedding_sorted_mask_zero_pooled", "layer_norm_sequence",
+    "embedding_repeated_ids", "embedding_long_mask_zero_pooled", "layer_norm_sequence",
     "layer_norm_two_axes_rank4", "layer_norm_middle_axis_no_center", "layer_norm_rms_scaling", "multi_head_attention",
     "lstm_fallback",
 ])
@@ -343,25 +343,30 @@ def test_layer_called_on_non_batch_tensor_is_refused_and_auto_falls_back():
 
 
 @pytest.mark.parametrize("b", [0, 1, 5])
-@pytest.mark.parametrize("vocabulary,table_factor", [(7, None), (7, 1), (500, None), (500, 1), (500, 64)])
-def test_embedding_grouped_squared_norms_against_dense_tables(b, vocabulary, table_factor):
-    """Few ids (every row repeats) and many (most rows alone in their hash bucket, some colliding)."""
-    from per_example_grads.layers.embedding import grouped_squared_norms
+@pytest.mark.parametrize("vocabulary,t", [(7, 30), (500, 30), (500, 1), (3, 2)])
+def test_embedding_grouped_squared_norms_against_dense_tables(b, vocabulary, t):
+    """Few ids (every row repeats, groups of many) and many (most ids once; a planted triple)."""
+    from per_example_grads.layers.embedding import grouped_squared_norms, repeated_rows
 
     r = np.random.default_rng(b)
-    ids = r.integers(0, vocabulary, (b, 30)).astype("int32")
-    if b:
-        ids[0, :3] = ids[0, 3]  # a repeat in the large vocabulary too
-    g = r.normal(size=(b, 30, 3)).astype("float32")
+    ids = r.integers(0, vocabulary, (b, t)).astype("int32")
+    if b > 1 and t >= 4:
+        ids[0, :3] = ids[0, 3]  # a group of four in the large vocabulary too
+        ids[1] = ids[0]  # the same ids in another example are another group
+    g = r.normal(size=(b, t, 3)).astype("float32")
     tables = np.zeros((b, vocabulary, 3), "float32")
     for n in range(b):
         np.add.at(tables[n], ids[n], g[n])
     want = np.sum(tables**2, axis=(1, 2))
-    f = tf.function(lambda i, g: grouped_squared_norms(i, g, vocabulary, table_factor),
+    f = tf.function(lambda i, g: grouped_squared_norms(g, repeated_rows(i)),
                     input_signature=[tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None, None, 3])])
-    for got in (grouped_squared_norms(ids, g, vocabulary, table_factor), f(ids, g)):
+    for got in (grouped_squared_norms(g, repeated_rows(ids)), f(ids, g)):
         assert got.shape == (b,)
-        np.testing.assert_allclose(got, want, rtol=1e-5)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # The repeated rows are exactly those whose id occurs again in their example.
+    rows = repeated_rows(ids).rows.numpy()
+    counts = [np.count_nonzero(ids[n] == ids[n, k]) for n in range(b) for k in range(t)]
+    assert sorted(rows) == [i for i, c in enumerate(counts) if c > 1]
 
 
 def test_layer_norm_uses_its_closed_form_unless_over_the_batch_axis():
