@@ -164,16 +164,33 @@ def _status_kib(field: str) -> int:
 
 
 def memory_cell(model_name: str, b: int, q: str) -> float:
-    """MiB the step ``q`` needs at its peak beyond the resident size before it."""
+    """MiB the step ``q`` needs at its peak beyond the resident size before it (median of 3 steps)."""
     model, x, y = build(model_name, b)
     fn = quantity_fn(q, model, x)
     _sync(fn(x, y))
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-    before = _status_kib("VmRSS")
+    peaks = []
     for _ in range(3):
+        _release_free_memory()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        before = _status_kib("VmRSS")
         _sync(fn(x, y))
-    return (_status_kib("VmHWM") - before) / 1024
+        peaks.append((_status_kib("VmHWM") - before) / 1024)
+    return statistics.median(peaks)
+
+
+def _release_free_memory() -> None:
+    """Returns memory malloc keeps after frees to the OS (glibc ``malloc_trim``), where available.
+
+    Without it the next step reuses whatever an earlier one freed, and the
+    peak increment measures the allocator's leftovers instead of the step.
+    """
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def main(argv=None) -> int:

@@ -379,6 +379,31 @@ def test_layer_norm_uses_its_closed_form_unless_over_the_batch_axis():
     assert LayerNormRule().unsupported(over_batch) is not None
 
 
+@pytest.mark.parametrize("name,layer_class,keeps", [
+    ("layer_norm_sequence", keras.layers.LayerNormalization, True),  # [B, 6] x 2 vs [B, 4, 6] x 2
+    ("custom_layer_fallback", Scale, True),  # [B, 5] vs [B, 5] + [B, 5]
+    ("lstm_fallback", keras.layers.LSTM, False),  # [B, 3, 16] kernel alone vs [B, 5, 3] + [B, 5, 4]
+])
+def test_materialized_norms_are_kept_for_the_clipped_sum_only_when_no_larger(name, layer_class, keeps):
+    from per_example_grads.layerwise import engine
+    from per_example_grads.problem import make_problem
+    from per_example_grads.batch import make_batch
+
+    model, x, y = CASES[name]()
+    problem = make_problem(model, sparse_ce, None, False, False)
+    captured = engine.capture(problem, make_batch(model, x, y, None))
+    record, g = next((r, g) for r, g in zip(captured.records, captured.grads) if isinstance(r.unit.layer, layer_class))
+    rule, layer = record.unit.rule, record.unit.layer
+    norms, kept = rule.squared_norms_keeping(layer, record.saved, g)
+    assert (kept is not None) == keeps
+    for got, want in zip(norms, rule.squared_norms(layer, record.saved, g)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    if keeps:
+        w = tf.constant(np.linspace(0.1, 1.0, B), tf.float32)
+        for got, want in zip(rule.weighted_sum_kept(layer, record.saved, g, w, kept), rule.weighted_sum(layer, record.saved, g, w)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
 def test_embedding_clipped_sums_are_indexed_slices_and_every_consumer_densifies_them():
     """Shared embedding (two calls: slices concatenated), mean reduction, DP noise, accumulation."""
     model, x, y = _shared_model()

@@ -80,12 +80,26 @@ class LayerRule:
         For the clipped sum, where the norms come first and the weighted sum
         after: a rule that built small per-example gradients for the norms
         can keep them instead of recomputing the sum from ``(saved, grads)``.
+        By default, a rule whose norms come from ``per_example`` (the default
+        ``squared_norms``) keeps those ``[B, *var.shape]`` tensors when they
+        hold no more elements per example than ``saved`` and ``grads``: the
+        clipped sum then reads them instead of recomputing them, and
+        ``saved`` and ``grads`` can be freed before every norm is known.
         """
-        return self.squared_norms(layer, saved, grads), None
+        if type(self).squared_norms is not LayerRule.squared_norms:
+            return self.squared_norms(layer, saved, grads), None
+        per_example = self.per_example(layer, saved, grads)
+        norms = [_squared_norm(g) for g in per_example]
+        size, inputs_size = _elements_per_example(per_example), _elements_per_example([saved, grads])
+        small = size is not None and inputs_size is not None and size <= inputs_size
+        return norms, (per_example if small else None)
 
     def weighted_sum_kept(self, layer, saved, grads, weights: tf.Tensor, kept: Any) -> list[tf.Tensor]:
-        """``weighted_sum``, given what ``squared_norms_keeping`` kept (not ``None``)."""
-        return self.weighted_sum(layer, saved, grads, weights)
+        """``weighted_sum``, given what ``squared_norms_keeping`` kept (not ``None``).
+
+        By default ``kept`` is the per-example gradients: ``sum_i weights[i] kept[k][i]``.
+        """
+        return [tf.tensordot(tf.cast(weights, t.dtype), t, axes=1) for t in kept]
 
     def weighted_sum(self, layer, saved, grads, weights: tf.Tensor) -> list[tf.Tensor]:
         """``sum_i weights[i] * grad_i`` per variable: list of ``[*var.shape]``.
@@ -155,6 +169,18 @@ def sum_to_shape(g: tf.Tensor, shape) -> tf.Tensor:
     if keep:
         g = tf.reduce_sum(g, axis=keep, keepdims=True)
     return g
+
+
+def _elements_per_example(structure) -> int | None:
+    """Elements per example of the batched tensors in ``structure`` (``prod(shape[1:])``); None if unknown."""
+    total = 0
+    for t in tf.nest.flatten(structure):
+        if tf.is_tensor(t) and t.shape.rank:
+            n = t.shape[1:].num_elements()
+            if n is None:
+                return None
+            total += n
+    return total
 
 
 def _squared_norm(g: tf.Tensor) -> tf.Tensor:
