@@ -10,8 +10,8 @@ Arguments: models, batch sizes, timing repeats, memory repeats (0: no memory).
 "after". Both are traced on the same model and timed round-robin with the
 plain batch gradient, as in ``bench_layerwise.py``, so machine load hits all
 alike; reported are ratios of medians to the batch gradient's. Memory: as
-``bench_layerwise.py --memory`` (peak-RSS increment of 3 runs after one
-warm-up, fresh subprocess per cell), the median over the memory repeats.
+``bench_layerwise.py --memory`` (``peak_increment_mib``: median peak-RSS
+increment of 3 calls after one warm-up, fresh subprocess per cell), the median over the memory repeats.
 """
 
 import json
@@ -23,7 +23,7 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_layerwise import _status_kib, _sync, build  # noqa: E402
+from bench_layerwise import _sync, build, peak_increment_mib  # noqa: E402
 
 
 def fns(model, x):
@@ -69,14 +69,7 @@ def time_cell(m: str, b: int, repeats: int) -> dict:
 
 def mem_cell(m: str, b: int, q: str) -> float:
     model, x, y = build(m, b)
-    f = fns(model, x)[q]
-    _sync(f(x, y))
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")
-    before = _status_kib("VmRSS")
-    for _ in range(3):
-        _sync(f(x, y))
-    return (_status_kib("VmHWM") - before) / 1024
+    return peak_increment_mib(fns(model, x)[q], x, y)
 
 
 def main() -> None:

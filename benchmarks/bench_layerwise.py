@@ -19,11 +19,13 @@ Quantities:
                      MultiHeadAttention, so not run on the transformer)
 
 Memory (``--memory``): each quantity runs in a fresh subprocess that builds the
-model, traces the quantity and runs it once; then it resets the kernel's
-peak-RSS mark (``/proc/self/clear_refs``), notes the resident size, runs the
-quantity 3 more times and reads the new peak (``VmHWM``). Reported: that
-increment (the memory the step itself needs beyond what stays allocated) and
-its ratio to batch_grad's. Linux only.
+model, traces the quantity and runs it once; then, 3 times: it hands malloc's
+free memory back to the OS (``malloc_trim``), resets the kernel's peak-RSS mark
+(``/proc/self/clear_refs``), notes the resident size, runs the quantity once
+and reads the new peak (``VmHWM``). Reported: the median increment (the memory
+the step itself needs beyond what stays allocated) and its ratio to
+batch_grad's. Without the trim, a step reuses what the previous one freed and
+the increments swung by 2x between runs. Linux only.
 """
 
 from __future__ import annotations
@@ -164,9 +166,17 @@ def _status_kib(field: str) -> int:
 
 
 def memory_cell(model_name: str, b: int, q: str) -> float:
-    """MiB the step ``q`` needs at its peak beyond the resident size before it (median of 3 steps)."""
+    """MiB the step ``q`` needs at its peak beyond the resident size before it (see ``peak_increment_mib``)."""
     model, x, y = build(model_name, b)
-    fn = quantity_fn(q, model, x)
+    return peak_increment_mib(quantity_fn(q, model, x), x, y)
+
+
+def peak_increment_mib(fn, x, y) -> float:
+    """Median over 3 calls of ``fn(x, y)`` of the peak RSS above the RSS just before the call, in MiB.
+
+    One warm-up call first (tracing); before each measured call malloc's free
+    memory goes back to the OS and the kernel's high-water mark is reset.
+    """
     _sync(fn(x, y))
     peaks = []
     for _ in range(3):
