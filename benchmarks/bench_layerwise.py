@@ -66,7 +66,9 @@ def build(name: str, b: int):
         t, d = 32, 64
         inp = keras.Input((t,), dtype="int32")
         tok = keras.layers.Embedding(1000, d)(inp)
-        pos = keras.layers.Embedding(t, d)(keras.ops.arange(t)[None])
+        # Learned positions: ids 0..T-1 per example (built from the input so the
+        # table is one of the model's weights, as in the peers' models).
+        pos = keras.layers.Embedding(t, d)(keras.ops.zeros_like(inp) + keras.ops.arange(t, dtype="int32"))
         h = tok + pos
         a = keras.layers.MultiHeadAttention(num_heads=4, key_dim=d // 4)(h, h)
         h = keras.layers.LayerNormalization()(h + a)
