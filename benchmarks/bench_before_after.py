@@ -23,7 +23,7 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_layerwise import _sync, build, peak_increment_mib  # noqa: E402
+from bench_layerwise import wait_for, build, peak_increment_mib  # noqa: E402
 
 
 def fns(model, x):
@@ -52,8 +52,8 @@ def time_cell(m: str, b: int, repeats: int) -> dict:
     model, x, y = build(m, b)
     fs = fns(model, x)
     for f in fs.values():
-        _sync(f(x, y))
-        _sync(f(x, y))
+        wait_for(f(x, y))
+        wait_for(f(x, y))
     times = {q: [] for q in fs}
     order = list(fs)
     for _ in range(repeats):
@@ -62,7 +62,7 @@ def time_cell(m: str, b: int, repeats: int) -> dict:
             start = time.perf_counter()
             for _ in range(3):
                 out = fs[q](x, y)
-            _sync(out)
+            wait_for(out)
             times[q].append((time.perf_counter() - start) / 3)
     return {q: statistics.median(v) for q, v in times.items()}
 

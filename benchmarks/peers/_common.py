@@ -6,13 +6,17 @@ never imports ``per_example_grads``, and the library never imports it.
 
 What it provides: the command-line flags, the model/shape constants shared
 with ``benchmarks/bench_engines.py``, the round-robin timer and the Markdown
-report.
+report for a standalone run, and the worker loop (``--serve``, see
+``serve``) through which ``benchmarks/bench_vs_peers.py`` times every
+framework interleaved in one time window.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
+import json
 import os
 import platform
 import shlex
@@ -88,7 +92,12 @@ def parse_args(description: str, peers: tuple[str, ...]) -> argparse.Namespace:
                    help="pin the process to this many CPUs before the framework starts (default 2)")
     p.add_argument("--quick", action="store_true", help="smoke run: B=16, 2 repeats, 1 warm-up")
     p.add_argument("--out", default=None, help="also write the Markdown report to this file")
+    p.add_argument("--serve", action="store_true",
+                   help="worker for benchmarks/bench_vs_peers.py: JSON-line commands on stdin, answers on "
+                   "stdout (see serve()); of the other flags only --peers and --threads then apply")
     a = p.parse_args()
+    if a.serve:
+        a.answers = claim_stdout()
     if a.quick:
         a.batch_sizes = a.batch_sizes or "16"
         a.repeats = a.repeats if a.repeats is not None else 2
@@ -120,6 +129,46 @@ class Task:
     status: str = ""  # "" (ok), "> cap", "error: ..."
 
 
+def call_task(t: Task, cap_s: float, log, enforce_cap: bool = True) -> float | None:
+    """Seconds one call of ``t.fn`` took, or None if it raised (then ``t.status`` says why).
+
+    A call longer than ``cap_s`` (when ``enforce_cap``) sets ``t.status`` to
+    ``> cap``; the caller stops calling the task then. The result is freed
+    before the clock stops, as every peer's is.
+    """
+    t0 = time.perf_counter()
+    try:
+        out = t.fn()
+        del out
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        msg = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+        t.status = f"error: {type(e).__name__}: {msg[:200]}"
+        log(f"    {t.peer} {t.quantity}: {t.status}")
+        return None
+    dt = time.perf_counter() - t0
+    if dt > cap_s and enforce_cap:
+        t.status = f"> cap ({dt:.0f} s for one call, cap {cap_s:.0f} s)"
+        log(f"    {t.peer} {t.quantity}: {t.status}")
+    return dt
+
+
+def warm_up(t: Task, warmup: int, cap_s: float, log) -> None:
+    """Make ``warmup`` untimed calls of ``t``, recording the first one's duration in ``t.first_s``.
+
+    The first call may include one-time work (JAX compiles on it), so when
+    there is a second warm-up call, that one decides the cap. Stops early once
+    ``t.status`` is set.
+    """
+    for i in range(warmup):
+        dt = call_task(t, cap_s, log, enforce_cap=not (i == 0 and warmup > 1))
+        if dt is None:
+            return
+        if i == 0:
+            t.first_s = dt
+        if t.status:
+            return
+
+
 def run_round_robin(tasks: list[Task], repeats: int, warmup: int, cap_s: float, log) -> None:
     """Warm every task up, then time them interleaved, rotating the starting task each repeat.
 
@@ -127,55 +176,31 @@ def run_round_robin(tasks: list[Task], repeats: int, warmup: int, cap_s: float, 
     marks it ``> cap`` and it is not called again (the times it has are kept).
     The first warm-up call is exempt from the cap when ``warmup > 1``.
     """
-
-    def call(t: Task, enforce_cap: bool = True) -> float | None:
-        t0 = time.perf_counter()
-        try:
-            out = t.fn()
-            del out
-        except Exception as e:  # noqa: BLE001 - reported in the table
-            msg = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-            t.status = f"error: {type(e).__name__}: {msg[:200]}"
-            log(f"    {t.peer} {t.quantity}: {t.status}")
-            return None
-        dt = time.perf_counter() - t0
-        if dt > cap_s and enforce_cap:
-            t.status = f"> cap ({dt:.0f} s for one call, cap {cap_s:.0f} s)"
-            log(f"    {t.peer} {t.quantity}: {t.status}")
-        return dt
-
     for t in tasks:
-        for i in range(warmup):
-            # The first call may include one-time work (JAX compiles on it), so
-            # when there is a second warm-up call, that one decides the cap.
-            dt = call(t, enforce_cap=not (i == 0 and warmup > 1))
-            if dt is None:
-                break
-            if i == 0:
-                t.first_s = dt
-            if t.status:
-                break
+        warm_up(t, warmup, cap_s, log)
     live = [t for t in tasks if not t.status]
     for r in range(repeats):
         if not live:
             break
         k = r % len(live)
         for t in live[k:] + live[:k]:
-            dt = call(t)
+            dt = call_task(t, cap_s, log)
             if dt is None:
                 continue
             t.times.append(dt)
         live = [t for t in live if not t.status]
 
 
-def _quartiles(xs):
+def quartiles(xs: list[float]) -> tuple[float, float]:
+    """First and third quartiles of ``xs`` (both ``xs[0]`` for a single value)."""
     if len(xs) < 2:
         return xs[0], xs[0]
     q = statistics.quantiles(xs, n=4, method="inclusive")
     return q[0], q[2]
 
 
-def _loadavg() -> str:
+def loadavg() -> str:
+    """The 1-minute load average, formatted, or ``n/a``."""
     try:
         return f"{os.getloadavg()[0]:.1f}"
     except OSError:
@@ -190,7 +215,7 @@ class Report:
         self.rows: list[list[str]] = []
         self.notes: list[str] = []
         self.started = time.time()
-        self.load_start = _loadavg()
+        self.load_start = loadavg()
 
     def add(self, model: str, b: int, tasks: list[Task]) -> None:
         base = next((t for t in tasks if t.quantity == "a"), None)
@@ -199,7 +224,7 @@ class Report:
             label = QUANTITIES[t.quantity]
             if t.times:
                 med = statistics.median(t.times)
-                lo, hi = _quartiles(t.times)
+                lo, hi = quartiles(t.times)
                 med_s = f"{med * 1e3:.2f}"
                 ratio = f"{med / base_med:.2f}" if base_med else "n/a"
                 iqr = f"{lo * 1e3:.2f}-{hi * 1e3:.2f}"
@@ -224,7 +249,7 @@ class Report:
             f"- command: `{cmd}`",
             f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
             f"- wall time of this run: {time.time() - self.started:.0f} s",
-            f"- load average (1 min) at start {self.load_start}, at end {_loadavg()} "
+            f"- load average (1 min) at start {self.load_start}, at end {loadavg()} "
             "(other processes share the CPUs; compare ratios, not milliseconds)",
             f"- machine: {platform.platform()}, {platform.processor() or platform.machine()}, "
             f"os.cpu_count()={os.cpu_count()}",
@@ -255,6 +280,27 @@ class Report:
             print(f"[written to {self.args.out}]", file=sys.stderr)
 
 
+def run_standalone(args: argparse.Namespace, report: Report, make_tasks: Callable[[str, int], tuple]) -> int:
+    """Time every (model, B) of ``args`` round-robin in this process, check it, and emit ``report``."""
+    for model_name in args.models:
+        for b in args.batch_sizes:
+            log(f"== {model_name} B={b}")
+            tasks, notes, check = make_tasks(model_name, b)
+            run_round_robin(tasks, args.repeats, args.warmup, args.max_seconds_per_call, log)
+            if not args.no_check:  # after timing: a first call (JAX's compile) is a warm-up call
+                try:
+                    notes += check()
+                except Exception as e:  # noqa: BLE001 - reported, the timings stand
+                    notes.append(f"{model_name} B={b}: correctness check raised {type(e).__name__}: {e}")
+            report.add(model_name, b, tasks)
+            for n in notes:
+                if n not in report.notes:
+                    report.note(n)
+            del tasks
+    report.emit()
+    return 0
+
+
 def pin_cpus(n: int) -> str:
     """Restrict this process (and the thread pools a framework creates later) to ``n`` CPUs.
 
@@ -272,3 +318,99 @@ def pin_cpus(n: int) -> str:
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+# --- Worker mode (--serve) for benchmarks/bench_vs_peers.py ---------------------------------
+
+
+def claim_stdout():
+    """Keep the process's stdout for protocol answers only; return it as a line-buffered stream.
+
+    File descriptor 1 and ``sys.stdout`` are pointed at stderr, so whatever a
+    framework or library prints (from Python or C) lands in the log and never
+    in the answers. Call before importing the framework.
+    """
+    sys.stdout.flush()
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return answers
+
+
+@dataclass
+class Cell:
+    """What a worker holds between commands: the built (model, B)'s warmed-up tasks and its check."""
+
+    tasks: dict  # (peer, quantity) -> Task
+    check: Callable[[], list]
+    cap_s: float
+
+
+def _build(cmd: dict, make_tasks: Callable[[str, int], tuple]) -> tuple[Cell, dict]:
+    """Build the (model, B) of a ``build`` command, warm its requested quantities up; the cell and the answer."""
+    log(f"== {cmd['model']} B={cmd['b']}")
+    tasks, notes, check = make_tasks(cmd["model"], cmd["b"])
+    tasks = [t for t in tasks if t.quantity in cmd["quantities"]]
+    for t in tasks:
+        warm_up(t, cmd["warmup"], cmd["cap"], log)
+    answer = {
+        "tasks": [{"peer": t.peer, "quantity": t.quantity, "first_s": t.first_s, "status": t.status} for t in tasks],
+        "notes": notes,
+    }
+    return Cell({(t.peer, t.quantity): t for t in tasks}, check, cmd["cap"]), answer
+
+
+def _time_one(cmd: dict, cell: Cell | None) -> dict:
+    """Answer to a ``time`` command: one call of the cell's (peer, quantity), in seconds."""
+    if cell is None:
+        raise RuntimeError("time before build")
+    t = cell.tasks[(cmd["peer"], cmd["quantity"])]
+    return {"seconds": call_task(t, cell.cap_s, log), "status": t.status}
+
+
+def serve(args: argparse.Namespace, make_tasks: Callable[[str, int], tuple], versions: dict, notes: list[str]) -> int:
+    """Answer JSON-line commands on stdin, one JSON line each on ``args.answers``, until ``quit`` or EOF.
+
+    ``make_tasks(model, b) -> (tasks, notes, check)`` is the peer script's own.
+    Commands and their answers (every answer also has ``"ok": true``, or is
+    ``{"ok": false, "error": "..."}`` when the command raised):
+
+    - ``{"cmd": "hello"}`` -> ``{"versions": {...}, "notes": [...]}``
+    - ``{"cmd": "build", "model": m, "b": B, "quantities": ["a", "b"], "warmup": n, "cap": s}``:
+      drop the previous cell, build this one and warm up its tasks of those
+      quantities (``warm_up``) -> ``{"tasks": [{"peer", "quantity", "first_s",
+      "status"}, ...], "notes": [...]}``
+    - ``{"cmd": "time", "peer": p, "quantity": q}``: one call (``call_task``)
+      -> ``{"seconds": s or null, "status": "" or why it stops}``
+    - ``{"cmd": "check"}`` -> ``{"lines": [...]}`` (the script's correctness check)
+    - ``{"cmd": "quit"}`` -> ``{}``, then the worker exits.
+
+    Between commands the worker is blocked reading stdin, so it uses no CPU
+    while other workers are timed. Logs go to stderr.
+    """
+    cell: Cell | None = None
+    for line in iter(sys.stdin.readline, ""):
+        cmd = json.loads(line)
+        try:
+            if cmd["cmd"] == "build":
+                cell = None
+                gc.collect()  # the previous cell's tensors (655 MB tables) go before new ones come
+                cell, answer = _build(cmd, make_tasks)
+            elif cmd["cmd"] == "time":
+                answer = _time_one(cmd, cell)
+            elif cmd["cmd"] == "check":
+                answer = {"lines": cell.check() if cell else []}
+            elif cmd["cmd"] == "hello":
+                answer = {"versions": versions, "notes": notes}
+            elif cmd["cmd"] == "quit":
+                answer = {}
+            else:
+                raise ValueError(f"unknown command {cmd['cmd']!r}")
+            answer["ok"] = True
+        except Exception as e:  # noqa: BLE001 - answered; the coordinator reports it
+            answer = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+            log(f"  {cmd.get('cmd')}: {answer['error']}")
+        args.answers.write(json.dumps(answer) + "\n")
+        if cmd["cmd"] == "quit":
+            break
+    return 0

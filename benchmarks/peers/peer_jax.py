@@ -6,6 +6,8 @@ virtualenv that ``benchmarks/peers/setup_peers.sh`` creates::
     benchmarks/peers/.venv-jax/bin/python benchmarks/peers/peer_jax.py --quick
     benchmarks/peers/.venv-jax/bin/python benchmarks/peers/peer_jax.py --out results_jax.md
 
+(``--serve`` makes it a worker of ``benchmarks/bench_vs_peers.py``.)
+
 Models: the benchmark models of ``benchmarks/bench_engines.py`` (mlp, cnn,
 transformer) plus the embedding-bag text classifier (embbag), written in plain
 ``jax.numpy`` / ``jax.lax`` (no Flax, so the venv holds only jax, jaxlib,
@@ -214,29 +216,17 @@ def main() -> int:
         "XLA_FLAGS": repr(os.environ.get("XLA_FLAGS", "")),
     }
     C.log("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
-    report = C.Report("Peer benchmark: JAX jit(vmap(grad))", versions, args)
-    report.note(
-        "Each row is a `jax.jit` function; its first call (compilation) is a warm-up call and is "
+    general = [
+        "Each jax row is a `jax.jit` function; its first call (compilation) is a warm-up call and is "
         "not timed (its duration is in the status column). (c) is compiled as one program, so XLA "
         "may avoid writing the full per-example gradients."
-    )
-    for model_name in args.models:
-        for b in args.batch_sizes:
-            C.log(f"== {model_name} B={b}")
-            tasks, notes, check = make_tasks(model_name, b, C.log)
-            C.run_round_robin(tasks, args.repeats, args.warmup, args.max_seconds_per_call, C.log)
-            if not args.no_check:  # after timing: each function's first warm-up call is its compile
-                try:
-                    notes += check()
-                except Exception as e:  # noqa: BLE001 - reported, the timings stand
-                    notes.append(f"{model_name} B={b}: correctness check raised {type(e).__name__}: {e}")
-            report.add(model_name, b, tasks)
-            for n in notes:
-                if n not in report.notes:
-                    report.note(n)
-            del tasks
-    report.emit()
-    return 0
+    ]
+    if args.serve:
+        return C.serve(args, lambda m, b: make_tasks(m, b, C.log), versions, general)
+    report = C.Report("Peer benchmark: JAX jit(vmap(grad))", versions, args)
+    for n in general:
+        report.note(n)
+    return C.run_standalone(args, report, lambda m, b: make_tasks(m, b, C.log))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ virtualenv that ``benchmarks/peers/setup_peers.sh`` creates::
     benchmarks/peers/.venv-torch/bin/python benchmarks/peers/peer_torch.py --quick
     benchmarks/peers/.venv-torch/bin/python benchmarks/peers/peer_torch.py --out results_torch.md
 
+(``--serve`` makes it a worker of ``benchmarks/bench_vs_peers.py``.)
+
 Models: the benchmark models of ``benchmarks/bench_engines.py`` (mlp, cnn,
 transformer) plus the embedding-bag text classifier (embbag), written as
 plain ``torch.nn`` modules, softmax cross-entropy on integer labels, float32,
@@ -262,35 +264,23 @@ def main() -> int:
     versions["torch threads"] = f"{torch.get_num_threads()} intra-op, {torch.get_num_interop_threads()} inter-op"
     C.log("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
 
-    report = C.Report("Peer benchmark: PyTorch (torch.func vmap(grad), Opacus hooks)", versions, args)
-    report.note(
+    general = [
         "torch (a) is eager `torch.autograd.grad` of the mean loss; both peers' ratios are to it. "
         "Opacus (b)/(c) include its forward/backward hooks and the summed `.grad` that "
         "`backward()` also produces."
-    )
+    ]
     if "cnn" in args.models:
-        report.note(
+        general.append(
             "cnn input is NCHW with standard contiguous strides. Fed the NHWC array merely "
             "transposed (strides read as channels_last), Opacus 1.6.0 returned wrong grad_sample "
             "for the second conv (max rel. error ~0.9 vs a per-example loop); torch.func was right."
         )
-    for model_name in args.models:
-        for b in args.batch_sizes:
-            C.log(f"== {model_name} B={b}")
-            tasks, notes, check = make_tasks(model_name, b, args.peers, C.log)
-            C.run_round_robin(tasks, args.repeats, args.warmup, args.max_seconds_per_call, C.log)
-            if not args.no_check:  # after timing, so it cannot warm anything up
-                try:
-                    notes += check()
-                except Exception as e:  # noqa: BLE001 - reported, the timings stand
-                    notes.append(f"{model_name} B={b}: correctness check raised {type(e).__name__}: {e}")
-            report.add(model_name, b, tasks)
-            for n in notes:
-                if n not in report.notes:
-                    report.note(n)
-            del tasks
-    report.emit()
-    return 0
+    if args.serve:
+        return C.serve(args, lambda m, b: make_tasks(m, b, args.peers, C.log), versions, general)
+    report = C.Report("Peer benchmark: PyTorch (torch.func vmap(grad), Opacus hooks)", versions, args)
+    for n in general:
+        report.note(n)
+    return C.run_standalone(args, report, lambda m, b: make_tasks(m, b, args.peers, C.log))
 
 
 if __name__ == "__main__":
