@@ -280,6 +280,20 @@ class Report:
             print(f"[written to {self.args.out}]", file=sys.stderr)
 
 
+def run(args: argparse.Namespace, title: str, versions: dict, notes: list[str],
+        make_tasks: Callable[[str, int], tuple]) -> int:
+    """A peer script's main: serve a ``bench_vs_peers.py`` coordinator (``--serve``) or run standalone.
+
+    ``notes`` (what the peer's numbers mean) go into the report or the hello answer.
+    """
+    if args.serve:
+        return serve(args, make_tasks, versions, notes)
+    report = Report(title, versions, args)
+    for n in notes:
+        report.note(n)
+    return run_standalone(args, report, make_tasks)
+
+
 def run_standalone(args: argparse.Namespace, report: Report, make_tasks: Callable[[str, int], tuple]) -> int:
     """Time every (model, B) of ``args`` round-robin in this process, check it, and emit ``report``."""
     for model_name in args.models:

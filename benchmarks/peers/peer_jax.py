@@ -221,12 +221,7 @@ def main() -> int:
         "not timed (its duration is in the status column). (c) is compiled as one program, so XLA "
         "may avoid writing the full per-example gradients."
     ]
-    if args.serve:
-        return C.serve(args, lambda m, b: make_tasks(m, b, C.log), versions, general)
-    report = C.Report("Peer benchmark: JAX jit(vmap(grad))", versions, args)
-    for n in general:
-        report.note(n)
-    return C.run_standalone(args, report, lambda m, b: make_tasks(m, b, C.log))
+    return C.run(args, "Peer benchmark: JAX jit(vmap(grad))", versions, general, lambda m, b: make_tasks(m, b, C.log))
 
 
 if __name__ == "__main__":

@@ -132,12 +132,7 @@ def main() -> int:
         "first call traces it, waited for by reading one element of each output through a zero-copy "
         "`memoryview`."
     ]
-    if args.serve:
-        return C.serve(args, lambda m, b: make_tasks(m, b, C.log), versions, general)
-    report = C.Report("Peer benchmark: per_example_grads layer-wise engine (TensorFlow)", versions, args)
-    for n in general:
-        report.note(n)
-    return C.run_standalone(args, report, lambda m, b: make_tasks(m, b, C.log))
+    return C.run(args, "Peer benchmark: per_example_grads layer-wise engine (TensorFlow)", versions, general, lambda m, b: make_tasks(m, b, C.log))
 
 
 if __name__ == "__main__":

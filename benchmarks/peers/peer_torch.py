@@ -275,12 +275,8 @@ def main() -> int:
             "transposed (strides read as channels_last), Opacus 1.6.0 returned wrong grad_sample "
             "for the second conv (max rel. error ~0.9 vs a per-example loop); torch.func was right."
         )
-    if args.serve:
-        return C.serve(args, lambda m, b: make_tasks(m, b, args.peers, C.log), versions, general)
-    report = C.Report("Peer benchmark: PyTorch (torch.func vmap(grad), Opacus hooks)", versions, args)
-    for n in general:
-        report.note(n)
-    return C.run_standalone(args, report, lambda m, b: make_tasks(m, b, args.peers, C.log))
+    return C.run(args, "Peer benchmark: PyTorch (torch.func vmap(grad), Opacus hooks)", versions, general,
+                 lambda m, b: make_tasks(m, b, args.peers, C.log))
 
 
 if __name__ == "__main__":
