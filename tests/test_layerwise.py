@@ -342,9 +342,10 @@ def test_layer_called_on_non_batch_tensor_is_refused_and_auto_falls_back():
     assert_grads_close(grads, reference_gradients(model, sparse_ce, x, y))
 
 
+@pytest.mark.parametrize("only_repeated", [True, False])
 @pytest.mark.parametrize("b", [0, 1, 5])
 @pytest.mark.parametrize("vocabulary,t", [(7, 30), (500, 30), (500, 1), (3, 2)])
-def test_embedding_grouped_squared_norms_against_dense_tables(b, vocabulary, t):
+def test_embedding_grouped_squared_norms_against_dense_tables(b, vocabulary, t, only_repeated):
     """Few ids (every row repeats, groups of many) and many (most ids once; a planted triple)."""
     from per_example_grads.layers.embedding import grouped_squared_norms, repeated_rows
 
@@ -358,15 +359,44 @@ def test_embedding_grouped_squared_norms_against_dense_tables(b, vocabulary, t):
     for n in range(b):
         np.add.at(tables[n], ids[n], g[n])
     want = np.sum(tables**2, axis=(1, 2))
-    f = tf.function(lambda i, g: grouped_squared_norms(g, repeated_rows(i)),
+    f = tf.function(lambda i, g: grouped_squared_norms(g, repeated_rows(i, only_repeated)),
                     input_signature=[tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None, None, 3])])
-    for got in (grouped_squared_norms(g, repeated_rows(ids)), f(ids, g)):
+    for got in (grouped_squared_norms(g, repeated_rows(ids, only_repeated)), f(ids, g)):
         assert got.shape == (b,)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    # The repeated rows are exactly those whose id occurs again in their example.
-    rows = repeated_rows(ids).rows.numpy()
+    # The rows kept: those whose id occurs again in their example, or all of them.
+    rows = repeated_rows(ids, only_repeated).rows.numpy()
     counts = [np.count_nonzero(ids[n] == ids[n, k]) for n in range(b) for k in range(t)]
-    assert sorted(rows) == [i for i, c in enumerate(counts) if c > 1]
+    assert sorted(rows) == [i for i, c in enumerate(counts) if c > 1 or not only_repeated]
+
+
+def test_embedding_rule_knows_when_xla_compiles_it():
+    """The rule's static-shape switch reads a private TensorFlow check: fail loudly if it stops working."""
+    from per_example_grads.layers.embedding import _in_xla_context
+
+    seen = []
+    probe = lambda x: (seen.append(_in_xla_context()), x)[1]  # noqa: E731
+    tf.function(probe, jit_compile=True)(tf.constant(1.0))
+    tf.function(probe)(tf.constant(1.0))
+    assert seen == [True, False] and not _in_xla_context()
+
+
+@pytest.mark.parametrize("name", [
+    "embedding_repeated_ids", "embedding_mask_zero_pooled", "dense_sequence_gram", "conv2d_strided_valid",
+    "layer_norm_sequence", "multi_head_attention",
+])
+def test_norms_and_clipped_sums_under_xla_match_the_materialized_reference(name):
+    """``tf.function(jit_compile=True)`` (what Keras' jit_compile does, the default on GPUs) changes nothing."""
+    model, x, y = CASES[name]()
+    expected = reference_gradients(model, sparse_ce, x, y)
+    norms = np.sqrt(sum(np.sum(np.reshape(e, (B, -1)) ** 2, axis=1) for e in expected))
+    factors = 0.3 / np.maximum(norms, 0.3)
+    norms_xla = tf.function(lambda x, y: peg.per_example_norms(model, sparse_ce, x, y, method="layerwise"), jit_compile=True)
+    clipped_xla = tf.function(
+        lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, method="layerwise"), jit_compile=True)
+    np.testing.assert_allclose(norms_xla(x, y), norms, rtol=1e-5)
+    for got, e in zip(clipped_xla(x, y), expected):
+        np.testing.assert_allclose(tf.convert_to_tensor(got), np.tensordot(factors, e, axes=1), rtol=1e-5, atol=1e-6)
 
 
 def test_layer_norm_uses_its_closed_form_unless_over_the_batch_axis():

@@ -16,7 +16,8 @@ For example n with token ids ``x_n`` (``[T]``) and output gradient ``g_n``
   work instead of after the backward pass. Cost ``O(B T D)`` after the
   backward pass plus ``O(R D)`` for the ``R`` repeated rows, never ``V``;
   exact (the correction is a sum of dot products, not a difference of
-  norms).
+  norms). Under XLA, which needs static shapes, every row is treated as
+  possibly repeated (``R = B T``; a group of one adds exactly 0).
 - ``sum_n c_n G_n`` is returned as ``tf.IndexedSlices`` (values ``c_n g_nt``,
   ``[B T, D]``; indices ``x_nt``; dense shape ``[V, D]``), as ``tape.gradient``
   returns an embedding table's gradient: nothing of size ``V`` is built.
@@ -39,11 +40,13 @@ from per_example_grads.layerwise.rule import LayerRule, register_layer_rule, rep
 
 
 class RepeatedRows(NamedTuple):
-    """The rows of a ``[B, T]`` id matrix whose id occurs more than once in their example.
+    """Rows of a ``[B, T]`` id matrix grouped by (example, id).
 
-    ``rows`` ``[R]`` int32: flat row indices ``n T + t``, grouped (rows with the
-    same example and id are adjacent); ``group`` ``[R]`` int32: non-decreasing
-    group index from 0; ``example`` ``[R]`` int32: the example ``n``.
+    ``rows`` ``[R]`` int32: flat row indices ``n T + t``, rows of one group
+    adjacent; ``group`` ``[R]`` int32: non-decreasing group index from 0;
+    ``example`` ``[R]`` int32: the example ``n``. Either only the rows whose
+    id repeats in their example, or every row (a group of one adds nothing
+    to ``grouped_squared_norms``' correction).
     """
 
     rows: tf.Tensor
@@ -51,30 +54,53 @@ class RepeatedRows(NamedTuple):
     example: tf.Tensor
 
 
-def repeated_rows(ids: tf.Tensor) -> RepeatedRows:
-    """``RepeatedRows`` of ``ids`` ``[B, T]`` (int32 or int64), by sorting each example's ids."""
-    t = tf.shape(ids)[1]
+def repeated_rows(ids: tf.Tensor, only_repeated: bool = True) -> RepeatedRows:
+    """``RepeatedRows`` of ``ids`` ``[B, T]`` (int32 or int64), by sorting each example's ids.
+
+    ``only_repeated=False`` keeps every row, so that every shape is static (``R = B T``), as XLA needs.
+    """
+    b, t = tf.shape(ids)[0], tf.shape(ids)[1]
     order = tf.argsort(ids, axis=1, stable=True)  # [B, T]
     ordered = tf.gather(ids, order, batch_dims=1)
     same = tf.equal(ordered[:, 1:], ordered[:, :-1])  # [B, T - 1]
-    edge = tf.zeros_like(same[:, :1])
+    edge = tf.zeros([b, 1], tf.bool)
     as_previous = tf.concat([edge, same], 1)  # [B, T]: same id as the sorted row before
-    repeated = tf.logical_or(as_previous, tf.concat([same, edge], 1))
-    where = tf.where(repeated)  # [R, 2] (n, sorted position), row-major: groups contiguous
-    example = tf.cast(where[:, 0], tf.int32)
-    rows = example * t + tf.gather_nd(order, where)
-    group = tf.cumsum(tf.cast(tf.logical_not(tf.gather_nd(as_previous, where)), tf.int32)) - 1
-    return RepeatedRows(rows, group, example)
+    if only_repeated:
+        where = tf.where(tf.logical_or(as_previous, tf.concat([same, edge], 1)))  # [R, 2] (n, s), row-major
+        example = tf.cast(where[:, 0], tf.int32)
+        rows = example * t + tf.gather_nd(order, where)
+        starts = tf.logical_not(tf.gather_nd(as_previous, where))
+    else:
+        example = tf.repeat(tf.range(b), t)
+        rows = tf.reshape(order + tf.range(b)[:, None] * t, [-1])
+        starts = tf.reshape(tf.logical_not(as_previous), [-1])
+    return RepeatedRows(rows, tf.cumsum(tf.cast(starts, tf.int32)) - 1, example)
 
 
 def grouped_squared_norms(g: tf.Tensor, repeats: RepeatedRows) -> tf.Tensor:
     """``[B]``: ``sum_v ||sum_{t: ids[n, t] = v} g[n, t]||^2`` from ``g`` ``[B, T, D]`` and ``repeated_rows(ids)``."""
     flat = tf.reshape(g, [-1, tf.shape(g)[2]])
     mine = tf.gather(flat, repeats.rows)  # [R, D]
-    sums = tf.math.segment_sum(mine, repeats.group)  # [groups, D]
-    others = tf.gather(sums, repeats.group) - mine  # the rest of each row's group
+    sums = tf.math.unsorted_segment_sum(mine, repeats.group, tf.shape(mine)[0])  # groups first; XLA has no SegmentSum
+    others = tf.gather(sums, repeats.group) - mine  # the rest of each row's group (exactly 0 for a group of one)
     cross = tf.math.unsorted_segment_sum(tf.reduce_sum(mine * others, axis=1), repeats.example, tf.shape(g)[0])
     return tf.reduce_sum(tf.square(g), axis=[1, 2]) + cross
+
+
+def _in_xla_context() -> bool:
+    """Whether ops built now will be compiled by XLA (``tf.function(jit_compile=True)``, Keras ``jit_compile``).
+
+    XLA mishandles the data-dependent size of ``tf.where`` here (tested:
+    wrong norms, no error), so the rule then uses static shapes. The check
+    reads TensorFlow's private ``control_flow_util``; if it goes away, the
+    static path (always right, slower on CPU) is used everywhere, and
+    ``tests/test_layerwise.py`` says so.
+    """
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # pragma: no cover - TensorFlow moved it
+        return True
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
 def _flat_ids(ids: tf.Tensor) -> tf.Tensor:
@@ -99,7 +125,7 @@ class EmbeddingRule(LayerRule):
         out = keras.ops.cast(keras.ops.take(layer.embeddings, ids, axis=0), layer.compute_dtype)
         flat = _flat_ids(ids)
         # Only squared_norms uses the repeats (graph mode prunes them otherwise).
-        return out, (flat, repeated_rows(flat)), [out]
+        return out, (flat, repeated_rows(flat, only_repeated=not _in_xla_context())), [out]
 
     @staticmethod
     def _flat_grads(layer, ids, g):
