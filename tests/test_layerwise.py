@@ -370,20 +370,20 @@ def test_embedding_grouped_squared_norms_against_dense_tables(b, vocabulary, t, 
     assert sorted(rows) == [i for i, c in enumerate(counts) if c > 1 or not only_repeated]
 
 
-def test_embedding_rule_knows_when_xla_compiles_it():
-    """The rule's static-shape switch reads a private TensorFlow check: fail loudly if it stops working."""
-    from per_example_grads.layers.embedding import _in_xla_context
+def test_rules_know_when_xla_compiles_them():
+    """The rules' XLA switches read a private TensorFlow check: fail loudly if it stops working."""
+    from per_example_grads.xla_context import in_xla_context
 
     seen = []
-    probe = lambda x: (seen.append(_in_xla_context()), x)[1]  # noqa: E731
+    probe = lambda x: (seen.append(in_xla_context()), x)[1]  # noqa: E731
     tf.function(probe, jit_compile=True)(tf.constant(1.0))
     tf.function(probe)(tf.constant(1.0))
-    assert seen == [True, False] and not _in_xla_context()
+    assert seen == [True, False] and not in_xla_context()
 
 
 @pytest.mark.parametrize("name", [
     "embedding_repeated_ids", "embedding_mask_zero_pooled", "dense_sequence_gram", "conv2d_strided_valid",
-    "layer_norm_sequence", "multi_head_attention",
+    "layer_norm_sequence", "multi_head_attention", "lstm_fallback", "custom_layer_fallback",
 ])
 def test_norms_and_clipped_sums_under_xla_match_the_materialized_reference(name):
     """``tf.function(jit_compile=True)`` (what Keras' jit_compile does, the default on GPUs) changes nothing."""

@@ -37,6 +37,7 @@ import keras
 import tensorflow as tf
 
 from per_example_grads.layerwise.rule import LayerRule, register_layer_rule, reparametrized
+from per_example_grads.xla_context import in_xla_context
 
 
 class RepeatedRows(NamedTuple):
@@ -87,22 +88,6 @@ def grouped_squared_norms(g: tf.Tensor, repeats: RepeatedRows) -> tf.Tensor:
     return tf.reduce_sum(tf.square(g), axis=[1, 2]) + cross
 
 
-def _in_xla_context() -> bool:
-    """Whether ops built now will be compiled by XLA (``tf.function(jit_compile=True)``, Keras ``jit_compile``).
-
-    XLA mishandles the data-dependent size of ``tf.where`` here (tested:
-    wrong norms, no error), so the rule then uses static shapes. The check
-    reads TensorFlow's private ``control_flow_util``; if it goes away, the
-    static path (always right, slower on CPU) is used everywhere, and
-    ``tests/test_layerwise.py`` says so.
-    """
-    try:
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # pragma: no cover - TensorFlow moved it
-        return True
-    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
-
-
 def _flat_ids(ids: tf.Tensor) -> tf.Tensor:
     """``ids`` ``[B, *positions]`` -> ``[B, T]`` int32, T static when known."""
     positions = ids.shape[1:]
@@ -125,7 +110,7 @@ class EmbeddingRule(LayerRule):
         out = keras.ops.cast(keras.ops.take(layer.embeddings, ids, axis=0), layer.compute_dtype)
         flat = _flat_ids(ids)
         # Only squared_norms uses the repeats (graph mode prunes them otherwise).
-        return out, (flat, repeated_rows(flat, only_repeated=not _in_xla_context())), [out]
+        return out, (flat, repeated_rows(flat, only_repeated=not in_xla_context())), [out]
 
     @staticmethod
     def _flat_grads(layer, ids, g):

@@ -6,7 +6,8 @@ gradient ``g`` at its outputs. Example i's gradient with respect to the
 layer's weights is the vector-Jacobian product
 ``d <layer(args_i), g_i> / d weights``, recomputed on that one example; the
 ``B`` recomputations run under ``tf.vectorized_map`` (or a ``tf.map_fn`` loop
-for layers that must not be vectorized, or when vectorization fails). Only this
+for layers that must not be vectorized, for recurrent layers under XLA, or
+when vectorization fails). Only this
 layer is recomputed, never the whole model.
 
 With ``preactivation=True`` (used for convolutions) the layer's fused
@@ -24,6 +25,7 @@ import tensorflow as tf
 from per_example_grads import model_inspection
 from per_example_grads.engines.base import dense_or_zeros, watch_variables
 from per_example_grads.layerwise.rule import LayerRule
+from per_example_grads.xla_context import in_xla_context
 
 
 class LocalRule(LayerRule):
@@ -70,7 +72,9 @@ class LocalRule(LayerRule):
         specs = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
 
         def vectorized():
-            if not model_inspection.vectorization_crashers(layer):
+            # XLA cannot compile a vectorized while loop (it raises); a loop of loops it can.
+            looping = in_xla_context() and isinstance(layer, (keras.layers.RNN, keras.layers.Bidirectional))
+            if not (looping or model_inspection.vectorization_crashers(layer)):
                 try:
                     return tf.vectorized_map(fn, elems)
                 except Exception:  # noqa: BLE001 - fall back to the loop below
