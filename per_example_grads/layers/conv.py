@@ -219,24 +219,35 @@ class ConvPatchesRule(LayerRule):
         return self.squared_norms_keeping(layer, saved, grads, keep=False)[0]
 
     def squared_norms_keeping(self, layer, saved, grads, keep: bool = True):
+        """Norms, and (when the per-example kernels are kept) ``(kernels, biases)``.
+
+        The per-example bias gradients ``[B, c_out]`` are kept with the
+        kernels, so that nothing in the clipped sum reads ``g`` and it can be
+        freed before every norm is known.
+        """
         a, g = saved[0][0], grads[0]
-        kernel_norms, kept = kernel_squared_norms(ConvSpec.of(layer), a, g, keep)
+        kernel_norms, kernels = kernel_squared_norms(ConvSpec.of(layer), a, g, keep)
         out = [kernel_norms]
+        biases = None
         if layer.use_bias:
-            out.append(tf.reduce_sum(tf.square(tf.reduce_sum(op.as_btf(g), axis=1)), axis=1))
-        return out, kept
+            biases = tf.reduce_sum(op.as_btf(g), axis=1)  # [B, c_out]
+            out.append(tf.reduce_sum(tf.square(biases), axis=1))
+        return out, (None if kernels is None else (kernels, biases))
 
     def weighted_sum(self, layer, saved, grads, weights):
         return self.weighted_sum_kept(layer, saved, grads, weights, None)
 
     def weighted_sum_kept(self, layer, saved, grads, weights, kept):
-        a, g = saved[0][0], grads[0]
         if kept is not None:
-            out = [kept_weighted_sum(kept, weights, layer.kernel.shape)]
+            kernels, biases = kept
+            out = [kept_weighted_sum(kernels, weights, layer.kernel.shape)]
+            if layer.use_bias:
+                out.append(tf.tensordot(tf.cast(weights, biases.dtype), biases, axes=1))
         else:
+            a, g = saved[0][0], grads[0]
             out = [weighted_kernel_sum(ConvSpec.of(layer), layer.kernel, a, g, weights)]
-        if layer.use_bias:
-            out.append(tf.einsum("btj,b->j", op.as_btf(g), tf.cast(weights, op.compute_dtype(g))))
+            if layer.use_bias:
+                out.append(tf.einsum("btj,b->j", op.as_btf(g), tf.cast(weights, op.compute_dtype(g))))
         return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
 
 
