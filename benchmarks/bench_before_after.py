@@ -23,29 +23,23 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_layerwise import wait_for, build, peak_increment_mib  # noqa: E402
+from bench_layerwise import build, peak_increment_mib, quantity_fn, wait_for  # noqa: E402
 
 
 def fns(model, x):
+    """``tf.function``s by name: ``batch_grad`` (``bench_layerwise``'s), and clipped sums and norms before and after."""
     import keras
     import per_example_grads as new
     import per_example_grads_base as old
     import tensorflow as tf
 
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-    variables = model.trainable_variables
-
-    def batch_grad(x, y):
-        with tf.GradientTape() as t:
-            l = tf.reduce_mean(loss(y, model(x)))
-        return t.gradient(l, variables)
-
-    out = {"batch_grad": batch_grad}
+    out = {}
     for tag, peg in (("before", old), ("after", new)):
         out[f"clipped_{tag}"] = (lambda peg: lambda x, y: peg.clipped_gradients(model, loss, x, y, l2_norm_clip=1.0, method="layerwise"))(peg)
         out[f"norms_{tag}"] = (lambda peg: lambda x, y: peg.per_example_norms(model, loss, x, y, method="layerwise"))(peg)
     spec = [tf.TensorSpec([None, *x.shape[1:]], tf.as_dtype(x.dtype)), tf.TensorSpec([None], tf.int32)]
-    return {k: tf.function(f, input_signature=spec) for k, f in out.items()}
+    return {"batch_grad": quantity_fn("batch_grad", model, x)} | {k: tf.function(f, input_signature=spec) for k, f in out.items()}
 
 
 def time_cell(m: str, b: int, repeats: int) -> dict:
