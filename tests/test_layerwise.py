@@ -483,6 +483,25 @@ def test_conv_clipped_sum_by_kernel_vjp_or_kept_kernels_with_and_without_xla(nam
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * np.abs(w).max())
 
 
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("name", CONV_CLIPPED)
+def test_conv_norms_in_batch_chunks_equal_the_reference(name, graph, monkeypatch):
+    """A chunk of one example (the smallest patch budget) changes nothing, eagerly and in a graph."""
+    from per_example_grads.layers import conv
+
+    monkeypatch.setattr(conv, "PATCH_CHUNK_ELEMENTS", 1)
+    model, x, y = CASES[name]()
+    expected = reference_gradients(model, sparse_ce, x, y)
+    norms = np.sqrt(sum(np.sum(e.reshape(B, -1) ** 2, axis=1) for e in expected))
+    factors = 0.3 / np.maximum(norms, 0.3)
+    clipped = lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, return_norms=True, method="layerwise")  # noqa: E731
+    got, got_norms = (tf.function(clipped) if graph else clipped)(x, y)
+    np.testing.assert_allclose(got_norms, norms, rtol=1e-5)
+    for g, e in zip(got, expected):
+        w = np.tensordot(factors, e, axes=1)
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * np.abs(w).max())
+
+
 def test_conv_keeps_per_example_kernels_only_when_small():
     from per_example_grads.layers import conv
 
