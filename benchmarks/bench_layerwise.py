@@ -30,7 +30,9 @@ batch step anywhere from 18 to 47 MiB, because what the process holds
 besides tensors varies. So a second fresh subprocess per quantity runs with
 TensorFlow's BFC CPU allocator and reports its peak allocated bytes above
 those held before the step (``peak_allocated_mib``): tensors only, exact
-and repeatable (80.2 / 81.0 / 80.2 MiB for that batch step). Linux only.
+for that process (80.2 / 81.0 / 80.2 MiB for the CNN's batch step at B=256;
+across fresh processes its B=64 step read 49 and 70 MiB, convolution
+workspaces differing). Linux only.
 """
 
 from __future__ import annotations
@@ -186,7 +188,7 @@ def memory_cell(model_name: str, b: int, q: str, measure: str = "rss") -> float:
 def peak_allocated_mib(fn, x, y) -> float:
     """Median over 3 calls of ``fn(x, y)`` of TensorFlow's peak allocated bytes above those held before, in MiB.
 
-    Exact and repeatable, unlike RSS: it counts tensors only, from the
+    Exact for the process, unlike RSS: it counts tensors only, from the
     allocator's own statistics, which the CPU allocator keeps only as a BFC
     allocator (``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow starts; the
     ``--cell`` workers get it). A BFC pool keeps what it grew, so RSS is
