@@ -161,7 +161,10 @@ def _patch_norms(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, patch_size: int | 
         n, kk = chunk_norms(a[i * chunk : (i + 1) * chunk], g[i * chunk : (i + 1) * chunk])
         return i + 1, norms.write(i, n), kernels.write(i, kk)
 
-    arrays = [tf.TensorArray(op.compute_dtype(g), size=count, infer_shape=False) for _ in range(2)]
+    f, k = patch_size // math.prod(g.shape[1:-1]), g.shape[-1]
+    # Element shapes let an empty batch (no chunk) concatenate to [0] and [0, *kernel].
+    shapes = [tf.TensorShape([None]), tf.TensorShape([None, f, k] if f <= k else [None, k, f])]
+    arrays = [tf.TensorArray(op.compute_dtype(g), size=count, infer_shape=False, element_shape=shape) for shape in shapes]
     _, norms, kernels = tf.while_loop(lambda i, *_: i < count, body, [tf.constant(0), *arrays])
     return norms.concat(), kernels.concat()
 
