@@ -128,7 +128,7 @@ def kernel_squared_norms(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, keep: bool
     if t is not None and f is not None and t * (f + k) < f * k:
         return op.kernel_squared_norms(patches(layer, a), op.as_btf(g)), None  # the Gram form
     if None in spatial or f is None or f > k:  # slices need static sizes; measured slower when f > k
-        norms, kernels = _patch_norms(layer, a, g, t * f if t is not None and f is not None else None)
+        norms, kernels = _patch_norms(layer, a, g, t, f)
     else:
         fn = _sliced_norms_xla if NORMS_JIT_COMPILE else _sliced_norms
         norms, kernels = fn(layer, spatial, a, g)
@@ -136,11 +136,11 @@ def kernel_squared_norms(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, keep: bool
     return norms, (kernels if keep and KEEP_PER_EXAMPLE_KERNELS and small else None)
 
 
-def _patch_norms(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, patch_size: int | None) -> tuple[tf.Tensor, tf.Tensor]:
+def _patch_norms(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, t: int | None, f: int | None) -> tuple[tf.Tensor, tf.Tensor]:
     """``_materialized_norms`` of ``patches(layer, a)`` and ``g``, in batch chunks.
 
-    ``patch_size`` (``positions * f`` per example, None if unknown) sets the
-    chunk: at most ``PATCH_CHUNK_ELEMENTS`` patch elements exist at a time,
+    ``t`` positions and ``f`` patch width (None if unknown) set the chunk:
+    at most ``PATCH_CHUNK_ELEMENTS`` patch elements exist at a time,
     not ``B`` times them (the CNN's second convolution: 17.8 MB at B=256).
     One chunk when the size is unknown or under XLA (static shapes).
     """
@@ -150,7 +150,7 @@ def _patch_norms(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, patch_size: int | 
         p, g2 = patches(layer, a_chunk), op.as_btf(g_chunk)
         return materialized(p, g2) if p.shape[-1] is not None and p.shape[-1] <= g2.shape[-1] else materialized(g2, p)
 
-    chunk = max(1, PATCH_CHUNK_ELEMENTS // patch_size) if patch_size else None
+    chunk = max(1, PATCH_CHUNK_ELEMENTS // (t * f)) if t and f else None
     b = a.shape[0]
     if chunk is None or (b is not None and b <= chunk) or in_xla_context():
         return chunk_norms(a, g)
@@ -161,7 +161,7 @@ def _patch_norms(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, patch_size: int | 
         n, kk = chunk_norms(a[i * chunk : (i + 1) * chunk], g[i * chunk : (i + 1) * chunk])
         return i + 1, norms.write(i, n), kernels.write(i, kk)
 
-    f, k = patch_size // math.prod(g.shape[1:-1]), g.shape[-1]
+    k = g.shape[-1]
     # Element shapes let an empty batch (no chunk) concatenate to [0] and [0, *kernel].
     shapes = [tf.TensorShape([None]), tf.TensorShape([None, f, k] if f <= k else [None, k, f])]
     arrays = [tf.TensorArray(op.compute_dtype(g), size=count, infer_shape=False, element_shape=shape) for shape in shapes]
