@@ -19,11 +19,10 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_layerwise import build, peak_increment_mib, quantity_fn, wait_for  # noqa: E402
+from bench_layerwise import build, peak_increment_mib, quantity_fn, time_round_robin  # noqa: E402
 
 
 def fns(model, x):
@@ -44,21 +43,7 @@ def fns(model, x):
 
 def time_cell(m: str, b: int, repeats: int) -> dict:
     model, x, y = build(m, b)
-    fs = fns(model, x)
-    for f in fs.values():
-        wait_for(f(x, y))
-        wait_for(f(x, y))
-    times = {q: [] for q in fs}
-    order = list(fs)
-    for _ in range(repeats):
-        order = order[1:] + order[:1]
-        for q in order:
-            start = time.perf_counter()
-            for _ in range(3):
-                out = fs[q](x, y)
-            wait_for(out)
-            times[q].append((time.perf_counter() - start) / 3)
-    return {q: statistics.median(v) for q, v in times.items()}
+    return time_round_robin(fns(model, x), x, y, repeats)
 
 
 def mem_cell(m: str, b: int, q: str) -> float:

@@ -149,19 +149,21 @@ def runnable(model_name: str, q: str) -> bool:
 
 
 def time_cell(model_name: str, b: int, repeats: int) -> dict:
-    import tensorflow as tf
-
     model, x, y = build(model_name, b)
-    fns = {q: quantity_fn(q, model, x) for q in QUANTITIES if runnable(model_name, q)}
+    return time_round_robin({q: quantity_fn(q, model, x) for q in QUANTITIES if runnable(model_name, q)}, x, y, repeats)
+
+
+def time_round_robin(fns: dict, x, y, repeats: int, inner: int = 3) -> dict:
+    """Median seconds per call of each ``fns[q](x, y)``: two warm-up calls each, then
+    ``repeats`` rounds of ``inner`` calls per function, the starting function rotating."""
     for fn in fns.values():  # trace and warm up
         wait_for(fn(x, y))
         wait_for(fn(x, y))
     times = {q: [] for q in fns}
     order = list(fns)
-    for r in range(repeats):
+    for _ in range(repeats):
         order = order[1:] + order[:1]
         for q in order:
-            inner = 3
             start = time.perf_counter()
             for _ in range(inner):
                 out = fns[q](x, y)
