@@ -13,6 +13,7 @@ from per_example_grads.errors import EngineError, EngineFallbackWarning, Invalid
 from per_example_grads.clipping import clipped_gradients
 from per_example_grads.gradients import per_example_gradients, per_example_norms
 from per_example_grads.layerwise import LayerRule, register_layer_rule
+from per_example_grads.per_example_slices import PerExampleSlices
 from per_example_grads.transfer import compute_gradients, export_gradients, import_gradients
 from per_example_grads.transforms import (
     clip_by_global_norm,
@@ -31,6 +32,7 @@ __all__ = [
     "EngineFallbackWarning",
     "InvalidLossError",
     "LayerRule",
+    "PerExampleSlices",
     "clip_by_global_norm",
     "clipped_gradients",
     "compute_gradients",

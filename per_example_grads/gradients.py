@@ -25,7 +25,8 @@ def per_example_gradients(
     variables: Sequence | None = None,
     training: bool = False,
     allow_batch_coupling: bool = False,
-) -> list[tf.Tensor]:
+    sparse_embeddings: bool = False,
+) -> list:
     """Every example's gradient, in one pass.
 
     Convention: ``grads[k][i]`` is the gradient of example i's own loss,
@@ -54,10 +55,20 @@ def per_example_gradients(
         example's output depend on the whole batch, so per-example gradients
         are ill-defined and this raises ``ValueError``. Set True to compute
         them anyway (each example is then normalized with its own statistics).
+      sparse_embeddings: if True, an embedding table's entry is a
+        ``PerExampleSlices`` (each example's ``[T]`` ids and ``[T, dim]`` rows)
+        instead of the dense ``[B, vocab, dim]`` tensor, which is mostly zeros
+        and can be huge. It converts to the dense tensor wherever one is
+        expected, and the transforms (``global_norms``,
+        ``clip_by_global_norm``, ``sum_examples``...) use the rows directly.
+        Needs the layer-wise engine (``method="layerwise"``, or ``"auto"`` on
+        a model it covers).
 
     Returns:
       A list aligned with ``variables``; entry k has shape
-      ``[B, *variables[k].shape]`` and the variable's dtype.
+      ``[B, *variables[k].shape]`` and the variable's dtype (a
+      ``PerExampleSlices`` of that shape for an embedding table with
+      ``sparse_embeddings=True``).
 
     Raises:
       ValueError, TypeError: for bad inputs, naming the argument.
@@ -75,6 +86,11 @@ def per_example_gradients(
     selection.check_method(method)
     problem = make_problem(model, loss_fn, variables, training, allow_batch_coupling)
     batch = make_batch(model, x, y, sample_weight)
+    if sparse_embeddings:
+        if not layerwise.use_layerwise(method, problem, training):
+            reason = layerwise.why_not(problem, training) or f"method={method!r} is not the layer-wise engine"
+            raise ValueError(f"sparse_embeddings=True needs method='layerwise' or 'auto' on a model it covers: {reason}.")
+        return layerwise.per_example_gradients(problem, batch, sparse=True)
     if isinstance(batch_size(batch), int) and batch_size(batch) == 0:
         return [tf.zeros([0, *v.shape], v.dtype) for v in problem.variables]
     return selection.compute(method, problem, batch, training)

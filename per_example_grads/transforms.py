@@ -1,7 +1,8 @@
 """Small composable transforms on materialized per-example gradients.
 
 Every function takes ``grads``, a list whose k-th entry has shape
-``[B, *var_k.shape]`` (what ``per_example_gradients`` returns), and works
+``[B, *var_k.shape]`` (what ``per_example_gradients`` returns; an entry may be
+a ``PerExampleSlices``, which they use as rows, never densely), and works
 eagerly, inside ``tf.function`` and under XLA. Norms are computed in float32
 (or float64 for float64 gradients), whatever the gradients' dtype.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import tensorflow as tf
+
+from per_example_grads.per_example_slices import PerExampleSlices
 
 
 def _norm_dtype(t: tf.Tensor) -> tf.DType:
@@ -88,7 +91,7 @@ def clip_by_global_norm(
         raise ValueError(f"l2_norm_clip must be > 0; got {l2_norm_clip}.")
     norms = global_norms(grads)
     factors = clip_factors(norms, l2_norm_clip)
-    clipped = [g * tf.cast(_expand_to(factors, g), g.dtype) for g in grads]
+    clipped = [scale_examples(g, factors) for g in grads]
     return clipped, norms
 
 
@@ -98,17 +101,33 @@ def clip_factors(norms: tf.Tensor, l2_norm_clip) -> tf.Tensor:
     return clip / tf.maximum(norms, clip)
 
 
+def scale_examples(g, factors: tf.Tensor):
+    """``g[i] * factors[i]`` for one entry ``g`` (``[B, *var.shape]`` or ``PerExampleSlices``) and ``[B]`` factors."""
+    if isinstance(g, PerExampleSlices):
+        return g.scale(factors)
+    g = tf.convert_to_tensor(g)
+    return g * tf.cast(_expand_to(factors, g), g.dtype)
+
+
 def sum_examples(grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-    """``sum_i grads[k][i]``: list of ``[*var_k.shape]``, the summed-loss gradient."""
-    return [tf.reduce_sum(g, axis=0) for g in grads]
+    """``sum_i grads[k][i]``: list of ``[*var_k.shape]``, the summed-loss gradient.
+
+    A ``PerExampleSlices`` entry sums to ``tf.IndexedSlices``, as
+    ``tape.gradient`` returns for an embedding table.
+    """
+    return [g.sum_examples() if isinstance(g, PerExampleSlices) else tf.reduce_sum(g, axis=0) for g in grads]
 
 
 def mean_examples(grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     """``mean_i grads[k][i]``: list of ``[*var_k.shape]``; zeros when B == 0."""
     out = []
-    for g in grads:
-        count = tf.cast(tf.shape(g)[0], g.dtype)
-        out.append(tf.math.divide_no_nan(tf.reduce_sum(g, axis=0), count))
+    for g, total in zip(grads, sum_examples(grads)):
+        count = tf.shape(g.values if isinstance(g, PerExampleSlices) else g)[0]
+        if isinstance(total, tf.IndexedSlices):
+            values = tf.math.divide_no_nan(total.values, tf.cast(count, total.dtype))
+            out.append(tf.IndexedSlices(values, total.indices, total.dense_shape))
+        else:
+            out.append(tf.math.divide_no_nan(total, tf.cast(count, total.dtype)))
     return out
 
 
@@ -116,6 +135,10 @@ def _per_variable_squared_norms(grads: Sequence[tf.Tensor], scale=None) -> list[
     """``||grads[k][i] / scale[i]||^2`` per variable: list of ``[B]``."""
     out = []
     for g in grads:
+        if isinstance(g, PerExampleSlices):
+            g = PerExampleSlices(g.indices, tf.cast(g.values, _norm_dtype(g)), g.table_shape)
+            out.append((g if scale is None else g.scale(1 / scale)).squared_norms())
+            continue
         g = tf.convert_to_tensor(g)
         g = tf.cast(g, _norm_dtype(g))
         flat = tf.reshape(g, [tf.shape(g)[0], -1])
@@ -129,6 +152,9 @@ def _max_abs(grads: Sequence[tf.Tensor]) -> tf.Tensor:
     """``max_k max |grads[k][i]|`` per example, ``[B]``; 1 where that is 0 or not finite."""
     per_var = []
     for g in grads:
+        if isinstance(g, PerExampleSlices):
+            per_var.append(g.max_abs())
+            continue
         g = tf.convert_to_tensor(g)
         g = tf.cast(g, _norm_dtype(g))
         per_var.append(tf.reduce_max(tf.abs(tf.reshape(g, [tf.shape(g)[0], -1])), axis=1))

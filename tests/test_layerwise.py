@@ -347,7 +347,7 @@ def test_layer_called_on_non_batch_tensor_is_refused_and_auto_falls_back():
 @pytest.mark.parametrize("vocabulary,t", [(7, 30), (500, 30), (500, 1), (3, 2)])
 def test_embedding_grouped_squared_norms_against_dense_tables(b, vocabulary, t, only_repeated):
     """Few ids (every row repeats, groups of many) and many (most ids once; a planted triple)."""
-    from per_example_grads.layers.embedding import grouped_squared_norms, repeated_rows
+    from per_example_grads.per_example_slices import grouped_squared_norms, repeated_rows
 
     r = np.random.default_rng(b)
     ids = r.integers(0, vocabulary, (b, t)).astype("int32")

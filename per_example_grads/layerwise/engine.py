@@ -16,6 +16,7 @@ from per_example_grads import layers as _builtin_rules  # noqa: F401  (registers
 from per_example_grads.batch import Batch, batch_size
 from per_example_grads.engines.base import register_engine
 from per_example_grads.layerwise.capture import NotCoverable, Record, Unit, capturing, check_batch_axis, plan_units
+from per_example_grads.per_example_slices import PerExampleSlices
 from per_example_grads.problem import Problem
 
 
@@ -80,13 +81,24 @@ def capture(problem: Problem, batch: Batch) -> Captured:
     return Captured(units, records, grads, b)
 
 
-def unit_per_example(unit: Unit, calls: list) -> list[tf.Tensor]:
-    """``[B, *var.shape]`` per variable of ``unit``, summed over its calls."""
+def unit_per_example(unit: Unit, calls: list, sparse: bool = False) -> list:
+    """``[B, *var.shape]`` per variable of ``unit``, summed over its calls.
+
+    With ``sparse``, an embedding table's entry is a ``PerExampleSlices``.
+    """
     total = None
     for record, g in calls:
-        pe = unit.rule.per_example(unit.layer, record.saved, g)
-        total = pe if total is None else [a + b for a, b in zip(total, pe)]
+        rule = unit.rule
+        pe = (rule.per_example_sparse if sparse else rule.per_example)(unit.layer, record.saved, g)
+        total = pe if total is None else [add_per_example(a, b) for a, b in zip(total, pe)]
     return total
+
+
+def add_per_example(a, b):
+    """``a + b`` for per-example gradients, dense or ``PerExampleSlices`` (two slices stay slices)."""
+    if isinstance(a, PerExampleSlices) and isinstance(b, PerExampleSlices):
+        return a.concat(b)
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
 
 
 def unit_squared_norms(unit: Unit, calls: list) -> list[tf.Tensor]:
@@ -169,17 +181,25 @@ def add_sums(a, b):
     return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
 
 
-@register_engine(name="layerwise", isolates_examples=True, why_not=why_not)
-def layerwise(problem: Problem, batch: Batch) -> list:
-    """Per-example gradients from closed forms per layer: list of ``[B, *var.shape]``."""
+def per_example_gradients(problem: Problem, batch: Batch, sparse: bool = False) -> list:
+    """Per-example gradients from closed forms per layer: list of ``[B, *var.shape]``.
+
+    With ``sparse``, embedding tables' entries are ``PerExampleSlices``.
+    """
     captured = capture(problem, batch)
     found: dict[int, tf.Tensor] = {}
     for unit, calls in captured.by_unit().items():
         if calls:
-            for v, t in zip(unit.variables, unit_per_example(unit, calls)):
+            for v, t in zip(unit.variables, unit_per_example(unit, calls, sparse)):
                 found[id(v)] = t
     b = captured.batch_size
     return [
         found[id(v)] if id(v) in found else tf.zeros(tf.concat([[b], tf.constant(v.shape, tf.int32)], 0), v.dtype)
         for v in problem.variables
     ]
+
+
+@register_engine(name="layerwise", isolates_examples=True, why_not=why_not)
+def layerwise(problem: Problem, batch: Batch) -> list:
+    """Per-example gradients from closed forms per layer: list of ``[B, *var.shape]``."""
+    return per_example_gradients(problem, batch)

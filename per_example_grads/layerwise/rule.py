@@ -70,6 +70,14 @@ class LayerRule:
         """
         raise NotImplementedError
 
+    def per_example_sparse(self, layer, saved, grads: Sequence[tf.Tensor]) -> list:
+        """``per_example``, where a table's entry may be a ``PerExampleSlices`` instead of ``[B, *var.shape]``.
+
+        For layers whose per-example gradients are a few rows of a large
+        table (``sparse_embeddings=True``). By default, ``per_example``.
+        """
+        return self.per_example(layer, saved, grads)
+
     def squared_norms(self, layer, saved, grads) -> list[tf.Tensor]:
         """``||grad_i||^2`` per variable: list of ``[B]`` float32."""
         return [_squared_norm(g) for g in self.per_example(layer, saved, grads)]
