@@ -96,7 +96,8 @@ def build(name: str, b: int):
     return model, x, y
 
 
-def quantity_fn(name: str, model, x):
+def quantity_fn(name: str, model, x, jit_compile: bool = False):
+    """``tf.function`` of quantity ``name`` (a key of ``fns`` below) on ``model``, batch dimension unknown."""
     import keras
     import tensorflow as tf
 
@@ -120,14 +121,16 @@ def quantity_fn(name: str, model, x):
         "clipped_layerwise": lambda x, y: peg.clipped_gradients(model, loss, x, y, l2_norm_clip=1.0, method="layerwise"),
         "norms_layerwise": lambda x, y: peg.per_example_norms(model, loss, x, y, method="layerwise"),
         "grads_layerwise": lambda x, y: peg.per_example_gradients(model, loss, x, y, method="layerwise"),
+        "grads_layerwise_sparse": lambda x, y: peg.per_example_gradients(
+            model, loss, x, y, method="layerwise", sparse_embeddings=True),
         "clipped_vectorized": clipped_vectorized,
     }
     spec = [tf.TensorSpec([None, *x.shape[1:]], tf.as_dtype(x.dtype)), tf.TensorSpec([None], tf.int32)]
-    return tf.function(fns[name], input_signature=spec)
+    return tf.function(fns[name], input_signature=spec, jit_compile=jit_compile)
 
 
 def wait_for(out) -> None:
-    """Waits for ``out`` by reading one element of each tensor in it (of an IndexedSlices, of its values).
+    """Waits for ``out`` by reading one element of each tensor in it (of an IndexedSlices or PerExampleSlices, of each part).
 
     ``memoryview`` is TensorFlow's zero-copy view of a CPU tensor, and making
     it waits for the tensor. Not ``.numpy()``, which copies the whole tensor
@@ -139,8 +142,7 @@ def wait_for(out) -> None:
     import numpy as np
     import tensorflow as tf
 
-    for t in tf.nest.flatten(out):
-        t = t.values if isinstance(t, tf.IndexedSlices) else t
+    for t in tf.nest.flatten(out, expand_composites=True):
         np.asarray(memoryview(t)).flat[:1]
 
 

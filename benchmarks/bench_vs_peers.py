@@ -180,7 +180,7 @@ class Report:
         for t in timings:
             self.rows.append(_timing_row(model, b, t, base.get(t.framework)))
         for q in self.args.quantities:
-            self.summary.append(_summary_row(model, b, q, [t for t in timings if t.quantity == q]))
+            self.summary += _summary_rows(model, b, q, [t for t in timings if t.quantity == q])
 
     def render(self) -> str:
         """The whole report as Markdown."""
@@ -210,8 +210,8 @@ class Report:
             "",
             "Median ms of one call, same rounds. < 1: ours is faster than every peer.",
             "",
-            "| model | B | quantity | ours ms | fastest peer | its ms | ours / fastest peer |",
-            "|---|---|---|---|---|---|---|",
+            "| model | B | quantity | ours | ours ms | fastest peer | its ms | ours / fastest peer |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         lines += ["| " + " | ".join(r) + " |" for r in self.summary]
         lines += [
@@ -247,17 +247,20 @@ def _timing_row(model: str, b: int, t: Timing, base: float | None) -> list[str]:
     return [model, str(b), t.framework, t.peer, C.QUANTITIES[t.quantity], _ms(med) + runs, iqr, ratio, status]
 
 
-def _summary_row(model: str, b: int, q: str, timings: list[Timing]) -> list[str]:
-    """A row of the summary: our median for ``q``, the fastest other peer's, their ratio.
+def _summary_rows(model: str, b: int, q: str, timings: list[Timing]) -> list[list[str]]:
+    """Summary rows for ``q``: each of our variants' median, the fastest other peer's, their ratio.
 
     A median from a timing that stopped early (capped, failed, worker died) is marked ``(partial)``.
     """
-    mine = next((t for t in timings if t.framework == OURS and t.times), None)
     fastest = min((t for t in timings if t.framework != OURS and t.times), key=Timing.median, default=None)
-    ours, theirs = (t.median() if t else None for t in (mine, fastest))
-    ratio = f"**{ours / theirs:.2f}**" if ours is not None and theirs else "—"
-    return [model, str(b), C.QUANTITIES[q], _ms(ours) + _partial(mine), fastest.peer if fastest else "—",
-            _ms(theirs) + _partial(fastest), ratio]
+    theirs = fastest.median() if fastest else None
+    rows = []
+    for mine in [t for t in timings if t.framework == OURS and t.times] or [None]:
+        ours = mine.median() if mine else None
+        ratio = f"**{ours / theirs:.2f}**" if ours is not None and theirs else "—"
+        rows.append([model, str(b), C.QUANTITIES[q], mine.peer if mine else "—", _ms(ours) + _partial(mine),
+                     fastest.peer if fastest else "—", _ms(theirs) + _partial(fastest), ratio])
+    return rows
 
 
 def _partial(t: Timing | None) -> str:

@@ -17,7 +17,13 @@ dimension, called on tensors made once:
 - ``tf`` (a): ``tape.gradient`` of the mean loss (the baseline);
 - ``per_example_grads`` (b): ``per_example_gradients(method="layerwise")``;
 - ``per_example_grads`` (c): ``clipped_gradients(l2_norm_clip=1.0, method="layerwise")``,
-  the sum over the batch of the clipped per-example gradients.
+  the sum over the batch of the clipped per-example gradients;
+- ``per_example_grads, sparse_embeddings=True`` (b), on models with an
+  embedding table: the same per-example gradients, each table's as
+  ``PerExampleSlices`` (each example's ids and rows) instead of a dense
+  ``[B, vocab, dim]`` tensor, which the issue allows; the peers all build it dense;
+- ``..., jit_compile=True`` (b), (c): the same ``tf.function`` compiled by XLA
+  (the default of Keras's ``fit`` on GPUs), as the JAX peer always is.
 
 A call is waited for by reading one element of each output tensor through
 ``memoryview`` (``bench_layerwise.wait_for``), which copies nothing, as JAX's
@@ -44,10 +50,12 @@ PEER_OF = {"a": "tf", "b": "per_example_grads", "c": "per_example_grads"}
 
 def make_tasks(model_name: str, b: int, log):
     """The (a), (b), (c) tasks of one (model, B), the notes, and the correctness check."""
+    import keras
     import numpy as np
     import tensorflow as tf
 
     from benchmarks import bench_layerwise as BL
+    from per_example_grads.model_inspection import iter_layers
 
     model, _, _ = BL.build(KERAS_MODEL.get(model_name, model_name), b)
     x_np, y_np = C.make_data(model_name, b)
@@ -57,6 +65,15 @@ def make_tasks(model_name: str, b: int, log):
     n_params = sum(int(np.prod(v.shape)) for v in variables)
     notes = [f"{model_name}: {n_params:,} parameters (keras model of benchmarks/bench_layerwise.py)"]
     tasks = [C.Task(PEER_OF[q], q, lambda fn=fn: BL.wait_for(fn(x, y))) for q, fn in fns.items()]
+    has_table = any(isinstance(layer, keras.layers.Embedding) for layer in iter_layers(model))
+    variants = {"b xla": ("b", QUANTITY_FN["b"], True), "c xla": ("c", QUANTITY_FN["c"], True)}
+    if has_table:
+        variants = {"b sparse": ("b", "grads_layerwise_sparse", False), "b xla": ("b", "grads_layerwise_sparse", True),
+                    "c xla": variants["c xla"]}
+    for key, (q, name, jit) in variants.items():
+        fns[key] = BL.quantity_fn(name, model, x_np, jit_compile=jit)
+        label = PEER_OF[q] + (", sparse_embeddings=True" if "sparse" in name else "") + (", jit_compile=True" if jit else "")
+        tasks.append(C.Task(label, q, lambda fn=fns[key]: BL.wait_for(fn(x, y))))
 
     def check():
         """Per-example grads have shape [B, *var], average to the batch grad, and clip + sum to (c)."""
@@ -65,12 +82,15 @@ def make_tasks(model_name: str, b: int, log):
         shapes_ok = all(tuple(g.shape) == (b, *v.shape) for g, v in zip(per_ex, variables))
         err = _max_rel_diff([tf.reduce_mean(g, axis=0) for g in per_ex], ref)
         err_c = _max_rel_diff([tf.convert_to_tensor(g) for g in fns["c"](x, y)], _clip_and_sum(per_ex))
-        ok = shapes_ok and err < 1e-4 and err_c < 1e-4
+        variant_errs = {key: _max_rel_diff([tf.convert_to_tensor(g) for g in fns[key](x, y)], per_ex if key[0] == "b" else
+                                           [tf.convert_to_tensor(g) for g in fns["c"](x, y)]) for key in variants}
+        ok = shapes_ok and err < 1e-4 and err_c < 1e-4 and all(e < 1e-4 for e in variant_errs.values())
         line = (
             f"{model_name} B={b} per_example_grads: per-example grads [B, *shape] "
             f"{'ok' if shapes_ok else 'WRONG SHAPE'}; their mean vs the batch grad: "
-            f"max abs diff / max abs grad = {err:.1e}; (c) vs clip + sum of (b): {err_c:.1e} "
-            f"({'ok' if ok else 'MISMATCH'})"
+            f"max abs diff / max abs grad = {err:.1e}; (c) vs clip + sum of (b): {err_c:.1e}; "
+            + "; ".join(f"{key} vs {key[0]}: {e:.1e}" for key, e in variant_errs.items())
+            + f" ({'ok' if ok else 'MISMATCH'})"
         )
         if not ok:
             log(f"  CHECK FAILED: {line}")
