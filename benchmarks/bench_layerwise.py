@@ -14,6 +14,9 @@ Quantities:
   clipped_layerwise  peg.clipped_gradients (one forward + one backward, no B x P)
   norms_layerwise    peg.per_example_norms (ghost norms)
   grads_layerwise    peg.per_example_gradients(method="layerwise"), materialized
+  grads_layerwise_sparse  the same with sparse_embeddings=True: embedding tables'
+                     per-example gradients as rows (PerExampleSlices), not
+                     [B, vocab, dim]; only on the models with a table
   clipped_vectorized tf.vectorized_map per-example gradients, clip, sum
                      (what a generic vectorized DP-SGD step costs; refused on
                      MultiHeadAttention, so not run on the transformer)
@@ -48,7 +51,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 MODELS = ("mlp", "cnn", "transformer", "embedding_bag")
-QUANTITIES = ("batch_grad", "clipped_layerwise", "norms_layerwise", "grads_layerwise", "clipped_vectorized")
+QUANTITIES = ("batch_grad", "clipped_layerwise", "norms_layerwise", "grads_layerwise", "grads_layerwise_sparse", "clipped_vectorized")
 
 
 def build(name: str, b: int):
@@ -146,13 +149,18 @@ def wait_for(out) -> None:
         np.asarray(memoryview(t)).flat[:1]
 
 
-def runnable(model_name: str, q: str) -> bool:
-    return not (model_name == "transformer" and q == "clipped_vectorized")
+def not_run_because(model_name: str, q: str) -> str | None:
+    """Why quantity ``q`` is not measured on ``model_name``, or None."""
+    if q == "grads_layerwise_sparse" and model_name not in ("transformer", "embedding_bag"):
+        return "no embedding table"
+    if model_name == "transformer" and q == "clipped_vectorized":
+        return "refused (MultiHeadAttention)"
+    return None
 
 
 def time_cell(model_name: str, b: int, repeats: int) -> dict:
     model, x, y = build(model_name, b)
-    return time_round_robin({q: quantity_fn(q, model, x) for q in QUANTITIES if runnable(model_name, q)}, x, y, repeats)
+    return time_round_robin({q: quantity_fn(q, model, x) for q in QUANTITIES if not not_run_because(model_name, q)}, x, y, repeats)
 
 
 def time_round_robin(fns: dict, x, y, repeats: int, inner: int = 3) -> dict:
@@ -281,7 +289,7 @@ def main(argv=None) -> int:
             res = time_cell(m, b, repeats)
             for q in QUANTITIES:
                 row = (f"| {m} | {b} | {q} | {res[q] * 1e3:.2f} | {res[q] / res['batch_grad']:.2f} |" if q in res
-                       else f"| {m} | {b} | {q} | refused (MultiHeadAttention) | |")
+                       else f"| {m} | {b} | {q} | {not_run_because(m, q)} | |")
                 lines.append(row)
                 print(row, flush=True)
     if args.memory:
@@ -292,7 +300,7 @@ def main(argv=None) -> int:
             for b in sizes:
                 incs = {"rss": {}, "tf": {}}
                 for q in QUANTITIES:
-                    if not runnable(m, q):
+                    if not_run_because(m, q):
                         continue
                     cells = []
                     for measure, inc in incs.items():
