@@ -165,7 +165,12 @@ def time_cell(model_name: str, b: int, repeats: int) -> dict:
 
 def time_round_robin(fns: dict, x, y, repeats: int, inner: int = 3) -> dict:
     """Median seconds per call of each ``fns[q](x, y)``: two warm-up calls each, then
-    ``repeats`` rounds of ``inner`` calls per function, the starting function rotating."""
+    ``repeats`` rounds of ``inner`` calls per function, the starting function rotating.
+
+    Each function's last result is freed before its clock stops, so freeing a
+    large result (the dense embedding-bag per-example table: 655 MB, tens of
+    ms to unmap) is charged to the function that made it, not to the next one.
+    """
     for fn in fns.values():  # trace and warm up
         wait_for(fn(x, y))
         wait_for(fn(x, y))
@@ -178,6 +183,7 @@ def time_round_robin(fns: dict, x, y, repeats: int, inner: int = 3) -> dict:
             for _ in range(inner):
                 out = fns[q](x, y)
             wait_for(out)
+            del out
             times[q].append((time.perf_counter() - start) / inner)
     return {q: statistics.median(v) for q, v in times.items()}
 
