@@ -32,6 +32,7 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 
+from per_example_grads.layerwise.rule import per_example_squared_norms
 from per_example_grads.xla_context import in_xla_context
 
 
@@ -80,7 +81,7 @@ def grouped_squared_norms(g: tf.Tensor, repeats: RepeatedRows) -> tf.Tensor:
     sums = tf.math.unsorted_segment_sum(mine, repeats.group, tf.shape(mine)[0])  # groups first; XLA has no SegmentSum
     others = tf.gather(sums, repeats.group) - mine  # the rest of each row's group (exactly 0 for a group of one)
     cross = tf.math.unsorted_segment_sum(tf.reduce_sum(mine * others, axis=1), repeats.example, tf.shape(g)[0])
-    return tf.reduce_sum(tf.square(g), axis=[1, 2]) + cross
+    return per_example_squared_norms(g) + cross
 
 
 class PerExampleSlices(tf.experimental.ExtensionType):

@@ -60,7 +60,7 @@ import tensorflow as tf
 
 from per_example_grads.layers import outer_products as op
 from per_example_grads.layers.local import LocalRule, without_activation
-from per_example_grads.layerwise.rule import LayerRule, register_layer_rule, reparametrized
+from per_example_grads.layerwise.rule import LayerRule, per_example_squared_norms, register_layer_rule, reparametrized
 from per_example_grads.xla_context import in_xla_context
 
 NORMS_JIT_COMPILE = True
@@ -172,7 +172,7 @@ def _patch_norms(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, t: int | None, f: 
 def _materialized_norms(first: tf.Tensor, second: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     """``[B]`` ``||first_n^T second_n||^2`` and ``first_n^T second_n``, from ``[B, T, f]`` and ``[B, T, k]``."""
     kernels = tf.matmul(first, second, transpose_a=True)
-    return tf.reduce_sum(tf.square(kernels), axis=[1, 2]), kernels
+    return per_example_squared_norms(kernels), kernels
 
 
 def sliced_patches(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor) -> tf.Tensor:
@@ -266,7 +266,7 @@ class ConvPatchesRule(LayerRule):
         biases = None
         if layer.use_bias:
             biases = tf.reduce_sum(op.as_btf(g), axis=1)  # [B, c_out]
-            out.append(tf.reduce_sum(tf.square(biases), axis=1))
+            out.append(per_example_squared_norms(biases))
         return out, (None if kernels is None else (kernels, biases))
 
     def weighted_sum(self, layer, saved, grads, weights):

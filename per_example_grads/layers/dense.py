@@ -13,7 +13,7 @@ import keras
 import tensorflow as tf
 
 from per_example_grads.layers import outer_products as op
-from per_example_grads.layerwise.rule import LayerRule, register_layer_rule, reparametrized
+from per_example_grads.layerwise.rule import LayerRule, per_example_squared_norms, register_layer_rule, reparametrized
 
 
 class DenseRule(LayerRule):
@@ -42,7 +42,7 @@ class DenseRule(LayerRule):
         a, g = op.as_btf(saved), op.as_btf(grads[0])
         out = [op.kernel_squared_norms(a, g)]
         if layer.bias is not None:
-            out.append(tf.reduce_sum(tf.square(tf.reduce_sum(g, axis=1)), axis=1))
+            out.append(per_example_squared_norms(tf.reduce_sum(g, axis=1)))
         return out
 
     def weighted_sum(self, layer, saved, grads, weights):

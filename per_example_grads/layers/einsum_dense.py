@@ -19,7 +19,7 @@ import keras
 import tensorflow as tf
 
 from per_example_grads.layers import outer_products as op
-from per_example_grads.layerwise.rule import LayerRule, register_layer_rule, reparametrized, sum_to_shape
+from per_example_grads.layerwise.rule import LayerRule, per_example_squared_norms, register_layer_rule, reparametrized, sum_to_shape
 
 
 def _split(equation: str) -> tuple[str, str, str]:
@@ -94,7 +94,7 @@ class EinsumDenseRule(LayerRule):
         result = [op.kernel_squared_norms(a_btf, g_btf)]
         if layer.bias is not None:
             bias_g = sum_to_shape(g, layer.bias.shape)
-            result.append(tf.reduce_sum(tf.square(tf.reshape(bias_g, [tf.shape(g)[0], -1])), axis=1))
+            result.append(per_example_squared_norms(bias_g))
         return result
 
     def weighted_sum(self, layer, saved, grads, weights):

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from per_example_grads.layerwise.rule import per_example_squared_norms
+
 
 def compute_dtype(t: tf.Tensor) -> tf.DType:
     return tf.float64 if t.dtype == tf.float64 else tf.float32
@@ -40,12 +42,12 @@ def kernel_squared_norms(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
     """``[B]``: ``||per_example_kernel(a, g)[n]||^2`` without building it when cheaper."""
     t, i, j = a.shape[1], a.shape[2], g.shape[2]
     if t == 1:
-        return tf.reduce_sum(tf.square(a), axis=[1, 2]) * tf.reduce_sum(tf.square(g), axis=[1, 2])
+        return per_example_squared_norms(a) * per_example_squared_norms(g)
     if t is not None and t * (i + j) < i * j:
         aa = tf.einsum("bti,bsi->bts", a, a)
         gg = tf.einsum("btj,bsj->bts", g, g)
         return tf.reduce_sum(aa * gg, axis=[1, 2])
-    return tf.reduce_sum(tf.square(per_example_kernel(a, g)), axis=[1, 2])
+    return per_example_squared_norms(per_example_kernel(a, g))
 
 
 def weighted_kernel_sum(a: tf.Tensor, g: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:

@@ -16,6 +16,7 @@ from per_example_grads import layers as _builtin_rules  # noqa: F401  (registers
 from per_example_grads.batch import Batch, batch_size
 from per_example_grads.engines.base import register_engine
 from per_example_grads.layerwise.capture import NotCoverable, Record, Unit, capturing, check_batch_axis, plan_units
+from per_example_grads.layerwise.rule import per_example_squared_norms
 from per_example_grads.per_example_slices import PerExampleSlices
 from per_example_grads.problem import Problem
 
@@ -108,10 +109,7 @@ def unit_squared_norms(unit: Unit, calls: list) -> list[tf.Tensor]:
         return unit.rule.squared_norms(unit.layer, record.saved, g)
     # A shared layer's norm has cross terms between its calls: build its
     # per-example gradient (this layer only) and take the norm of the sum.
-    return [
-        tf.reduce_sum(tf.square(tf.reshape(tf.cast(t, tf.float32), [tf.shape(t)[0], -1])), axis=1)
-        for t in unit_per_example(unit, calls)
-    ]
+    return [tf.cast(per_example_squared_norms(t), tf.float32) for t in unit_per_example(unit, calls)]
 
 
 def per_variable_squared_norms(problem: Problem, captured: Captured, kept: dict | None = None) -> list[tf.Tensor]:

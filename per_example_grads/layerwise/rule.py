@@ -80,7 +80,7 @@ class LayerRule:
 
     def squared_norms(self, layer, saved, grads) -> list[tf.Tensor]:
         """``||grad_i||^2`` per variable: list of ``[B]`` float32."""
-        return [_squared_norm(g) for g in self.per_example(layer, saved, grads)]
+        return [per_example_squared_norms(g) for g in self.per_example(layer, saved, grads)]
 
     def squared_norms_keeping(self, layer, saved, grads) -> tuple[list[tf.Tensor], Any]:
         """``squared_norms``, plus anything ``weighted_sum_kept`` can reuse (``None``: nothing).
@@ -97,7 +97,7 @@ class LayerRule:
         if type(self).squared_norms is not LayerRule.squared_norms:
             return self.squared_norms(layer, saved, grads), None
         per_example = self.per_example(layer, saved, grads)
-        norms = [_squared_norm(g) for g in per_example]
+        norms = [per_example_squared_norms(g) for g in per_example]
         size, inputs_size = _elements_per_example(per_example), _elements_per_example([saved, grads])
         small = size is not None and inputs_size is not None and size <= inputs_size
         return norms, (per_example if small else None)
@@ -191,6 +191,14 @@ def _elements_per_example(structure) -> int | None:
     return total
 
 
-def _squared_norm(g: tf.Tensor) -> tf.Tensor:
-    g = tf.cast(g, tf.float32) if g.dtype != tf.float64 else g
-    return tf.reduce_sum(tf.square(tf.reshape(g, [tf.shape(g)[0], -1])), axis=1)
+def per_example_squared_norms(t: tf.Tensor) -> tf.Tensor:
+    """``[B]``: ``sum(t[n] ** 2)`` over all axes but the first, in float32 (float64 for float64 ``t``).
+
+    A batched dot product of each example's row with itself. Unlike
+    ``reduce_sum(square(t))`` it never holds a squared copy of ``t``: for an
+    output gradient ``g`` that copy is as large as ``g``, and ``g`` is what
+    the clipped sum keeps alive until every norm is known.
+    """
+    t = tf.cast(t, tf.float64 if t.dtype == tf.float64 else tf.float32)
+    rows = tf.reshape(t, [tf.shape(t)[0], 1, -1])
+    return tf.reshape(tf.linalg.matmul(rows, rows, transpose_b=True), [-1])
