@@ -35,7 +35,11 @@ TensorFlow's BFC CPU allocator and reports its peak allocated bytes above
 those held before the step (``peak_allocated_mib``): tensors only, exact
 for that process (80.2 / 81.0 / 80.2 MiB for the CNN's batch step at B=256;
 across fresh processes its B=64 step read 49 and 70 MiB, convolution
-workspaces differing). Linux only.
+workspaces differing). And a third measures RSS again with
+``MALLOC_MMAP_THRESHOLD_=65536``: glibc then maps every block of 64 KiB or
+more on its own and unmaps it when freed, instead of raising that threshold
+after the first large free and keeping later large blocks in its heap, so
+the peak RSS follows live memory. Linux only.
 """
 
 from __future__ import annotations
@@ -196,11 +200,18 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+MEASURES = {  # --memory's measures: the environment of their fresh worker process
+    "rss": {},
+    "rss_mmap": {"MALLOC_MMAP_THRESHOLD_": "65536"},
+    "tf": {"TF_CPU_ALLOCATOR_USE_BFC": "true"},
+}
+
+
 def memory_cell(model_name: str, b: int, q: str, measure: str = "rss") -> float:
-    """MiB the step ``q`` needs at its peak: ``"rss"`` (``peak_increment_mib``) or ``"tf"`` (``peak_allocated_mib``)."""
+    """MiB the step ``q`` needs at its peak: ``"rss"``/``"rss_mmap"`` (``peak_increment_mib``) or ``"tf"`` (``peak_allocated_mib``)."""
     model, x, y = build(model_name, b)
     fn = quantity_fn(q, model, x)
-    return peak_increment_mib(fn, x, y) if measure == "rss" else peak_allocated_mib(fn, x, y)
+    return peak_allocated_mib(fn, x, y) if measure == "tf" else peak_increment_mib(fn, x, y)
 
 
 def peak_allocated_mib(fn, x, y) -> float:
@@ -257,8 +268,8 @@ def _release_free_memory() -> None:
 
 
 def _memory_worker(cell: str) -> float:
-    """Runs ``--cell cell`` in a fresh process (with the BFC CPU allocator for the ``tf`` measure)."""
-    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true") if cell.endswith(",tf") else None
+    """Runs ``--cell cell`` in a fresh process, in its measure's environment (``MEASURES``)."""
+    env = dict(os.environ, **MEASURES[cell.rsplit(",", 1)[1]])
     out = subprocess.run([sys.executable, __file__, "--cell", cell], capture_output=True, text=True, timeout=900, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])["increment_mib"]
 
@@ -299,12 +310,12 @@ def main(argv=None) -> int:
                 lines.append(row)
                 print(row, flush=True)
     if args.memory:
-        mem = ["", "| model | B | quantity | peak RSS increment MiB | ratio to batch_grad's | peak TF allocations MiB | ratio to batch_grad's |",
-               "|---|---|---|---|---|---|---|"]
+        mem = ["", "| model | B | quantity | peak RSS increment MiB | ratio to batch_grad's | same, MALLOC_MMAP_THRESHOLD_=64K "
+               "| ratio | peak TF allocations MiB | ratio |", "|---|---|---|---|---|---|---|---|---|"]
         print("\n".join(mem), flush=True)
         for m in models:
             for b in sizes:
-                incs = {"rss": {}, "tf": {}}
+                incs = {measure: {} for measure in MEASURES}
                 for q in QUANTITIES:
                     if not_run_because(m, q):
                         continue
