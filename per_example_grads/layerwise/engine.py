@@ -87,10 +87,10 @@ def unit_per_example(unit: Unit, calls: list, sparse: bool = False) -> list:
 
     With ``sparse``, an embedding table's entry is a ``PerExampleSlices``.
     """
+    rule_per_example = unit.rule.per_example_sparse if sparse else unit.rule.per_example
     total = None
     for record, g in calls:
-        rule = unit.rule
-        pe = (rule.per_example_sparse if sparse else rule.per_example)(unit.layer, record.saved, g)
+        pe = rule_per_example(unit.layer, record.saved, g)
         total = pe if total is None else [add_per_example(a, b) for a, b in zip(total, pe)]
     return total
 
