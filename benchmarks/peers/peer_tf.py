@@ -66,10 +66,10 @@ def make_tasks(model_name: str, b: int, log):
     notes = [f"{model_name}: {n_params:,} parameters (keras model of benchmarks/bench_layerwise.py)"]
     tasks = [C.Task(PEER_OF[q], q, lambda fn=fn: BL.wait_for(fn(x, y))) for q, fn in fns.items()]
     has_table = any(isinstance(layer, keras.layers.Embedding) for layer in iter_layers(model))
-    variants = {"b xla": ("b", QUANTITY_FN["b"], True), "c xla": ("c", QUANTITY_FN["c"], True)}
+    per_example = "grads_layerwise_sparse" if has_table else QUANTITY_FN["b"]  # (b) under XLA: sparse where there is a table
+    variants = {"b xla": ("b", per_example, True), "c xla": ("c", QUANTITY_FN["c"], True)}  # key -> (quantity, fn name, jit)
     if has_table:
-        variants = {"b sparse": ("b", "grads_layerwise_sparse", False), "b xla": ("b", "grads_layerwise_sparse", True),
-                    "c xla": variants["c xla"]}
+        variants["b sparse"] = ("b", per_example, False)
     for key, (q, name, jit) in variants.items():
         fns[key] = BL.quantity_fn(name, model, x_np, jit_compile=jit)
         label = PEER_OF[q] + (", sparse_embeddings=True" if "sparse" in name else "") + (", jit_compile=True" if jit else "")
