@@ -210,21 +210,13 @@ class Report:
             "",
             "Median ms of one call, same rounds. < 1: ours is faster than every peer.",
             "",
-            "| model | B | quantity | ours | ours ms | fastest peer | its ms | ours / fastest peer |",
-            "|---|---|---|---|---|---|---|---|",
         ]
-        lines += ["| " + " | ".join(r) + " |" for r in self.summary]
-        lines += [
-            "",
-            "## All timings",
-            "",
-            "| model | B | framework | peer | quantity | median ms | IQR ms | ratio to own (a) | status |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        lines += ["| " + " | ".join(r) + " |" for r in self.rows]
-        if self.notes:
-            lines += ["", "Notes:", ""] + [f"- {n}" for n in self.notes]
-        return "\n".join(lines) + "\n"
+        lines += C.markdown_table(["model", "B", "quantity", "ours", "ours ms", "fastest peer", "its ms", "ours / fastest peer"],
+                                  self.summary)
+        lines += ["", "## All timings", ""]
+        lines += C.markdown_table(["model", "B", "framework", "peer", "quantity", "median ms", "IQR ms", "ratio to own (a)",
+                                   "status"], self.rows)
+        return C.with_notes(lines, self.notes)
 
 
 def _ms(seconds: float | None) -> str:

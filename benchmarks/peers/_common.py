@@ -261,13 +261,9 @@ class Report:
             "(factor C / max(norm, C)) then sum over the batch. Ratio = median / median of (a) "
             "from the same round-robin.",
             "",
-            "| peer | model | B | quantity | median ms | ratio to (a) | IQR ms | status |",
-            "|---|---|---|---|---|---|---|---|",
         ]
-        lines += ["| " + " | ".join(r) + " |" for r in self.rows]
-        if self.notes:
-            lines += ["", "Notes:", ""] + [f"- {n}" for n in self.notes]
-        return "\n".join(lines) + "\n"
+        lines += markdown_table(["peer", "model", "B", "quantity", "median ms", "ratio to (a)", "IQR ms", "status"], self.rows)
+        return with_notes(lines, self.notes)
 
     def emit(self) -> None:
         text = self.render()
@@ -280,12 +276,25 @@ class Report:
             print(f"[written to {self.args.out}]", file=sys.stderr)
 
 
+def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """The lines of a Markdown table."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def with_notes(lines: list[str], notes: list[str]) -> str:
+    """``lines`` and a "Notes:" list under them (when there are notes), as one Markdown text."""
+    if notes:
+        lines = lines + ["", "Notes:", ""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
 def run(args: argparse.Namespace, title: str, versions: dict, notes: list[str],
         make_tasks: Callable[[str, int], tuple]) -> int:
     """A peer script's main: serve a ``bench_vs_peers.py`` coordinator (``--serve``) or run standalone.
 
     ``notes`` (what the peer's numbers mean) go into the report or the hello answer.
     """
+    log("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     if args.serve:
         return serve(args, make_tasks, versions, notes)
     report = Report(title, versions, args)

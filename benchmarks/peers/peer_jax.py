@@ -215,7 +215,6 @@ def main() -> int:
         "CPUs": cpus,
         "XLA_FLAGS": repr(os.environ.get("XLA_FLAGS", "")),
     }
-    C.log("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     general = [
         "Each jax row is a `jax.jit` function; its first call (compilation) is a warm-up call and is "
         "not timed (its duration is in the status column). (c) is compiled as one program, so XLA "

@@ -144,7 +144,6 @@ def main() -> int:
         "per_example_grads": f"{getattr(per_example_grads, '__version__', '?')} (git {_git_revision()})",
         "CPUs": cpus,
     }
-    C.log("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     general = [
         "tf (a) is `tape.gradient` of the mean loss; per_example_grads (b) is "
         "`per_example_gradients(method=\"layerwise\")`, (c) `clipped_gradients(l2_norm_clip=1.0, "

@@ -262,7 +262,6 @@ def main() -> int:
             C.log("opacus not installed: skipping the opacus peer")
             args.peers = [p for p in args.peers if p != "opacus"]
     versions["torch threads"] = f"{torch.get_num_threads()} intra-op, {torch.get_num_interop_threads()} inter-op"
-    C.log("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
 
     general = [
         "torch (a) is eager `torch.autograd.grad` of the mean loss; both peers' ratios are to it. "
