@@ -107,7 +107,7 @@ def clipped_gradients(
                 sums[i] = tf.reduce_sum(grads[i] * w, axis=0)
 
     if reduction == "mean":
-        sums = [_divide_no_nan(s, tf.cast(b, s.dtype)) for s in sums]
+        sums = [transforms.divide_no_nan(s, b) for s in sums]
     if not return_norms:
         return sums
     if isinstance(l2_norm_clip, (int, float)) or tf.is_tensor(l2_norm_clip):
@@ -119,12 +119,6 @@ def clipped_gradients(
 def dense_sums(sums: Sequence) -> list[tf.Tensor]:
     """``sums`` with every ``tf.IndexedSlices`` made a dense tensor (repeated indices added)."""
     return [tf.convert_to_tensor(s) if isinstance(s, tf.IndexedSlices) else s for s in sums]
-
-
-def _divide_no_nan(s, d):
-    if isinstance(s, tf.IndexedSlices):
-        return tf.IndexedSlices(tf.math.divide_no_nan(s.values, d), s.indices, s.dense_shape)
-    return tf.math.divide_no_nan(s, d)
 
 
 def _clip_groups(variables, l2_norm_clip) -> tuple[list[list[int]], list[float]]:

@@ -11,18 +11,19 @@ gradient.
 Squared norms need the rows that share an id within an example, since those
 add up before squaring:
 
-- ``||G_n||^2 = sum_t g_nt . S_n(x_nt)``, with ``S_n(v) = G_n[v]`` the sum of
-  the rows of ``g_n`` with id ``v``. A row whose id occurs once in ``x_n``
-  contributes ``||g_nt||^2``; a row with a repeated id adds
-  ``g_nt . (S_n(x_nt) - g_nt)`` on top. So ``||G_n||^2 = sum_t ||g_nt||^2 +
-  sum_{repeated t} g_nt . (S_n(x_nt) - g_nt)``: one pass over ``g`` plus a
-  segment sum over the repeated rows only (``grouped_squared_norms``).
+- ``||G_n||^2 = sum_{t alone} ||g_nt||^2 + sum_{repeated v} ||S_n(v)||^2``,
+  with ``S_n(v) = G_n[v]`` the sum of the rows of ``g_n`` with id ``v``: the
+  rows whose id occurs once in ``x_n`` count as they are, and each id that
+  repeats counts once, by its sum (``grouped_squared_norms``). Every term is
+  a square, so nothing cancels: rows of one id that nearly cancel each other
+  give a small ``||S||^2`` to float32 accuracy, where ``sum_t ||g_nt||^2``
+  minus a correction would lose it.
 - Which rows repeat, and their groups, depend on the ids alone
   (``repeated_rows``: a sort of each example's ``T`` ids). Cost ``O(B T D)``
-  plus ``O(R D)`` for the ``R`` repeated rows, never ``V``; exact (the
-  correction is a sum of dot products, not a difference of norms). Under XLA,
-  which needs static shapes, every row is treated as possibly repeated
-  (``R = B T``; a group of one adds exactly 0).
+  (one product per example, plus row norms in the examples that have a
+  repeated id) and ``O(R D)`` for the ``R`` repeated rows, never ``V``.
+  Under XLA, which needs static shapes, every row is treated as possibly
+  repeated (``R = B T``; a group of one is its own row).
 """
 
 from __future__ import annotations
@@ -42,13 +43,14 @@ class RepeatedRows(NamedTuple):
     ``rows`` ``[R]`` int32: flat row indices ``n T + t``, rows of one group
     adjacent; ``group`` ``[R]`` int32: non-decreasing group index from 0;
     ``example`` ``[R]`` int32: the example ``n``. Either only the rows whose
-    id repeats in their example, or every row (a group of one adds nothing
-    to ``grouped_squared_norms``' correction).
+    id repeats in their example, or every row (``every_row``; a group of one
+    is its own row).
     """
 
     rows: tf.Tensor
     group: tf.Tensor
     example: tf.Tensor
+    every_row: bool = False
 
 
 def repeated_rows(ids: tf.Tensor, only_repeated: bool = True) -> RepeatedRows:
@@ -71,17 +73,28 @@ def repeated_rows(ids: tf.Tensor, only_repeated: bool = True) -> RepeatedRows:
         example = tf.repeat(tf.range(b), t)
         rows = tf.reshape(order + tf.range(b)[:, None] * t, [-1])
         starts = tf.reshape(tf.logical_not(as_previous), [-1])
-    return RepeatedRows(rows, tf.cumsum(tf.cast(starts, tf.int32)) - 1, example)
+    return RepeatedRows(rows, tf.cumsum(tf.cast(starts, tf.int32)) - 1, example, every_row=not only_repeated)
 
 
 def grouped_squared_norms(g: tf.Tensor, repeats: RepeatedRows) -> tf.Tensor:
     """``[B]``: ``sum_v ||sum_{t: ids[n, t] = v} g[n, t]||^2`` from ``g`` ``[B, T, D]`` and ``repeated_rows(ids)``."""
-    flat = tf.reshape(g, [-1, tf.shape(g)[2]])
+    b = tf.shape(g)[0]
+    flat = tf.reshape(g, [-1, tf.shape(g)[2]])  # [B T, D]
     mine = tf.gather(flat, repeats.rows)  # [R, D]
-    sums = tf.math.unsorted_segment_sum(mine, repeats.group, tf.shape(mine)[0])  # groups first; XLA has no SegmentSum
-    others = tf.gather(sums, repeats.group) - mine  # the rest of each row's group (exactly 0 for a group of one)
-    cross = tf.math.unsorted_segment_sum(tf.reduce_sum(mine * others, axis=1), repeats.example, tf.shape(g)[0])
-    return per_example_squared_norms(g) + cross
+    r = tf.shape(mine)[0]
+    sums = tf.math.unsorted_segment_sum(mine, repeats.group, r)  # [R, D]: group k's sum in row k, zeros after the last group
+    owner = tf.maximum(tf.math.unsorted_segment_max(repeats.example, repeats.group, r), 0)  # group k's example (0: a zero row)
+    grouped = tf.math.unsorted_segment_sum(per_example_squared_norms(sums), owner, b)
+    if repeats.every_row:  # no row is alone
+        return grouped
+    # Rows alone: all rows of an example without a repeated id (one product over the example), and row by row
+    # in the examples with one, leaving the repeated rows out (not adding their squares and taking them back).
+    t = tf.shape(g)[1]
+    repeated = tf.reshape(tf.scatter_nd(repeats.rows[:, None], tf.ones([r], grouped.dtype), [b * t]), [b, t])
+    mixed = tf.where(tf.reduce_any(repeated > 0, axis=1))[:, 0]  # [E] examples with a repeated id
+    row_norms = tf.reshape(per_example_squared_norms(tf.reshape(tf.gather(g, mixed), [-1, tf.shape(g)[2]])), [-1, t])
+    alone = tf.reduce_sum(row_norms * (1 - tf.gather(repeated, mixed)), axis=1)  # [E]
+    return tf.tensor_scatter_nd_update(per_example_squared_norms(g), mixed[:, None], alone) + grouped
 
 
 class PerExampleSlices(tf.experimental.ExtensionType):

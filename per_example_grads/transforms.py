@@ -123,12 +123,16 @@ def mean_examples(grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     out = []
     for g, total in zip(grads, sum_examples(grads)):
         count = tf.shape(g.values if isinstance(g, PerExampleSlices) else g)[0]
-        if isinstance(total, tf.IndexedSlices):
-            values = tf.math.divide_no_nan(total.values, tf.cast(count, total.dtype))
-            out.append(tf.IndexedSlices(values, total.indices, total.dense_shape))
-        else:
-            out.append(tf.math.divide_no_nan(total, tf.cast(count, total.dtype)))
+        out.append(divide_no_nan(total, count))
     return out
+
+
+def divide_no_nan(total, count):
+    """``total / count`` for a tensor or ``tf.IndexedSlices`` ``total``; zeros when ``count`` is 0."""
+    if isinstance(total, tf.IndexedSlices):
+        values = tf.math.divide_no_nan(total.values, tf.cast(count, total.dtype))
+        return tf.IndexedSlices(values, total.indices, total.dense_shape)
+    return tf.math.divide_no_nan(total, tf.cast(count, total.dtype))
 
 
 def _per_variable_squared_norms(grads: Sequence[tf.Tensor], scale=None) -> list[tf.Tensor]:
