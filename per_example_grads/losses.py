@@ -66,7 +66,15 @@ def as_per_example_loss(loss_fn: Any) -> PerExampleLoss:
         )
 
     def per_example_loss(y_true, y_pred) -> tf.Tensor:
-        values = tf.convert_to_tensor(raw(y_true, y_pred))
+        try:
+            values = tf.convert_to_tensor(raw(y_true, y_pred))
+        except (TypeError, AttributeError, ValueError) as err:
+            if y_true is not None:
+                raise
+            raise InvalidLossError(
+                f"y is None, but loss_fn needs labels: it raised {type(err).__name__}: {err}. "
+                "Pass y (one label per example, leading axis B), or a loss_fn that ignores y_true."
+            ) from err
         if values.shape.rank == 0:
             raise InvalidLossError(
                 "loss_fn returned a scalar, but per-example gradients need one "
@@ -79,6 +87,7 @@ def as_per_example_loss(loss_fn: Any) -> PerExampleLoss:
             raise InvalidLossError(
                 f"loss_fn must return floating-point losses; got {values.dtype.name}."
             )
+        _check_leading_axis(values, y_pred)
         mask = _keras_mask(y_pred)
         if values.shape.rank is not None and values.shape.rank > 1:
             axes = list(range(1, values.shape.rank))
@@ -92,6 +101,29 @@ def as_per_example_loss(loss_fn: Any) -> PerExampleLoss:
         return values
 
     return per_example_loss
+
+
+def _check_leading_axis(values: tf.Tensor, y_pred) -> None:
+    """Refuses a loss whose leading axis is not the batch's (a batch-reduced ``[1]``, say).
+
+    Checked when both sizes are known while tracing; a ``[1]`` loss against a
+    batch of unknown size is checked when the step runs.
+    """
+    leaves = [t for t in tf.nest.flatten(y_pred) if tf.is_tensor(t) and t.shape.rank]
+    if not leaves or values.shape.rank is None:
+        return
+    b, n = leaves[0].shape[0], values.shape[0]
+    message = (
+        f"loss_fn returned losses of shape {values.shape} for a batch of {b if b is not None else 'B'} "
+        "predictions: the leading axis must hold one loss per example (shape [B] or [B, ...]). "
+        "A batch-reduced loss (a mean over the batch, kept as shape [1]) would scale every "
+        "per-example gradient by 1/B; use an unreduced loss."
+    )
+    if b is not None and n is not None:
+        if b != n:
+            raise InvalidLossError(message)
+    elif n == 1:
+        tf.debugging.assert_equal(tf.shape(leaves[0])[0], 1, message=message)
 
 
 def _keras_mask(y_pred) -> tf.Tensor | None:
