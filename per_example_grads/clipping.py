@@ -12,11 +12,13 @@ the per-example gradients, clip and sum them.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Mapping, Sequence
 
 import tensorflow as tf
 
 from per_example_grads import transforms
+from per_example_grads.arguments import check_clip
 from per_example_grads.batch import batch_size, make_batch
 from per_example_grads.engines import selection
 from per_example_grads.problem import make_problem
@@ -84,19 +86,20 @@ def clipped_gradients(
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean'; got {reduction!r}.")
     selection.check_method(method)
+    l2_norm_clip = check_clip(l2_norm_clip)
     problem = make_problem(model, loss_fn, variables, training, allow_batch_coupling)
     groups, clips = _clip_groups(problem.variables, l2_norm_clip)
     batch = make_batch(model, x, y, sample_weight)
     b = batch_size(batch)
 
-    if layerwise.use_layerwise(method, problem, training):
-        captured = layerwise.capture(problem, batch)
-        kept: dict = {}
-        squared = layerwise.per_variable_squared_norms(problem, captured, kept)
-        norms, factors = _factors(squared, groups, clips)
-        group_of = {id(v): g for g, idx in enumerate(groups) for v in (problem.variables[i] for i in idx)}
-        sums = layerwise.weighted_sums(problem, captured, lambda v: factors[group_of[id(v)]], kept)
-    else:
+    def clipped_sums(batch):
+        if layerwise.use_layerwise(method, problem, training):
+            captured = layerwise.capture(problem, batch)
+            kept: dict = {}
+            squared = layerwise.per_variable_squared_norms(problem, captured, kept)
+            norms, factors = _factors(squared, groups, clips)
+            group_of = {id(v): g for g, idx in enumerate(groups) for v in (problem.variables[i] for i in idx)}
+            return layerwise.weighted_sums(problem, captured, lambda v: factors[group_of[id(v)]], kept), norms
         grads = selection.compute(method, problem, batch, training)
         squared = [tf.square(n) for n in transforms.per_variable_norms(grads)]
         norms, factors = _factors(squared, groups, clips)
@@ -105,15 +108,81 @@ def clipped_gradients(
             for i in idx:
                 w = tf.reshape(tf.cast(factors[g_index], grads[i].dtype), [-1] + [1] * (grads[i].shape.rank - 1))
                 sums[i] = tf.reduce_sum(grads[i] * w, axis=0)
+        return sums, norms
 
+    sums, norms = clipped_sums(batch)
+    sums = _without_nonfinite_examples(clipped_sums, batch, sums, norms, problem.variables)
     if reduction == "mean":
         sums = [transforms.divide_no_nan(s, b) for s in sums]
     if not return_norms:
         return sums
-    if isinstance(l2_norm_clip, (int, float)) or tf.is_tensor(l2_norm_clip):
+    if not isinstance(l2_norm_clip, (Mapping, list)):
         return sums, norms[0]
     names = list(l2_norm_clip) if isinstance(l2_norm_clip, Mapping) else list(range(len(groups)))
     return sums, dict(zip(names, norms))
+
+
+def finite_examples(norms: Sequence[tf.Tensor]) -> tf.Tensor:
+    """``[B]`` bool: examples whose gradient norm is finite in every clipping group."""
+    return tf.reduce_all(tf.stack([tf.math.is_finite(n) for n in norms]), axis=0)
+
+
+def _without_nonfinite_examples(clipped_sums, batch, sums, norms, variables) -> list:
+    """``sums``, or where some example's gradient is NaN or Inf, the sums over the other examples.
+
+    Such an example gets clip factor 0. Its gradient cannot simply be
+    multiplied by 0 (``0 * inf`` is NaN), so the step is recomputed with its
+    rows replaced by a finite example's rows and weight 0: with per-example
+    isolation the other examples' gradients are unchanged, and the replaced
+    rows contribute exactly zero. This is still a per-example function whose
+    contribution has norm ``<= C`` (0 for a non-finite example), so the
+    sensitivity, and with it the privacy guarantee, is unchanged; and the
+    sum no longer tells, without noise, whether such an example was in the
+    batch. The recomputation runs only for batches that have such an
+    example; the count is ``sum(~finite_examples(norms))`` (real rows only).
+    """
+    finite = finite_examples(norms)
+    if tf.executing_eagerly():
+        bad = int(tf.reduce_sum(tf.cast(~finite, tf.int32)))
+        if not bad:
+            return sums
+        warnings.warn(
+            f"{bad} example(s) of the batch have a non-finite (NaN or Inf) gradient; they were left "
+            "out of the clipped sum (clip factor 0). Check their inputs and labels.",
+            RuntimeWarning, stacklevel=3,
+        )
+    flat = tf.nest.flatten(sums, expand_composites=True)
+
+    def recomputed():
+        rows = tf.range(tf.size(finite))
+        donor = tf.cast(tf.argmax(tf.cast(finite, tf.int32)), rows.dtype)  # a finite example
+        source = tf.where(finite, rows, donor)
+        cleaned = {k: v for k, v in batch.items() if k != "sample_weight"}
+        cleaned = tf.nest.map_structure(lambda t: tf.gather(t, source), cleaned)
+        weight = batch.get("sample_weight", tf.ones_like(finite, tf.float32))
+        cleaned["sample_weight"] = tf.where(finite, weight, tf.zeros_like(weight))
+        again, _ = clipped_sums(cleaned)
+        return tf.nest.flatten(again, expand_composites=True)
+
+    def zeros():
+        return tf.nest.flatten(
+            [
+                tf.IndexedSlices(tf.zeros_like(s.values), s.indices, s.dense_shape) if isinstance(s, tf.IndexedSlices)
+                else tf.zeros(v.shape, s.dtype)
+                for v, s in zip(variables, sums)
+            ],
+            expand_composites=True,
+        )
+
+    if tf.executing_eagerly():
+        out = recomputed() if bool(tf.reduce_any(finite)) else zeros()
+    else:
+        out = tf.cond(
+            tf.reduce_all(finite),
+            lambda: flat,
+            lambda: tf.cond(tf.reduce_any(finite), recomputed, zeros),
+        )
+    return tf.nest.pack_sequence_as(sums, out, expand_composites=True)
 
 
 def dense_sums(sums: Sequence) -> list[tf.Tensor]:
@@ -121,37 +190,36 @@ def dense_sums(sums: Sequence) -> list[tf.Tensor]:
     return [tf.convert_to_tensor(s) if isinstance(s, tf.IndexedSlices) else s for s in sums]
 
 
-def _clip_groups(variables, l2_norm_clip) -> tuple[list[list[int]], list[float]]:
-    """Variable indices per clipping group, and each group's clip norm."""
-    def check(value, where):
-        if not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{where} must be a number > 0; got {value!r}.")
-        return float(value)
-
-    if isinstance(l2_norm_clip, (int, float)) or (tf.is_tensor(l2_norm_clip) and l2_norm_clip.shape.rank == 0):
-        if not tf.is_tensor(l2_norm_clip):
-            check(l2_norm_clip, "l2_norm_clip")
-        return [list(range(len(variables)))], [l2_norm_clip]
+def _clip_groups(variables, l2_norm_clip) -> tuple[list[list[int]], list]:
+    """Variable indices per clipping group, and each group's clip norm (already checked by ``check_clip``)."""
     if isinstance(l2_norm_clip, Mapping):
-        clips = {k: check(v, f"l2_norm_clip[{k!r}]") for k, v in l2_norm_clip.items()}
-        names = list(clips)
+        names = list(l2_norm_clip)
         groups: list[list[int]] = [[] for _ in names]
+        layer_names: set[str] = set()
         for i, v in enumerate(variables):
             parts = getattr(v, "path", v.name).split("/")[:-1]
-            owners = [p for p in parts if p in clips]
+            layer_names.update(parts)
+            owners = [p for p in parts if p in l2_norm_clip]
             if not owners:
                 raise ValueError(
                     f"l2_norm_clip has no entry for variable '{getattr(v, 'path', v.name)}'; "
                     f"give one of the layer names on its path: {parts}."
                 )
             groups[names.index(owners[-1])].append(i)
-        return groups, [clips[n] for n in names]
-    clips = [check(c, f"l2_norm_clip[{i}]") for i, c in enumerate(l2_norm_clip)]
-    if len(clips) != len(variables):
-        raise ValueError(
-            f"l2_norm_clip as a list needs one clip norm per variable ({len(variables)}); got {len(clips)}."
-        )
-    return [[i] for i in range(len(variables))], clips
+        unknown = [n for n in names if n not in layer_names]
+        if unknown:
+            raise ValueError(
+                f"l2_norm_clip names {unknown}, which match no layer owning a variable; "
+                f"the layer names are {sorted(layer_names)}."
+            )
+        return groups, [l2_norm_clip[n] for n in names]
+    if isinstance(l2_norm_clip, list):
+        if len(l2_norm_clip) != len(variables):
+            raise ValueError(
+                f"l2_norm_clip as a list needs one clip norm per variable ({len(variables)}); got {len(l2_norm_clip)}."
+            )
+        return [[i] for i in range(len(variables))], l2_norm_clip
+    return [list(range(len(variables)))], [l2_norm_clip]
 
 
 def _factors(squared, groups, clips):

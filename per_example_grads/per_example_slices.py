@@ -156,7 +156,7 @@ class PerExampleSlices(tf.experimental.ExtensionType):
     def scale(self, factors: tf.Tensor) -> "PerExampleSlices":
         """``G_n * factors[n]`` for ``factors`` ``[B]``."""
         f = tf.reshape(tf.cast(factors, self.values.dtype), [-1] + [1] * (self.values.shape.rank - 1))
-        return PerExampleSlices(self.indices, self.values * f, self.table_shape)
+        return PerExampleSlices(self.indices, tf.math.multiply_no_nan(self.values, f), self.table_shape)
 
     def sum_examples(self) -> tf.IndexedSlices:
         """``sum_n G_n`` as ``tf.IndexedSlices`` of dense shape ``[V, *row]`` (ids may repeat)."""

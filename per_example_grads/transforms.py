@@ -13,6 +13,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from per_example_grads.arguments import check_number
 from per_example_grads.per_example_slices import PerExampleSlices
 
 
@@ -87,8 +88,7 @@ def clip_by_global_norm(
       array([[0.6, 0.8],
              [0.3, 0.4]], dtype=float32)
     """
-    if isinstance(l2_norm_clip, (int, float)) and not l2_norm_clip > 0:
-        raise ValueError(f"l2_norm_clip must be > 0; got {l2_norm_clip}.")
+    l2_norm_clip = check_number("l2_norm_clip", l2_norm_clip)
     norms = global_norms(grads)
     factors = clip_factors(norms, l2_norm_clip)
     clipped = [scale_examples(g, factors) for g in grads]
@@ -96,9 +96,14 @@ def clip_by_global_norm(
 
 
 def clip_factors(norms: tf.Tensor, l2_norm_clip) -> tf.Tensor:
-    """``C / max(n_i, C)`` per example: ``[B]`` scale factors that bring norms ``n`` to at most ``C``."""
+    """``C / max(n_i, C)`` per example: ``[B]`` scale factors that bring norms ``n`` to at most ``C``.
+
+    An example whose norm is NaN or Inf gets factor 0: it contributes nothing
+    (still at most ``C``, so clipping's sensitivity bound holds), instead of
+    making every sum it enters NaN.
+    """
     clip = tf.cast(l2_norm_clip, norms.dtype)
-    return clip / tf.maximum(norms, clip)
+    return tf.where(tf.math.is_finite(norms), clip / tf.maximum(norms, clip), tf.zeros_like(norms))
 
 
 def scale_examples(g, factors: tf.Tensor):
@@ -106,7 +111,8 @@ def scale_examples(g, factors: tf.Tensor):
     if isinstance(g, PerExampleSlices):
         return g.scale(factors)
     g = tf.convert_to_tensor(g)
-    return g * tf.cast(_expand_to(factors, g), g.dtype)
+    # multiply_no_nan: a factor of 0 gives 0 even for a NaN or Inf gradient.
+    return tf.math.multiply_no_nan(g, tf.cast(_expand_to(factors, g), g.dtype))
 
 
 def sum_examples(grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:

@@ -93,5 +93,5 @@ def test_bad_loss_fn(case):
 
 
 def test_clip_norm_must_be_positive():
-    with pytest.raises(ValueError, match="l2_norm_clip must be > 0"):
+    with pytest.raises(ValueError, match="l2_norm_clip must be a finite number > 0"):
         peg.clip_by_global_norm([tf.ones([2, 3])], 0.0)

@@ -185,7 +185,7 @@ def test_per_layer_clipping():
         np.testing.assert_allclose(g, np.tensordot(c / np.maximum(n, c), e, axes=1), rtol=1e-5, atol=1e-6 * np.abs(e).max())
     with pytest.raises(ValueError, match="no entry for variable"):
         peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip={"hidden": 1.0})
-    with pytest.raises(ValueError, match=r"l2_norm_clip\['head'\] must be a number > 0"):
+    with pytest.raises(ValueError, match=r"l2_norm_clip\['head'\] must be a finite number > 0"):
         peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip={"hidden": 1.0, "head": -1})
 
 
