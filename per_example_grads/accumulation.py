@@ -9,8 +9,16 @@ so accumulation works eagerly, inside one ``tf.function`` and in a Keras
   full-batch gradient of the (weighted) mean loss, however the batch was split.
 - DP mode (``l2_norm_clip`` given): ``sum`` holds the clipped per-example
   gradients' sum; ``result()`` adds ``N(0, (sigma C)^2)`` noise *once* and
-  divides by ``expected_batch_size``. Adding noise per micro-batch instead
-  would multiply the noise by ``sqrt(k)``.
+  divides by ``expected_batch_size``, which is required: a divisor counted
+  from the data (the realized Poisson batch size) would be revealed by the
+  noise std. Adding noise per micro-batch instead would multiply the noise
+  by ``sqrt(k)``. The step (clip, noise, count) is a
+  ``per_example_grads.dp.DPAggregator``'s, as in ``DPModel``: every
+  ``result()`` is one release with fresh noise and is counted in ``steps``.
+
+Both modes add the gradient of the model's weight regularizers (Keras adds
+them to the loss it trains on; they do not depend on the data, so they need
+neither clipping nor noise).
 
 For non-private training, Keras 3 optimizers already accumulate with
 ``gradient_accumulation_steps=k`` (they average ``k`` consecutive batches'
@@ -35,10 +43,9 @@ import tensorflow as tf
 
 from per_example_grads import replicas
 from per_example_grads.batch import batch_size, make_batch
-from per_example_grads.clipping import clipped_gradients
+from per_example_grads.dp.aggregator import ClippedSum, DPAggregator, regularization_gradients
 from per_example_grads.dp.applied_steps import AppliedSteps
 from per_example_grads.dp.noise import NoiseSeed
-from per_example_grads.dp.private import check_dp_arguments, noise_stddev, noised_average
 from per_example_grads.problem import make_problem
 
 
@@ -51,17 +58,18 @@ class GradientAccumulator(tf.Module):
       variables: defaults to ``model.trainable_variables``.
       l2_norm_clip: enables DP mode: each example's gradient is clipped to it.
       noise_multiplier: DP noise multiplier ``sigma`` (DP mode only).
-      seed: noise source (see ``per_example_grads.dp.noise``); an int makes a
-        seeded ``tf.random.Generator``.
+      seed: noise source (see ``per_example_grads.dp.noise``); an int or pair
+        is folded with the step counter, so every logical batch gets fresh noise.
       expected_batch_size: DP mode's divisor (``q N`` for Poisson sampling);
-        defaults to ``count``.
+        required in DP mode.
       method: per-example engine for DP mode.
+      training: passed to the model (``True`` runs Dropout as ``fit`` does).
 
     Attributes:
       sums: list of non-trainable ``[*var.shape]`` variables.
       count: scalar float32 variable, examples (or summed weights) so far.
-      steps: int64 variable, logical batches applied (what an accountant
-        counts), ``applied.count``; ``applied.update(accountant)`` hands them over.
+      steps: int64 variable: in DP mode the releases (``result()`` calls, what
+        an accountant counts), else the logical batches applied.
       strategy: the ``tf.distribute`` strategy in scope when it was created.
 
     Example:
@@ -87,20 +95,31 @@ class GradientAccumulator(tf.Module):
         seed: NoiseSeed = None,
         expected_batch_size: float | None = None,
         method: str = "auto",
+        training: bool = False,
     ):
         super().__init__(name="gradient_accumulator")
-        self._problem = make_problem(model, loss_fn, variables, False, False)
-        self._model, self._loss_fn, self._method = model, loss_fn, method
+        self._problem = make_problem(model, loss_fn, variables, training, False)
+        self._model, self._loss_fn = model, loss_fn
         self.private = l2_norm_clip is not None
+        self.variables_ = list(self._problem.variables)
         if self.private:
             if noise_multiplier is None:
                 raise ValueError("noise_multiplier is required with l2_norm_clip (use 0.0 for no noise).")
-            check_dp_arguments(l2_norm_clip, noise_multiplier, expected_batch_size)
+            if expected_batch_size is None:
+                raise ValueError(
+                    "expected_batch_size is required with l2_norm_clip: the noisy sum is divided by it "
+                    "(q * N for Poisson sampling, or the fixed batch size). Dividing by the number of "
+                    "examples accumulated would reveal it through the noise."
+                )
+            self.aggregator = DPAggregator(
+                l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
+                expected_batch_size=expected_batch_size, seed=seed, method=method, training=training,
+            )
         elif noise_multiplier is not None:
             raise ValueError("noise_multiplier needs l2_norm_clip: noise without clipping gives no privacy.")
-        self.l2_norm_clip, self.noise_multiplier = l2_norm_clip, noise_multiplier
-        self.expected_batch_size = expected_batch_size
-        self.variables_ = list(self._problem.variables)
+        else:
+            self.applied = AppliedSteps(name="steps")
+        self._regularization = lambda: regularization_gradients(model, self.variables_)
         local = dict(
             trainable=False,
             synchronization=tf.VariableSynchronization.ON_READ,
@@ -110,20 +129,15 @@ class GradientAccumulator(tf.Module):
         with tf.init_scope():
             self.sums = [tf.Variable(tf.zeros(v.shape, v.dtype), name="sum", **local) for v in self.variables_]
             self.count = tf.Variable(0.0, name="count", **local)
-            if isinstance(seed, int):
-                seed = tf.random.Generator.from_seed(seed)
-        self.applied = AppliedSteps(name="steps")
-        self._seed = seed
 
     def accumulate(self, x: Any, y: Any = None, sample_weight: Any = None) -> None:
         """Adds one micro-batch (``[b, ...]``, any ``b``, 0 included)."""
         _check_replica_context(self, "accumulate")
         batch = make_batch(self._model, x, y, sample_weight)
         if self.private:
-            contribution = clipped_gradients(
-                self._model, self._loss_fn, x, y, l2_norm_clip=self.l2_norm_clip,
-                sample_weight=sample_weight, method=self._method, variables=self.variables_,
-            )
+            contribution = self.aggregator.clipped_sum(
+                self._model, self._loss_fn, x, y, sample_weight, variables=self.variables_
+            ).sums
         else:
             with tf.GradientTape() as tape:
                 total = tf.reduce_sum(self._problem.losses(batch))
@@ -147,18 +161,25 @@ class GradientAccumulator(tf.Module):
         """The gradient of the logical batch: ``[*var.shape]`` per variable.
 
         Plain: ``sum / count`` (zeros if nothing was added). DP: ``(sum +
-        noise) / expected_batch_size``, with fresh noise on every call.
+        noise) / expected_batch_size``: a release, with fresh noise, counted
+        in ``steps`` (call it once per logical batch; ``apply`` does).
+        Both add the weight regularizers' gradient.
         Inside ``strategy.run``, this replica's share (see the module docstring).
         """
         # This replica's own values inside strategy.run. tf.identity: on TF 2.21 a
         # sync-on-read variable's value() cannot be all-reduced across workers directly.
         sums = [tf.identity(s.value()) for s in self.sums]
+        regularization = self._regularization()
+        if self.private:
+            clipped = ClippedSum(sums, tf.zeros([0]), tf.zeros([0]))
+            return self.aggregator.release(
+                clipped, self.aggregator.expected_batch_size, regularization=regularization
+            )
         count = replicas.global_sum(tf.identity(self.count.value()))
-        if not self.private:
-            return [tf.math.divide_no_nan(s, tf.cast(count, s.dtype)) for s in sums]
-        divisor = self.expected_batch_size if self.expected_batch_size is not None else tf.maximum(count, 1.0)
-        stddev = noise_stddev(self.l2_norm_clip, self.noise_multiplier)
-        return noised_average(sums, stddev, divisor, self._seed)
+        mean = [tf.math.divide_no_nan(s, tf.cast(count, s.dtype)) for s in sums]
+        if regularization is None:
+            return mean
+        return [m + tf.cast(r, m.dtype) for m, r in zip(mean, regularization)]
 
     def apply(self, optimizer) -> None:
         """``optimizer.apply_gradients(result())``, one step counted, then ``reset()``.
@@ -167,12 +188,15 @@ class GradientAccumulator(tf.Module):
         only over-count what an accountant reads from ``steps``.
         """
         _check_replica_context(self, "apply")
-        self.applied.apply_gradients(optimizer, zip(self.result(), self.variables_))
+        if self.private:
+            optimizer.apply_gradients(zip(self.result(), self.variables_))
+        else:
+            self.applied.apply_gradients(optimizer, zip(self.result(), self.variables_))
         self.reset()
 
     @property
     def steps(self) -> tf.Variable:
-        return self.applied.count
+        return self.aggregator.steps if self.private else self.applied.count
 
     def reset(self) -> None:
         """Zeros the sums and the count (not ``steps``)."""

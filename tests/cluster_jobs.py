@@ -57,7 +57,7 @@ def mwms(out: Path) -> None:
     with strategy.scope():
         model = net(x.shape[1], int(y.max()) + 1)
         model.set_weights(init)
-        acc = peg.GradientAccumulator(model, loss_fn, l2_norm_clip=CLIP, noise_multiplier=0.0)
+        acc = peg.GradientAccumulator(model, loss_fn, l2_norm_clip=CLIP, noise_multiplier=0.0, expected_batch_size=16)
 
     def shard(ctx: tf.distribute.InputContext):  # worker i takes rows [8i, 8i + 8) of each global batch
         rows = tf.data.Dataset.from_tensor_slices((x[:b], y[:b])).batch(b // ctx.num_input_pipelines)

@@ -143,7 +143,7 @@ def test_accumulator_under_strategy_equals_one_device():
     x, y = _data()
     with strategy.scope():
         plain = peg.GradientAccumulator(model, sparse_ce)
-        private = peg.GradientAccumulator(model, sparse_ce, l2_norm_clip=0.5, noise_multiplier=0.0)
+        private = peg.GradientAccumulator(model, sparse_ce, l2_norm_clip=0.5, noise_multiplier=0.0, expected_batch_size=B)
     halves = [_distributed_batch(strategy, x[i : i + 8], y[i : i + 8]) for i in (0, 8)]  # 2 micro-batches, 4 rows per replica
 
     @tf.function
@@ -261,7 +261,7 @@ def test_embedding_model_sparse_sums_under_strategy_equal_one_device():
     x = np.random.RandomState(0).randint(0, 50, (B, 5)).astype("int32")
     y = (np.arange(B) % K).astype("int32")
     with strategy.scope():
-        acc = peg.GradientAccumulator(model, sparse_ce, l2_norm_clip=0.05, noise_multiplier=0.0)
+        acc = peg.GradientAccumulator(model, sparse_ce, l2_norm_clip=0.05, noise_multiplier=0.0, expected_batch_size=B)
     a, b = _distributed_batch(strategy, x, y)
 
     @tf.function

@@ -13,10 +13,12 @@ from per_example_grads.dp.accounting import (
     noise_multiplier_for_epsilon,
 )
 from per_example_grads.dp.adaptive import AdaptiveClipping
+from per_example_grads.dp.aggregator import ClippedSum, DPAggregator
 from per_example_grads.dp.applied_steps import AppliedSteps
 from per_example_grads.dp.private import private_gradients
 from per_example_grads.dp.sampling import (
     PhysicalChunk,
+    PoissonSampling,
     default_max_batch_size,
     physical_chunks,
     physical_chunks_dataset,
@@ -28,7 +30,10 @@ from per_example_grads.dp.validation import ValidationReport, check_model, valid
 __all__ = [
     "AdaptiveClipping",
     "AppliedSteps",
+    "ClippedSum",
+    "DPAggregator",
     "PhysicalChunk",
+    "PoissonSampling",
     "PrivacyAccountant",
     "ValidationReport",
     "adaptive_clipping_noise_multiplier",

@@ -441,7 +441,7 @@ def compute_epsilon(
     """
     sigma = _check_noise_multiplier(noise_multiplier)
     q, steps = dp_sgd_schedule(num_examples, batch_size, epochs, steps, sampling_probability)
-    delta = _check_run_delta(delta, num_examples)
+    delta = check_run_delta(delta, num_examples)
     accountant = _check_choice("accountant", accountant, ACCOUNTANTS)
     if _check_choice("sampling", sampling, SAMPLINGS) == "shuffle":
         warnings.warn(SHUFFLE_WARNING, UserWarning, stacklevel=2)
@@ -484,7 +484,7 @@ def noise_multiplier_for_epsilon(
     if not 0 < rtol < 1:
         raise ValueError(f"rtol must be in (0, 1); got {rtol!r}.")
     q, steps = dp_sgd_schedule(num_examples, batch_size, epochs, steps, sampling_probability)
-    delta = _check_run_delta(delta, num_examples)
+    delta = check_run_delta(delta, num_examples)
     accountant = _check_choice("accountant", accountant, ACCOUNTANTS)
     if _check_choice("sampling", sampling, SAMPLINGS) == "shuffle":
         warnings.warn(SHUFFLE_WARNING, UserWarning, stacklevel=2)
@@ -682,7 +682,7 @@ def _check_delta(value: Any) -> float:
     return delta
 
 
-def _check_run_delta(value: Any, num_examples: int) -> float:
+def check_run_delta(value: Any, num_examples: int) -> float:
     delta = _check_delta(value)
     if delta >= 1 / num_examples:
         warnings.warn(

@@ -68,6 +68,8 @@ def updated_clip(
     real: tf.Tensor,
     expected_batch_size,
     seed: NoiseSeed = None,
+    *,
+    step=None,
 ) -> tf.Tensor:
     """The next clip norm, from this step's norms.
 
@@ -77,9 +79,11 @@ def updated_clip(
       real: ``[B]`` 1 for real examples, 0 for padding (padded rows have norm
         0 and must not count as unclipped).
       expected_batch_size: the divisor of the noisy count.
+      seed, step: the noise source and the step it draws for
+        (``per_example_grads.dp.noise.gaussian_like``).
     """
     centred = tf.reduce_sum((tf.cast(norms <= clip, tf.float32) - 0.5) * tf.cast(real, tf.float32))
-    noise = gaussian_like([centred], replicas.noise_share(settings.clipped_count_stddev), seed)[0]
+    noise = gaussian_like([centred], replicas.noise_share(settings.clipped_count_stddev), seed, step=step)[0]
     noisy = replicas.global_sum(centred + noise)
     fraction = noisy / tf.cast(expected_batch_size, tf.float32) + 0.5
     return clip * tf.exp(-settings.learning_rate * (fraction - settings.target_quantile))

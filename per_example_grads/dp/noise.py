@@ -1,74 +1,126 @@
-"""Gaussian noise for DP-SGD, drawn once per optimizer step.
+"""Gaussian noise for DP-SGD: where it comes from, and why it never repeats.
 
-Where the randomness comes from (``seed``):
+A ``seed`` argument anywhere in the library means one of:
 
 - ``None`` (the default, and what a real deployment should use): a
-  process-wide ``tf.random.Generator`` seeded from the operating system's
-  entropy (``Generator.from_non_deterministic_state``), so the noise cannot be
-  predicted or replayed.
-- a ``tf.random.Generator``: draws advance its state (reproducible if you
-  seeded it with ``from_seed``; it also checkpoints with ``tf.train.Checkpoint``).
-- an ``int``, or a pair of ints / a ``[2]`` int tensor: a *stateless* draw,
-  ``tf.random.stateless_normal`` with that seed. The same seed gives the same
-  noise, so vary it every step (for example ``seed=(run_seed, step)``). For
-  experiments and tests only.
+  ``tf.random.Generator`` seeded from the operating system's entropy. Draws
+  advance its state atomically (also when several workers share it), and a
+  new process starts from new entropy, so noise is never predictable and never
+  replayed, not even after a restart.
+- an ``int`` (or NumPy integer) ``s``: a key derived from ``s`` by hashing
+  (``numpy.random.SeedSequence``), so different seeds give unrelated streams
+  (``tf.random.Generator.from_seed`` does not: it puts ``s`` into Philox's
+  counter, and seeds 0 and 1 give the same stream shifted by a few draws).
+- a pair of ints or a ``[2]`` integer tensor: a stateless key used as it is.
+- a ``tf.random.Generator``: draws advance its state; checkpoint it yourself.
+
+A *stateful* user of noise (``DPAggregator``, hence ``DPModel`` and
+``GradientAccumulator``) draws the noise of its logical step ``t`` from
+``fold_in(key, t)``, with ``t`` its step counter, which is saved with the
+weights. So with an integer seed every step gets different noise, runs are
+reproducible, and a run restored from a checkpoint at step ``t`` continues
+with the noise of steps ``t, t + 1, ...``: it never reuses the noise of a step
+it took before the checkpoint. The steps it retakes after a crash (those
+between the checkpoint and the crash) get the noise they had the first time;
+that releases nothing new only if they also see the same batches (a seeded
+``poisson_batches`` resumed at the same step does; ``DPModel.fit`` arranges
+it). Integer seeds are for experiments; use ``None`` for real runs.
+
+``private_gradients`` is one-shot: it has no step counter, so the same
+integer or pair seed gives the same noise, and it is the caller's job to vary
+it (for example ``seed=(run_seed, step)``).
 
 Inside ``strategy.run`` every replica must draw independently (see
 ``per_example_grads.replicas``): generators already give each replica its
-own stream, and stateless seeds are folded with the replica id here.
+own stream, and stateless keys are folded with the replica id here.
 """
 
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from per_example_grads import replicas
 
 NoiseSeed = int | tuple | tf.Tensor | tf.random.Generator | None
 
-_os_entropy_generator: tf.random.Generator | None = None
+
+def entropy_generator() -> tf.random.Generator:
+    """A new generator seeded from the operating system's entropy (made outside any ``tf.function``)."""
+    with tf.init_scope():
+        return tf.random.Generator.from_non_deterministic_state()
 
 
-def os_entropy_generator() -> tf.random.Generator:
-    """The process-wide generator seeded from OS entropy (created once, eagerly)."""
-    global _os_entropy_generator
-    if _os_entropy_generator is None:
-        with tf.init_scope():
-            _os_entropy_generator = tf.random.Generator.from_non_deterministic_state()
-    return _os_entropy_generator
+_process_generator: tf.random.Generator | None = None
 
 
-def gaussian_like(tensors: Sequence[tf.Tensor], stddev, seed: NoiseSeed = None) -> list[tf.Tensor]:
+def process_generator() -> tf.random.Generator:
+    """One process-wide entropy generator, for one-shot draws with ``seed=None``."""
+    global _process_generator
+    if _process_generator is None:
+        _process_generator = entropy_generator()
+    return _process_generator
+
+
+def hashed_key(seed: int) -> np.ndarray:
+    """``[2]`` int64 stateless key derived from a non-negative integer by hashing."""
+    words = np.random.SeedSequence(int(seed)).generate_state(2, np.uint64)
+    return words.view(np.int64)
+
+
+def stateless_key(seed) -> tf.Tensor:
+    """``[2]`` int64 key: an int is hashed (``hashed_key``), a pair or ``[2]`` tensor is used as given."""
+    if isinstance(seed, (bool, np.bool_)):
+        raise TypeError(f"seed must be None, an int, a pair of ints or a tf.random.Generator; got {seed!r}.")
+    if isinstance(seed, numbers.Integral):
+        if seed < 0:
+            raise ValueError(f"seed must be a non-negative integer; got {seed}.")
+        return tf.constant(hashed_key(seed), tf.int64)
+    seed = tf.cast(tf.convert_to_tensor(seed), tf.int64)
+    if seed.shape != (2,):
+        raise ValueError(
+            f"seed must be None, an int, a pair of ints or a tf.random.Generator; got shape {seed.shape}."
+        )
+    return seed
+
+
+def gaussian_like(tensors: Sequence[tf.Tensor], stddev, seed: NoiseSeed = None, *, step=None) -> list[tf.Tensor]:
     """Independent ``N(0, stddev^2)`` noise shaped like each of ``tensors``.
 
     Args:
       tensors: list of tensors of any shapes (the summed clipped gradients).
       stddev: scalar, ``noise_multiplier * l2_norm_clip`` for DP-SGD.
       seed: see the module docstring.
+      step: with a stateless seed, the logical step the noise is for; the key
+        is folded with it, so every step gets its own noise.
 
     Returns:
       list of noise tensors, same shapes and dtypes as ``tensors``.
     """
-    if isinstance(seed, tf.random.Generator) or seed is None:
-        generator = seed if seed is not None else os_entropy_generator()
-        draws = [generator.normal(tf.shape(t), dtype=tf.float32) for t in tensors]
+    if seed is None:
+        seed = process_generator()
+    if isinstance(seed, tf.random.Generator):
+        draws = [seed.normal(tf.shape(t), dtype=tf.float32) for t in tensors]
     else:
-        base = _stateless_seed(seed)
+        key = stateless_key(seed)
+        if step is not None:
+            key = tf.random.experimental.stateless_fold_in(key, tf.cast(step, tf.int64))
         if replicas.num_replicas() > 1:
-            base = tf.cast(tf.random.experimental.stateless_fold_in(base, replicas.replica_id()), tf.int64)
+            key = tf.random.experimental.stateless_fold_in(key, replicas.replica_id())
         draws = [
-            tf.random.stateless_normal(tf.shape(t), seed=base + tf.constant([0, 1], tf.int64) * (1_000_003 * i), dtype=tf.float32)
+            tf.random.stateless_normal(tf.shape(t), seed=tf.random.experimental.stateless_fold_in(key, i), dtype=tf.float32)
             for i, t in enumerate(tensors)
         ]
     return [tf.cast(d * tf.cast(stddev, tf.float32), t.dtype) for d, t in zip(draws, tensors)]
 
 
-def _stateless_seed(seed) -> tf.Tensor:
-    if isinstance(seed, int):
-        return tf.constant([seed, 0], tf.int64)
-    seed = tf.cast(tf.convert_to_tensor(seed), tf.int64)
-    if seed.shape != (2,):
-        raise ValueError(f"seed must be an int, a pair of ints or a tf.random.Generator; got shape {seed.shape}.")
-    return seed
+def noise_source(seed: NoiseSeed):
+    """What a stateful DP step draws from: a generator (``None`` makes a fresh entropy one) or a stateless key."""
+    if seed is None:
+        return entropy_generator()
+    if isinstance(seed, tf.random.Generator):
+        return seed
+    return stateless_key(seed)

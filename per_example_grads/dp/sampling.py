@@ -63,6 +63,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -70,9 +71,11 @@ import numpy as np
 import tensorflow as tf
 
 from per_example_grads.batch import _check_leading_dims, _to_tensors
+from per_example_grads.dp.noise import hashed_key
 
 __all__ = [
     "PhysicalChunk",
+    "PoissonSampling",
     "default_max_batch_size",
     "physical_chunks",
     "physical_chunks_dataset",
@@ -103,6 +106,32 @@ class PhysicalChunk(NamedTuple):
     is_last: Any
 
 
+@dataclasses.dataclass
+class PoissonSampling:
+    """How a ``poisson_batches`` dataset samples; it is the dataset's ``pegrad_sampling`` attribute.
+
+    ``DPModel.fit`` reads it to account the sampling actually used and to
+    resume the dataset where its ledger stopped.
+
+    Attributes:
+      sampling_probability: ``q``.
+      num_examples: ``N``.
+      max_batch_size: ``M``, the padded rows of every batch.
+      steps: batches per pass.
+      next_step: int64 variable, the global index of the first step of the
+        next pass (each pass advances it by ``steps``). Batch ``t`` depends
+        only on the seed and ``t``, so setting it to the number of steps a
+        restored run has taken continues that run's batches instead of
+        replaying them.
+    """
+
+    sampling_probability: float
+    num_examples: int
+    max_batch_size: int
+    steps: int
+    next_step: tf.Variable
+
+
 # --------------------------------------------------------------------------
 # Argument checking
 # --------------------------------------------------------------------------
@@ -127,12 +156,13 @@ def _check_positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
-def _seed_or_entropy(seed: int | None) -> int:
+def _sampling_key(seed: int | None) -> tf.Tensor:
+    """``[2]`` int64 key of the sampling stream: hashed from ``seed``, or from OS entropy."""
     if seed is None:
-        return int(np.random.SeedSequence().entropy) % (2**63)
+        return tf.constant(hashed_key(np.random.SeedSequence().entropy), tf.int64)
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be None or a non-negative integer; got {seed!r}.")
-    return int(seed)
+    return tf.constant(hashed_key(seed), tf.int64)
 
 
 # --------------------------------------------------------------------------
@@ -214,6 +244,7 @@ def poisson_batches(
     max_batch_size: int | None = None,
     steps: int | None = None,
     seed: int | None = None,
+    first_step: int = 0,
 ) -> tf.data.Dataset:
     """A dataset of ``steps`` Poisson-sampled batches, each padded to ``M`` rows.
 
@@ -232,12 +263,23 @@ def poisson_batches(
     so a ``tf.function`` taking them traces once. The element layout is the
     Keras ``(x, y, sample_weight)`` one, with the mask as the sample weight.
 
-    Randomness: each pass over the dataset (each ``iter(...)``, e.g. each
-    Keras epoch) draws fresh, independent batches, as Poisson sampling
-    requires; reusing a pass's batches in the next one would not be. Two
-    datasets built with the same ``seed`` produce the same sequence of passes;
-    the global TensorFlow seed plays no part. Iterate one pass at a time:
-    concurrent iterators over one dataset share its random stream.
+    Padding costs compute: every batch has ``M`` rows, about
+    ``q N + 7 sqrt(q N)`` for the default ``M`` (126 rows for an expected 64,
+    375 for an expected 256 at ``N = 12,000``), and the padded rows are
+    computed and then weighted 0. Pass ``max_batch_size`` to trade a higher
+    overflow probability for less padding.
+
+    Randomness: batch ``t`` (counted over all passes, from ``first_step``)
+    is drawn from a key derived from ``seed`` by hashing, folded with ``t``:
+    each pass over the dataset (each ``iter(...)``, e.g. each Keras epoch)
+    continues with fresh, independent batches, as Poisson sampling requires;
+    different seeds give unrelated batches; the global TensorFlow seed plays
+    no part. Two datasets built with the same ``seed`` and ``first_step``
+    produce the same sequence of batches, so a run restored after ``k`` steps
+    continues with ``first_step=k`` instead of replaying its first batches
+    (``DPModel.fit`` does this by itself, through the dataset's
+    ``pegrad_sampling`` attribute, a ``PoissonSampling``). Iterate one pass at
+    a time: concurrent iterators over one dataset share its step counter.
 
     The arrays are held in memory and gathered from with ``tf.gather``.
 
@@ -255,9 +297,11 @@ def poisson_batches(
         expectation.
       seed: non-negative int for reproducible batches; ``None`` seeds from
         OS entropy.
+      first_step: the global index of the first batch (see Randomness).
 
     Returns:
-      A ``tf.data.Dataset`` of known cardinality ``steps``.
+      A ``tf.data.Dataset`` of known cardinality ``steps``, with attribute
+      ``pegrad_sampling`` (a ``PoissonSampling``).
 
     Raises:
       ValueError: ``sampling_probability`` outside ``(0, 1]``, mismatched
@@ -288,7 +332,12 @@ def poisson_batches(
     if steps is None:
         steps = max(1, int(math.floor(1.0 / q + 0.5)))
     steps = _check_positive_int("steps", steps)
-    generator = tf.random.Generator.from_seed(_seed_or_entropy(seed))
+    key = _sampling_key(seed)
+    if isinstance(first_step, bool) or not isinstance(first_step, (int, np.integer)) or first_step < 0:
+        raise ValueError(f"first_step must be a non-negative integer; got {first_step!r}.")
+    with tf.init_scope():
+        next_step = tf.Variable(int(first_step), dtype=tf.int64, trainable=False, name="next_step")
+    sampling = PoissonSampling(q, n, m, steps, next_step)
     overflow_message = (
         f"examples, more than max_batch_size={m} (N={n}, sampling_probability={q}). "
         f"Dropping the extra examples would invalidate the privacy analysis; pass a "
@@ -296,12 +345,14 @@ def poisson_batches(
         f"probability <= {DEFAULT_OVERFLOW_PROBABILITY:g} per step)."
     )
 
-    def pass_seeds(_):
-        # One draw per pass, of all its per-step seeds at once: how far a
-        # prefetching iterator ran ahead cannot change the next pass.
-        return tf.transpose(generator.make_seeds(steps))  # [steps, 2]
+    def pass_steps(_):
+        # The pass claims its step indices all at once: how far a prefetching
+        # iterator ran ahead cannot change the next pass.
+        start = next_step.assign_add(steps) - steps
+        return start + tf.range(steps, dtype=tf.int64)  # [steps]
 
-    def sample(step_seed):
+    def sample(step):
+        step_seed = tf.random.experimental.stateless_fold_in(key, step)
         u = tf.random.stateless_uniform([n], seed=step_seed, dtype=tf.float64)
         chosen = tf.where(u < q)[:, 0]  # sorted example indices
         b = tf.size(chosen)
@@ -318,11 +369,13 @@ def poisson_batches(
         mask = tf.cast(tf.range(m) < b, tf.float32)
         return xb, yb, mask
 
-    ds = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).map(pass_seeds)
+    ds = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).map(pass_steps)
     ds = ds.flat_map(tf.data.Dataset.from_tensor_slices)
     ds = ds.apply(tf.data.experimental.assert_cardinality(steps))
     ds = ds.map(sample, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    return ds.prefetch(tf.data.AUTOTUNE)
+    ds = ds.prefetch(tf.data.AUTOTUNE)
+    ds.pegrad_sampling = sampling
+    return ds
 
 
 def _unpack_element(element: Any) -> tuple[Any, Any]:

@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from typing import Any
 
 import keras
 import tensorflow as tf
 
 from per_example_grads import replicas
-from per_example_grads.clipping import clipped_gradients, dense_sums
 from per_example_grads.dp import adaptive as adaptive_clipping
 from per_example_grads.dp import validation
-from per_example_grads.dp.accounting import PrivacyAccountant, adaptive_clipping_noise_multiplier
-from per_example_grads.dp.private import check_dp_arguments, noise_stddev, noised_average
+from per_example_grads.dp.accounting import PrivacyAccountant, check_run_delta
+from per_example_grads.dp.aggregator import DPAggregator, regularization_gradients
+from per_example_grads.dp.sampling import PoissonSampling
 from per_example_grads.losses import as_per_example_loss
+
+
+@dataclasses.dataclass(frozen=True)
+class _FitSampling:
+    """How the batches of one ``fit`` call were sampled, as the step and the ledger need it."""
+
+    poisson: bool
+    sampling_probability: float | None  # None: per step, rows / num_examples (fixed-size batches)
+    divisor: float | None  # None: the rows of each batch
+    source: PoissonSampling | None = None
 
 
 class DPModel(keras.Model):
@@ -25,28 +37,50 @@ class DPModel(keras.Model):
        ``sample_weight``) and clips it to global L2 norm ``l2_norm_clip``;
     2. sums them and adds Gaussian noise of std ``noise_multiplier *
        l2_norm_clip`` once;
-    3. divides by ``expected_batch_size`` (default: the rows in the batch) and
-       applies the result with the compiled optimizer.
+    3. divides by ``expected_batch_size`` (default: ``q N`` of a
+       ``poisson_batches`` dataset, else the rows of each batch) and applies
+       the result with the compiled optimizer.
+
+    The step is a ``peg.dp.DPAggregator``'s (``self.aggregator``): noise is
+    fresh at every step whatever ``seed`` is, examples with a NaN or Inf
+    gradient contribute nothing (counted in the ``nonfinite_examples``
+    metric, and a warning after ``fit``), and the gradient of the model's
+    weight regularizers is added without noise (activity regularizers are
+    refused). Under ``mixed_float16`` the update is applied by the loss-scale
+    optimizer's inner optimizer: DP gradients are never loss-scaled.
+
+    **Sampling and accounting.** ``fit`` on a ``peg.dp.poisson_batches``
+    dataset uses its sampling probability ``q`` and size ``N`` (a mismatch
+    with ``expected_batch_size / num_examples`` is refused) and resumes the
+    dataset at the step the ledger reached, so a restored run never replays
+    batches. Anything else (arrays with ``batch_size``, another dataset) is
+    fixed-size batches: ``fit`` warns once that the Poisson analysis is then
+    only an approximation, and the ledger records it, so ``epsilon()`` warns
+    too.
 
     ``compile``, ``fit``, ``evaluate``, ``predict``, callbacks and metrics work
     as usual. Supported losses: one loss (a ``keras.losses.Loss`` with any
     reduction, a loss function or name) whose per-example values the model
-    takes itself; multi-output loss lists/dicts, ``loss_weights`` and
-    regularization losses are not supported. ``sample_weight`` multiplies
+    takes itself; multi-output loss lists/dicts and ``loss_weights`` are not
+    supported. ``sample_weight`` multiplies
     each example's loss *before* clipping, so every example's contribution
     stays bounded by the clip norm; a Poisson batch's mask is passed as
     ``sample_weight`` (padded rows then contribute nothing). The reported
     ``loss`` and metrics come from an inference-mode forward pass on the batch
-    before the update. ``clipped_fraction`` (epoch running mean) and
+    before the update, over the rows with a non-zero weight only (padding
+    never counts), the loss including the regularization penalty as Keras
+    reports it. ``clipped_fraction`` (epoch running mean) and
     ``step_clipped_fraction`` (this step's) are logged as well; they are
     computed from the private gradient norms, so do not publish them without
     accounting for them.
 
     Saving: save the wrapped network, ``dp_model.model.save("m.keras")``, or
     use ``save_weights`` / checkpoints / ``keras.callbacks.BackupAndRestore``
-    on the DPModel itself. Those include the privacy ledger, three
-    non-trainable variables: ``dp_steps`` (steps applied), and the smallest
-    noise multiplier and largest sampling probability any of them used. A
+    on the DPModel itself, right after construction or ``fit``. Those
+    include the privacy ledger (``self.aggregator``'s variables):
+    ``dp_steps`` (steps applied, which also indexes the noise of a seeded
+    run), the smallest noise multiplier and largest sampling probability any
+    of them used, and whether all were Poisson sampled. A
     restarted run restores and keeps counting them, so ``epsilon()`` after a
     restart equals that of an uninterrupted run with as many steps, and it can
     only over-report (never under-report) if a restart changed ``sigma`` or
@@ -56,18 +90,20 @@ class DPModel(keras.Model):
     ``strategy.scope()``): each replica clips the examples of its shard and
     adds ``N(0, (sigma C)^2 / R)``; Keras's optimizer all-reduces the ``R``
     shares (``P`` floats each) into one step with noise ``N(0, (sigma C)^2)``,
-    divided by ``expected_batch_size`` (default: the rows of the *global*
-    batch). See ``per_example_grads.replicas``.
+    divided by ``expected_batch_size`` (default: ``q N``, or the rows of the
+    *global* batch). See ``per_example_grads.replicas``.
 
     Args:
       model: the Keras model to train privately.
       l2_norm_clip: ``C > 0``, or per-layer ``{layer_name: C_l}`` (see
         ``peg.clipped_gradients``). Ignored when ``adaptive_clipping`` is set.
       noise_multiplier: ``sigma >= 0``, the one the accountant uses.
-      expected_batch_size: ``q * N`` under Poisson sampling; default the
-        batch's number of rows.
-      num_examples: ``N``, for ``epsilon()``.
-      seed: None (OS entropy, for real use) or an int (reproducible noise).
+      expected_batch_size: ``q * N`` under Poisson sampling; default ``q N``
+        of a ``poisson_batches`` dataset, else the batch's number of rows.
+      num_examples: ``N``, for ``epsilon()`` (default: that of a
+        ``poisson_batches`` dataset given to ``fit``).
+      seed: None (OS entropy, for real use) or an int (reproducible noise,
+        different at every step; see ``per_example_grads.dp.noise``).
       adaptive_clipping: ``peg.dp.AdaptiveClipping`` settings, or None.
       method: per-example gradient engine (``"auto"`` prefers layer-wise).
       physical_batch_size: process each (logical) batch in chunks of this many
@@ -80,8 +116,11 @@ class DPModel(keras.Model):
       >>> import per_example_grads as peg
       >>> net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
       >>> dp = peg.keras.DPModel(net, l2_norm_clip=1.0, noise_multiplier=1.1, seed=0)
-      >>> dp.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
-      >>> history = dp.fit(np.ones((16, 4), "float32"), np.arange(16) % 3, batch_size=8, verbose=0)
+      >>> dp.compile(optimizer="sgd",
+      ...            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+      >>> x, y = np.ones((16, 4), "float32"), np.arange(16) % 3
+      >>> history = dp.fit(peg.dp.poisson_batches(x, y, sampling_probability=0.5, seed=0),
+      ...                  epochs=1, verbose=0)
       >>> int(dp.dp_steps.numpy())
       2
     """
@@ -101,49 +140,89 @@ class DPModel(keras.Model):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        check_dp_arguments(l2_norm_clip, noise_multiplier, expected_batch_size)
+        self.aggregator = DPAggregator(
+            l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
+            expected_batch_size=expected_batch_size, seed=seed, adaptive_clipping=adaptive_clipping,
+            physical_batch_size=physical_batch_size, method=method, training=True,
+        )
         validation.check_model(model, training=True)
         self.model = model
-        self.noise_multiplier = float(noise_multiplier)
-        self.expected_batch_size = expected_batch_size
-        self.num_examples = num_examples
-        self.method = method
-        if physical_batch_size is not None:
-            if not (isinstance(physical_batch_size, int) and physical_batch_size > 0):
-                raise ValueError(f"physical_batch_size must be a positive int; got {physical_batch_size!r}.")
-            if not isinstance(l2_norm_clip, (int, float)):
-                raise ValueError("physical_batch_size supports a single (flat) l2_norm_clip.")
-        self.physical_batch_size = physical_batch_size
-        self.adaptive = adaptive_clipping
-        if adaptive_clipping is not None:
-            self._gradient_noise_multiplier = adaptive_clipping_noise_multiplier(
-                noise_multiplier, adaptive_clipping.clipped_count_stddev, expected_batch_size or 1
-            ) if noise_multiplier > 0 else 0.0
-            self.l2_norm_clip = keras.Variable(
-                adaptive_clipping.initial_l2_norm_clip, dtype="float32", trainable=False, name="l2_norm_clip",
-                aggregation="only_first_replica",  # every replica computes the same next C
-            )
-        else:
-            self._gradient_noise_multiplier = self.noise_multiplier
-            self.l2_norm_clip = l2_norm_clip
-        # The privacy ledger, saved with the weights (see the class docstring).
-        ledger = dict(trainable=False, aggregation="only_first_replica")
-        self.dp_steps = keras.Variable(0, dtype="int64", name="dp_steps", **ledger)
-        self.dp_min_noise_multiplier = keras.Variable(float("inf"), dtype="float64", name="dp_min_noise_multiplier", **ledger)
-        self.dp_max_sampling_probability = keras.Variable(0.0, dtype="float64", name="dp_max_sampling_probability", **ledger)
-        with tf.init_scope():
-            self._noise = (
-                tf.random.Generator.from_non_deterministic_state() if seed is None
-                else tf.random.Generator.from_seed(seed)
-            )
+        if num_examples is not None and (isinstance(num_examples, bool) or int(num_examples) != num_examples or num_examples < 1):
+            raise ValueError(f"num_examples must be a positive integer; got {num_examples!r}.")
+        self.num_examples = None if num_examples is None else int(num_examples)
         self._clipped_fraction = keras.metrics.Mean(name="clipped_fraction")
+        self._nonfinite = keras.metrics.Sum(name="nonfinite_examples")
+        self._fit_sampling = _FitSampling(poisson=False, sampling_probability=None, divisor=None)
+        self._warned_fixed_batches = False
+        # Built on construction: save_weights / checkpoints work before and right after fit.
+        self.built = True
+
+    # The configuration and the ledger live in the aggregator.
+    noise_multiplier = property(lambda self: self.aggregator.noise_multiplier)
+    expected_batch_size = property(lambda self: self.aggregator.expected_batch_size)
+    l2_norm_clip = property(lambda self: self.aggregator.l2_norm_clip)
+    adaptive = property(lambda self: self.aggregator.adaptive)
+    dp_steps = property(lambda self: self.aggregator.steps)
+    dp_min_noise_multiplier = property(lambda self: self.aggregator.min_noise_multiplier)
+    dp_max_sampling_probability = property(lambda self: self.aggregator.max_sampling_probability)
 
     def call(self, inputs, training=None):
         return self.model(inputs, training=training)
 
     @property
     def metrics(self):
-        return super().metrics + [self._clipped_fraction]
+        return super().metrics + [self._clipped_fraction, self._nonfinite]
+
+    def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        """``keras.Model.fit``, with the sampling of ``x`` checked against the accounting (class docstring)."""
+        self._fit_sampling = self._sampling_of(x, batch_size)
+        self.train_function = None  # retrace: the step uses this fit's sampling
+        if isinstance(x, tf.data.Dataset) and not args:
+            kwargs.setdefault("shuffle", False)  # a dataset is never shuffled by fit; say nothing about it
+        source = self._fit_sampling.source
+        if source is not None:
+            kwargs["callbacks"] = list(kwargs.get("callbacks") or []) + [_ResumeSampling(source, self.dp_steps)]
+        history = super().fit(x, y, batch_size, *args, **kwargs)
+        bad = history.history.get("nonfinite_examples", [])
+        if bad and max(bad) > 0:
+            warnings.warn(
+                f"{int(max(bad))} example(s) in an epoch had a NaN or Inf gradient; they contributed "
+                "nothing to their steps (see the nonfinite_examples metric). Check their inputs and labels.",
+                RuntimeWarning, stacklevel=2,
+            )
+        return history
+
+    def _sampling_of(self, x, batch_size) -> _FitSampling:
+        source = getattr(x, "pegrad_sampling", None) if isinstance(x, tf.data.Dataset) else None
+        if source is None:
+            if not self._warned_fixed_batches:
+                self._warned_fixed_batches = True
+                what = "a dataset not made by peg.dp.poisson_batches" if isinstance(x, tf.data.Dataset) else "fixed-size batches"
+                warnings.warn(
+                    f"DPModel.fit was given {what}: epsilon() is then computed as if every batch were "
+                    "Poisson-sampled at q = batch rows / num_examples, which for fixed-size shuffled "
+                    "batches is only an approximation (the true epsilon can be larger). For a guarantee, "
+                    "fit on peg.dp.poisson_batches(x, y, sampling_probability=q).",
+                    UserWarning, stacklevel=3,
+                )
+            return _FitSampling(poisson=False, sampling_probability=None, divisor=self.expected_batch_size)
+        if self.num_examples is None:
+            self.num_examples = source.num_examples
+        elif self.num_examples != source.num_examples:
+            raise ValueError(
+                f"the poisson_batches dataset samples from N={source.num_examples} examples, but "
+                f"DPModel has num_examples={self.num_examples}; build them from the same data."
+            )
+        q = source.sampling_probability
+        if self.expected_batch_size is not None and abs(self.expected_batch_size / self.num_examples - q) > 1e-9 * q:
+            raise ValueError(
+                f"the poisson_batches dataset is sampled at q={q:g}, but DPModel accounts "
+                f"expected_batch_size / num_examples = {self.expected_batch_size}/{self.num_examples} = "
+                f"{self.expected_batch_size / self.num_examples:g}: its epsilon would be wrong. Give "
+                f"expected_batch_size={q * self.num_examples:g} (or leave it out) or resample at that q."
+            )
+        divisor = self.expected_batch_size if self.expected_batch_size is not None else q * self.num_examples
+        return _FitSampling(poisson=True, sampling_probability=q, divisor=divisor, source=source)
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -152,70 +231,43 @@ class DPModel(keras.Model):
         loss_fn = as_per_example_loss(self.loss)
         y_pred = self.model(x, training=False)
 
-        clip = tf.convert_to_tensor(self.l2_norm_clip) if isinstance(self.l2_norm_clip, keras.Variable) else self.l2_norm_clip
-        sums, norms = self._clipped_sums(loss_fn, x, y, sample_weight, clip)
+        sampling = self._fit_sampling
+        aggregator = self.aggregator
+        clipped = aggregator.clipped_sum(self.model, loss_fn, x, y, sample_weight)
         rows = tf.shape(tf.nest.flatten(x)[0])[0]
-        divisor = self.expected_batch_size if self.expected_batch_size is not None else tf.maximum(replicas.global_sum(rows), 1)
-        real = tf.ones([rows]) if sample_weight is None else tf.cast(tf.not_equal(sample_weight, 0), tf.float32)
-        global_norms = norms if not isinstance(norms, dict) else tf.sqrt(tf.add_n([tf.square(n) for n in norms.values()]))
-        clip_total = noise_stddev(clip, 1.0)
-        clipped, counted = replicas.global_sum(
-            [tf.reduce_sum(tf.cast(global_norms > clip_total, tf.float32) * real), tf.reduce_sum(real)]
+        divisor = sampling.divisor if sampling.divisor is not None else aggregator.divisor(rows)
+        q = sampling.sampling_probability
+        if q is None and self.num_examples is not None:
+            q = tf.minimum(tf.cast(replicas.global_sum(rows), tf.float64) / self.num_examples, 1.0)
+        clipped_count, counted = aggregator.clipped_fraction(clipped)
+        # An empty Poisson step has no examples to be clipped: it is not a 0.
+        self._clipped_fraction.update_state(
+            tf.math.divide_no_nan(clipped_count, counted), sample_weight=tf.cast(counted > 0, tf.float32)
         )
-        step_clipped_fraction = tf.math.divide_no_nan(clipped, counted)
-        self._clipped_fraction.update_state(step_clipped_fraction)
-        grads = noised_average(sums, noise_stddev(clip, self._gradient_noise_multiplier), divisor, self._noise)
-        if self.adaptive is not None:
-            self.l2_norm_clip.assign(
-                adaptive_clipping.updated_clip(self.adaptive, clip, global_norms, real, divisor, self._noise)
-            )
-        # The ledger is updated before the step is applied: a crash in between
-        # can only over-count.
-        self._record_step()
-        self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
+        self._nonfinite.update_state(replicas.global_sum(clipped.nonfinite) / replicas.num_replicas())
+        grads = aggregator.release(
+            clipped, divisor, sampling_probability=q, poisson=sampling.poisson,
+            regularization=regularization_gradients(self.model, self.model.trainable_variables),
+        )
+        # DP gradients are never loss-scaled: apply them with the loss-scale optimizer's inner one.
+        optimizer = getattr(self.optimizer, "inner_optimizer", self.optimizer)
+        optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
 
-        # compute_loss divides by the replicas in sync (for Keras's own
-        # gradient all-reduce); the tracker wants this replica's mean loss.
-        loss = self.compute_loss(x, y, y_pred, sample_weight) * replicas.num_replicas()
-        self._loss_tracker.update_state(loss, sample_weight=rows)
-        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        weights = tf.ones([rows]) if sample_weight is None else tf.cast(sample_weight, tf.float32)
+        losses = tf.cast(loss_fn(y, y_pred), tf.float32)
+        weight = tf.reduce_sum(weights)
+        loss = tf.math.divide_no_nan(tf.reduce_sum(losses * weights), weight)
+        if self.model.losses:
+            loss += tf.cast(tf.add_n(self.model.losses), tf.float32)
+        self._loss_tracker.update_state(loss, sample_weight=weight)
+        # Keras's plain `metrics` ignore sample weights: give them the real rows only.
+        real = tf.not_equal(weights, 0)
+        rows_of = lambda tree: tf.nest.map_structure(lambda t: tf.boolean_mask(t, real), tree)
+        logs = self.compute_metrics(x, rows_of(y), rows_of(y_pred), sample_weight=rows_of(weights))
         # This step's own value (the metric above is the epoch's running mean),
         # for callbacks that plot per-step clipping.
-        logs["step_clipped_fraction"] = step_clipped_fraction
+        logs["step_clipped_fraction"] = tf.math.divide_no_nan(clipped_count, counted)
         return logs
-
-    def _clipped_sums(self, loss_fn, x, y, sample_weight, clip):
-        """Clipped-gradient sums and ``[rows]`` norms, in physical chunks if asked."""
-        clip_args = dict(l2_norm_clip=clip, return_norms=True, method=self.method, training=True)
-        if self.physical_batch_size is None:
-            return clipped_gradients(self.model, loss_fn, x, y, sample_weight=sample_weight, **clip_args)
-        p = self.physical_batch_size
-        rows = tf.shape(tf.nest.flatten(x)[0])[0]
-        chunks = (rows + p - 1) // p
-        weights = tf.ones([rows]) if sample_weight is None else tf.cast(sample_weight, tf.float32)
-        data = {"x": x, "sample_weight": weights} | ({} if y is None else {"y": y})
-
-        def chunked(t):  # [rows, ...] -> [chunks, p, ...], zero-padded (weight 0)
-            t = tf.convert_to_tensor(t)
-            t = tf.pad(t, [[0, chunks * p - rows]] + [[0, 0]] * (t.shape.rank - 1))
-            return tf.reshape(t, tf.concat([[chunks, p], tf.shape(t)[1:]], 0))
-
-        data = tf.nest.map_structure(chunked, data)
-        variables = self.model.trainable_variables
-
-        def body(i, sums, norms):
-            part = tf.nest.map_structure(lambda t: t[i], data)
-            s, n = clipped_gradients(
-                self.model, loss_fn, part["x"], part.get("y"), sample_weight=part["sample_weight"], **clip_args
-            )
-            return i + 1, [a + b for a, b in zip(sums, dense_sums(s))], norms.write(i, n)
-
-        _, sums, norms = tf.while_loop(
-            lambda i, *_: i < chunks,
-            body,
-            (tf.constant(0), [tf.zeros(v.shape, v.dtype) for v in variables], tf.TensorArray(tf.float32, size=chunks)),
-        )
-        return sums, tf.reshape(norms.stack(), [-1])[:rows]
 
     @property
     def sampling_probability(self) -> float | None:
@@ -224,33 +276,43 @@ class DPModel(keras.Model):
             return None
         return min(1.0, float(self.expected_batch_size) / self.num_examples)
 
-    def _record_step(self) -> None:
-        """Adds this step to the ledger variables (an unknown ``q`` is recorded as 1, the worst case)."""
-        q = self.sampling_probability
-        self.dp_steps.assign_add(1)
-        self.dp_min_noise_multiplier.assign(
-            tf.minimum(self.dp_min_noise_multiplier, tf.constant(self.noise_multiplier, tf.float64))
-        )
-        self.dp_max_sampling_probability.assign(
-            tf.maximum(self.dp_max_sampling_probability, tf.constant(1.0 if q is None else q, tf.float64))
-        )
-
     def accountant(self, *, accountant: str = "pld") -> PrivacyAccountant:
-        """A ``PrivacyAccountant`` holding the saved ledger: ``dp_steps`` Poisson-sampled steps.
+        """A ``PrivacyAccountant`` holding the saved ledger: ``dp_steps`` sampled steps.
 
         It uses the smallest noise multiplier and the largest sampling
         probability any recorded step used (exactly the run's own when they
-        never changed), so its epsilon never under-reports.
+        never changed), so its epsilon never under-reports; when some step
+        was not Poisson sampled, the accountant is a ``sampling="shuffle"``
+        one, which warns that the number is a heuristic.
         """
-        if self.sampling_probability is None:
-            raise ValueError("accounting needs num_examples and expected_batch_size given to DPModel.")
         steps = int(self.dp_steps.numpy())
-        sigma = float(self.dp_min_noise_multiplier.numpy()) if steps else self.noise_multiplier
         q = float(self.dp_max_sampling_probability.numpy()) if steps else self.sampling_probability
-        ledger = PrivacyAccountant(sigma, q, accountant=accountant)
+        if q is None:
+            raise ValueError("accounting needs num_examples and expected_batch_size given to DPModel, or a fit on poisson_batches.")
+        sigma = float(self.dp_min_noise_multiplier.numpy()) if steps else self.noise_multiplier
+        sampling = "poisson" if int(self.aggregator.poisson.numpy()) else "shuffle"
+        ledger = PrivacyAccountant(sigma, q, accountant=accountant, sampling=sampling)
         ledger.step(steps)
         return ledger
 
     def epsilon(self, delta: float, *, accountant: str = "pld") -> float:
-        """ε spent so far: ``self.accountant(accountant=...).epsilon(delta)``."""
+        """ε spent so far: ``self.accountant(accountant=...).epsilon(delta)``.
+
+        The steps counted are those taken, ``dp_steps``; a ``poisson_batches``
+        epoch has ``round(1 / q)`` of them, so ``compute_epsilon(..., epochs)``,
+        which counts ``ceil(epochs / q)``, can differ by a step.
+        """
+        if self.num_examples is not None:
+            check_run_delta(delta, self.num_examples)
         return self.accountant(accountant=accountant).epsilon(delta)
+
+
+class _ResumeSampling(keras.callbacks.Callback):
+    """Starts a ``poisson_batches`` dataset at the step the ledger reached, after any restore."""
+
+    def __init__(self, source: PoissonSampling, steps):
+        super().__init__()
+        self._source, self._steps = source, steps
+
+    def on_train_begin(self, logs=None):
+        self._source.next_step.assign(self._steps)

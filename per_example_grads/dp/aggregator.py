@@ -1,0 +1,289 @@
+"""``DPAggregator``: one DP-SGD step (clip, noise, divide, count), written once.
+
+``DPModel``, ``GradientAccumulator`` (DP mode) and ``private_gradients`` all
+take their steps through this module:
+
+    g_tilde_t = ( sum_{i in batch} clip_C(g_i) + N(0, (sigma C)^2 I) ) / D  (+ grad R)
+
+- ``clip_C(g) = g * min(1, C / ||g||)`` (per example; 0 for an example whose
+  gradient is NaN or Inf), flat, per layer or adaptive;
+- the noise is drawn **once per logical step** ``t`` and is fresh at every
+  step whatever the seed (``per_example_grads.dp.noise``): an integer seed is
+  folded with the step counter ``t``, which is saved with the weights;
+- the divisor ``D`` never depends on the data: the expected batch size, given
+  or ``q N`` from the sampling, or the number of rows the batch was *padded
+  or cut* to (a constant of the input pipeline), never the realized count;
+- ``grad R`` is the gradient of the model's weight regularizers, which do not
+  depend on the data and so need neither clipping nor noise;
+- one counter, ``steps``, counts every release (noisy gradient) before it is
+  applied, and the ledger beside it records the smallest noise multiplier,
+  the largest sampling probability and whether every step was Poisson
+  sampled, for the accountant.
+
+The aggregator is a Keras layer holding only non-trainable variables, so the
+counter and the ledger are saved with ``save_weights``, ``tf.train.Checkpoint``
+and ``BackupAndRestore`` wherever the model that owns it is.
+
+Inside ``strategy.run`` each replica clips its own shard and adds its share
+of the noise, ``N(0, (sigma C)^2 / R)``; the optimizer's all-reduce sums the
+shares into one noised gradient (``per_example_grads.replicas``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import keras
+import tensorflow as tf
+
+from per_example_grads import replicas
+from per_example_grads.arguments import check_dp_arguments, total_clip
+from per_example_grads.clipping import clipped_gradients, dense_sums
+from per_example_grads.dp import adaptive as adaptive_clipping
+from per_example_grads.dp.accounting import adaptive_clipping_noise_multiplier
+from per_example_grads.dp.noise import NoiseSeed, gaussian_like, noise_source
+
+
+@dataclasses.dataclass
+class ClippedSum:
+    """What one batch (or physical chunk) contributes to a DP step.
+
+    Attributes:
+      sums: ``sum_i clip_C(g_i)``, one ``[*var.shape]`` per variable (an
+        embedding table's may be ``tf.IndexedSlices``).
+      norms: ``[B]`` norms before clipping (over all clipping groups).
+      real: ``[B]`` float, 1 for rows with a non-zero sample weight.
+    """
+
+    sums: list
+    norms: tf.Tensor
+    real: tf.Tensor
+
+    @property
+    def nonfinite(self) -> tf.Tensor:
+        """Scalar float: real examples whose gradient was NaN or Inf (left out of ``sums``)."""
+        return tf.reduce_sum(tf.cast(~tf.math.is_finite(self.norms), tf.float32) * self.real)
+
+
+def noised_average(sums: Sequence, stddev, divisor, seed: NoiseSeed = None, *, step=None) -> list[tf.Tensor]:
+    """``(sums[k] + N(0, stddev^2)) / divisor`` for every k: the noise is added once.
+
+    Inside ``strategy.run`` the noise std is ``stddev / sqrt(R)`` on each of
+    the ``R`` replicas, so the sum of the replicas' results has it once.
+    """
+    sums = dense_sums(sums)  # the noise is dense: every row of an embedding table gets some
+    noise = gaussian_like(sums, replicas.noise_share(stddev), seed, step=step)
+    return [(s + n) / tf.cast(divisor, s.dtype) for s, n in zip(sums, noise)]
+
+
+def regularization_gradients(model: Any, variables: Sequence) -> list | None:
+    """The gradient of the sum of ``model``'s weight regularizers w.r.t. ``variables``, or None if it has none.
+
+    Inside ``strategy.run``, this replica's share (``1 / R`` of it).
+
+    Raises:
+      ValueError: the model has an activity regularizer, a data-dependent
+        loss that DP-SGD would have to clip and noise per example.
+    """
+    if not isinstance(model, keras.layers.Layer):
+        return None
+    layers = list(model._flatten_layers(include_self=True))
+    active = [l.name for l in layers if getattr(l, "activity_regularizer", None) is not None]
+    if active:
+        raise ValueError(
+            f"layers {active} have an activity_regularizer: a loss computed from each batch's "
+            "activations, which private training cannot add without clipping it per example. "
+            "Remove it, or add the penalty to loss_fn per example."
+        )
+    terms = [(v, v.regularizer) for v in variables if getattr(v, "regularizer", None) is not None]
+    if not terms:
+        return None
+    with tf.GradientTape() as tape:
+        total = tf.add_n([tf.cast(r(v), tf.float32) for v, r in terms])
+    grads = tape.gradient(total, list(variables))
+    share = 1.0 / replicas.num_replicas()  # each replica adds its share; the all-reduce sums them
+    return [tf.zeros(v.shape, v.dtype) if g is None else tf.cast(g * share, v.dtype) for g, v in zip(grads, variables)]
+
+
+def _ledger_variable(value, dtype, name):
+    return keras.Variable(value, dtype=dtype, trainable=False, name=name, aggregation="only_first_replica")
+
+
+class DPAggregator(keras.layers.Layer):
+    """The clip settings, noise source, divisor, step counter and privacy ledger of a DP-SGD run.
+
+    Args:
+      l2_norm_clip: ``C > 0``, or per-layer ``{layer_name: C_l}`` (see
+        ``peg.clipped_gradients``). Ignored when ``adaptive_clipping`` is set.
+      noise_multiplier: ``sigma >= 0``, the one the accountant uses.
+      expected_batch_size: the divisor (``q N`` under Poisson sampling); None
+        divides by the rows of each batch (a constant of the pipeline).
+      seed: see ``per_example_grads.dp.noise``; None for real runs.
+      adaptive_clipping: ``peg.dp.AdaptiveClipping`` settings, or None.
+      physical_batch_size: process each batch in chunks of this many rows
+        (flat clipping only).
+      method, training: passed to ``clipped_gradients``.
+
+    Attributes:
+      steps: int64 variable, the releases so far (the step index ``t`` of the
+        next noise draw).
+      min_noise_multiplier, max_sampling_probability: float64 ledger variables.
+      poisson: int64 variable, 1 while every recorded step was Poisson sampled.
+    """
+
+    def __init__(
+        self,
+        *,
+        l2_norm_clip: Any = 1.0,
+        noise_multiplier: Any,
+        expected_batch_size: Any = None,
+        seed: NoiseSeed = None,
+        adaptive_clipping: adaptive_clipping.AdaptiveClipping | None = None,
+        physical_batch_size: int | None = None,
+        method: str = "auto",
+        training: bool = True,
+        name: str = "dp_aggregator",
+    ):
+        super().__init__(name=name)
+        if adaptive_clipping is not None:
+            l2_norm_clip = adaptive_clipping.initial_l2_norm_clip
+        clip, sigma, self.expected_batch_size = check_dp_arguments(l2_norm_clip, noise_multiplier, expected_batch_size)
+        self.noise_multiplier = sigma
+        self.method, self.training = method, training
+        if physical_batch_size is not None:
+            if isinstance(physical_batch_size, bool) or not isinstance(physical_batch_size, int) or physical_batch_size < 1:
+                raise ValueError(f"physical_batch_size must be a positive int; got {physical_batch_size!r}.")
+            if not isinstance(clip, float) and not tf.is_tensor(clip):
+                raise ValueError("physical_batch_size supports a single (flat) l2_norm_clip.")
+        self.physical_batch_size = physical_batch_size
+        self.adaptive = adaptive_clipping
+        if adaptive_clipping is not None:
+            self._gradient_noise_multiplier = adaptive_clipping_noise_multiplier(
+                sigma, adaptive_clipping.clipped_count_stddev, self.expected_batch_size or 1
+            ) if sigma > 0 else 0.0
+            # every replica computes the same next C from the all-reduced noisy count
+            self.l2_norm_clip = _ledger_variable(clip, "float32", "l2_norm_clip")
+        else:
+            self._gradient_noise_multiplier = sigma
+            self.l2_norm_clip = clip
+        self.steps = _ledger_variable(0, "int64", "steps")
+        self.min_noise_multiplier = _ledger_variable(float("inf"), "float64", "min_noise_multiplier")
+        self.max_sampling_probability = _ledger_variable(0.0, "float64", "max_sampling_probability")
+        self.poisson = _ledger_variable(1, "int64", "poisson")
+        self._noise = noise_source(seed)
+        self.built = True
+
+    # -- the step --------------------------------------------------------
+
+    def clip(self):
+        """The clip norm in force: a number or dict, or (adaptive) the variable's current value."""
+        return tf.convert_to_tensor(self.l2_norm_clip) if isinstance(self.l2_norm_clip, keras.Variable) else self.l2_norm_clip
+
+    def clipped_sum(self, model, loss_fn, x, y=None, sample_weight=None, *, variables=None) -> ClippedSum:
+        """``sum_i clip_C(g_i)`` over the batch (in physical chunks if configured), with the norms."""
+        args = dict(l2_norm_clip=self.clip(), return_norms=True, method=self.method, training=self.training, variables=variables)
+        rows = tf.shape(tf.nest.flatten(x)[0])[0]
+        real = tf.ones([rows]) if sample_weight is None else tf.cast(tf.not_equal(sample_weight, 0), tf.float32)
+        if self.physical_batch_size is None:
+            sums, norms = clipped_gradients(model, loss_fn, x, y, sample_weight=sample_weight, **args)
+        else:
+            sums, norms = self._chunked(model, loss_fn, x, y, sample_weight, args, rows)
+        if isinstance(norms, dict):
+            norms = tf.sqrt(tf.add_n([tf.square(tf.cast(n, tf.float32)) for n in norms.values()]))
+        return ClippedSum(sums, tf.cast(norms, tf.float32), real)
+
+    def _chunked(self, model, loss_fn, x, y, sample_weight, args, rows):
+        p = self.physical_batch_size
+        chunks = (rows + p - 1) // p
+        weights = tf.ones([rows]) if sample_weight is None else tf.cast(sample_weight, tf.float32)
+        data = {"x": x, "sample_weight": weights} | ({} if y is None else {"y": y})
+
+        def chunked(t):  # [rows, ...] -> [chunks, p, ...], zero-padded (weight 0)
+            t = tf.convert_to_tensor(t)
+            t = tf.pad(t, [[0, chunks * p - rows]] + [[0, 0]] * (t.shape.rank - 1))
+            return tf.reshape(t, tf.concat([[chunks, p], tf.shape(t)[1:]], 0))
+
+        data = tf.nest.map_structure(chunked, data)
+        variables = args["variables"] if args["variables"] is not None else model.trainable_variables
+
+        def body(i, sums, norms):
+            part = tf.nest.map_structure(lambda t: t[i], data)
+            s, n = clipped_gradients(model, loss_fn, part["x"], part.get("y"), sample_weight=part["sample_weight"], **args)
+            return i + 1, [a + b for a, b in zip(sums, dense_sums(s))], norms.write(i, tf.cast(n, tf.float32))
+
+        _, sums, norms = tf.while_loop(
+            lambda i, *_: i < chunks,
+            body,
+            (tf.constant(0), [tf.zeros(v.shape, v.dtype) for v in variables], tf.TensorArray(tf.float32, size=chunks)),
+        )
+        return sums, tf.reshape(norms.stack(), [-1])[:rows]
+
+    def divisor(self, rows=None):
+        """``expected_batch_size``, else the rows of the (global) batch, at least 1."""
+        if self.expected_batch_size is not None:
+            return self.expected_batch_size
+        if rows is None:
+            raise ValueError("expected_batch_size is needed: the divisor must not depend on the data.")
+        return tf.maximum(replicas.global_sum(tf.cast(rows, tf.float32)), 1.0)
+
+    def release(
+        self,
+        clipped: ClippedSum,
+        divisor,
+        *,
+        sampling_probability=None,
+        poisson: bool = True,
+        regularization: Sequence | None = None,
+    ) -> list[tf.Tensor]:
+        """The noisy average of ``clipped`` (plus ``regularization``), counted as one step.
+
+        Draws the noise of step ``t = steps``, moves an adaptive clip norm,
+        and records the step in the ledger before returning, so a crash
+        between this and the optimizer's update can only over-count.
+
+        Args:
+          sampling_probability: ``q`` this step was sampled with (None: 1,
+            the worst case).
+          poisson: whether the batch was Poisson sampled.
+        """
+        step = tf.convert_to_tensor(self.steps)
+        clip = self.clip()
+        grads = noised_average(
+            clipped.sums, self._gradient_noise_multiplier * total_clip(clip), divisor, self._noise, step=step
+        )
+        if regularization is not None:
+            grads = [g + tf.cast(r, g.dtype) for g, r in zip(grads, regularization)]
+        if self.adaptive is not None:
+            self.l2_norm_clip.assign(
+                adaptive_clipping.updated_clip(
+                    self.adaptive, clip, clipped.norms, clipped.real, divisor,
+                    _count_source(self._noise), step=step,
+                )
+            )
+        self.record_step(sampling_probability, poisson)
+        return grads
+
+    def record_step(self, sampling_probability=None, poisson: bool = True) -> None:
+        """Adds one step to the counter and the ledger."""
+        q = 1.0 if sampling_probability is None else sampling_probability
+        self.steps.assign_add(1)
+        self.min_noise_multiplier.assign(
+            tf.minimum(self.min_noise_multiplier, tf.constant(self.noise_multiplier, tf.float64))
+        )
+        self.max_sampling_probability.assign(tf.maximum(self.max_sampling_probability, tf.cast(q, tf.float64)))
+        if not poisson:
+            self.poisson.assign(0)
+
+    def clipped_fraction(self, clipped: ClippedSum) -> tuple[tf.Tensor, tf.Tensor]:
+        """``(clipped, counted)``: real examples over the clip norm, and real examples, over all replicas."""
+        over = tf.cast(clipped.norms > tf.cast(total_clip(self.clip()), tf.float32), tf.float32)
+        return tuple(replicas.global_sum([tf.reduce_sum(over * clipped.real), tf.reduce_sum(clipped.real)]))
+
+
+def _count_source(source):
+    """An independent stream for adaptive clipping's count: the same generator, or the key folded with a tag."""
+    if isinstance(source, tf.random.Generator):
+        return source
+    return tf.random.experimental.stateless_fold_in(source, 0x636F756E74)
+
