@@ -264,7 +264,7 @@ def poisson_batches(
     Keras ``(x, y, sample_weight)`` one, with the mask as the sample weight.
 
     Padding costs compute: every batch has ``M`` rows, about
-    ``q N + 7 sqrt(q N)`` for the default ``M`` (126 rows for an expected 64,
+    ``q N + 7.5 sqrt(q N)`` for the default ``M`` (126 rows for an expected 64,
     375 for an expected 256 at ``N = 12,000``), and the padded rows are
     computed and then weighted 0. Pass ``max_batch_size`` to trade a higher
     overflow probability for less padding.
