@@ -43,6 +43,8 @@ from per_example_grads.clipping import clipped_gradients, dense_sums
 from per_example_grads.dp import adaptive as adaptive_clipping
 from per_example_grads.dp.accounting import adaptive_clipping_noise_multiplier
 from per_example_grads.dp.noise import NoiseSeed, gaussian_like, noise_source
+from per_example_grads.dp.sampling import real_rows, split_into_chunks
+from per_example_grads.xla_context import in_xla_context
 
 
 @dataclasses.dataclass
@@ -181,43 +183,57 @@ class DPAggregator(keras.layers.Layer):
         return tf.convert_to_tensor(self.l2_norm_clip) if isinstance(self.l2_norm_clip, keras.Variable) else self.l2_norm_clip
 
     def clipped_sum(self, model, loss_fn, x, y=None, sample_weight=None, *, variables=None) -> ClippedSum:
-        """``sum_i clip_C(g_i)`` over the batch (in physical chunks if configured), with the norms."""
+        """``sum_i clip_C(g_i)`` over the batch (in physical chunks if configured), with the ``[B]`` norms.
+
+        Rows of weight 0 (a Poisson batch's padding) contribute exactly
+        nothing, so outside XLA they are not computed at all: the real rows
+        are gathered first, and physical chunks cover only them. The result
+        is the same; the *time* a step takes then grows with the realized
+        batch size, which an observer of the timing could learn (as with
+        Opacus's Poisson sampling). Under XLA, which needs static shapes,
+        every row is computed.
+        """
         args = dict(l2_norm_clip=self.clip(), return_norms=True, method=self.method, training=self.training, variables=variables)
         rows = tf.shape(tf.nest.flatten(x)[0])[0]
-        real = tf.ones([rows]) if sample_weight is None else tf.cast(tf.not_equal(sample_weight, 0), tf.float32)
-        if self.physical_batch_size is None:
-            sums, norms = clipped_gradients(model, loss_fn, x, y, sample_weight=sample_weight, **args)
+        data = {"x": x} | ({} if y is None else {"y": y})
+        if sample_weight is None:
+            real, keep = tf.ones([rows]), None
         else:
-            sums, norms = self._chunked(model, loss_fn, x, y, sample_weight, args, rows)
+            real = tf.cast(tf.not_equal(sample_weight, 0), tf.float32)
+            data["sample_weight"] = sample_weight
+            keep = None if in_xla_context() else real_rows(real)
+        if keep is not None:
+            data = tf.nest.map_structure(lambda t: tf.gather(t, keep), data)
+        if self.physical_batch_size is None:
+            sums, norms = clipped_gradients(model, loss_fn, data["x"], data.get("y"), sample_weight=data.get("sample_weight"), **args)
+        else:
+            sums, norms = self._chunked(model, loss_fn, data, args)
         if isinstance(norms, dict):
             norms = tf.sqrt(tf.add_n([tf.square(tf.cast(n, tf.float32)) for n in norms.values()]))
-        return ClippedSum(sums, tf.cast(norms, tf.float32), real)
+        norms = tf.cast(norms, tf.float32)
+        if keep is not None:  # back to the batch's rows; padding has norm 0
+            norms = tf.scatter_nd(keep[:, None], norms, [rows])
+        return ClippedSum(sums, norms, real)
 
-    def _chunked(self, model, loss_fn, x, y, sample_weight, args, rows):
-        p = self.physical_batch_size
-        chunks = (rows + p - 1) // p
-        weights = tf.ones([rows]) if sample_weight is None else tf.cast(sample_weight, tf.float32)
-        data = {"x": x, "sample_weight": weights} | ({} if y is None else {"y": y})
-
-        def chunked(t):  # [rows, ...] -> [chunks, p, ...], zero-padded (weight 0)
-            t = tf.convert_to_tensor(t)
-            t = tf.pad(t, [[0, chunks * p - rows]] + [[0, 0]] * (t.shape.rank - 1))
-            return tf.reshape(t, tf.concat([[chunks, p], tf.shape(t)[1:]], 0))
-
-        data = tf.nest.map_structure(chunked, data)
+    def _chunked(self, model, loss_fn, data, args):
+        """Clipped sums and norms of ``data``'s rows, ``physical_batch_size`` at a time, in a loop."""
+        chunks, count = split_into_chunks(data, self.physical_batch_size)
+        n = tf.shape(tf.nest.flatten(data)[0])[0]
+        # the padding of the last chunk weighs 0
+        weights = split_into_chunks(data.get("sample_weight", tf.ones([n])), self.physical_batch_size)[0]
         variables = args["variables"] if args["variables"] is not None else model.trainable_variables
 
         def body(i, sums, norms):
-            part = tf.nest.map_structure(lambda t: t[i], data)
-            s, n = clipped_gradients(model, loss_fn, part["x"], part.get("y"), sample_weight=part["sample_weight"], **args)
-            return i + 1, [a + b for a, b in zip(sums, dense_sums(s))], norms.write(i, tf.cast(n, tf.float32))
+            part = tf.nest.map_structure(lambda t: t[i], chunks)
+            s, m = clipped_gradients(model, loss_fn, part["x"], part.get("y"), sample_weight=weights[i], **args)
+            return i + 1, [a + b for a, b in zip(sums, dense_sums(s))], norms.write(i, tf.cast(m, tf.float32))
 
         _, sums, norms = tf.while_loop(
-            lambda i, *_: i < chunks,
+            lambda i, *_: i < count,
             body,
-            (tf.constant(0), [tf.zeros(v.shape, v.dtype) for v in variables], tf.TensorArray(tf.float32, size=chunks)),
+            (tf.constant(0), [tf.zeros(v.shape, v.dtype) for v in variables], tf.TensorArray(tf.float32, size=count)),
         )
-        return sums, tf.reshape(norms.stack(), [-1])[:rows]
+        return sums, tf.reshape(norms.stack(), [-1])[:n]
 
     def divisor(self, rows=None):
         """``expected_batch_size``, else the rows of the (global) batch, at least 1."""
@@ -271,7 +287,8 @@ class DPAggregator(keras.layers.Layer):
         self.min_noise_multiplier.assign(
             tf.minimum(self.min_noise_multiplier, tf.constant(self.noise_multiplier, tf.float64))
         )
-        self.max_sampling_probability.assign(tf.maximum(self.max_sampling_probability, tf.cast(q, tf.float64)))
+        q = tf.cast(q, tf.float64) if tf.is_tensor(q) else tf.constant(q, tf.float64)  # no float32 detour
+        self.max_sampling_probability.assign(tf.maximum(self.max_sampling_probability, q))
         if not poisson:
             self.poisson.assign(0)
 

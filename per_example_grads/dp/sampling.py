@@ -510,29 +510,40 @@ def poisson_batches_from_dataset(
 # --------------------------------------------------------------------------
 
 
+def real_rows(mask: tf.Tensor) -> tf.Tensor:
+    """``[b]`` int64 indices of the rows with a non-zero mask value, in order."""
+    return tf.where(tf.not_equal(mask, 0))[:, 0]
+
+
+def split_into_chunks(tree: Any, p: int):
+    """Every ``[n, ...]`` leaf of ``tree`` as ``[C, P, ...]`` (zero-padded), ``C = max(1, ceil(n / P))``.
+
+    Works eagerly, in graphs and under XLA (static ``n`` gives static
+    shapes). Returns ``(stacked tree, C)``.
+    """
+    n = tf.shape(tf.nest.flatten(tree)[0])[0]
+    num_chunks = tf.maximum(1, (n + p - 1) // p)
+
+    def split(leaf):
+        padded = _pad_rows(leaf, n, num_chunks * p)
+        stacked = tf.reshape(padded, tf.concat([[num_chunks, p], tf.shape(leaf)[1:]], axis=0))
+        stacked.set_shape(tf.TensorShape([None, p]).concatenate(leaf.shape[1:]))
+        return stacked
+
+    return tf.nest.map_structure(split, tree), num_chunks
+
+
 def _stack_chunks(x: Any, y: Any, mask: tf.Tensor, p: int):
     """Real rows of one logical batch as ``[C, P, ...]`` stacks, ``C >= 1``.
 
     Works eagerly and in graphs. Returns ``(x_stack, y_stack, mask_stack
     [C, P], is_last [C], C)``.
     """
-    keep = tf.where(mask != 0)[:, 0]
-    b = tf.size(keep)
-    num_chunks = tf.maximum(1, (b + p - 1) // p)
-    rows = num_chunks * p
-
-    def split(leaf):
-        padded = _pad_rows(tf.gather(leaf, keep), b, rows)
-        new_shape = tf.concat([[num_chunks, p], tf.shape(leaf)[1:]], axis=0)
-        stacked = tf.reshape(padded, new_shape)
-        stacked.set_shape(tf.TensorShape([None, p]).concatenate(leaf.shape[1:]))
-        return stacked
-
-    xs = tf.nest.map_structure(split, x)
-    ys = None if y is None else tf.nest.map_structure(split, y)
-    ms = split(mask)
+    keep = real_rows(mask)
+    tree = {"x": x, "mask": mask} | ({} if y is None else {"y": y})
+    stacks, num_chunks = split_into_chunks(tf.nest.map_structure(lambda t: tf.gather(t, keep), tree), p)
     is_last = tf.equal(tf.range(num_chunks), num_chunks - 1)
-    return xs, ys, ms, is_last, num_chunks
+    return stacks["x"], stacks.get("y"), stacks["mask"], is_last, num_chunks
 
 
 def _check_chunk_inputs(x: Any, y: Any, mask: Any, physical_batch_size: Any):
