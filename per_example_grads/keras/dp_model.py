@@ -27,6 +27,10 @@ class _FitSampling:
     divisor: float | None  # None: the rows of each batch
     source: PoissonSampling | None = None
 
+    def traced_as(self) -> tuple:
+        """What the traced train step depends on (the dataset object itself is not)."""
+        return self.poisson, self.sampling_probability, self.divisor
+
 
 class DPModel(keras.Model):
     """A Keras model trained with DP-SGD.
@@ -67,9 +71,9 @@ class DPModel(keras.Model):
     stays bounded by the clip norm; a Poisson batch's mask is passed as
     ``sample_weight`` (padded rows then contribute nothing). The reported
     ``loss`` and metrics come from an inference-mode forward pass on the batch
-    before the update, over the rows with a non-zero weight only (padding
-    never counts), the loss including the regularization penalty as Keras
-    reports it. ``clipped_fraction`` (epoch running mean) and
+    before the update, weighted by ``sample_weight`` (``compile`` makes
+    ``metrics`` weighted ones), so padding never counts; the loss includes
+    the regularization penalty, as Keras reports it. ``clipped_fraction`` (epoch running mean) and
     ``step_clipped_fraction`` (this step's) are logged as well; they are
     computed from the private gradient norms, so do not publish them without
     accounting for them.
@@ -173,10 +177,25 @@ class DPModel(keras.Model):
     def metrics(self):
         return super().metrics + [self._clipped_fraction, self._nonfinite]
 
+    def compile(self, optimizer="rmsprop", loss=None, loss_weights=None, metrics=None, weighted_metrics=None, **kwargs):
+        """``keras.Model.compile``, with ``metrics`` computed as ``weighted_metrics``.
+
+        Keras's plain metrics ignore ``sample_weight``; here it is the
+        Poisson mask, so they would count the padded rows. Weighted by it,
+        padding (weight 0) never counts, under XLA too.
+        """
+        if isinstance(metrics, (list, tuple)):
+            weighted_metrics = list(weighted_metrics or []) + list(metrics)
+            metrics = None
+        super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights, metrics=metrics,
+                        weighted_metrics=weighted_metrics, **kwargs)
+
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
         """``keras.Model.fit``, with the sampling of ``x`` checked against the accounting (class docstring)."""
-        self._fit_sampling = self._sampling_of(x, batch_size)
-        self.train_function = None  # retrace: the step uses this fit's sampling
+        sampling = self._sampling_of(x, batch_size)
+        if sampling.traced_as() != self._fit_sampling.traced_as():
+            self.train_function = None  # retrace: the step uses this fit's sampling
+        self._fit_sampling = sampling
         if isinstance(x, tf.data.Dataset) and not args:
             kwargs.setdefault("shuffle", False)  # a dataset is never shuffled by fit; say nothing about it
         source = self._fit_sampling.source
@@ -260,10 +279,7 @@ class DPModel(keras.Model):
         if self.model.losses:
             loss += tf.cast(tf.add_n(self.model.losses), tf.float32)
         self._loss_tracker.update_state(loss, sample_weight=weight)
-        # Keras's plain `metrics` ignore sample weights: give them the real rows only.
-        real = tf.not_equal(weights, 0)
-        rows_of = lambda tree: tf.nest.map_structure(lambda t: tf.boolean_mask(t, real), tree)
-        logs = self.compute_metrics(x, rows_of(y), rows_of(y_pred), sample_weight=rows_of(weights))
+        logs = self.compute_metrics(x, y, y_pred, sample_weight=weights)
         # This step's own value (the metric above is the epoch's running mean),
         # for callbacks that plot per-step clipping.
         logs["step_clipped_fraction"] = tf.math.divide_no_nan(clipped_count, counted)
