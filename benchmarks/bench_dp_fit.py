@@ -1,0 +1,104 @@
+"""One private epoch against one plain Keras epoch, side by side in one process.
+
+    .venv/bin/python benchmarks/bench_dp_fit.py                      # all models, expected batch 256 and 1024
+    .venv/bin/python benchmarks/bench_dp_fit.py --models mlp --expected-batch-sizes 256 --repeats 3
+
+For each model of ``bench_layerwise.build`` and each expected batch size ``b``
+(``N = 12,000`` synthetic examples, SGD, sparse categorical cross-entropy):
+
+- ``plain``: ``keras.Model.fit(x, y, batch_size=b)``, one epoch of ``ceil(N / b)`` steps;
+- ``dp``: ``peg.keras.DPModel.fit`` on ``peg.dp.poisson_batches(x, y, q=b/N)``,
+  one epoch of ``round(N / b)`` Poisson steps, without physical chunks and
+  with chunks of 64 and 128 rows.
+
+Each configuration trains its own copy of the model (same initial weights).
+Epochs are timed round-robin (one epoch of every configuration, then the
+next round), so machine load hits all alike; the first epoch of each (tracing)
+is not timed. Reported: the median epoch time, its ratio to the plain epoch,
+and the milliseconds the private step adds to a plain step
+(``dp epoch / dp steps - plain epoch / plain steps``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+N = 12_000
+
+
+def configurations(name: str, b: int):
+    """``{label: (fit_one_epoch, steps per epoch)}``, each on its own copy of the model."""
+    import keras
+    import numpy as np
+
+    import per_example_grads as peg
+    from bench_layerwise import build
+
+    template, x, y = build(name, N)
+    weights = template.get_weights()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    q = b / N
+    out = {}
+
+    def copy():
+        m = keras.models.clone_model(template)
+        m.set_weights(weights)
+        return m
+
+    plain = copy()
+    plain.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
+    out["plain"] = (lambda: plain.fit(x, y, batch_size=b, epochs=1, verbose=0), math.ceil(N / b))
+    for chunk in (None, 64, 128):
+        if chunk is not None and chunk >= b:
+            continue
+        dp = peg.keras.DPModel(copy(), l2_norm_clip=1.0, noise_multiplier=1.0, physical_batch_size=chunk)
+        dp.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
+        data = peg.dp.poisson_batches(x, y, sampling_probability=q, seed=0)
+        label = "dp" if chunk is None else f"dp, chunks of {chunk}"
+        out[label] = ((lambda dp, data: lambda: dp.fit(data, epochs=1, verbose=0))(dp, data), data.pegrad_sampling.steps)
+    return out
+
+
+def run(models, sizes, repeats):
+    print(f"N = {N}; median of {repeats} epochs after one untimed epoch; `python {' '.join(sys.argv)}`\n")
+    print("| model | expected batch | configuration | steps/epoch | epoch s | / plain epoch | ms added per step |")
+    print("|---|---|---|---|---|---|---|", flush=True)
+    for name in models:
+        for b in sizes:
+            configs = configurations(name, b)
+            times = {k: [] for k in configs}
+            for round_ in range(repeats + 1):
+                for label, (fit, _) in configs.items():
+                    start = time.perf_counter()
+                    fit()
+                    if round_:
+                        times[label].append(time.perf_counter() - start)
+            plain_epoch = statistics.median(times["plain"])
+            plain_step = plain_epoch / configs["plain"][1]
+            for label, (_, steps) in configs.items():
+                epoch = statistics.median(times[label])
+                added = "" if label == "plain" else f"{(epoch / steps - plain_step) * 1e3:+.1f}"
+                print(f"| {name} | {b} | {label} | {steps} | {epoch:.2f} | {epoch / plain_epoch:.2f} | {added} |", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="mlp,cnn,transformer,embedding_bag")
+    parser.add_argument("--expected-batch-sizes", default="256,1024")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    run(args.models.split(","), [int(s) for s in args.expected_batch_sizes.split(",")], args.repeats)
+
+
+if __name__ == "__main__":
+    main()
