@@ -60,7 +60,13 @@ import tensorflow as tf
 
 from per_example_grads.layers import outer_products as op
 from per_example_grads.layers.local import LocalRule, without_activation
-from per_example_grads.layerwise.rule import LayerRule, per_example_squared_norms, register_layer_rule, reparametrized
+from per_example_grads.layerwise.rule import (
+    LayerRule,
+    per_example_squared_norms,
+    register_layer_rule,
+    reparametrized,
+    weighted_example_sum,
+)
 from per_example_grads.xla_context import in_xla_context
 
 NORMS_JIT_COMPILE = True
@@ -208,7 +214,7 @@ _sliced_norms_xla = tf.function(_sliced_norms, jit_compile=True, reduce_retracin
 
 def kept_weighted_sum(kernels: tf.Tensor, weights: tf.Tensor, shape) -> tf.Tensor:
     """``[*shape]``: ``sum_n weights[n] kernels[n]``, ``kernels`` ``[B, f, k]`` or ``[B, k, f]`` as kept."""
-    s = tf.tensordot(tf.cast(weights, kernels.dtype), kernels, axes=1)
+    s = weighted_example_sum(weights, kernels)
     if s.shape[1] != shape[-1]:  # kept as [k, f]
         s = tf.transpose(s)
     return tf.reshape(s, shape)
@@ -277,7 +283,7 @@ class ConvPatchesRule(LayerRule):
             kernels, biases = kept
             out = [kept_weighted_sum(kernels, weights, layer.kernel.shape)]
             if layer.use_bias:
-                out.append(tf.tensordot(tf.cast(weights, biases.dtype), biases, axes=1))
+                out.append(weighted_example_sum(weights, biases))
         else:
             a, g = saved[0][0], grads[0]
             out = [weighted_kernel_sum(ConvSpec.of(layer), layer.kernel, a, g, weights)]

@@ -107,7 +107,7 @@ class LayerRule:
 
         By default ``kept`` is the per-example gradients: ``sum_i weights[i] kept[k][i]``.
         """
-        return [tf.tensordot(tf.cast(weights, t.dtype), t, axes=1) for t in kept]
+        return [weighted_example_sum(weights, t) for t in kept]
 
     def weighted_sum(self, layer, saved, grads, weights: tf.Tensor) -> list[tf.Tensor]:
         """``sum_i weights[i] * grad_i`` per variable: list of ``[*var.shape]``.
@@ -202,3 +202,15 @@ def per_example_squared_norms(t: tf.Tensor) -> tf.Tensor:
     t = tf.cast(t, tf.float64 if t.dtype == tf.float64 else tf.float32)
     rows = tf.reshape(t, [tf.shape(t)[0], 1, -1])
     return tf.reshape(tf.linalg.matmul(rows, rows, transpose_b=True), [-1])
+
+
+def weighted_example_sum(weights: tf.Tensor, t: tf.Tensor) -> tf.Tensor:
+    """``sum_i weights[i] * t[i]``: ``[*t.shape[1:]]`` from ``[B]`` weights and ``[B, ...]`` ``t``.
+
+    One matrix-vector product on ``t`` viewed as ``[B, n]``; ``tf.tensordot``
+    builds the same from a dozen shape ops, which cost more than the product
+    on small layers.
+    """
+    flat = tf.reshape(t, [tf.shape(t)[0], -1])
+    total = tf.linalg.matvec(flat, tf.cast(weights, t.dtype), transpose_a=True)
+    return tf.reshape(total, t.shape[1:] if t.shape[1:].is_fully_defined() else tf.shape(t)[1:])
