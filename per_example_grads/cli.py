@@ -146,7 +146,10 @@ def _start_tensorflow(*, report_device: bool) -> None:
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
     return value
@@ -285,14 +288,27 @@ def _add_diagnose_parser(subparsers: "argparse._SubParsersAction") -> None:
 def _run_diagnose(args: argparse.Namespace) -> int:
     if (args.model is None) != (args.data is None):
         args.parser.error("give both MODEL.keras and DATA.npz, or neither for the demo model")
-    _start_tensorflow(report_device=True)
-    from per_example_grads.diagnostics.command import run_diagnose
+    # Importing the command loads numpy only: bad paths fail before TensorFlow loads.
+    from per_example_grads.diagnostics.command import DiagnoseInputError, check_paths
 
-    run_diagnose(
-        args.out, args.model, args.data, fast=args.fast, batch_size=args.batch_size,
-        top_k=args.top_k, loss=args.loss, seed=args.seed,
-    )
+    try:
+        check_paths(args.out, args.model, args.data)
+        _start_tensorflow(report_device=True)
+        from per_example_grads.diagnostics.command import run_diagnose
+
+        run_diagnose(
+            args.out, args.model, args.data, fast=args.fast, batch_size=args.batch_size,
+            top_k=args.top_k, loss=args.loss, seed=args.seed,
+        )
+    except DiagnoseInputError as e:
+        return _input_error(args.parser, e)
     return 0
+
+
+def _input_error(parser: argparse.ArgumentParser, error: Exception) -> int:
+    """A file or value the command cannot use: one line on stderr, exit status 2."""
+    print(f"{parser.prog}: error: {error}", file=sys.stderr)
+    return 2
 
 
 _SUBCOMMANDS: tuple[_Adder, ...] = (_add_demo_parser, _add_epsilon_parser, _add_diagnose_parser)

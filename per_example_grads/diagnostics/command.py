@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +38,154 @@ def suggest_batch_size(noise_scale: float, current_batch_size: int) -> tuple[int
     return suggested, max(1, math.ceil(suggested / current_batch_size))
 
 
+class DiagnoseInputError(ValueError):
+    """A MODEL.keras, DATA.npz, --loss or --out that ``pegrad diagnose`` cannot use.
+
+    Its message is one line, naming the file and what is wrong with it;
+    ``pegrad`` prints it as ``pegrad diagnose: error: MESSAGE`` and exits 2.
+    """
+
+
+MODEL_SUFFIXES = (".keras", ".h5", ".hdf5")
+
+
+def check_paths(
+    out_dir: str | Path, model_path: str | Path | None, data_path: str | Path | None
+) -> None:
+    """Checks what can be checked without reading the files (or importing TensorFlow).
+
+    Raises:
+      DiagnoseInputError: only one of model and data given; a path that does
+        not exist, is a folder, or (model) lacks a Keras suffix or (data) is
+        not a zip archive, as every ``.npz`` is; ``out_dir`` an existing file.
+    """
+    if (model_path is None) != (data_path is None):
+        raise DiagnoseInputError("give both MODEL.keras and DATA.npz, or neither (the demo model)")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise DiagnoseInputError(f"--out {out} exists and is not a folder")
+    ancestor = out.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise DiagnoseInputError(f"--out {out} cannot be created: {ancestor} is not a folder")
+    if model_path is None:
+        return
+    model, data = Path(model_path), Path(data_path)
+    for what, path in (("model", model), ("data", data)):
+        if not path.exists():
+            raise DiagnoseInputError(f"{what} file not found: {path}")
+        if path.is_dir():
+            raise DiagnoseInputError(f"{what} file {path} is a folder")
+    if model.suffix.lower() not in MODEL_SUFFIXES:
+        raise DiagnoseInputError(
+            f"model file {model} is not a Keras model file: expected a .keras file "
+            "(or a legacy .h5) written by model.save()"
+        )
+    if not zipfile.is_zipfile(data):
+        raise DiagnoseInputError(
+            f"data file {data} is not an .npz archive: write one with numpy.savez(path, x=x, y=y)"
+        )
+
+
 def load_npz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
-    """``(x, y)`` from an ``.npz`` with arrays ``x`` and ``y``."""
-    with np.load(path) as arrays:
+    """``(x, y)`` from an ``.npz`` with arrays ``x`` and ``y`` sharing their first axis.
+
+    Raises:
+      DiagnoseInputError: the file cannot be read as an ``.npz``, lacks ``x``
+        or ``y``, holds Python objects (pickles are never loaded), or its
+        arrays disagree on the number of examples or hold none.
+    """
+    try:
+        arrays = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, zipfile.BadZipFile) as e:
+        raise DiagnoseInputError(f"data file {path} could not be read as an .npz archive ({_first_line(e)})") from e
+    if not isinstance(arrays, np.lib.npyio.NpzFile):
+        raise DiagnoseInputError(
+            f"data file {path} holds a single array, not an .npz archive with arrays x and y"
+        )
+    with arrays:
         missing = {"x", "y"} - set(arrays.files)
         if missing:
-            raise ValueError(f"{path} must hold arrays 'x' and 'y'; it has {sorted(arrays.files)}.")
-        return arrays["x"], arrays["y"]
+            raise DiagnoseInputError(
+                f"data file {path} must hold arrays 'x' and 'y'; it has {sorted(arrays.files)}"
+            )
+        loaded = {}
+        for name in ("x", "y"):
+            try:
+                loaded[name] = arrays[name]
+            except ValueError as e:  # object arrays need pickle, which stays off
+                raise DiagnoseInputError(
+                    f"array '{name}' in data file {path} holds Python objects (dtype=object); "
+                    "save numeric arrays"
+                ) from e
+            except (OSError, zipfile.BadZipFile) as e:
+                raise DiagnoseInputError(f"array '{name}' in data file {path} is unreadable ({_first_line(e)})") from e
+    x, y = loaded["x"], loaded["y"]
+    if x.ndim == 0 or y.ndim == 0:
+        raise DiagnoseInputError(f"data file {path}: x and y must have an examples axis; got shapes {x.shape} and {y.shape}")
+    if len(x) != len(y):
+        raise DiagnoseInputError(f"data file {path}: x has {len(x)} examples but y has {len(y)}")
+    if len(x) == 0:
+        raise DiagnoseInputError(f"data file {path} holds no examples")
+    return x, y
+
+
+def load_model(path: str | Path, loss: str | None):
+    """``(model, loss)`` from a saved Keras model; ``loss`` overrides its compiled loss.
+
+    Raises:
+      DiagnoseInputError: the file does not load, it has no compiled loss and
+        ``loss`` is None, or ``loss`` is not a Keras loss name.
+    """
+    import keras
+
+    try:
+        model = keras.models.load_model(path)
+    except Exception as e:  # noqa: BLE001 - Keras raises many types for a bad file
+        raise DiagnoseInputError(f"model file {path} could not be loaded ({type(e).__name__}: {_first_line(e)})") from e
+    if loss is not None:
+        check_loss_name(loss)
+        return model, loss
+    compiled = getattr(model, "loss", None)
+    if compiled is None:
+        raise DiagnoseInputError(f"model file {path} was saved without a compiled loss; pass --loss NAME")
+    return model, compiled
+
+
+def check_loss_name(loss: str) -> None:
+    """Refuses a ``--loss`` that Keras does not know."""
+    import keras
+
+    try:
+        keras.losses.get(loss)
+    except (ValueError, TypeError) as e:
+        raise DiagnoseInputError(
+            f"--loss {loss!r} is not a Keras loss name (for example sparse_categorical_crossentropy or mse)"
+        ) from e
+
+
+def check_model_input(model: Any, x: np.ndarray, path: str | Path) -> None:
+    """Refuses ``x`` whose example shape a single-input model cannot take."""
+    inputs = getattr(model, "inputs", None)
+    if not inputs or len(inputs) != 1 or inputs[0].shape is None:
+        return
+    expected = tuple(inputs[0].shape)[1:]
+    got = tuple(x.shape[1:])
+    if len(expected) != len(got) or any(e is not None and e != g for e, g in zip(expected, got)):
+        raise DiagnoseInputError(
+            f"x in data file {path} has examples of shape {_shape(got)}; the model takes {_shape(expected)}"
+        )
+
+
+def _shape(dims: tuple) -> str:
+    text = ", ".join("None" if d is None else str(d) for d in dims)
+    return f"({text},)" if len(dims) == 1 else f"({text})"
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
 
 
 def _demo_model(fast: bool, seed: int, say) -> tuple[Any, Any, np.ndarray, np.ndarray]:
@@ -100,25 +242,26 @@ def run_diagnose(
     Returns:
       ``{"report": GradientReport.to_dict(), "suggested_batch_size",
       "accumulation_steps", "files": [paths], "seconds"}``.
+
+    Raises:
+      DiagnoseInputError: for a model, data, loss or output folder it cannot
+        use (see ``check_paths``, ``load_npz``, ``load_model``,
+        ``check_model_input``); then nothing has been written.
     """
     started = time.perf_counter()
     say = print if verbose else (lambda *a, **k: None)
+    check_paths(out_dir, model_path, data_path)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if (model_path is None) != (data_path is None):
-        raise ValueError("give both MODEL.keras and DATA.npz, or neither (the demo model).")
     if model_path is None:
+        if loss is not None:
+            check_loss_name(loss)
         model, loss_fn, x, y = _demo_model(fast, seed, say)
         if loss is not None:
             loss_fn = loss
     else:
-        import keras
-
-        model = keras.models.load_model(model_path)
-        loss_fn = loss if loss is not None else getattr(model, "loss", None)
-        if loss_fn is None:
-            raise ValueError(f"{model_path} was saved without a compiled loss; pass --loss NAME.")
         x, y = load_npz(data_path)
+        model, loss_fn = load_model(model_path, loss)
+        check_model_input(model, x, data_path)
         if fast:
             x, y = x[:FAST_EXAMPLES], y[:FAST_EXAMPLES]
         if np.issubdtype(x.dtype, np.floating) and x.dtype != np.float32:
@@ -132,6 +275,11 @@ def run_diagnose(
     )
     d = report.to_dict()
     suggested, accumulation = suggest_batch_size(report.noise_scale, batch_size)
+    # Only now, with everything computed, is anything written.
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DiagnoseInputError(f"--out {out} could not be created ({_first_line(e)})") from e
     files = [out / "report.json", out / "report.png", out / "norms_histogram.png"]
     with open(files[0], "w") as f:
         json.dump({**d, "suggested_batch_size": suggested, "accumulation_steps": accumulation,
