@@ -43,6 +43,27 @@ _MIN_MEASUREMENT_S = 0.01
 _MAX_CALLS_PER_MEASUREMENT = 64
 BASELINE = "batch gradient"
 HISTOGRAM_NAME = "norms_histogram.png"
+DATA_NAME = "UCI handwritten digits (8x8)"
+
+# What the printed tables mean, printed under each.
+NORMS_LEGEND = (
+    "  norm: the L2 norm of one example's own loss gradient over all {params:,} parameters\n"
+    "  (cross-entropy in nats; the trained model, in inference mode). Large: the model has\n"
+    "  not fitted the example; near 0: fitted with confidence. class: the true label;\n"
+    "  count: training examples of that class; mean, median, max: of their norms; all: every class."
+)
+TOP_LEGEND = (
+    "  index: row of per_example_grads.data.load_digits(); label: the true class;\n"
+    "  predicted: the model's class, marked * when it differs from the label (misclassified)."
+)
+TIMINGS_LEGEND = (
+    "  ms/batch: milliseconds per call of one traced tf.function returning all {batch}\n"
+    "  per-example gradients, on this machine: the median of {repeats} measurements after a\n"
+    "  warm-up call, each the mean of enough back-to-back calls to last 10 ms (at most 64).\n"
+    "  vs batch grad: that time over the first row's, one tape.gradient of the mean loss\n"
+    "  (which gives no per-example gradients). auto: what method=\"auto\" runs, the first\n"
+    "  of layerwise, vectorized, weight_copies, loop that handles the model."
+)
 
 
 def run_demo(
@@ -125,18 +146,16 @@ def run_demo(
 
     norm_stats = class_norm_stats(norms, y_train)
     say("Per-example gradient norms by class (training set):")
-    say(format_norm_stats(norm_stats, norms) + "\n")
+    say(format_norm_stats(norm_stats, norms))
+    say(NORMS_LEGEND.format(params=model.count_params()) + "\n")
 
     top = top_examples(norms, y_train, predicted, train_index)
-    say(f"The {len(top)} training examples with the largest gradient norms")
-    say("(often mislabeled or unusual digits; index = row of data.load_digits()):")
-    say(format_top_examples(top) + "\n")
+    say(f"The {len(top)} training examples with the largest gradient norms (often mislabeled or unusual digits):")
+    say(format_top_examples(top))
+    say(TOP_LEGEND + "\n")
 
     repeats = FAST_TIMING_REPEATS if fast else TIMING_REPEATS
-    say(
-        f"Timing one batch of {TIMING_BATCH_SIZE} "
-        f"(tf.function, median of {repeats} measurements after a warm-up):"
-    )
+    say(f"Time for one batch of {TIMING_BATCH_SIZE} examples, per method:")
     timings = time_methods(
         model,
         loss,
@@ -144,7 +163,8 @@ def run_demo(
         y_train[:TIMING_BATCH_SIZE],
         repeats=repeats,
     )
-    say(format_timings(timings) + "\n")
+    say(format_timings(timings))
+    say(TIMINGS_LEGEND.format(batch=TIMING_BATCH_SIZE, repeats=repeats) + "\n")
 
     png_path = out_dir / HISTOGRAM_NAME
     save_norms_histogram(norms, png_path, title_suffix=f"{len(norms)} training digits")
