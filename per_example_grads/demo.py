@@ -26,6 +26,7 @@ import tensorflow as tf
 from tqdm import tqdm
 
 import per_example_grads as peg
+from per_example_grads import plots
 from per_example_grads.data import N_CLASSES, N_FEATURES, train_test_split_digits
 
 DEFAULT_EPOCHS = 15
@@ -167,7 +168,12 @@ def run_demo(
     say(TIMINGS_LEGEND.format(batch=TIMING_BATCH_SIZE, repeats=repeats) + "\n")
 
     png_path = out_dir / HISTOGRAM_NAME
-    save_norms_histogram(norms, png_path, title_suffix=f"{len(norms)} training digits")
+    save_norms_histogram(
+        norms,
+        png_path,
+        title=f"{model.name} ({model.count_params():,} parameters, {epochs} training "
+        f"epoch{'' if epochs == 1 else 's'}) on {len(norms):,} {DATA_NAME} training examples",
+    )
     say(f"Histogram of the norms: {png_path}")
 
     return {
@@ -322,39 +328,18 @@ def time_methods(
     return {name: {"ms": t, "ratio": t / ms[BASELINE]} for name, t in ms.items()}
 
 
-def save_norms_histogram(norms: np.ndarray, path: str | Path, *, title_suffix: str = "") -> Path:
-    """Writes a log-scale histogram of ``[N]`` norms to ``path`` (PNG).
+def save_norms_histogram(
+    norms: np.ndarray, path: str | Path, *, title: str | None = None, title_suffix: str = ""
+) -> Path:
+    """Writes ``per_example_grads.plots.norms_histogram_figure(norms, title=...)`` to ``path`` (PNG).
 
-    Uses matplotlib's Agg canvas directly, so the global pyplot backend is
-    left alone. Zero norms cannot sit on a log axis; they are counted in the
-    title instead.
+    ``title`` names the model and data; without it, ``title_suffix`` (the
+    older argument) is appended to a generic title.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     path = Path(path)
-    positive = norms[norms > 0]
-    fig = Figure(figsize=(7, 4.5), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    if len(positive):
-        low, high = float(positive.min()), float(positive.max())
-        bins = np.geomspace(low, high if high > low else low * 10, 40)
-        ax.hist(positive, bins=bins, color="tab:blue", edgecolor="white", linewidth=0.5)
-        ax.set_xscale("log")
-        median = float(np.median(positive))
-        ax.axvline(median, color="tab:orange", linestyle="--", label=f"median {median:.2g}")
-        ax.legend()
-    title = "Per-example gradient norms"
-    if title_suffix:
-        title += f", {title_suffix}"
-    zeros = len(norms) - len(positive)
-    if zeros:
-        title += f" ({zeros} zero norms not shown)"
-    ax.set_title(title)
-    ax.set_xlabel("global L2 norm of the example's loss gradient (log scale)")
-    ax.set_ylabel("number of examples")
-    fig.tight_layout()
+    if title is None:
+        title = f"{len(norms)} examples" + (f", {title_suffix}" if title_suffix else "")
+    fig = plots.norms_histogram_figure(norms, title=title)
     fig.savefig(path, format="png")
     return path
 
