@@ -45,6 +45,19 @@ L2_NORM_CLIP = 1.0
 PLOT_NAME = "dp_training.png"
 DATA_NAME = "UCI handwritten digits"
 
+# What the printed tables mean, printed under each.
+COMPARISON_LEGEND = (
+    "  test accuracy: share of the {test} held-out digits classified correctly after the\n"
+    "  last epoch; epsilon (PLD): the privacy spent at delta = {delta:g}, by the PLD accountant\n"
+    "  (inf: no guarantee); train s: wall-clock seconds of training, per-epoch evaluations included."
+)
+SETTINGS_LEGEND = (
+    "  The three epsilons are for the same run: two PLD computations that must agree, and\n"
+    "  the looser Renyi-DP bound. sigma: noise standard deviation / clip norm; q: the chance\n"
+    "  that an example joins a step (Poisson sampling); clip norm: C, the largest L2 norm an\n"
+    "  example's gradient keeps; s: seconds spent finding sigma and computing the epsilons."
+)
+
 
 def run_dp_demo(
     out_dir: str | Path,
@@ -107,7 +120,8 @@ def run_dp_demo(
       (including the per-epoch evaluations); ``calibration_seconds``: the
       search for sigma; ``accounting_seconds``: the three epsilon
       computations after training; ``seconds``: wall time of the whole demo;
-      ``png_path`` (str).
+      ``model``, ``data``: the network and data set, in words (the plot's
+      title); ``png_path`` (str).
     """
     started = time.perf_counter()
     say = print if verbose else _silent
@@ -232,8 +246,10 @@ def run_dp_demo(
         "data": DATA_NAME,
     }
     say("")
-    say(format_comparison(result) + "\n")
-    say(format_settings(result) + "\n")
+    say(format_comparison(result))
+    say(COMPARISON_LEGEND.format(test=result["test_size"], delta=result["delta"]) + "\n")
+    say(format_settings(result))
+    say(SETTINGS_LEGEND + "\n")
     say(
         "The clipped fractions in the plot are computed from the private data and "
         "are not covered by epsilon."

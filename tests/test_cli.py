@@ -78,6 +78,7 @@ def test_public_names_resolve_lazily():
         assert getattr(peg, name) is not None, name
     assert {"diagnostics", "layerwise", "dp", "keras"} <= set(peg.__all__)
     assert callable(peg.dp.private_gradients)
+    assert callable(peg.clipping.dense_sums)  # submodules as attributes, as the README uses them
     assert callable(peg.diagnostics.gradient_statistics)
     assert peg.keras.DPModel.__name__ == "DPModel"
     assert "layerwise" in peg.METHODS

@@ -133,6 +133,10 @@ def test_dp_demo_prints_the_comparison(dp_run):
     ]:
         assert re.search(rf"^{label}\s+{re.escape(value)}$", out, re.M), label
     assert "Wall time of the demo" in out
+    # Every column and row is explained under its table.
+    assert "test accuracy: share of the 359 held-out digits" in out
+    assert "epsilon (PLD): the privacy spent at delta = 1e-05" in out and "train s: wall-clock seconds" in out
+    assert "sigma: noise standard deviation / clip norm; q: the chance" in out
 
 
 # --- argument handling, without training ------------------------------------------
