@@ -117,3 +117,25 @@ def test_a_command_that_loads_tensorflow_prints_none_of_its_startup_notices():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr == ""
     assert "epsilon = " in proc.stdout
+
+
+def test_main_restores_the_tensorflow_logger_level(capsys):
+    """``pegrad`` quiets the ``tensorflow`` logger only while its command runs."""
+    import logging
+
+    from per_example_grads import cli
+
+    logger = logging.getLogger("tensorflow")
+    saved = logger.level
+    try:
+        logger.setLevel(logging.INFO)
+        argv = ["epsilon", "--num-examples", "1000", "--batch-size", "10", "--steps", "10",
+                "--noise-multiplier", "1", "--delta", "1e-5", "--accountant", "rdp"]
+        assert cli.main(argv) == 0
+        assert logger.level == logging.INFO
+        with pytest.raises(SystemExit):
+            cli.main(argv[:-2] + ["--accountant", "nope"])
+        assert logger.level == logging.INFO
+    finally:
+        logger.setLevel(saved)
+    assert "epsilon = " in capsys.readouterr().out
