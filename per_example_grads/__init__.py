@@ -3,48 +3,85 @@
     import per_example_grads as peg
     grads = peg.per_example_gradients(model, loss_fn, x, y)
     # grads[k].shape == [B, *model.trainable_variables[k].shape]
+
+Importing the package is cheap: TensorFlow is imported on first use of a
+name below (PEP 562 ``__getattr__``), so ``pegrad --help`` answers without
+loading it.
 """
 
-from per_example_grads import dp, keras  # noqa: F401  (peg.dp.*, peg.keras.DPModel)
-from per_example_grads import diagnostics  # noqa: F401  (peg.diagnostics.*)
-from per_example_grads.accumulation import GradientAccumulator
-from per_example_grads.engines.selection import METHODS
-from per_example_grads.errors import EngineError, EngineFallbackWarning, InvalidLossError
-from per_example_grads.clipping import clipped_gradients
-from per_example_grads.gradients import per_example_gradients, per_example_norms
-from per_example_grads.layerwise import LayerRule, register_layer_rule
-from per_example_grads.per_example_slices import PerExampleSlices
-from per_example_grads.transfer import compute_gradients, export_gradients, import_gradients
-from per_example_grads.transforms import (
-    clip_by_global_norm,
-    global_norms,
-    mean_examples,
-    per_variable_norms,
-    sum_examples,
-)
+import importlib as _importlib
+from importlib.util import find_spec as _find_spec
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "METHODS",
-    "EngineError",
-    "GradientAccumulator",
-    "EngineFallbackWarning",
-    "InvalidLossError",
-    "LayerRule",
-    "PerExampleSlices",
-    "clip_by_global_norm",
-    "clipped_gradients",
-    "compute_gradients",
-    "dp",
-    "export_gradients",
-    "global_norms",
-    "import_gradients",
-    "keras",
-    "mean_examples",
-    "per_example_gradients",
-    "per_example_norms",
-    "per_variable_norms",
-    "register_layer_rule",
-    "sum_examples",
-]
+# The public name -> the module that defines it.
+_EXPORTS = {
+    "METHODS": "per_example_grads.engines.selection",
+    "EngineError": "per_example_grads.errors",
+    "EngineFallbackWarning": "per_example_grads.errors",
+    "GradientAccumulator": "per_example_grads.accumulation",
+    "InvalidLossError": "per_example_grads.errors",
+    "LayerRule": "per_example_grads.layerwise",
+    "PerExampleSlices": "per_example_grads.per_example_slices",
+    "clip_by_global_norm": "per_example_grads.transforms",
+    "clipped_gradients": "per_example_grads.clipping",
+    "compute_gradients": "per_example_grads.transfer",
+    "export_gradients": "per_example_grads.transfer",
+    "global_norms": "per_example_grads.transforms",
+    "import_gradients": "per_example_grads.transfer",
+    "mean_examples": "per_example_grads.transforms",
+    "per_example_gradients": "per_example_grads.gradients",
+    "per_example_norms": "per_example_grads.gradients",
+    "per_variable_norms": "per_example_grads.transforms",
+    "register_layer_rule": "per_example_grads.layerwise",
+    "sum_examples": "per_example_grads.transforms",
+}
+# Subpackages reached as attributes: peg.dp.*, peg.keras.DPModel, ...
+_SUBPACKAGES = ("diagnostics", "dp", "keras", "layerwise")
+
+__all__ = sorted([*_EXPORTS, *_SUBPACKAGES], key=str.lower)
+
+if _TYPE_CHECKING:  # what static tools and IDEs see; at run time __getattr__ does this
+    from per_example_grads import diagnostics, dp, keras, layerwise  # noqa: F401
+    from per_example_grads.accumulation import GradientAccumulator  # noqa: F401
+    from per_example_grads.clipping import clipped_gradients  # noqa: F401
+    from per_example_grads.engines.selection import METHODS  # noqa: F401
+    from per_example_grads.errors import EngineError, EngineFallbackWarning, InvalidLossError  # noqa: F401
+    from per_example_grads.gradients import per_example_gradients, per_example_norms  # noqa: F401
+    from per_example_grads.layerwise import LayerRule, register_layer_rule  # noqa: F401
+    from per_example_grads.per_example_slices import PerExampleSlices  # noqa: F401
+    from per_example_grads.transfer import compute_gradients, export_gradients, import_gradients  # noqa: F401
+    from per_example_grads.transforms import (  # noqa: F401
+        clip_by_global_norm,
+        global_norms,
+        mean_examples,
+        per_variable_norms,
+        sum_examples,
+    )
+
+
+def __getattr__(name: str) -> object:
+    """Imports the module behind a public name on first access (PEP 562)."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        return _submodule(name)
+    if module == "per_example_grads.layerwise":
+        # The built-in rules register themselves when the engine is imported;
+        # load them first, so that a rule the user registers for a built-in
+        # layer class is not overwritten by them later.
+        _importlib.import_module("per_example_grads.layerwise.engine")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def _submodule(name: str) -> object:
+    """``name``'s submodule, imported (``peg.dp``, ``peg.clipping.dense_sums``, ...)."""
+    if not name.startswith("_") and _find_spec(f"{__name__}.{name}") is not None:
+        return _importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -15,16 +15,14 @@ one, write that pair and list the first in ``_SUBCOMMANDS``.
 
 from __future__ import annotations
 
+# Only the standard library here: ``pegrad --help`` and usage errors must
+# answer without importing TensorFlow (seconds, and C++ log lines). Each
+# ``_run_*`` imports what it needs, after ``_tensorflow_quietly``.
+import argparse
+import contextlib
 import os
-
-# Quiet TensorFlow's C++ logging. This only takes effect if TensorFlow has not
-# been imported yet; importing ``per_example_grads`` (which happens before this
-# module runs) already imports it, so the user's own environment setting, or
-# a lazy package ``__init__``, decides what is printed at import time.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import argparse  # noqa: E402
-from typing import Callable, Sequence  # noqa: E402
+import sys
+from typing import Callable, Iterator, Sequence
 
 _Adder = Callable[["argparse._SubParsersAction"], None]
 
@@ -36,7 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "run", None) is None:
         parser.print_help()
         return 2
-    return args.run(args)
+    with _tensorflow_quietly():
+        return args.run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,7 +91,7 @@ def _add_demo_parser(subparsers: "argparse._SubParsersAction") -> None:
 def _run_demo(args: argparse.Namespace) -> int:
     if args.target_epsilon is not None and not args.dp:
         args.parser.error("--target-epsilon needs --dp")
-    _quiet_tensorflow()
+    _start_tensorflow(report_device=True)
     if args.dp:
         from per_example_grads.dp_demo import DEFAULT_TARGET_EPSILON, run_dp_demo
 
@@ -107,15 +106,50 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _quiet_tensorflow() -> None:
-    """Silences TensorFlow's Python-side logger (retracing notes and the like)."""
-    import tensorflow as tf
+@contextlib.contextmanager
+def _tensorflow_quietly() -> Iterator[None]:
+    """Raises the Python logger ``tensorflow`` to ERROR while a command runs.
 
-    tf.get_logger().setLevel("ERROR")
+    That hides retracing notes and the like; the level is restored after the
+    command, so that ``main()`` called from a program leaves that program's
+    logging as it was.
+    """
+    import logging
+
+    logger = logging.getLogger("tensorflow")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _start_tensorflow(*, report_device: bool) -> None:
+    """Imports TensorFlow without its start-up notices; optionally says where it runs.
+
+    ``TF_CPP_MIN_LOG_LEVEL=2`` (unless the user set it: their setting wins)
+    hides TensorFlow's C++ INFO and WARNING lines; errors still show. The
+    notices absl prints before TensorFlow reads that setting, and the cuInit
+    failure of a machine without a usable GPU, are filtered out of the import
+    (``per_example_grads._quiet.import_tensorflow_filtered``) unless the level
+    is 0; a line naming the device replaces the latter.
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from per_example_grads._quiet import STARTUP_NOTICES, import_tensorflow_filtered
+
+    verbose = os.environ["TF_CPP_MIN_LOG_LEVEL"].strip() == "0"
+    tf, gpus = import_tensorflow_filtered(() if verbose else STARTUP_NOTICES)
+    if report_device:
+        where = f"{len(gpus)} GPU(s)" if gpus else "the CPU (TensorFlow found no usable GPU)"
+        print(f"TensorFlow {tf.__version__} on {where}.")
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
     return value
@@ -157,15 +191,15 @@ def _add_epsilon_parser(subparsers: "argparse._SubParsersAction") -> None:
 
 def _run_epsilon(args: argparse.Namespace) -> int:
     import math
-    import sys
     import warnings
-
-    from per_example_grads.dp import accounting
 
     if args.batch_size > args.num_examples:
         args.parser.error(
             f"--batch-size ({args.batch_size:g}) must be <= --num-examples ({args.num_examples})"
         )
+    _start_tensorflow(report_device=False)  # per_example_grads.dp imports it
+    from per_example_grads.dp import accounting
+
     run = dict(
         num_examples=args.num_examples, batch_size=args.batch_size, epochs=args.epochs,
         steps=args.steps, accountant=args.accountant, sampling=args.sampling,
@@ -254,14 +288,27 @@ def _add_diagnose_parser(subparsers: "argparse._SubParsersAction") -> None:
 def _run_diagnose(args: argparse.Namespace) -> int:
     if (args.model is None) != (args.data is None):
         args.parser.error("give both MODEL.keras and DATA.npz, or neither for the demo model")
-    _quiet_tensorflow()
-    from per_example_grads.diagnostics.command import run_diagnose
+    # Importing the command loads numpy only: bad paths fail before TensorFlow loads.
+    from per_example_grads.diagnostics.command import DiagnoseInputError, check_paths
 
-    run_diagnose(
-        args.out, args.model, args.data, fast=args.fast, batch_size=args.batch_size,
-        top_k=args.top_k, loss=args.loss, seed=args.seed,
-    )
+    try:
+        check_paths(args.out, args.model, args.data)
+        _start_tensorflow(report_device=True)
+        from per_example_grads.diagnostics.command import run_diagnose
+
+        run_diagnose(
+            args.out, args.model, args.data, fast=args.fast, batch_size=args.batch_size,
+            top_k=args.top_k, loss=args.loss, seed=args.seed,
+        )
+    except DiagnoseInputError as e:
+        return _input_error(args.parser, e)
     return 0
+
+
+def _input_error(parser: argparse.ArgumentParser, error: Exception) -> int:
+    """A file or value the command cannot use: one line on stderr, exit status 2."""
+    print(f"{parser.prog}: error: {error}", file=sys.stderr)
+    return 2
 
 
 _SUBCOMMANDS: tuple[_Adder, ...] = (_add_demo_parser, _add_epsilon_parser, _add_diagnose_parser)

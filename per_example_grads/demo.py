@@ -26,6 +26,7 @@ import tensorflow as tf
 from tqdm import tqdm
 
 import per_example_grads as peg
+from per_example_grads import plots
 from per_example_grads.data import N_CLASSES, N_FEATURES, train_test_split_digits
 
 DEFAULT_EPOCHS = 15
@@ -43,6 +44,27 @@ _MIN_MEASUREMENT_S = 0.01
 _MAX_CALLS_PER_MEASUREMENT = 64
 BASELINE = "batch gradient"
 HISTOGRAM_NAME = "norms_histogram.png"
+DATA_NAME = "UCI handwritten digits (8x8)"
+
+# What the printed tables mean, printed under each.
+NORMS_LEGEND = (
+    "  norm: the L2 norm of one example's own loss gradient over all {params:,} parameters\n"
+    "  (cross-entropy in nats; the trained model, in inference mode). Large: the model has\n"
+    "  not fitted the example; near 0: fitted with confidence. class: the true label;\n"
+    "  count: training examples of that class; mean, median, max: of their norms; all: every class."
+)
+TOP_LEGEND = (
+    "  index: row of per_example_grads.data.load_digits(); label: the true class;\n"
+    "  predicted: the model's class, marked * when it differs from the label (misclassified)."
+)
+TIMINGS_LEGEND = (
+    "  ms/batch: milliseconds per call of one traced tf.function returning all {batch}\n"
+    "  per-example gradients, on this machine: the median of {repeats} measurements after a\n"
+    "  warm-up call, each the mean of enough back-to-back calls to last 10 ms (at most 64).\n"
+    "  vs batch grad: that time over the first row's, one tape.gradient of the mean loss\n"
+    "  (which gives no per-example gradients). auto: what method=\"auto\" runs, the first\n"
+    "  of layerwise, vectorized, weight_copies, loop that handles the model."
+)
 
 
 def run_demo(
@@ -125,18 +147,16 @@ def run_demo(
 
     norm_stats = class_norm_stats(norms, y_train)
     say("Per-example gradient norms by class (training set):")
-    say(format_norm_stats(norm_stats, norms) + "\n")
+    say(format_norm_stats(norm_stats, norms))
+    say(NORMS_LEGEND.format(params=model.count_params()) + "\n")
 
     top = top_examples(norms, y_train, predicted, train_index)
-    say(f"The {len(top)} training examples with the largest gradient norms")
-    say("(often mislabeled or unusual digits; index = row of data.load_digits()):")
-    say(format_top_examples(top) + "\n")
+    say(f"The {len(top)} training examples with the largest gradient norms (often mislabeled or unusual digits):")
+    say(format_top_examples(top))
+    say(TOP_LEGEND + "\n")
 
     repeats = FAST_TIMING_REPEATS if fast else TIMING_REPEATS
-    say(
-        f"Timing one batch of {TIMING_BATCH_SIZE} "
-        f"(tf.function, median of {repeats} measurements after a warm-up):"
-    )
+    say(f"Time for one batch of {TIMING_BATCH_SIZE} examples, per method:")
     timings = time_methods(
         model,
         loss,
@@ -144,10 +164,16 @@ def run_demo(
         y_train[:TIMING_BATCH_SIZE],
         repeats=repeats,
     )
-    say(format_timings(timings) + "\n")
+    say(format_timings(timings))
+    say(TIMINGS_LEGEND.format(batch=TIMING_BATCH_SIZE, repeats=repeats) + "\n")
 
     png_path = out_dir / HISTOGRAM_NAME
-    save_norms_histogram(norms, png_path, title_suffix=f"{len(norms)} training digits")
+    save_norms_histogram(
+        norms,
+        png_path,
+        title=f"{model.name} ({model.count_params():,} parameters, {epochs} training "
+        f"epoch{'' if epochs == 1 else 's'}) on {len(norms):,} {DATA_NAME} training examples",
+    )
     say(f"Histogram of the norms: {png_path}")
 
     return {
@@ -302,39 +328,18 @@ def time_methods(
     return {name: {"ms": t, "ratio": t / ms[BASELINE]} for name, t in ms.items()}
 
 
-def save_norms_histogram(norms: np.ndarray, path: str | Path, *, title_suffix: str = "") -> Path:
-    """Writes a log-scale histogram of ``[N]`` norms to ``path`` (PNG).
+def save_norms_histogram(
+    norms: np.ndarray, path: str | Path, *, title: str | None = None, title_suffix: str = ""
+) -> Path:
+    """Writes ``per_example_grads.plots.norms_histogram_figure(norms, title=...)`` to ``path`` (PNG).
 
-    Uses matplotlib's Agg canvas directly, so the global pyplot backend is
-    left alone. Zero norms cannot sit on a log axis; they are counted in the
-    title instead.
+    ``title`` names the model and data; without it, ``title_suffix`` (the
+    older argument) is appended to a generic title.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     path = Path(path)
-    positive = norms[norms > 0]
-    fig = Figure(figsize=(7, 4.5), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    if len(positive):
-        low, high = float(positive.min()), float(positive.max())
-        bins = np.geomspace(low, high if high > low else low * 10, 40)
-        ax.hist(positive, bins=bins, color="tab:blue", edgecolor="white", linewidth=0.5)
-        ax.set_xscale("log")
-        median = float(np.median(positive))
-        ax.axvline(median, color="tab:orange", linestyle="--", label=f"median {median:.2g}")
-        ax.legend()
-    title = "Per-example gradient norms"
-    if title_suffix:
-        title += f", {title_suffix}"
-    zeros = len(norms) - len(positive)
-    if zeros:
-        title += f" ({zeros} zero norms not shown)"
-    ax.set_title(title)
-    ax.set_xlabel("global L2 norm of the example's loss gradient (log scale)")
-    ax.set_ylabel("number of examples")
-    fig.tight_layout()
+    if title is None:
+        title = f"{len(norms)} examples" + (f", {title_suffix}" if title_suffix else "")
+    fig = plots.norms_histogram_figure(norms, title=title)
     fig.savefig(path, format="png")
     return path
 

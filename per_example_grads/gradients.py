@@ -45,9 +45,11 @@ def per_example_gradients(
         models.
       y: targets, ``[B, ...]`` or a structure of them, or None.
       sample_weight: None or ``[B]`` weights.
-      method: ``"auto"`` (default), ``"vectorized"``, ``"jacobian"``,
-        ``"weight_copies"`` or ``"loop"``. See the engine table in the README;
-        ``per_example_grads.engines.selection`` documents the auto rule.
+      method: ``"auto"`` (default), ``"layerwise"``, ``"vectorized"``,
+        ``"jacobian"``, ``"weight_copies"`` or ``"loop"`` (``peg.METHODS``).
+        ``"auto"`` runs ``"layerwise"`` whenever it covers the model. See the
+        engine table in the README; ``per_example_grads.engines.selection``
+        documents the auto rule.
       variables: what to differentiate; defaults to
         ``model.trainable_variables``.
       training: passed to the model as ``training=``.

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import per_example_grads as peg
-from per_example_grads import cli, demo
+from figure_checks import assert_report_ready, recording
+from per_example_grads import cli, demo, plots
 from per_example_grads.data import load_digits, train_test_split_digits
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -37,12 +38,14 @@ def demo_run(tmp_path_factory) -> SimpleNamespace:
 
     real_run_demo = demo.run_demo
     stdout = io.StringIO()
+    figures = []
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(stdout):
         mp.setattr(demo, "run_demo", recording_run_demo)
+        mp.setattr(plots, "norms_histogram_figure", recording(figures, plots.norms_histogram_figure))
         status = cli.main(["demo", "--fast", "--out", str(out_dir), "--seed", "0"])
     assert len(returned) == 1
     return SimpleNamespace(
-        status=status, out_dir=out_dir, stdout=stdout.getvalue(), result=returned[0]
+        status=status, out_dir=out_dir, stdout=stdout.getvalue(), result=returned[0], figures=figures
     )
 
 
@@ -80,6 +83,36 @@ def test_demo_exits_zero_and_writes_png(demo_run):
     png = demo_run.out_dir / "norms_histogram.png"
     assert demo_run.result["png_path"] == str(png)
     _check_png(png)
+
+
+def test_demo_histogram_names_model_and_data_and_labels_its_axes(demo_run):
+    (fig,) = demo_run.figures
+    norms = demo_run.result["norms"]
+    assert_report_ready(
+        fig,
+        panels=1,
+        title_has=["Per-example gradient norms", "digits_mlp", "4,810 parameters", "1 training epoch)",
+                   f"on {len(norms)} UCI handwritten digits"],
+        legend_has=[f"N = {len(norms)} examples", f"median {np.median(norms):.3g}",
+                    f"95th percentile {np.percentile(norms, 95):.3g}", f"max {norms.max():.3g}"],
+    )
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "log" and "log scale" in ax.get_xlabel()
+    assert ax.get_ylabel() == "examples per bin"
+    # Plain numbers on the log axis (0.5, 1, 2, 5), not 10^0-style labels.
+    fig.canvas.draw()
+    labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+    assert labels and all("10^" not in t and "mathdefault" not in t for t in labels), labels
+
+
+def test_demo_explains_its_columns_and_marks(demo_run):
+    out = demo_run.stdout
+    assert "norm: the L2 norm of one example's own loss gradient over all 4,810 parameters" in out
+    assert "index: row of per_example_grads.data.load_digits()" in out
+    assert "marked * when it differs from the label (misclassified)" in out
+    assert "ms/batch: milliseconds per call" in out and "vs batch grad: that time over the first row's" in out
+    assert "auto: what method=\"auto\" runs" in out
+    assert out.startswith("TensorFlow ")  # the device line, instead of TensorFlow's cuInit message
 
 
 def test_demo_prints_stats_for_every_class(demo_run):

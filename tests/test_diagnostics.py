@@ -14,7 +14,8 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import per_example_grads as peg  # noqa: E402
-from per_example_grads import cli, demo  # noqa: E402
+from figure_checks import assert_report_ready, recording  # noqa: E402
+from per_example_grads import cli, demo, plots  # noqa: E402
 from per_example_grads.data import train_test_split_digits  # noqa: E402
 from per_example_grads.diagnostics import (  # noqa: E402
     GradientStatistics,
@@ -237,8 +238,13 @@ def test_report_dict_is_json_and_png_is_an_image(tmp_path):
     assert len(d["top_examples"]) == 5
     assert json.loads(text)["num_examples"] == len(x)
 
-    path = report.save_png(tmp_path / "report.png")
+    path = report.save_png(tmp_path / "report.png", title="mlp on small_classification")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    fig = report.figure(title="mlp on small_classification")
+    assert_report_ready(fig, panels=4, title_has=["Gradient diagnostics", "mlp on small_classification"],
+                        legend_has=[f"from all {len(x)} examples: "])
+    untitled = report.figure()
+    assert f"{len(x)} examples" in untitled.get_suptitle()
     import matplotlib.image
 
     image = matplotlib.image.imread(path)
@@ -319,18 +325,53 @@ def test_callback_writes_tensorboard_scalars_only_every_n_steps(tmp_path, monkey
     assert any(t.startswith("gradients/norms/") and t != "gradients/norms/all" for t in tags)
 
 
-def test_cli_diagnose_fast_end_to_end(tmp_path, capsys):
+def test_cli_diagnose_fast_end_to_end(tmp_path, capsys, monkeypatch):
     out = tmp_path / "diag"
+    figures, overviews = [], []
+    monkeypatch.setattr(plots, "norms_histogram_figure", recording(figures, plots.norms_histogram_figure))
+    monkeypatch.setattr(peg.diagnostics.GradientReport, "figure",
+                        recording(overviews, peg.diagnostics.GradientReport.figure))
     assert cli.main(["diagnose", "--fast", "--out", str(out), "--batch-size", "8"]) == 0
     printed = capsys.readouterr().out
-    assert "B_simple" in printed and "suggested batch size" in printed
     report = json.loads((out / "report.json").read_text())
     assert report["num_examples"] == 600
     assert report["current_batch_size"] == 8
-    if report["suggested_batch_size"] is not None:
-        assert report["accumulation_steps"] == math.ceil(report["suggested_batch_size"] / 8)
+    # The suggestion comes from the all-examples estimate, and the output says which to trust.
+    assert report["suggestion_from"] == "noise_scale_full_data"
+    assert report["suggested_batch_size"] == math.ceil(report["noise_scale_full_data"])
+    assert report["accumulation_steps"] == math.ceil(report["suggested_batch_size"] / 8)
+    full, batched = report["noise_scale_full_data"], report["noise_scale"]
+    assert f"B_simple = tr(Σ)/|G|^2: {full:.4g} (from all 600 examples at once)" in printed
+    assert f"is {batched:.4g};" in printed and "trust the first" in printed
+    assert f"suggested batch size ~ B_simple = {report['suggested_batch_size']}" in printed
+    assert "index = row of per_example_grads.data.load_digits()" in printed
+    assert report["top_examples_index"] == "row of per_example_grads.data.load_digits()"
     for name in ("report.png", "norms_histogram.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
+
+    names = ["digits_mlp", "4,810 parameters", "sparse_categorical_crossentropy", "600 UCI digits"]
+    (overview,) = overviews
+    assert_report_ready(
+        overview, panels=4, title_has=["Gradient diagnostics", *names],
+        legend_has=[f"final {batched:.4g}", f"from all 600 examples: {full:.4g} (use this)", "median "],
+    )
+    var_ax, gsnr_ax, hist_ax, ns_ax = overview.axes
+    assert var_ax.get_yscale() == gsnr_ax.get_yscale() == hist_ax.get_xscale() == ns_ax.get_yscale() == "log"
+    assert var_ax.get_xlabel() == gsnr_ax.get_xlabel() == "layer"
+    assert [t.get_text().split("_")[0] for t in var_ax.get_xticklabels()] == ["dense", "dense"]  # no model prefix
+    assert ns_ax.get_ylabel() == "B_simple (examples, log scale)"
+    overview.canvas.draw()
+    for ax in (var_ax, gsnr_ax, ns_ax):  # plain numbers, not 4x10^1
+        labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+        assert labels and not any("times" in t or "^" in t for t in labels), labels
+    (histogram,) = figures
+    assert_report_ready(histogram, panels=1, title_has=["Per-example gradient norms", *names],
+                        legend_has=["N = 600 examples", "median ", "95th percentile ", "max "])
+    # The standalone histogram and the overview's panel show the same log-binned norms.
+    assert histogram.axes[0].get_xscale() == "log"
+    standalone = [t.get_text() for t in histogram.axes[0].get_legend().get_texts()]
+    assert standalone == [t.get_text() for t in hist_ax.get_legend().get_texts()]
+    assert [p.get_width() > 0 for p in histogram.axes[0].patches] == [p.get_width() > 0 for p in hist_ax.patches]
 
 
 def test_cli_diagnose_saved_model_and_npz(tmp_path):

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from figure_checks import assert_report_ready, recording
 from per_example_grads import cli, dp_demo
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -32,12 +33,14 @@ def dp_run(tmp_path_factory) -> SimpleNamespace:
         return returned[-1]
 
     stdout = io.StringIO()
+    figures = []
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(stdout):
         mp.setattr(dp_demo, "run_dp_demo", recording_run_dp_demo)
+        mp.setattr(dp_demo, "dp_training_figure", recording(figures, dp_demo.dp_training_figure))
         status = cli.main(["demo", "--dp", "--fast", "--out", str(out_dir), "--seed", "0"])
     assert len(returned) == 1
     return SimpleNamespace(
-        status=status, out_dir=out_dir, stdout=stdout.getvalue(), result=returned[0]
+        status=status, out_dir=out_dir, stdout=stdout.getvalue(), result=returned[0], figures=figures
     )
 
 
@@ -52,6 +55,26 @@ def test_dp_demo_exits_zero_and_writes_png(dp_run):
     assert image.ndim == 3 and image.shape[2] in (3, 4)
     assert image.shape[0] >= 300 and image.shape[1] >= 600  # two panels side by side
     assert image.std() > 0  # not a blank canvas
+
+
+def test_dp_plot_names_model_data_and_privacy_parameters(dp_run):
+    (fig,) = dp_run.figures
+    r = dp_run.result
+    assert_report_ready(
+        fig,
+        panels=2,
+        title_has=["DP-SGD against non-private training", "digits_dp_mlp", "4,810 parameters",
+                   "UCI handwritten digits", "1,438 training, 359 test examples",
+                   "Test accuracy after each epoch", f"C = {r['l2_norm_clip']:g}"],
+        legend_has=[f"ε = {r['epsilon']:.2f}", f"δ = {r['delta']:g}", f"σ = {r['noise_multiplier']:.3f}",
+                    f"q = {r['sampling_probability']:.4f}", f"{r['steps']} steps",
+                    f"final test accuracy {r['private_accuracy']:.3f}",
+                    f"final test accuracy {r['nonprivate_accuracy']:.3f}",
+                    "Not covered by the (ε, δ) guarantee"],
+    )
+    acc_ax, clip_ax = fig.axes
+    assert acc_ax.get_ylabel() == "test accuracy (fraction of 359 examples)"
+    assert clip_ax.get_xlabel() == "DP-SGD step"
 
 
 def test_dp_demo_spends_at_most_the_target_epsilon(dp_run):
@@ -110,6 +133,10 @@ def test_dp_demo_prints_the_comparison(dp_run):
     ]:
         assert re.search(rf"^{label}\s+{re.escape(value)}$", out, re.M), label
     assert "Wall time of the demo" in out
+    # Every column and row is explained under its table.
+    assert "test accuracy: share of the 359 held-out digits" in out
+    assert "epsilon (PLD): the privacy spent at delta = 1e-05" in out and "train s: wall-clock seconds" in out
+    assert "sigma: noise standard deviation / clip norm; q: the chance" in out
 
 
 # --- argument handling, without training ------------------------------------------

@@ -11,19 +11,54 @@
     import per_example_grads as peg
     report = peg.diagnostics.gradient_statistics(model, loss, (x, y), batch_size=128)
     print(report.noise_scale, report.to_dict()["gsnr"])
+
+The names load their modules on first use (as in ``per_example_grads``), so
+``pegrad diagnose`` can check its arguments before TensorFlow is imported.
 """
 
-from per_example_grads.diagnostics.callback import GradientStatisticsCallback
-from per_example_grads.diagnostics.report import GradientReport
-from per_example_grads.diagnostics.similarity import TracInResult, gradient_similarity, tracin_scores
-from per_example_grads.diagnostics.statistics import GradientStatistics, gradient_statistics
+import importlib as _importlib
+from importlib.util import find_spec as _find_spec
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 
-__all__ = [
-    "GradientReport",
-    "GradientStatistics",
-    "GradientStatisticsCallback",
-    "TracInResult",
-    "gradient_similarity",
-    "gradient_statistics",
-    "tracin_scores",
-]
+_EXPORTS = {
+    "GradientReport": "per_example_grads.diagnostics.report",
+    "GradientStatistics": "per_example_grads.diagnostics.statistics",
+    "GradientStatisticsCallback": "per_example_grads.diagnostics.callback",
+    "TracInResult": "per_example_grads.diagnostics.similarity",
+    "gradient_similarity": "per_example_grads.diagnostics.similarity",
+    "gradient_statistics": "per_example_grads.diagnostics.statistics",
+    "tracin_scores": "per_example_grads.diagnostics.similarity",
+}
+
+__all__ = sorted(_EXPORTS, key=str.lower)
+
+if _TYPE_CHECKING:
+    from per_example_grads.diagnostics.callback import GradientStatisticsCallback  # noqa: F401
+    from per_example_grads.diagnostics.report import GradientReport  # noqa: F401
+    from per_example_grads.diagnostics.similarity import (  # noqa: F401
+        TracInResult,
+        gradient_similarity,
+        tracin_scores,
+    )
+    from per_example_grads.diagnostics.statistics import GradientStatistics, gradient_statistics  # noqa: F401
+
+
+def __getattr__(name: str) -> object:
+    """Imports the module behind a public name on first access (PEP 562)."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        return _submodule(name)
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def _submodule(name: str) -> object:
+    """``name``'s submodule, imported (``peg.dp``, ``peg.clipping.dense_sums``, ...)."""
+    if not name.startswith("_") and _find_spec(f"{__name__}.{name}") is not None:
+        return _importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -8,9 +8,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 QUANTILES = (0.0, 0.05, 0.25, 0.5, 0.75, 0.95, 1.0)
 HISTOGRAM_BINS = 30
@@ -176,72 +179,156 @@ class GradientReport:
         }
         return _jsonable(d)
 
-    def save_png(self, path: str | Path) -> Path:
-        """Writes a 2x2 overview PNG: per-layer tr(Sigma), per-layer GSNR, norm histogram, noise-scale trace.
-
-        Uses matplotlib's Agg canvas directly (the pyplot backend is left alone).
-        """
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-
+    def save_png(self, path: str | Path, *, title: str | None = None) -> Path:
+        """Writes ``figure(title=title)`` to ``path`` (PNG)."""
         path = Path(path)
+        self.figure(title=title).savefig(path, format="png")
+        return path
+
+    def figure(self, *, title: str | None = None) -> "Figure":
+        """The 2x2 overview: per-layer tr(Σ), per-layer GSNR, norm histogram, noise scale.
+
+        Args:
+          title: names the model and data (for example ``"my_cnn (1.2M
+            parameters, loss sparse_categorical_crossentropy) on cifar10
+            train (50,000 examples)"``); the figure's title is "Gradient
+            diagnostics: " followed by it.
+
+        Uses matplotlib's Agg canvas directly (the pyplot backend is left
+        alone). Per-layer bars are on log axes with the values printed on
+        them; the norm histogram is log-binned like ``norms_histogram.png``;
+        the noise-scale panel shows the running per-batch estimate and the
+        all-examples estimate, both numbers in its legend.
+        """
+        from per_example_grads import plots
+
         layers = self.layers()
         names = list(layers)
-        fig = Figure(figsize=(12, 8), dpi=100)
-        FigureCanvasAgg(fig)
+        labels = _short_layer_names(names)
+        fig = plots.new_figure(13, 9)
         (ax_var, ax_gsnr), (ax_hist, ax_ns) = fig.subplots(2, 2)
+        heading = "Gradient diagnostics\n" + plots.wrapped(title or f"{self.num_examples:,} examples", 140)
+        fig.suptitle(heading, fontsize=12)
 
-        traces = [layers[n]["trace_covariance"] for n in names]
-        ax_var.bar(range(len(names)), traces, color="tab:blue")
-        ax_var.set_title("per-layer gradient variance tr(Σ)")
-        positive = [t for t in traces if t > 0]
-        if positive and max(positive) > 100 * min(positive):
-            ax_var.set_yscale("log")
+        _layer_bars(
+            ax_var, labels, [layers[n]["trace_covariance"] for n in names], "tab:blue",
+            "Gradient noise per layer: tr(Σ) = Σ_p Var[g_p] over its parameters p",
+            "tr(Σ) (gradient units², log scale)",
+        )
+        _layer_bars(
+            ax_gsnr, labels, [layers[n]["gsnr"] for n in names], "tab:green",
+            "Gradient signal-to-noise ratio per layer: GSNR = mean_p E[g_p]² / Var[g_p]",
+            "GSNR (dimensionless, log scale)",
+        )
 
-        gsnrs = [layers[n]["gsnr"] for n in names]
-        ax_gsnr.bar(range(len(names)), [g if np.isfinite(g) else 0.0 for g in gsnrs], color="tab:green")
-        ax_gsnr.set_title("per-layer GSNR  mean_p E[g_p]² / Var[g_p]")
-        for ax in (ax_var, ax_gsnr):
-            ax.set_xticks(range(len(names)))
-            ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+        plots.plot_norms_histogram(ax_hist, self.per_example_norms)
+        ax_hist.set_title(f"Per-example gradient norms (N = {self.num_examples:,})", fontsize=10)
 
-        norms = self.per_example_norms
-        if norms.size:
-            ax_hist.hist(norms, bins=HISTOGRAM_BINS, color="tab:blue", edgecolor="white", linewidth=0.5)
-            med = float(np.median(norms))
-            ax_hist.axvline(med, color="tab:orange", linestyle="--", label=f"median {med:.3g}")
-            ax_hist.legend()
-        ax_hist.set_title(f"per-example gradient norms (N={self.num_examples})")
-        ax_hist.set_xlabel("‖g_i‖")
-        ax_hist.set_ylabel("examples")
+        self._plot_noise_scale(ax_ns, plots)
+        fig.tight_layout()
+        return fig
 
+    def _plot_noise_scale(self, ax: Any, plots: Any) -> None:
         trace = np.array(self.noise_scale_trace, dtype=float)
         seen = np.cumsum(self.batch_sizes)
         ok = np.isfinite(trace) & (trace > 0)
+        full, batched = self.noise_scale_full_data, self.noise_scale
+        values = list(trace[ok])
         if ok.any():
-            ax_ns.plot(seen[ok], trace[ok], marker=".", color="tab:red")
-            ax_ns.set_yscale("log")
-        ax_ns.set_title(f"noise scale B_simple (running): {self.noise_scale:.4g}")
-        ax_ns.set_xlabel("examples seen")
-        ax_ns.set_ylabel("B_simple")
-
-        fig.tight_layout()
-        fig.savefig(path, format="png")
-        return path
+            ax.plot(seen[ok], trace[ok], marker=".", color="tab:red",
+                    label=f"per-batch estimate, running; final {_g(batched)}")
+            last = (seen[ok][-1], trace[ok][-1])
+            ax.annotate(_g(last[1]), last, textcoords="offset points", xytext=(0, 6), ha="right", fontsize=8,
+                        color="tab:red")
+        else:
+            ax.plot([], [], " ", label=f"per-batch estimate: {_g(batched)} (undefined)")
+        if math.isfinite(full) and full > 0:
+            ax.axhline(full, color="black", linestyle="--",
+                       label=f"from all {self.num_examples:,} examples: {_g(full)} (use this)")
+            ax.annotate(_g(full), (0.0, full), xycoords=("axes fraction", "data"), textcoords="offset points",
+                        xytext=(4, 3), fontsize=8)
+            values.append(full)
+        else:
+            ax.plot([], [], " ", label=f"from all {self.num_examples:,} examples: undefined (|G|² ≤ 0)")
+        if values:
+            ax.set_yscale("log")
+            low, high = min(values), max(values)
+            pad = max((high / low) ** 0.1, 1.3)  # equal values (one batch) still get a visible range
+            ax.set_ylim(low / pad, high * pad)
+            plots.plain_log_ticks(ax.yaxis, subs=(1.0, 2.0, 3.0, 5.0, 7.0) if high / low < 30 else (1.0, 2.0, 5.0))
+        ax.set_title("Gradient noise scale B_simple = tr(Σ) / |G|²  (≈ critical batch size)", fontsize=10)
+        ax.set_xlabel("examples seen (streamed in batches)")
+        ax.set_ylabel("B_simple (examples, log scale)")
+        ax.legend(fontsize=8, loc="best")
 
     def summary(self) -> str:
-        """A few lines for a terminal."""
+        """A few lines for a terminal, each saying what its number is."""
         q = self.norm_quantiles()
+        batches = len(self.batch_sizes)
+        largest = max(self.batch_sizes, default=0)
+        full, batched = self.noise_scale_full_data, self.noise_scale
+        if math.isfinite(full) and full > 0:
+            headline = f"{full:.4g} (from all {self.num_examples} examples at once)"
+        else:
+            headline = (
+                f"undefined from all {self.num_examples} examples (the estimate of |G|^2 is not "
+                "positive: the mean gradient is within its noise; the model may be near a minimum)"
+            )
         return "\n".join(
             [
-                f"examples: {self.num_examples} in {len(self.batch_sizes)} batches",
-                f"mean gradient norm ||G||: {self.mean_gradient_norm:.4g}",
-                f"trace of gradient covariance tr(Σ): {self.trace_covariance:.4g}",
-                f"simple noise scale B_simple: {self.noise_scale:.4g} "
-                f"(full-data estimate {self.noise_scale_full_data:.4g})",
-                f"per-example norms: median {q['0.5']:.4g}, 95% {q['0.95']:.4g}, max {q['1.0']:.4g}",
+                f"examples: {self.num_examples}, streamed in {batches} batches of up to {largest}",
+                f"|G|, norm of the mean-loss gradient: {self.mean_gradient_norm:.4g}",
+                f"tr(Σ), trace of the per-example gradient covariance: {self.trace_covariance:.4g}",
+                f"gradient noise scale B_simple = tr(Σ)/|G|^2: {headline}",
+                f"  the per-batch estimate of McCandlish et al. (2018), averaged over the {batches} "
+                f"batches, is {batched:.4g};",
+                "  it uses only pairs of examples within a batch, so it is noisier: trust the first",
+                f"per-example gradient norms ||g_i||: median {q['0.5']:.4g}, "
+                f"95th percentile {q['0.95']:.4g}, max {q['1.0']:.4g}",
             ]
         )
+
+
+def _short_layer_names(names: list[str]) -> list[str]:
+    """Layer paths without the prefix they all share (the model's name, which the title gives)."""
+    if len(names) < 2:
+        return [n.rsplit("/", 1)[-1] if "/" in n else n for n in names]
+    parts = [n.split("/") for n in names]
+    shared = 0
+    while all(len(p) > shared + 1 for p in parts) and len({p[shared] for p in parts}) == 1:
+        shared += 1
+    return ["/".join(p[shared:]) for p in parts]
+
+
+def _layer_bars(ax: Any, labels: list[str], values: list[float], color: str, title: str, ylabel: str) -> None:
+    """One bar per layer on a log axis, each with its value printed above it (NaN or <= 0: 'n/a')."""
+    x = np.arange(len(labels))
+    shown = [v if math.isfinite(v) and v > 0 else math.nan for v in values]
+    ok = [v for v in shown if math.isfinite(v)]
+    if ok:
+        from per_example_grads import plots
+
+        ax.bar(x, [v if math.isfinite(v) else 0.0 for v in shown], color=color)
+        ax.set_yscale("log")
+        low, high = min(ok), max(ok)
+        ax.set_ylim(low / 3, high * 3)
+        plots.plain_log_ticks(ax.yaxis)
+    for xi, v in zip(x, shown):
+        text = _g(v) if math.isfinite(v) else "n/a"
+        ax.annotate(text, (xi, v if math.isfinite(v) else (min(ok) if ok else 1.0)),
+                    textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8)
+    ax.set_xticks(x)
+    ax.set_xticklabels(labels, rotation=30 if len(labels) > 4 else 0, ha="right" if len(labels) > 4 else "center", fontsize=8)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("layer")
+    ax.set_ylabel(ylabel, fontsize=9)
+
+
+def _g(x: float) -> str:
+    """A number in 4 significant digits, or 'n/a' for NaN and 'inf'."""
+    if math.isnan(x):
+        return "n/a"
+    return "inf" if math.isinf(x) else f"{x:.4g}"
 
 
 def _gsnr(means: list[np.ndarray], variances: list[np.ndarray]) -> float:

@@ -94,6 +94,8 @@ from typing import Any, Callable, Iterable, Mapping
 import dp_accounting
 from dp_accounting import pld, rdp
 
+from per_example_grads._quiet import quiet_accounting
+
 ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
 SAMPLINGS: tuple[str, ...] = ("poisson", "shuffle")
 
@@ -521,7 +523,8 @@ def _calibrate(
     """
 
     def within_budget(sigma: float) -> bool:
-        return make_accountant().compose(event(sigma)).get_epsilon(delta) <= target
+        with quiet_accounting():
+            return make_accountant().compose(event(sigma)).get_epsilon(delta) <= target
 
     if within_budget(guess):
         high, low = guess, guess / factor
@@ -539,16 +542,17 @@ def _calibrate(
             low, high = high, high * factor
     if high - low <= rtol * low:
         return float(high)
-    return float(
-        dp_accounting.calibrate_dp_mechanism(
-            make_accountant,
-            event,
-            target,
-            delta,
-            bracket_interval=dp_accounting.ExplicitBracketInterval(low, high),
-            tol=rtol * low,
+    with quiet_accounting():
+        return float(
+            dp_accounting.calibrate_dp_mechanism(
+                make_accountant,
+                event,
+                target,
+                delta,
+                bracket_interval=dp_accounting.ExplicitBracketInterval(low, high),
+                tol=rtol * low,
+            )
         )
-    )
 
 
 def adaptive_clipping_noise_multiplier(
@@ -629,7 +633,8 @@ def _dp_sgd_event(sigma: float, q: float, steps: int) -> dp_accounting.DpEvent:
 
 
 def _epsilon(accountant: str, event: dp_accounting.DpEvent, delta: float) -> float:
-    return float(_make_accountant(accountant).compose(event).get_epsilon(delta))
+    with quiet_accounting():
+        return float(_make_accountant(accountant).compose(event).get_epsilon(delta))
 
 
 def _combined_noise_multiplier(noise_multipliers: Iterable[float]) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from per_example_grads._quiet import quiet_vectorization
 from per_example_grads.engines.base import dense_or_zeros, register_engine, watch_variables
 
 
@@ -20,7 +21,8 @@ def jacobian(problem, batch) -> list:
     with tf.GradientTape() as tape:
         watch_variables(tape, problem.variables)
         losses = problem.losses(batch)
-    jac = tape.jacobian(losses, problem.variables, experimental_use_pfor=True)
+    with quiet_vectorization():
+        jac = tape.jacobian(losses, problem.variables, experimental_use_pfor=True)
     # With a dynamic B of 0, pfor loses the variable's static shape; restore it.
     b = tf.shape(losses)[:1]
     jac = dense_or_zeros(jac, problem.variables, leading_shape=b)

@@ -3,7 +3,8 @@
 Cost: one vectorized forward and backward pass over the batch, about the cost
 of the batch gradient plus the per-example outer products, and memory for
 ``B x P`` gradients. Ops without a vectorization rule run in a while loop
-(TensorFlow warns when that happens).
+(TensorFlow warns when that happens; its note to itself about
+Conv2DBackpropFilter is dropped, see ``per_example_grads._quiet``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import functools
 import tensorflow as tf
 
 from per_example_grads import model_inspection
+from per_example_grads._quiet import quiet_vectorization
 from per_example_grads.engines.base import example_gradient, register_engine
 
 
@@ -31,4 +33,5 @@ def why_not(problem, training) -> str | None:
 @register_engine(name="vectorized", isolates_examples=True, why_not=why_not)
 def vectorized(problem, batch) -> list:
     """``tf.vectorized_map(grad of loss_i)`` -> list of ``[B, *var.shape]``."""
-    return tf.vectorized_map(functools.partial(example_gradient, problem), batch)
+    with quiet_vectorization():
+        return tf.vectorized_map(functools.partial(example_gradient, problem), batch)

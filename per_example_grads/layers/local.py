@@ -23,6 +23,7 @@ import keras
 import tensorflow as tf
 
 from per_example_grads import model_inspection
+from per_example_grads._quiet import quiet_vectorization
 from per_example_grads.engines.base import dense_or_zeros, watch_variables
 from per_example_grads.layerwise.rule import LayerRule
 from per_example_grads.xla_context import in_xla_context
@@ -76,7 +77,8 @@ class LocalRule(LayerRule):
             looping = in_xla_context() and isinstance(layer, (keras.layers.RNN, keras.layers.Bidirectional))
             if not (looping or model_inspection.vectorization_crashers(layer)):
                 try:
-                    return tf.vectorized_map(fn, elems)
+                    with quiet_vectorization():
+                        return tf.vectorized_map(fn, elems)
                 except Exception:  # noqa: BLE001 - fall back to the loop below
                     pass
             return tf.map_fn(fn, elems, fn_output_signature=specs)

@@ -1,0 +1,141 @@
+"""``pegrad`` as a program: start-up without TensorFlow, quiet output, one-line errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+# Lines TensorFlow's C++ runtime prints at import (absl's preamble, I/W/E-prefixed
+# records such as the cuInit failure) and its Python-side warnings.
+TF_LINE_MARKERS = ("absl::InitializeLog", "I0000", "W0000", "E0000", "cuInit", "oneDNN", "tensorflow")
+
+
+def run_pegrad(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+    """``python -m per_example_grads.cli ARGS`` in a subprocess: the process and its wall time."""
+    started = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "per_example_grads.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return proc, time.perf_counter() - started
+
+
+def assert_no_tensorflow_lines(proc: subprocess.CompletedProcess) -> None:
+    for line in (proc.stdout + proc.stderr).splitlines():
+        assert not any(m in line for m in TF_LINE_MARKERS), line
+
+
+@pytest.mark.parametrize(
+    "args, status",
+    [
+        (["--help"], 0),
+        (["diagnose", "--help"], 0),
+        (["epsilon", "--num-examples", "5"], 2),  # required arguments missing
+        (["demo", "--epochs", "0"], 2),
+        (["no-such-command"], 2),
+    ],
+    ids=["help", "diagnose-help", "epsilon-missing-args", "demo-bad-epochs", "unknown-command"],
+)
+def test_help_and_usage_errors_answer_fast_without_tensorflow(args, status):
+    proc, seconds = run_pegrad(*args)
+    assert proc.returncode == status, proc.stderr
+    assert_no_tensorflow_lines(proc)
+    if status == 0:
+        assert "usage: pegrad" in proc.stdout and proc.stderr == ""
+    else:
+        assert "usage: pegrad" in proc.stderr and "error:" in proc.stderr
+    # Importing TensorFlow alone takes several seconds; Python and argparse
+    # take well under one. Loose, since test machines vary.
+    assert seconds < 3.0, seconds
+
+
+def test_parsing_imports_no_tensorflow():
+    code = (
+        "import sys\n"
+        "import per_example_grads as peg\n"
+        "from per_example_grads import cli\n"
+        "cli.build_parser().parse_args(['diagnose', 'm.keras', 'd.npz', '--fast'])\n"
+        "heavy = sorted(m for m in ('tensorflow', 'keras', 'matplotlib') if m in sys.modules)\n"
+        "print(heavy, peg.__version__)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[0] == "[]", proc.stdout
+
+
+def test_public_names_resolve_lazily():
+    import per_example_grads as peg
+
+    listed = dir(peg)
+    for name in peg.__all__:
+        assert name in listed, name
+        assert getattr(peg, name) is not None, name
+    assert {"diagnostics", "layerwise", "dp", "keras"} <= set(peg.__all__)
+    assert callable(peg.dp.private_gradients)
+    assert callable(peg.clipping.dense_sums)  # submodules as attributes, as the README uses them
+    assert callable(peg.diagnostics.gradient_statistics)
+    assert peg.keras.DPModel.__name__ == "DPModel"
+    assert "layerwise" in peg.METHODS
+    from per_example_grads.gradients import per_example_gradients
+
+    assert peg.per_example_gradients is per_example_gradients
+    with pytest.raises(AttributeError, match="no_such_name"):
+        peg.no_such_name  # noqa: B018
+
+
+def test_a_user_rule_for_a_builtin_layer_is_not_overwritten():
+    """``peg.register_layer_rule`` loads the built-in rules first, so the user's wins."""
+    code = (
+        "import keras\n"
+        "import per_example_grads as peg\n"
+        "class Mine(peg.LayerRule):\n"
+        "    pass\n"
+        "peg.register_layer_rule(keras.layers.Dense, Mine())\n"
+        "peg.per_example_gradients  # imports the engines and everything they need\n"
+        "from per_example_grads.layerwise.rule import rule_for\n"
+        "print(type(rule_for(keras.layers.Dense(2))).__name__)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "Mine"
+
+
+def test_a_command_that_loads_tensorflow_prints_none_of_its_startup_notices():
+    proc, _ = run_pegrad(
+        "epsilon", "--num-examples", "1000", "--batch-size", "10", "--steps", "100",
+        "--noise-multiplier", "1", "--delta", "1e-5", "--accountant", "rdp", timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr == ""
+    assert "epsilon = " in proc.stdout
+
+
+def test_main_restores_the_tensorflow_logger_level(capsys):
+    """``pegrad`` quiets the ``tensorflow`` logger only while its command runs."""
+    import logging
+
+    from per_example_grads import cli
+
+    logger = logging.getLogger("tensorflow")
+    saved = logger.level
+    try:
+        logger.setLevel(logging.INFO)
+        argv = ["epsilon", "--num-examples", "1000", "--batch-size", "10", "--steps", "10",
+                "--noise-multiplier", "1", "--delta", "1e-5", "--accountant", "rdp"]
+        assert cli.main(argv) == 0
+        assert logger.level == logging.INFO
+        with pytest.raises(SystemExit):
+            cli.main(argv[:-2] + ["--accountant", "nope"])
+        assert logger.level == logging.INFO
+    finally:
+        logger.setLevel(saved)
+    assert "epsilon = " in capsys.readouterr().out
