@@ -9,9 +9,9 @@ name below (PEP 562 ``__getattr__``), so ``pegrad --help`` answers without
 loading it.
 """
 
-import importlib as _importlib
-from importlib.util import find_spec as _find_spec
 from typing import TYPE_CHECKING as _TYPE_CHECKING
+
+from per_example_grads import _lazy
 
 __version__ = "0.1.0"
 
@@ -61,27 +61,11 @@ if _TYPE_CHECKING:  # what static tools and IDEs see; at run time __getattr__ do
     )
 
 
-def __getattr__(name: str) -> object:
-    """Imports the module behind a public name on first access (PEP 562)."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        return _submodule(name)
-    if module == "per_example_grads.layerwise":
-        # The built-in rules register themselves when the engine is imported;
-        # load them first, so that a rule the user registers for a built-in
-        # layer class is not overwritten by them later.
-        _importlib.import_module("per_example_grads.layerwise.engine")
-    value = getattr(_importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def _submodule(name: str) -> object:
-    """``name``'s submodule, imported (``peg.dp``, ``peg.clipping.dense_sums``, ...)."""
-    if not name.startswith("_") and _find_spec(f"{__name__}.{name}") is not None:
-        return _importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = _lazy.exports(
+    globals(),
+    _EXPORTS,
+    # The built-in rules register themselves when the engine is imported; load
+    # them first, so that a rule the user registers for a built-in layer class
+    # is not overwritten by them later.
+    preload={"per_example_grads.layerwise": "per_example_grads.layerwise.engine"},
+)

@@ -197,8 +197,7 @@ def _run_epsilon(args: argparse.Namespace) -> int:
         args.parser.error(
             f"--batch-size ({args.batch_size:g}) must be <= --num-examples ({args.num_examples})"
         )
-    _start_tensorflow(report_device=False)  # per_example_grads.dp imports it
-    from per_example_grads.dp import accounting
+    from per_example_grads.dp import accounting  # dp_accounting only: no TensorFlow
 
     run = dict(
         num_examples=args.num_examples, batch_size=args.batch_size, epochs=args.epochs,

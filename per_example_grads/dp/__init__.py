@@ -4,47 +4,59 @@
     grads = peg.dp.private_gradients(model, loss_fn, x, y, l2_norm_clip=1.0,
                                      noise_multiplier=1.1, expected_batch_size=256)
     eps = peg.dp.compute_epsilon(60_000, 256, 60, noise_multiplier=1.1, delta=1e-5)
+
+Importing ``per_example_grads.dp`` loads nothing heavy: each name below loads
+its module on first use, so ``pegrad epsilon`` (accounting only) never
+imports TensorFlow.
 """
 
-from per_example_grads.dp.accounting import (
-    PrivacyAccountant,
-    adaptive_clipping_noise_multiplier,
-    compute_epsilon,
-    noise_multiplier_for_epsilon,
-)
-from per_example_grads.dp.adaptive import AdaptiveClipping
-from per_example_grads.dp.aggregator import ClippedSum, DPAggregator
-from per_example_grads.dp.applied_steps import AppliedSteps
-from per_example_grads.dp.private import private_gradients
-from per_example_grads.dp.sampling import (
-    PhysicalChunk,
-    PoissonSampling,
-    default_max_batch_size,
-    physical_chunks,
-    physical_chunks_dataset,
-    poisson_batches,
-    poisson_batches_from_dataset,
-)
-from per_example_grads.dp.validation import ValidationReport, check_model, validate
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 
-__all__ = [
-    "AdaptiveClipping",
-    "AppliedSteps",
-    "ClippedSum",
-    "DPAggregator",
-    "PhysicalChunk",
-    "PoissonSampling",
-    "PrivacyAccountant",
-    "ValidationReport",
-    "adaptive_clipping_noise_multiplier",
-    "check_model",
-    "compute_epsilon",
-    "default_max_batch_size",
-    "noise_multiplier_for_epsilon",
-    "physical_chunks",
-    "physical_chunks_dataset",
-    "poisson_batches",
-    "poisson_batches_from_dataset",
-    "private_gradients",
-    "validate",
-]
+from per_example_grads import _lazy
+
+_EXPORTS = {
+    "PrivacyAccountant": "per_example_grads.dp.accounting",
+    "adaptive_clipping_noise_multiplier": "per_example_grads.dp.accounting",
+    "compute_epsilon": "per_example_grads.dp.accounting",
+    "noise_multiplier_for_epsilon": "per_example_grads.dp.accounting",
+    "AdaptiveClipping": "per_example_grads.dp.adaptive",
+    "ClippedSum": "per_example_grads.dp.aggregator",
+    "DPAggregator": "per_example_grads.dp.aggregator",
+    "AppliedSteps": "per_example_grads.dp.applied_steps",
+    "private_gradients": "per_example_grads.dp.private",
+    "PhysicalChunk": "per_example_grads.dp.sampling",
+    "PoissonSampling": "per_example_grads.dp.sampling",
+    "default_max_batch_size": "per_example_grads.dp.sampling",
+    "physical_chunks": "per_example_grads.dp.sampling",
+    "physical_chunks_dataset": "per_example_grads.dp.sampling",
+    "poisson_batches": "per_example_grads.dp.sampling",
+    "poisson_batches_from_dataset": "per_example_grads.dp.sampling",
+    "ValidationReport": "per_example_grads.dp.validation",
+    "check_model": "per_example_grads.dp.validation",
+    "validate": "per_example_grads.dp.validation",
+}
+
+__all__ = sorted(_EXPORTS, key=str.lower)
+
+if _TYPE_CHECKING:  # what static tools see; at run time __getattr__ does this
+    from per_example_grads.dp.accounting import PrivacyAccountant  # noqa: F401
+    from per_example_grads.dp.accounting import adaptive_clipping_noise_multiplier  # noqa: F401
+    from per_example_grads.dp.accounting import compute_epsilon  # noqa: F401
+    from per_example_grads.dp.accounting import noise_multiplier_for_epsilon  # noqa: F401
+    from per_example_grads.dp.adaptive import AdaptiveClipping  # noqa: F401
+    from per_example_grads.dp.aggregator import ClippedSum  # noqa: F401
+    from per_example_grads.dp.aggregator import DPAggregator  # noqa: F401
+    from per_example_grads.dp.applied_steps import AppliedSteps  # noqa: F401
+    from per_example_grads.dp.private import private_gradients  # noqa: F401
+    from per_example_grads.dp.sampling import PhysicalChunk  # noqa: F401
+    from per_example_grads.dp.sampling import PoissonSampling  # noqa: F401
+    from per_example_grads.dp.sampling import default_max_batch_size  # noqa: F401
+    from per_example_grads.dp.sampling import physical_chunks  # noqa: F401
+    from per_example_grads.dp.sampling import physical_chunks_dataset  # noqa: F401
+    from per_example_grads.dp.sampling import poisson_batches  # noqa: F401
+    from per_example_grads.dp.sampling import poisson_batches_from_dataset  # noqa: F401
+    from per_example_grads.dp.validation import ValidationReport  # noqa: F401
+    from per_example_grads.dp.validation import check_model  # noqa: F401
+    from per_example_grads.dp.validation import validate  # noqa: F401
+
+__getattr__, __dir__ = _lazy.exports(globals(), _EXPORTS)

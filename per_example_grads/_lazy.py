@@ -1,0 +1,46 @@
+"""Lazy public names for a package's ``__init__`` (PEP 562), so importing it loads nothing heavy.
+
+    __getattr__, __dir__ = _lazy.exports(globals(), {"name": "package.module", ...})
+
+Each public name's module is imported on first access of the name, and the
+value is then stored in the package's namespace, so later lookups are plain.
+Any other attribute that names a submodule imports it (``peg.dp``,
+``peg.clipping.dense_sums``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.util import find_spec
+from typing import Callable, Mapping
+
+
+def exports(
+    namespace: dict, names: Mapping[str, str], preload: Mapping[str, str] | None = None
+) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
+    """``(__getattr__, __dir__)`` for the package whose ``globals()`` is ``namespace``.
+
+    Args:
+      names: public name -> the module that defines it.
+      preload: module -> a module to import before it (for import-order
+        side effects, such as built-in rules registering themselves).
+    """
+    package = namespace["__name__"]
+    preload = dict(preload or {})
+
+    def __getattr__(name: str) -> object:
+        module = names.get(name)
+        if module is None:
+            if not name.startswith("_") and find_spec(f"{package}.{name}") is not None:
+                return importlib.import_module(f"{package}.{name}")
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        if module in preload:
+            importlib.import_module(preload[module])
+        value = getattr(importlib.import_module(module), name)
+        namespace[name] = value  # later lookups skip __getattr__
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(namespace) | set(namespace.get("__all__", ())))
+
+    return __getattr__, __dir__
