@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 import tensorflow as tf
 
 from per_example_grads import transforms
-from per_example_grads.batch import batch_size, make_batch
+from per_example_grads.batch import batch_size, make_batch, unless_empty
 from per_example_grads.engines import selection
 from per_example_grads.problem import make_problem
 from per_example_grads.layerwise import engine as layerwise
@@ -89,22 +89,26 @@ def clipped_gradients(
     batch = make_batch(model, x, y, sample_weight)
     b = batch_size(batch)
 
-    if layerwise.use_layerwise(method, problem, training):
-        captured = layerwise.capture(problem, batch)
-        kept: dict = {}
-        squared = layerwise.per_variable_squared_norms(problem, captured, kept)
-        norms, factors = _factors(squared, groups, clips)
-        group_of = {id(v): g for g, idx in enumerate(groups) for v in (problem.variables[i] for i in idx)}
-        sums = layerwise.weighted_sums(problem, captured, lambda v: factors[group_of[id(v)]], kept)
-    else:
-        grads = selection.compute(method, problem, batch, training)
-        squared = [tf.square(n) for n in transforms.per_variable_norms(grads)]
-        norms, factors = _factors(squared, groups, clips)
-        sums = [None] * len(grads)
-        for g_index, idx in enumerate(groups):
-            for i in idx:
-                w = tf.reshape(tf.cast(factors[g_index], grads[i].dtype), [-1] + [1] * (grads[i].shape.rank - 1))
-                sums[i] = tf.reduce_sum(grads[i] * w, axis=0)
+    def sums_and_norms(batch):  # run only for B > 0
+        if layerwise.use_layerwise(method, problem, training):
+            captured = layerwise.capture(problem, batch)
+            kept: dict = {}
+            squared = layerwise.per_variable_squared_norms(problem, captured, kept)
+            norms, factors = _factors(squared, groups, clips)
+            group_of = {id(v): g for g, idx in enumerate(groups) for v in (problem.variables[i] for i in idx)}
+            sums = layerwise.weighted_sums(problem, captured, lambda v: factors[group_of[id(v)]], kept)
+        else:
+            grads = selection.compute(method, problem, batch, training)
+            squared = [tf.square(n) for n in transforms.per_variable_norms(grads)]
+            norms, factors = _factors(squared, groups, clips)
+            sums = [None] * len(grads)
+            for g_index, idx in enumerate(groups):
+                for i in idx:
+                    w = tf.reshape(tf.cast(factors[g_index], grads[i].dtype), [-1] + [1] * (grads[i].shape.rank - 1))
+                    sums[i] = tf.reduce_sum(grads[i] * w, axis=0)
+        return sums, norms
+
+    sums, norms = unless_empty(batch, sums_and_norms)
 
     if reduction == "mean":
         sums = [transforms.divide_no_nan(s, b) for s in sums]
