@@ -7,7 +7,7 @@ A *batch* here is a dict ``{"x": ..., "y": ..., "sample_weight": ...}``
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import tensorflow as tf
@@ -54,6 +54,83 @@ def batch_size(batch: Batch) -> tf.Tensor | int:
     first = tf.nest.flatten(batch["x"])[0]
     static = first.shape[0]
     return static if static is not None else tf.shape(first)[0]
+
+
+def unless_empty(batch: Batch, compute: Callable[[Batch], Any]) -> Any:
+    """``compute(batch)``, except that for ``B = 0`` it returns the results for no examples without running it.
+
+    The one guard against empty batches, shared by every public entry point
+    (``per_example_gradients``, ``per_example_norms``, ``clipped_gradients``):
+    the model never runs on zero rows. How TensorFlow's kernels treat empty
+    tensors varies with the processor (oneDNN picks different kernels: on
+    some CPUs a causal ``Conv1D`` rejects a ``[0, T, C]`` input while on others
+    it passes), so nothing here may depend on it.
+
+    The results for no examples have the structure ``compute`` returns when
+    traced with ``B`` unknown: every dimension left unknown there is taken to
+    depend on ``B`` and is 0, every other is kept, and entries are zeros. So
+    ``[B, *var.shape]`` per-example gradients become ``[0, *var.shape]``, ``[B]``
+    norms ``[0]``, sums over examples zeros of their static shape, a
+    ``tf.IndexedSlices`` sum has no rows and a ``PerExampleSlices`` no
+    examples. ``compute`` must therefore give its results static shapes
+    apart from the dimensions that depend on ``B`` (variables' shapes are
+    static).
+
+    - ``B`` static and positive: ``compute(batch)``, nothing else.
+    - ``B`` static and 0: ``compute`` is traced (in a graph of its own, never
+      run) with ``B`` unknown, to learn the structure of its results.
+    - ``B`` known only at run time (``tf.function`` with an unknown batch
+      size): ``tf.cond(B > 0, compute, no examples)``; ``tf.cond`` traces the
+      first branch before the second, which builds its results from the
+      first's.
+    """
+    compute = tf.autograph.experimental.do_not_convert(compute)
+    b = batch_size(batch)
+    if isinstance(b, int) and b > 0:
+        return compute(batch)
+    if isinstance(b, int):
+        relaxed = tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), batch)
+        traced = tf.function(compute, autograph=False).get_concrete_function(relaxed).structured_outputs
+        return _no_examples(traced, 0)
+
+    first_branch = []
+
+    def examples():
+        results = compute(batch)
+        first_branch.append(results)
+        return results
+
+    def no_examples():
+        if not first_branch:
+            raise AssertionError("tf.cond traced its second branch first; unless_empty needs the first's results.")
+        return _no_examples(first_branch[0], b)
+
+    return tf.cond(b > 0, examples, no_examples)
+
+
+def _no_examples(results: Any, b: tf.Tensor | int) -> Any:
+    """``results`` for no examples: zeros, with ``b`` (0 when run) for every unknown dimension."""
+
+    def zeros(t):
+        if not isinstance(t, tf.Tensor):
+            return t
+        if t.shape.rank is None:
+            raise ValueError(f"unless_empty needs results of known rank; got a {t.dtype.name} tensor of unknown shape.")
+        return tf.zeros(tf.stack([b if d is None else d for d in t.shape.as_list()]) if t.shape.rank else [], t.dtype)
+
+    def leaf(value):
+        if isinstance(value, tf.IndexedSlices):
+            dense_shape = tf.get_static_value(value.dense_shape)
+            if dense_shape is None:
+                raise ValueError("unless_empty needs tf.IndexedSlices results with a static dense_shape.")
+            return tf.IndexedSlices(zeros(value.values), zeros(value.indices), tf.constant(dense_shape, value.dense_shape.dtype))
+        if isinstance(value, tf.experimental.ExtensionType):  # PerExampleSlices: its tensors, its static fields kept
+            return tf.nest.map_structure(zeros, value, expand_composites=True)
+        if tf.is_tensor(value) and not isinstance(value, tf.Tensor):
+            raise TypeError(f"unless_empty cannot build a {type(value).__name__} for no examples.")
+        return zeros(value)
+
+    return tf.nest.map_structure(leaf, results)
 
 
 def add_batch_axis(example: Batch) -> Batch:

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from per_example_grads import transforms
 from per_example_grads.arguments import check_clip
-from per_example_grads.batch import batch_size, make_batch
+from per_example_grads.batch import batch_size, make_batch, unless_empty
 from per_example_grads.engines import selection
 from per_example_grads.problem import make_problem
 from per_example_grads.layerwise import engine as layerwise
@@ -110,8 +110,11 @@ def clipped_gradients(
                 sums[i] = tf.reduce_sum(grads[i] * w, axis=0)
         return sums, norms
 
-    sums, norms = clipped_sums(batch)
-    sums = _without_nonfinite_examples(clipped_sums, batch, sums, norms, problem.variables)
+    def without_nonfinite(batch):  # run only for B > 0
+        sums, norms = clipped_sums(batch)
+        return _without_nonfinite_examples(clipped_sums, batch, sums, norms, problem.variables), norms
+
+    sums, norms = unless_empty(batch, without_nonfinite)
     if reduction == "mean":
         sums = [transforms.divide_no_nan(s, b) for s in sums]
     if not return_norms:

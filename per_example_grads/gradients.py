@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from per_example_grads import transforms
-from per_example_grads.batch import batch_size, make_batch
+from per_example_grads.batch import make_batch, unless_empty
 from per_example_grads.engines import selection
 from per_example_grads.layerwise import engine as layerwise
 from per_example_grads.problem import make_problem
@@ -92,10 +92,13 @@ def per_example_gradients(
         if not layerwise.use_layerwise(method, problem, training):
             reason = layerwise.why_not(problem, training) or f"method={method!r} is not the layer-wise engine"
             raise ValueError(f"sparse_embeddings=True needs method='layerwise' or 'auto' on a model it covers: {reason}.")
-        return layerwise.per_example_gradients(problem, batch, sparse=True)
-    if isinstance(batch_size(batch), int) and batch_size(batch) == 0:
-        return [tf.zeros([0, *v.shape], v.dtype) for v in problem.variables]
-    return selection.compute(method, problem, batch, training)
+
+    def compute(batch):  # run only for B > 0
+        if sparse_embeddings:
+            return layerwise.per_example_gradients(problem, batch, sparse=True)
+        return selection.compute(method, problem, batch, training)
+
+    return unless_empty(batch, compute)
 
 
 @tf.autograph.experimental.do_not_convert
@@ -137,7 +140,9 @@ def per_example_norms(
     if layerwise.use_layerwise(method, problem, training):
         # Ghost norms: closed forms per layer, never B x P.
         batch = make_batch(model, x, y, kwargs.get("sample_weight"))
-        squared = layerwise.per_variable_squared_norms(problem, layerwise.capture(problem, batch))
+        squared = unless_empty(
+            batch, lambda batch: layerwise.per_variable_squared_norms(problem, layerwise.capture(problem, batch))
+        )
         if by_variable:
             return [tf.sqrt(s) for s in squared]
         return tf.sqrt(tf.add_n(squared))

@@ -17,6 +17,7 @@ from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
 from per_example_grads import cli
+from tolerances import ACCOUNTING_COMPOSED_RTOL, ACCOUNTING_SAME_RTOL, FLOAT64_CLOSED_FORM_RTOL, PRINTED_RTOL
 from per_example_grads.dp import (
     PrivacyAccountant,
     adaptive_clipping_noise_multiplier,
@@ -59,7 +60,7 @@ RDP_ONLY = [
 def test_compute_epsilon_equals_dp_accounting(kind, n, b, epochs, sigma, delta):
     steps = math.ceil(epochs * n / b)
     expected = direct_epsilon(kind, b / n, sigma, steps, delta)
-    assert compute_epsilon(n, b, epochs, sigma, delta, accountant=kind) == pytest.approx(expected, rel=1e-12)
+    assert compute_epsilon(n, b, epochs, sigma, delta, accountant=kind) == pytest.approx(expected, rel=ACCOUNTING_SAME_RTOL)
     assert 0 < expected < math.inf
 
 
@@ -67,7 +68,7 @@ def test_compute_epsilon_equals_dp_accounting(kind, n, b, epochs, sigma, delta):
 def test_steps_and_sampling_probability_override_the_schedule(kind):
     expected = direct_epsilon(kind, 0.01, 2.0, 250, 1e-6)
     got = compute_epsilon(10_000, 50, None, 2.0, 1e-6, accountant=kind, steps=250, sampling_probability=0.01)
-    assert got == pytest.approx(expected, rel=1e-12)
+    assert got == pytest.approx(expected, rel=ACCOUNTING_SAME_RTOL)
 
 
 def test_zero_noise_is_infinite_and_zero_steps_is_zero():
@@ -84,7 +85,7 @@ def test_accountant_matches_dp_accounting_and_grows_with_steps(kind):
     for more in (1, 9, 90):
         acc.step(more)
         eps = acc.epsilon(1e-5)
-        assert eps == pytest.approx(direct_epsilon(kind, 0.01, 2.0, acc.steps, 1e-5), rel=1e-12)
+        assert eps == pytest.approx(direct_epsilon(kind, 0.01, 2.0, acc.steps, 1e-5), rel=ACCOUNTING_SAME_RTOL)
         assert eps > previous
         previous = eps
     assert acc.steps == 100
@@ -111,7 +112,7 @@ def test_accountant_composes_mixed_segments_like_dp_accounting():
         dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(20.0), 3),
     ])
     expected = RdpAccountant(neighboring_relation=ADD_REMOVE).compose(event).get_epsilon(1e-5)
-    assert acc.epsilon(1e-5) == pytest.approx(expected, rel=1e-9)
+    assert acc.epsilon(1e-5) == pytest.approx(expected, rel=ACCOUNTING_COMPOSED_RTOL)
     assert "steps=20" in repr(acc) and "other_releases=3" in repr(acc)
 
 
@@ -152,10 +153,12 @@ def test_from_state_rejects_bad_segment():
 def test_adaptive_clipping_formula_and_its_accounting():
     sigma, sigma_b = 1.1, 3.0
     grad_sigma = adaptive_clipping_noise_multiplier(sigma, sigma_b, 64)
-    assert grad_sigma == pytest.approx((sigma**-2 - (2 * sigma_b) ** -2) ** -0.5, rel=1e-15)
+    assert grad_sigma == pytest.approx((sigma**-2 - (2 * sigma_b) ** -2) ** -0.5, rel=FLOAT64_CLOSED_FORM_RTOL)
     assert grad_sigma > sigma
     # The paper's default sigma_b = expected_batch_size / 20.
-    assert adaptive_clipping_noise_multiplier(1.0, None, 100) == pytest.approx(adaptive_clipping_noise_multiplier(1.0, 5.0))
+    assert adaptive_clipping_noise_multiplier(1.0, None, 100) == pytest.approx(
+        adaptive_clipping_noise_multiplier(1.0, 5.0), rel=FLOAT64_CLOSED_FORM_RTOL
+    )
 
     # Gradient + centred count on the same batch cost what sigma alone costs.
     # dp_accounting's RDP accountant combines Gaussians inside one Poisson
@@ -170,8 +173,8 @@ def test_adaptive_clipping_formula_and_its_accounting():
     total = PrivacyAccountant(sigma, q, accountant="rdp")
     parts.step(steps)
     total.step(steps)
-    assert parts.epsilon(1e-5) == pytest.approx(expected, rel=1e-9)
-    assert total.epsilon(1e-5) == pytest.approx(expected, rel=1e-9)
+    assert parts.epsilon(1e-5) == pytest.approx(expected, rel=ACCOUNTING_COMPOSED_RTOL)
+    assert total.epsilon(1e-5) == pytest.approx(expected, rel=ACCOUNTING_COMPOSED_RTOL)
     gradient_only = PrivacyAccountant(grad_sigma, q, accountant="rdp")
     gradient_only.step(steps)
     assert gradient_only.epsilon(1e-5) < expected  # forgetting the count under-reports
@@ -277,7 +280,7 @@ def test_callback_counts_steps_and_logs_increasing_epsilon():
     assert acc.steps == 6
     eps = history.history["epsilon"]
     assert len(eps) == 2 and 0 < eps[0] < eps[1]
-    assert eps[1] == pytest.approx(direct_epsilon("rdp", 4 / 12, 1.0, 6, 1e-3), rel=1e-12)
+    assert eps[1] == pytest.approx(direct_epsilon("rdp", 4 / 12, 1.0, 6, 1e-3), rel=ACCOUNTING_SAME_RTOL)
 
 
 def test_callback_with_steps_per_execution_counts_batches_not_calls():
@@ -293,7 +296,7 @@ def test_callback_builds_accountant_and_can_leave_counting_to_the_model(capsys):
     history = _tiny_fit(callback, epochs=1)
     assert callback.accountant.steps == 3
     assert "Epoch 1: epsilon = " in capsys.readouterr().out
-    assert history.history["epsilon"][0] == pytest.approx(callback.accountant.epsilon(1e-3))
+    assert history.history["epsilon"][0] == pytest.approx(callback.accountant.epsilon(1e-3), rel=ACCOUNTING_SAME_RTOL)
 
     acc = PrivacyAccountant(1.0, 1 / 3, accountant="rdp")
     history = _tiny_fit(EpsilonCallback(acc, delta=1e-3, count_steps=False), epochs=1)
@@ -328,8 +331,8 @@ def test_cli_prints_epsilon_q_and_steps(capsys):
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     expected = compute_epsilon(60_000, 256, 60, 1.1, 1e-5, accountant="rdp")
-    assert _number("epsilon", out) == pytest.approx(expected, rel=1e-5)
-    assert _number("sampling probability q", out) == pytest.approx(256 / 60_000, rel=1e-5)
+    assert _number("epsilon", out) == pytest.approx(expected, rel=PRINTED_RTOL)
+    assert _number("sampling probability q", out) == pytest.approx(256 / 60_000, rel=PRINTED_RTOL)
     assert _number("steps", out) == 14063
 
 

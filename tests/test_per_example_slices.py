@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import per_example_grads as peg
-from conftest import assert_grads_close, reference_gradients, sparse_ce
+from conftest import assert_close, assert_grads_close, assert_norms_close, reference_gradients, sparse_ce
+from tolerances import ELEMENTWISE_RTOL, GRADIENT_RTOL, norm_rtol, rounding_rtol, weighted_sum_rtol
 from per_example_grads.per_example_slices import PerExampleSlices
 
 B = 6
@@ -79,18 +80,24 @@ def test_transforms_use_the_rows_and_agree_with_dense_gradients(name):
     model, x, y = CASES[name]()
     sparse = peg.per_example_gradients(model, sparse_ce, x, y, sparse_embeddings=True)
     dense = reference_gradients(model, sparse_ce, x, y)
-    np.testing.assert_allclose(peg.global_norms(sparse), peg.global_norms(dense), rtol=1e-5)
-    for a, b in zip(peg.per_variable_norms(sparse), peg.per_variable_norms(dense)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    p = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    assert_norms_close(peg.global_norms(sparse), dense)
+    assert_norms_close(peg.per_variable_norms(sparse), dense, by_variable=True)
     clipped, norms = peg.clip_by_global_norm(sparse, 0.01)
     want, _ = peg.clip_by_global_norm(dense, 0.01)
     assert any(isinstance(c, PerExampleSlices) for c in clipped)
-    assert_grads_close([tf.convert_to_tensor(c) for c in clipped], [w.numpy() for w in want])
-    assert np.all(peg.global_norms(clipped).numpy() <= 0.01 * (1 + 1e-6))
+    # The factors come from norms that agree to norm_rtol(p), one division and one product more.
+    assert_grads_close([tf.convert_to_tensor(c) for c in clipped], [w.numpy() for w in want],
+                       rtol=GRADIENT_RTOL + norm_rtol(p) + rounding_rtol(2))
+    # Entries scaled by a factor (a few roundings), then their norm taken again in float32.
+    assert np.all(peg.global_norms(clipped).numpy() <= 0.01 * (1 + norm_rtol(p, ELEMENTWISE_RTOL)))
+    rtol = weighted_sum_rtol(B, GRADIENT_RTOL)  # a sum (or mean: one division more) over B examples
+    scale = max(float(np.max(np.sum(np.abs(e), axis=0))) for e in dense)
     for reduce in (peg.sum_examples, peg.mean_examples):
+        divisor = B if reduce is peg.mean_examples else 1
         for got, v, w in zip(reduce(sparse), model.trainable_variables, reduce(dense)):
             assert isinstance(got, tf.IndexedSlices) == _is_table(v)
-            np.testing.assert_allclose(tf.convert_to_tensor(got), w, rtol=1e-5, atol=1e-7)
+            np.testing.assert_allclose(tf.convert_to_tensor(got), w, rtol=rtol, atol=rtol * scale / divisor)
 
 
 def test_transforms_on_rows_compile_under_xla():
@@ -104,10 +111,14 @@ def test_transforms_on_rows_compile_under_xla():
         return [tf.convert_to_tensor(g) for g in peg.sum_examples(clipped)], norms
 
     sums, norms = clip(x, y)
-    np.testing.assert_allclose(norms, peg.global_norms(dense), rtol=1e-5)
+    assert_norms_close(norms, dense)
     want, _ = peg.clip_by_global_norm(dense, 0.01)
+    # Clipped as in test_transforms_use_the_rows_and_agree_with_dense_gradients, then summed over B examples.
+    p = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    rtol = weighted_sum_rtol(B, GRADIENT_RTOL + norm_rtol(p) + rounding_rtol(2))
+    scale = max(float(np.max(np.sum(np.abs(w.numpy()), axis=0))) for w in want)
     for s, w in zip(sums, peg.sum_examples(want)):
-        np.testing.assert_allclose(s, w, rtol=1e-5, atol=1e-8)
+        np.testing.assert_allclose(s, w, rtol=rtol, atol=rtol * scale)
 
 
 def test_empty_batch_and_models_without_tables():
@@ -151,10 +162,16 @@ def test_rows_against_dense_numpy_tables(b, t, vocabulary, row, data):
     factors = rng.uniform(0.1, 2.0, b).astype("float32")
     s = PerExampleSlices(tf.constant(ids), tf.constant(values), tf.TensorShape([vocabulary, row]))
     tables = np.zeros((b, vocabulary, row), "float32")
+    magnitudes = np.zeros((b, vocabulary, row))  # sum of |rows| per id: the terms of each table entry
     for n in range(b):
         np.add.at(tables[n], ids[n], values[n])
-    np.testing.assert_allclose(s.to_dense(), tables, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(s.squared_norms(), np.sum(tables**2, axis=(1, 2)), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(s.scale(factors).to_dense(), tables * factors[:, None, None], rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(s.concat(s).to_dense(), 2 * tables, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(tf.convert_to_tensor(s.sum_examples()), tables.sum(axis=0), rtol=1e-5, atol=1e-6)
+        np.add.at(magnitudes[n], ids[n], np.abs(values[n]))
+    # A table entry is a sum of at most t rows (2 t for concat, b t over examples), in two orders,
+    # relative to its terms' magnitudes; scaling adds a product. A square doubles the error: 2 |S| M.
+    assert_close(s.to_dense(), tables, atol=rounding_rtol(t) * magnitudes)
+    assert_close(s.squared_norms(), np.sum(tables**2, axis=(1, 2)), rtol=rounding_rtol(row * t),
+                 atol=2 * rounding_rtol(t) * np.sum(np.abs(tables) * magnitudes, axis=(1, 2)))
+    scaled = factors[:, None, None].astype(np.float64)
+    assert_close(s.scale(factors).to_dense(), tables * scaled, atol=rounding_rtol(t + 1) * magnitudes * scaled)
+    assert_close(s.concat(s).to_dense(), 2 * tables, atol=rounding_rtol(2 * t) * 2 * magnitudes)
+    assert_close(tf.convert_to_tensor(s.sum_examples()), tables.sum(axis=0), atol=rounding_rtol(b * t) * magnitudes.sum(axis=0))
