@@ -42,7 +42,7 @@ from typing import Any, Sequence
 import tensorflow as tf
 
 from per_example_grads import replicas
-from per_example_grads.batch import batch_size, make_batch
+from per_example_grads.batch import batch_size, make_batch, unless_empty
 from per_example_grads.dp.aggregator import ClippedSum, DPAggregator, regularization_gradients
 from per_example_grads.dp.applied_steps import AppliedSteps
 from per_example_grads.dp.noise import NoiseSeed
@@ -139,10 +139,7 @@ class GradientAccumulator(tf.Module):
                 self._model, self._loss_fn, x, y, sample_weight, variables=self.variables_
             ).sums
         else:
-            with tf.GradientTape() as tape:
-                total = tf.reduce_sum(self._problem.losses(batch))
-            contribution = tape.gradient(total, self.variables_)
-            contribution = [tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g) for g, v in zip(contribution, self.variables_)]
+            contribution = unless_empty(batch, self._summed_gradient)
         for s, c in zip(self.sums, contribution):
             # An embedding table's clipped sum: add its rows only, except into a
             # sync-on-read variable (multi-replica strategy), which cannot scatter.
@@ -156,6 +153,13 @@ class GradientAccumulator(tf.Module):
             w = tf.cast(batch["sample_weight"], tf.float32)
             added = tf.reduce_sum(tf.cast(tf.not_equal(w, 0), tf.float32)) if self.private else tf.reduce_sum(w)
         self.count.assign_add(added)
+
+    def _summed_gradient(self, batch) -> list[tf.Tensor]:
+        """``sum_i w_i grad loss_i``, ``[*var.shape]`` per variable (zeros where the loss does not reach)."""
+        with tf.GradientTape() as tape:
+            total = tf.reduce_sum(self._problem.losses(batch))
+        grads = tape.gradient(total, self.variables_)
+        return [tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, self.variables_)]
 
     def result(self) -> list[tf.Tensor]:
         """The gradient of the logical batch: ``[*var.shape]`` per variable.
