@@ -33,7 +33,7 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from per_example_grads.layerwise.rule import per_example_squared_norms
+from per_example_grads.example_ops import compute_dtype, per_example_squared_norms
 from per_example_grads.xla_context import in_xla_context
 
 
@@ -144,7 +144,7 @@ class PerExampleSlices(tf.experimental.ExtensionType):
 
     def squared_norms(self) -> tf.Tensor:
         """``[B]``: ``||G_n||^2`` (float32, or float64 for float64 values), never building ``[B, V, *row]``."""
-        dtype = tf.float64 if self.values.dtype == tf.float64 else tf.float32
+        dtype = compute_dtype(self.values.dtype)
         rows = tf.reshape(tf.cast(self.values, dtype), [tf.shape(self.values)[0], tf.shape(self.values)[1], -1])
         return grouped_squared_norms(rows, repeated_rows(self.indices, only_repeated=not in_xla_context()))
 

@@ -14,11 +14,8 @@ from typing import Sequence
 import tensorflow as tf
 
 from per_example_grads.arguments import check_number
+from per_example_grads.example_ops import compute_dtype, in_dtype
 from per_example_grads.per_example_slices import PerExampleSlices
-
-
-def _norm_dtype(t: tf.Tensor) -> tf.DType:
-    return tf.float64 if t.dtype == tf.float64 else tf.float32
 
 
 def per_variable_norms(grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
@@ -102,7 +99,7 @@ def clip_factors(norms: tf.Tensor, l2_norm_clip) -> tf.Tensor:
     (still at most ``C``, so clipping's sensitivity bound holds), instead of
     making every sum it enters NaN.
     """
-    clip = tf.cast(l2_norm_clip, norms.dtype)
+    clip = in_dtype(l2_norm_clip, norms.dtype)
     return tf.where(tf.math.is_finite(norms), clip / tf.maximum(norms, clip), tf.zeros_like(norms))
 
 
@@ -146,11 +143,11 @@ def _per_variable_squared_norms(grads: Sequence[tf.Tensor], scale=None) -> list[
     out = []
     for g in grads:
         if isinstance(g, PerExampleSlices):
-            g = PerExampleSlices(g.indices, tf.cast(g.values, _norm_dtype(g)), g.table_shape)
+            g = PerExampleSlices(g.indices, tf.cast(g.values, compute_dtype(g.dtype)), g.table_shape)
             out.append((g if scale is None else g.scale(1 / scale)).squared_norms())
             continue
         g = tf.convert_to_tensor(g)
-        g = tf.cast(g, _norm_dtype(g))
+        g = tf.cast(g, compute_dtype(g.dtype))
         flat = tf.reshape(g, [tf.shape(g)[0], -1])
         if scale is not None:
             flat = flat / tf.cast(scale[:, None], flat.dtype)
@@ -166,9 +163,9 @@ def _max_abs(grads: Sequence[tf.Tensor]) -> tf.Tensor:
             per_var.append(g.max_abs())
             continue
         g = tf.convert_to_tensor(g)
-        g = tf.cast(g, _norm_dtype(g))
+        g = tf.cast(g, compute_dtype(g.dtype))
         per_var.append(tf.reduce_max(tf.abs(tf.reshape(g, [tf.shape(g)[0], -1])), axis=1))
-    m = tf.reduce_max(tf.stack([tf.cast(p, tf.float64 if p.dtype == tf.float64 else tf.float32) for p in per_var]), axis=0)
+    m = tf.reduce_max(tf.stack([tf.cast(p, compute_dtype(p.dtype)) for p in per_var]), axis=0)
     usable = tf.logical_and(m > 0, tf.math.is_finite(m))
     return tf.where(usable, m, tf.ones_like(m))
 

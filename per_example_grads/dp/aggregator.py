@@ -43,6 +43,7 @@ from per_example_grads.clipping import clipped_gradients, dense_sums
 from per_example_grads.dp import adaptive as adaptive_clipping
 from per_example_grads.dp.accounting import adaptive_clipping_noise_multiplier
 from per_example_grads.dp.noise import NoiseSeed, gaussian_like, noise_source
+from per_example_grads.example_ops import in_dtype
 from per_example_grads.dp.sampling import real_rows, split_into_chunks
 from per_example_grads.xla_context import in_xla_context
 
@@ -287,8 +288,7 @@ class DPAggregator(keras.layers.Layer):
         self.min_noise_multiplier.assign(
             tf.minimum(self.min_noise_multiplier, tf.constant(self.noise_multiplier, tf.float64))
         )
-        q = tf.cast(q, tf.float64) if tf.is_tensor(q) else tf.constant(q, tf.float64)  # no float32 detour
-        self.max_sampling_probability.assign(tf.maximum(self.max_sampling_probability, q))
+        self.max_sampling_probability.assign(tf.maximum(self.max_sampling_probability, in_dtype(q, tf.float64)))
         if not poisson:
             self.poisson.assign(0)
 

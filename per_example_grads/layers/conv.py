@@ -106,7 +106,7 @@ def patches(layer: ConvSpec, a: tf.Tensor) -> tf.Tensor:
 
     ``a`` is the layer input ``[B, *spatial_in, c_in]`` before causal padding.
     """
-    a = _causal_pad(layer, tf.cast(a, op.compute_dtype(a)))
+    a = _causal_pad(layer, tf.cast(a, op.compute_dtype(a.dtype)))
     if layer.rank == 1:
         a = a[:, None]  # [B, 1, T, C]: a 1 x k 2-D patch
         sizes, strides, rates = [1, 1, layer.kernel_size[0], 1], [1, 1, layer.strides[0], 1], [1, 1, layer.dilation_rate[0], 1]
@@ -170,7 +170,7 @@ def _patch_norms(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, t: int | None, f: 
     k = g.shape[-1]
     # Element shapes let an empty batch (no chunk) concatenate to [0] and [0, *kernel].
     shapes = [tf.TensorShape([None]), tf.TensorShape([None, f, k] if f <= k else [None, k, f])]
-    arrays = [tf.TensorArray(op.compute_dtype(g), size=count, infer_shape=False, element_shape=shape) for shape in shapes]
+    arrays = [tf.TensorArray(op.compute_dtype(g.dtype), size=count, infer_shape=False, element_shape=shape) for shape in shapes]
     _, norms, kernels = tf.while_loop(lambda i, *_: i < count, body, [tf.constant(0), *arrays])
     return norms.concat(), kernels.concat()
 
@@ -183,7 +183,7 @@ def _materialized_norms(first: tf.Tensor, second: tf.Tensor) -> tuple[tf.Tensor,
 
 def sliced_patches(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor) -> tf.Tensor:
     """``patches(layer, a)`` built from strided slices (module docstring); ``spatial`` is ``a``'s static spatial shape."""
-    a = _causal_pad(layer, tf.cast(a, op.compute_dtype(a)))
+    a = _causal_pad(layer, tf.cast(a, op.compute_dtype(a.dtype)))
     n_in = list(spatial)
     if layer.padding == "causal":
         n_in[0] += layer.dilation_rate[0] * (layer.kernel_size[0] - 1)
@@ -226,7 +226,7 @@ def weighted_kernel_sum(layer: ConvSpec, kernel, a: tf.Tensor, g: tf.Tensor, wei
     In a graph the forward convolution recorded for the VJP feeds nothing and
     is pruned; run eagerly it is computed once and discarded.
     """
-    dtype = op.compute_dtype(a)
+    dtype = op.compute_dtype(a.dtype)
     a = _causal_pad(layer, tf.cast(a, dtype))
     gw = tf.cast(g, dtype) * tf.reshape(tf.cast(weights, dtype), [-1] + [1] * (g.shape.rank - 1))
     kernel = tf.cast(tf.convert_to_tensor(kernel), dtype)
@@ -288,7 +288,7 @@ class ConvPatchesRule(LayerRule):
             a, g = saved[0][0], grads[0]
             out = [weighted_kernel_sum(ConvSpec.of(layer), layer.kernel, a, g, weights)]
             if layer.use_bias:
-                out.append(tf.einsum("btj,b->j", op.as_btf(g), tf.cast(weights, op.compute_dtype(g))))
+                out.append(tf.einsum("btj,b->j", op.as_btf(g), tf.cast(weights, op.compute_dtype(g.dtype))))
         return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
 
 

@@ -64,7 +64,7 @@ class EinsumDenseRule(LayerRule):
 
     @staticmethod
     def _cast(a, g):
-        dtype = op.compute_dtype(a)
+        dtype = op.compute_dtype(a.dtype)
         return tf.cast(a, dtype), tf.cast(g, dtype)
 
     def per_example(self, layer, saved, grads):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from per_example_grads.example_ops import compute_dtype
 from per_example_grads.layerwise.rule import LayerRule, register_layer_rule, reparametrized
 from per_example_grads.per_example_slices import PerExampleSlices, grouped_squared_norms, repeated_rows
 from per_example_grads.xla_context import in_xla_context
@@ -71,7 +72,8 @@ class EmbeddingRule(LayerRule):
 
     def squared_norms(self, layer, saved, grads):
         _, repeats = saved
-        return [grouped_squared_norms(tf.cast(self._slices(layer, saved, grads).values, tf.float32), repeats)]
+        values = self._slices(layer, saved, grads).values
+        return [grouped_squared_norms(tf.cast(values, compute_dtype(values.dtype)), repeats)]
 
     def weighted_sum(self, layer, saved, grads, weights):
         """``[tf.IndexedSlices]`` of dense shape ``[V, D]``: ``sum_n weights[n] G_n``."""

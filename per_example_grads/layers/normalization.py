@@ -26,6 +26,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from per_example_grads.example_ops import compute_dtype
 from per_example_grads.layers.local import LOCAL_RULE
 from per_example_grads.layerwise.rule import LayerRule, register_layer_rule
 
@@ -52,7 +53,7 @@ class LayerNormRule(LayerRule):
         axes = _axes(layer, rank)
         if 0 in axes:
             raise ValueError(f"LayerNormalization '{layer.name}' normalizes over the batch axis.")
-        dtype = tf.float64 if x.dtype == tf.float64 else tf.float32
+        dtype = compute_dtype(x.dtype)
         xh = keras.ops.layer_normalization(tf.cast(x, dtype), None, None, axes, layer.epsilon, rms_scaling=layer.rms_scaling)
         shape = [x.shape[a] if a in axes else 1 for a in range(rank)]
         y = xh

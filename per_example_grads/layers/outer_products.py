@@ -17,16 +17,12 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from per_example_grads.layerwise.rule import per_example_squared_norms
-
-
-def compute_dtype(t: tf.Tensor) -> tf.DType:
-    return tf.float64 if t.dtype == tf.float64 else tf.float32
+from per_example_grads.example_ops import compute_dtype, per_example_squared_norms
 
 
 def as_btf(t: tf.Tensor) -> tf.Tensor:
     """``[B, ..., f]`` -> ``[B, T, f]`` in the compute dtype."""
-    t = tf.cast(t, compute_dtype(t))
+    t = tf.cast(t, compute_dtype(t.dtype))
     positions = t.shape[1:-1]
     if positions.is_fully_defined():  # keep T static: it picks the norm formula
         return tf.reshape(t, [-1, positions.num_elements(), t.shape[-1]])

@@ -25,6 +25,8 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
+from per_example_grads.example_ops import per_example_squared_norms, weighted_example_sum  # noqa: F401  (re-exported)
+
 
 class LayerRule:
     """Base class of layer rules; see the module docstring.
@@ -189,28 +191,3 @@ def _elements_per_example(structure) -> int | None:
                 return None
             total += n
     return total
-
-
-def per_example_squared_norms(t: tf.Tensor) -> tf.Tensor:
-    """``[B]``: ``sum(t[n] ** 2)`` over all axes but the first, in float32 (float64 for float64 ``t``).
-
-    A batched dot product of each example's row with itself. Unlike
-    ``reduce_sum(square(t))`` it never holds a squared copy of ``t``: for an
-    output gradient ``g`` that copy is as large as ``g``, and ``g`` is what
-    the clipped sum keeps alive until every norm is known.
-    """
-    t = tf.cast(t, tf.float64 if t.dtype == tf.float64 else tf.float32)
-    rows = tf.reshape(t, [tf.shape(t)[0], 1, -1])
-    return tf.reshape(tf.linalg.matmul(rows, rows, transpose_b=True), [-1])
-
-
-def weighted_example_sum(weights: tf.Tensor, t: tf.Tensor) -> tf.Tensor:
-    """``sum_i weights[i] * t[i]``: ``[*t.shape[1:]]`` from ``[B]`` weights and ``[B, ...]`` ``t``.
-
-    One matrix-vector product on ``t`` viewed as ``[B, n]``; ``tf.tensordot``
-    builds the same from a dozen shape ops, which cost more than the product
-    on small layers.
-    """
-    flat = tf.reshape(t, [tf.shape(t)[0], -1])
-    total = tf.linalg.matvec(flat, tf.cast(weights, t.dtype), transpose_a=True)
-    return tf.reshape(total, t.shape[1:] if t.shape[1:].is_fully_defined() else tf.shape(t)[1:])
