@@ -45,8 +45,7 @@ def make_batch(model: Any, x: Any, y: Any = None, sample_weight: Any = None) -> 
             raise ValueError(f"sample_weight must have shape [B]; got shape {sw.shape}.")
         batch["sample_weight"] = tf.cast(sw, tf.float32) if not sw.dtype.is_floating else sw
     _check_float_inputs(model, batch["x"])
-    _check_leading_dims(batch)
-    return batch
+    return _check_leading_dims(batch)
 
 
 def batch_size(batch: Batch) -> tf.Tensor | int:
@@ -180,7 +179,14 @@ def _check_float_inputs(model: Any, x) -> None:
             )
 
 
-def _check_leading_dims(batch: Batch) -> None:
+def _check_leading_dims(batch: Batch) -> Batch:
+    """``batch``, checked: static leading dimensions now, dynamic ones when the graph runs.
+
+    The run-time checks are attached to every leaf (``tf.identity`` under
+    their control), so no computation on the batch can run, and fail with a
+    less helpful message, before them.
+    """
+    checks = []
     named = []
     for name in ("x", "y", "sample_weight"):
         if name in batch:
@@ -196,8 +202,13 @@ def _check_leading_dims(batch: Batch) -> None:
                 f"has B={a} but {name} has B={b}."
             )
         if a is None or b is None:
-            tf.debugging.assert_equal(
+            checks.append(tf.debugging.assert_equal(
                 tf.shape(ref)[0],
                 tf.shape(leaf)[0],
                 message=f"{ref_name} and {name} must share the leading batch dimension B",
-            )
+            ))
+    checks = [c for c in checks if c is not None]  # eagerly, assert_equal has already checked
+    if not checks:
+        return batch
+    with tf.control_dependencies(checks):
+        return tf.nest.map_structure(tf.identity, batch)

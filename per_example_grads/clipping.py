@@ -21,8 +21,8 @@ from per_example_grads import transforms
 from per_example_grads.arguments import check_clip
 from per_example_grads.batch import batch_size, make_batch, unless_empty
 from per_example_grads.engines import selection
+from per_example_grads.engines.base import ClipGroups
 from per_example_grads.problem import make_problem
-from per_example_grads.layerwise import engine as layerwise
 
 ClipNorm = float | Mapping[str, float] | Sequence[float]
 
@@ -88,27 +88,12 @@ def clipped_gradients(
     selection.check_method(method)
     l2_norm_clip = check_clip(l2_norm_clip)
     problem = make_problem(model, loss_fn, variables, training, allow_batch_coupling)
-    groups, clips = _clip_groups(problem.variables, l2_norm_clip)
+    clip = _clip_groups(problem.variables, l2_norm_clip)
     batch = make_batch(model, x, y, sample_weight)
     b = batch_size(batch)
 
     def clipped_sums(batch):
-        if layerwise.use_layerwise(method, problem, training):
-            captured = layerwise.capture(problem, batch)
-            kept: dict = {}
-            squared = layerwise.per_variable_squared_norms(problem, captured, kept)
-            norms, factors = _factors(squared, groups, clips)
-            group_of = {id(v): g for g, idx in enumerate(groups) for v in (problem.variables[i] for i in idx)}
-            return layerwise.weighted_sums(problem, captured, lambda v: factors[group_of[id(v)]], kept), norms
-        grads = selection.compute(method, problem, batch, training)
-        squared = [tf.square(n) for n in transforms.per_variable_norms(grads)]
-        norms, factors = _factors(squared, groups, clips)
-        sums = [None] * len(grads)
-        for g_index, idx in enumerate(groups):
-            for i in idx:
-                w = tf.reshape(tf.cast(factors[g_index], grads[i].dtype), [-1] + [1] * (grads[i].shape.rank - 1))
-                sums[i] = tf.reduce_sum(grads[i] * w, axis=0)
-        return sums, norms
+        return selection.run(method, problem, lambda engine: engine.clipped_sums(problem, batch, clip))
 
     def without_nonfinite(batch):  # run only for B > 0
         sums, norms = clipped_sums(batch)
@@ -121,7 +106,7 @@ def clipped_gradients(
         return sums
     if not isinstance(l2_norm_clip, (Mapping, list)):
         return sums, norms[0]
-    names = list(l2_norm_clip) if isinstance(l2_norm_clip, Mapping) else list(range(len(groups)))
+    names = list(l2_norm_clip) if isinstance(l2_norm_clip, Mapping) else list(range(len(clip.groups)))
     return sums, dict(zip(names, norms))
 
 
@@ -193,7 +178,7 @@ def dense_sums(sums: Sequence) -> list[tf.Tensor]:
     return [tf.convert_to_tensor(s) if isinstance(s, tf.IndexedSlices) else s for s in sums]
 
 
-def _clip_groups(variables, l2_norm_clip) -> tuple[list[list[int]], list]:
+def _clip_groups(variables, l2_norm_clip) -> ClipGroups:
     """Variable indices per clipping group, and each group's clip norm (already checked by ``check_clip``)."""
     if isinstance(l2_norm_clip, Mapping):
         names = list(l2_norm_clip)
@@ -215,21 +200,11 @@ def _clip_groups(variables, l2_norm_clip) -> tuple[list[list[int]], list]:
                 f"l2_norm_clip names {unknown}, which match no layer owning a variable; "
                 f"the layer names are {sorted(layer_names)}."
             )
-        return groups, [l2_norm_clip[n] for n in names]
+        return ClipGroups(groups, [l2_norm_clip[n] for n in names])
     if isinstance(l2_norm_clip, list):
         if len(l2_norm_clip) != len(variables):
             raise ValueError(
                 f"l2_norm_clip as a list needs one clip norm per variable ({len(variables)}); got {len(l2_norm_clip)}."
             )
-        return [[i] for i in range(len(variables))], l2_norm_clip
-    return [list(range(len(variables)))], [l2_norm_clip]
-
-
-def _factors(squared, groups, clips):
-    """Per group: norms ``[B]`` and clip factors ``C / max(n, C)``."""
-    norms, factors = [], []
-    for idx, clip in zip(groups, clips):
-        n = tf.sqrt(tf.add_n([squared[i] for i in idx]))
-        norms.append(n)
-        factors.append(transforms.clip_factors(n, clip))
-    return norms, factors
+        return ClipGroups([[i] for i in range(len(variables))], l2_norm_clip)
+    return ClipGroups([list(range(len(variables)))], [l2_norm_clip])

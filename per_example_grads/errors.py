@@ -19,11 +19,13 @@ class EngineFallbackWarning(UserWarning):
     """``method="auto"`` used an engine other than its first choice, and why."""
 
 
-class EngineError(RuntimeError):
-    """An explicitly chosen engine could not handle the model.
+class EngineError(ValueError):
+    """An engine refused or could not handle the model (the one refusal error type).
 
-    The message names the engine and the underlying failure; ``method="auto"``
-    would have fallen back to another engine instead.
+    The message names the engine and the cause. Raised when an explicitly
+    chosen engine refuses the model or fails on it (``method="auto"`` would
+    have fallen back to another engine instead), and when ``auto`` finds no
+    engine that runs. A ``ValueError``: the model is what the engine cannot take.
     """
 
     __init__ = Exception.__init__  # recognizable through tf.function (see InvalidLossError)

@@ -6,7 +6,6 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
-from per_example_grads import transforms
 from per_example_grads.batch import make_batch, unless_empty
 from per_example_grads.engines import selection
 from per_example_grads.layerwise import engine as layerwise
@@ -89,14 +88,17 @@ def per_example_gradients(
     problem = make_problem(model, loss_fn, variables, training, allow_batch_coupling)
     batch = make_batch(model, x, y, sample_weight)
     if sparse_embeddings:
-        if not layerwise.use_layerwise(method, problem, training):
-            reason = layerwise.why_not(problem, training) or f"method={method!r} is not the layer-wise engine"
+        reason = (
+            layerwise.why_not(problem) if method in ("auto", "layerwise")
+            else f"method={method!r} is not the layer-wise engine"
+        )
+        if reason:
             raise ValueError(f"sparse_embeddings=True needs method='layerwise' or 'auto' on a model it covers: {reason}.")
 
     def compute(batch):  # run only for B > 0
         if sparse_embeddings:
             return layerwise.per_example_gradients(problem, batch, sparse=True)
-        return selection.compute(method, problem, batch, training)
+        return selection.compute(method, problem, batch)
 
     return unless_empty(batch, compute)
 
@@ -132,21 +134,14 @@ def per_example_norms(
       >>> tuple(norms.shape)
       (5,)
     """
-    method, training = kwargs.get("method", "auto"), kwargs.get("training", False)
+    method = kwargs.pop("method", "auto")
     selection.check_method(method)
     problem = make_problem(
-        model, loss_fn, kwargs.get("variables"), training, kwargs.get("allow_batch_coupling", False)
+        model, loss_fn, kwargs.pop("variables", None), kwargs.pop("training", False),
+        kwargs.pop("allow_batch_coupling", False),
     )
-    if layerwise.use_layerwise(method, problem, training):
-        # Ghost norms: closed forms per layer, never B x P.
-        batch = make_batch(model, x, y, kwargs.get("sample_weight"))
-        squared = unless_empty(
-            batch, lambda batch: layerwise.per_variable_squared_norms(problem, layerwise.capture(problem, batch))
-        )
-        if by_variable:
-            return [tf.sqrt(s) for s in squared]
-        return tf.sqrt(tf.add_n(squared))
-    grads = per_example_gradients(model, loss_fn, x, y, **kwargs)
-    if by_variable:
-        return transforms.per_variable_norms(grads)
-    return transforms.global_norms(grads)
+    batch = make_batch(model, x, y, kwargs.pop("sample_weight", None))
+    if kwargs:
+        raise TypeError(f"per_example_norms got unexpected arguments: {sorted(kwargs)}.")
+    # Engines with closed forms (layer-wise: ghost norms) never build B x P.
+    return unless_empty(batch, lambda batch: selection.run(method, problem, lambda e: e.norms(problem, batch, by_variable)))

@@ -29,12 +29,17 @@ class Problem:
       forward: ``x -> y_pred`` with the ``training`` flag already applied.
       loss: ``(y_true, y_pred) -> [B]``.
       variables: the variables to differentiate, each ``[*var.shape]``.
+      training: the mode the model runs in.
+      cache: what engines work out once per call (the layer-wise engine's
+        unit plan), keyed by name.
     """
 
     model: Any
     forward: Callable[[Any], Any]
     loss: PerExampleLoss
     variables: tuple
+    training: bool = False
+    cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def losses(self, batch: Batch) -> tf.Tensor:
         """``[B]`` losses, each multiplied by its ``sample_weight`` if given."""
@@ -115,4 +120,5 @@ def make_problem(model, loss_fn, variables, training: bool, allow_batch_coupling
         forward=make_forward(model, training),
         loss=as_per_example_loss(loss_fn),
         variables=resolve_variables(model, variables),
+        training=training,
     )

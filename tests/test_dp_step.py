@@ -190,6 +190,7 @@ def test_fixed_size_batches_warn_once_and_are_accounted_as_such():
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_mixed_precision_updates_carry_the_noise_unscaled(policy):
+    previous = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy(policy)
     try:
         net, loss = _noise_model()
@@ -199,7 +200,7 @@ def test_mixed_precision_updates_carry_the_noise_unscaled(policy):
             warnings.simplefilter("ignore", UserWarning)
             update = _updates(dp, np.ones((4, 2), "float32"), np.zeros((4,), "float32"), 1)[0]
     finally:
-        keras.mixed_precision.set_global_policy("float32")
+        keras.mixed_precision.set_global_policy(previous)
     expected = 1.5 * 2.0 / 4.0  # lr * sigma * C / expected_batch_size
     assert abs(update.std() / expected - 1) < 6 / np.sqrt(2 * update.size)
 

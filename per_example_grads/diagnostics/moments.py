@@ -113,7 +113,7 @@ def batch_moments(
     variables = list(problem.variables)
     refs = {id(v): r for v, r in zip(variables, reference)}
     found: dict[int, tuple] = {}
-    if layerwise.use_layerwise(method, problem, training):
+    if layerwise.use_layerwise(method, problem):
         captured = layerwise.capture(problem, batch)
         wanted = set(refs)
         previous: list = []
@@ -133,7 +133,7 @@ def batch_moments(
             previous = [t for stats in part.values() for t in stats]
         b = captured.batch_size
     else:
-        grads = selection.compute(method, problem, batch, training)
+        grads = selection.compute(method, problem, batch)
         for v, pe in zip(variables, grads):
             found[id(v)] = _reduce_materialized(pe, refs[id(v)])
         b = tf.shape(grads[0])[0]

@@ -74,7 +74,7 @@ class _Features:
 
 def _features(problem: Problem, x: Any, y: Any, method: str, materialize: bool = False) -> _Features:
     batch = make_batch(problem.model, x, y)
-    if not materialize and layerwise.use_layerwise(method, problem, False):
+    if not materialize and layerwise.use_layerwise(method, problem):
         captured = layerwise.capture(problem, batch)
         wanted = {id(v) for v in problem.variables}
         dense = []
@@ -93,7 +93,7 @@ def _features(problem: Problem, x: Any, y: Any, method: str, materialize: bool =
             dense.append((a, tf.cast(g[0], F64), bias))
         if dense is not None:
             return _Features(dense=dense)
-    grads = selection.compute(method, problem, batch, False)
+    grads = selection.compute(method, problem, batch)
     b = tf.shape(grads[0])[0]
     return _Features(flat=tf.concat([tf.reshape(tf.cast(t, F64), [b, -1]) for t in grads], axis=1))
 

@@ -1,9 +1,22 @@
 """The engine interface and registry.
 
-An engine turns a ``Problem`` and a ``Batch`` into per-example gradients: a
-list aligned with ``problem.variables`` whose k-th entry has shape
-``[B, *variables[k].shape]``, entry ``i`` being the gradient of example i's
-own (weighted) loss. Variables the loss does not reach get zeros.
+An engine has three capabilities, all aligned with ``problem.variables``:
+
+- ``compute(problem, batch)``: per-example gradients, entry k of shape
+  ``[B, *variables[k].shape]``, entry ``i`` the gradient of example i's own
+  (weighted) loss; zeros for variables the loss does not reach;
+- ``norms(problem, batch, by_variable)``: ``[B]`` norms of each example's
+  whole gradient, or with ``by_variable`` a ``[B]`` per variable;
+- ``clipped_sums(problem, batch, clip)``: ``(sums, norms)`` with
+  ``sums[k] = sum_i c_i grads[k][i]``, ``c_i = C_g / max(n_ig, C_g)`` for the
+  clipping group ``g`` of variable ``k`` (``clip``, a ``ClipGroups``), and
+  ``norms`` the ``[B]`` norms ``n_ig`` per group.
+
+An engine that only computes per-example gradients gets the other two by
+materializing them (``B x P`` memory); the layer-wise engine has its own,
+which never build ``B x P``. Callers go through ``selection.run``, which
+picks the engine (``method="auto"``, with its fallbacks) the same way for
+every capability.
 """
 
 from __future__ import annotations
@@ -14,36 +27,82 @@ from typing import Callable
 import keras
 import tensorflow as tf
 
+from per_example_grads import transforms
 from per_example_grads.batch import Batch
+from per_example_grads.example_ops import weighted_example_sum
 from per_example_grads.problem import Problem
 
 EngineFn = Callable[[Problem, Batch], list]
 
 
 @dataclasses.dataclass(frozen=True)
+class ClipGroups:
+    """Which variables are clipped together, and to what.
+
+    Attributes:
+      groups: per group, the indices of its variables in ``problem.variables``.
+      clips: per group, its clip norm ``C_g`` (a number or scalar tensor).
+    """
+
+    groups: list
+    clips: list
+
+    def factors(self, squared: list) -> tuple[list, list]:
+        """Per group, ``[B]`` norms from per-variable squared norms, and clip factors ``C / max(n, C)``."""
+        norms = [tf.sqrt(tf.add_n([squared[i] for i in idx])) for idx in self.groups]
+        return norms, [transforms.clip_factors(n, c) for n, c in zip(norms, self.clips)]
+
+
+@dataclasses.dataclass(frozen=True)
 class Engine:
-    """A registered way of computing per-example gradients.
+    """A registered way of computing per-example gradients, norms and clipped sums.
 
     Attributes:
       name: the ``method=`` string.
       compute: ``(problem, batch) -> list of [B, *var.shape]``.
       isolates_examples: True if a NaN/Inf in one example can never reach
         another example's gradient.
-      why_not: ``(problem, training) -> str | None``: why the engine must not
-        run on this problem (it would crash or be wrong), or None.
+      why_not: ``problem -> str | None``: why the engine must not run on this
+        problem (it would crash or be wrong), or None.
+      native_squared_norms: the engine's own ``(problem, batch) -> [B]``
+        squared norms per variable, or None to materialize the gradients.
+      native_clipped_sums: the engine's own ``clipped_sums`` (module
+        docstring), or None to materialize the gradients.
     """
 
     name: str
     compute: EngineFn
     isolates_examples: bool
-    why_not: Callable[[Problem, bool], str | None] = lambda problem, training: None
+    why_not: Callable[[Problem], str | None] = lambda problem: None
+    native_squared_norms: Callable[[Problem, Batch], list] | None = None
+    native_clipped_sums: Callable[[Problem, Batch, ClipGroups], tuple] | None = None
+
+    def norms(self, problem: Problem, batch: Batch, by_variable: bool = False):
+        """``[B]`` global norms, or a list of ``[B]`` per variable."""
+        if self.native_squared_norms is not None:
+            squared = self.native_squared_norms(problem, batch)
+            return [tf.sqrt(s) for s in squared] if by_variable else tf.sqrt(tf.add_n(squared))
+        grads = self.compute(problem, batch)
+        return transforms.per_variable_norms(grads) if by_variable else transforms.global_norms(grads)
+
+    def clipped_sums(self, problem: Problem, batch: Batch, clip: ClipGroups) -> tuple[list, list]:
+        """``(sums per variable, [B] norms per group)``."""
+        if self.native_clipped_sums is not None:
+            return self.native_clipped_sums(problem, batch, clip)
+        grads = self.compute(problem, batch)
+        norms, factors = clip.factors([tf.square(n) for n in transforms.per_variable_norms(grads)])
+        sums = [None] * len(grads)
+        for idx, f in zip(clip.groups, factors):
+            for i in idx:
+                sums[i] = weighted_example_sum(f, grads[i])
+        return sums, norms
 
 
 ENGINES: dict[str, Engine] = {}
 
 
 def register_engine(**properties) -> Callable[[EngineFn], EngineFn]:
-    """Decorator: ``@register_engine(name=..., isolates_examples=..., why_not=...)``."""
+    """Decorator: ``@register_engine(name=..., isolates_examples=..., why_not=..., native_...=...)``."""
 
     def wrap(fn: EngineFn) -> EngineFn:
         ENGINES[properties["name"]] = Engine(compute=fn, **properties)

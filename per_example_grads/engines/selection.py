@@ -24,14 +24,16 @@ does not use its first choice it says which engine ran and why, in an
 from __future__ import annotations
 
 import warnings
+from typing import Callable, TypeVar
 
 from per_example_grads.batch import Batch
-from per_example_grads.engines.base import ENGINES
+from per_example_grads.engines.base import ENGINES, Engine
 from per_example_grads.errors import EngineError, EngineFallbackWarning, InvalidLossError
 from per_example_grads.problem import Problem
 
 AUTO_ORDER = ("layerwise", "vectorized", "weight_copies", "loop")
 METHODS = ("auto",) + tuple(ENGINES)
+T = TypeVar("T")
 
 _warned: set = set()
 
@@ -42,15 +44,26 @@ def check_method(method: str) -> None:
         raise ValueError(f"method must be one of {list(METHODS)}; got {method!r}.")
 
 
-def compute(method: str, problem: Problem, batch: Batch, training: bool) -> list:
-    """Per-example gradients from ``method``: list of ``[B, *var.shape]``."""
+def run(method: str, problem: Problem, use: Callable[[Engine], T]) -> T:
+    """``use(engine)`` with the engine ``method`` names, or the one ``"auto"`` picks.
+
+    ``use`` asks for one capability (``engine.compute(problem, batch)``,
+    ``engine.squared_norms(...)`` or ``engine.clipped_sums(...)``); ``auto``
+    falls back the same way for each: an engine that refuses the problem
+    (``why_not``) or raises while building is skipped, with one
+    ``EngineFallbackWarning`` naming it and the reason.
+
+    Raises:
+      EngineError: an explicitly chosen engine refuses or fails, or no engine
+        can run (``auto``).
+    """
     if method != "auto":
         engine = ENGINES[method]
-        reason = engine.why_not(problem, training)
+        reason = engine.why_not(problem)
         if reason:
-            raise ValueError(f"method={method!r} cannot run on this model: {reason}.")
+            raise EngineError(f"method={method!r} cannot run on this model: {reason}.")
         try:
-            return engine.compute(problem, batch)
+            return use(engine)
         except InvalidLossError:
             raise
         except Exception as err:  # noqa: BLE001 - re-raised with the engine named
@@ -64,10 +77,10 @@ def compute(method: str, problem: Problem, batch: Batch, training: bool) -> list
     skipped = []
     for name in AUTO_ORDER:
         engine = ENGINES[name]
-        reason = engine.why_not(problem, training)
+        reason = engine.why_not(problem)
         if reason is None:
             try:
-                grads = engine.compute(problem, batch)
+                result = use(engine)
             except InvalidLossError:
                 raise
             except Exception as err:  # noqa: BLE001 - any build failure means "try the next engine"
@@ -75,12 +88,17 @@ def compute(method: str, problem: Problem, batch: Batch, training: bool) -> list
             else:
                 if skipped:
                     _warn_once(name, skipped)
-                return grads
+                return result
         skipped.append((name, reason))
-    raise RuntimeError(
+    raise EngineError(
         "No engine could compute per-example gradients for this model:\n"
         + "\n".join(f"  {n}: {r}" for n, r in skipped)
     )
+
+
+def compute(method: str, problem: Problem, batch: Batch) -> list:
+    """Per-example gradients from ``method``: list of ``[B, *var.shape]``."""
+    return run(method, problem, lambda engine: engine.compute(problem, batch))
 
 
 def _warn_once(used: str, skipped: list) -> None:

@@ -18,9 +18,8 @@ from per_example_grads._quiet import quiet_vectorization
 from per_example_grads.engines.base import example_gradient, register_engine
 
 
-def why_not(problem, training) -> str | None:
+def why_not(problem) -> str | None:
     """Refuses models with a layer known to crash ``tf.vectorized_map``."""
-    del training
     crashers = model_inspection.vectorization_crashers(problem.model)
     if crashers:
         return (

@@ -23,7 +23,7 @@ from per_example_grads.batch import batch_size
 from per_example_grads.engines.base import dense_or_zeros, register_engine
 
 
-def why_not(problem, training: bool) -> str | None:
+def why_not(problem) -> str | None:
     """Why weight copies cannot be exact for this problem, or None."""
     not_keras = [v for v in problem.variables if not isinstance(v, keras.Variable)]
     if not_keras:
@@ -33,7 +33,7 @@ def why_not(problem, training: bool) -> str | None:
             f"(first: {getattr(not_keras[0], 'name', not_keras[0])}); use "
             "method='vectorized' or 'loop'"
         )
-    random = model_inspection.random_layers(problem.model) if training else []
+    random = model_inspection.random_layers(problem.model) if problem.training else []
     if random:
         return (
             "it cannot give examples independent random draws in training "

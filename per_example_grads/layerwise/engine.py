@@ -14,9 +14,10 @@ import tensorflow as tf
 
 from per_example_grads import layers as _builtin_rules  # noqa: F401  (registers the rules)
 from per_example_grads.batch import Batch, batch_size
-from per_example_grads.engines.base import register_engine
+from per_example_grads.engines.base import ClipGroups, register_engine
+from per_example_grads.errors import EngineError
 from per_example_grads.layerwise.capture import NotCoverable, Record, Unit, capturing, check_batch_axis, plan_units
-from per_example_grads.layerwise.rule import per_example_squared_norms
+from per_example_grads.example_ops import compute_dtype, per_example_squared_norms
 from per_example_grads.per_example_slices import PerExampleSlices
 from per_example_grads.problem import Problem
 
@@ -37,33 +38,45 @@ class Captured:
         return out
 
 
-def why_not(problem: Problem, training: bool) -> str | None:
+def units_of(problem: Problem) -> list[Unit]:
+    """The unit plan of ``problem`` (raises ``NotCoverable``), worked out once per call."""
+    if "layerwise_units" not in problem.cache:
+        try:
+            problem.cache["layerwise_units"] = plan_units(problem.model, problem.variables)
+        except NotCoverable as err:
+            problem.cache["layerwise_units"] = err
+    plan = problem.cache["layerwise_units"]
+    if isinstance(plan, NotCoverable):
+        raise plan
+    return plan
+
+
+def why_not(problem: Problem) -> str | None:
     """Why the layer-wise engine cannot cover ``problem``, or None."""
-    del training
     try:
-        plan_units(problem.model, problem.variables)
+        units_of(problem)
     except NotCoverable as err:
         return str(err)
     return None
 
 
-def use_layerwise(method: str, problem: Problem, training: bool) -> bool:
-    """Whether ``method`` means the layer-wise engine for this problem.
+def use_layerwise(method: str, problem: Problem) -> bool:
+    """Whether ``method`` means the layer-wise engine for this problem (for the diagnostics' closed forms).
 
-    True for ``"layerwise"`` (raising ``ValueError`` with the reason if it
+    True for ``"layerwise"`` (raising ``EngineError`` with the reason if it
     cannot cover the model) and for ``"auto"`` when it can.
     """
     if method not in ("auto", "layerwise"):
         return False
-    reason = why_not(problem, training)
+    reason = why_not(problem)
     if reason and method == "layerwise":
-        raise ValueError(f"method='layerwise' cannot run on this model: {reason}.")
+        raise EngineError(f"method='layerwise' cannot run on this model: {reason}.")
     return reason is None
 
 
 def capture(problem: Problem, batch: Batch) -> Captured:
     """One forward and one backward pass with every unit watched."""
-    units = plan_units(problem.model, problem.variables)
+    units = units_of(problem)
     with tf.GradientTape(persistent=False) as tape:
         with capturing(units) as records:
             losses = problem.losses(batch)
@@ -109,7 +122,7 @@ def unit_squared_norms(unit: Unit, calls: list) -> list[tf.Tensor]:
         return unit.rule.squared_norms(unit.layer, record.saved, g)
     # A shared layer's norm has cross terms between its calls: build its
     # per-example gradient (this layer only) and take the norm of the sum.
-    return [tf.cast(per_example_squared_norms(t), tf.float32) for t in unit_per_example(unit, calls)]
+    return [per_example_squared_norms(t) for t in unit_per_example(unit, calls)]
 
 
 def per_variable_squared_norms(problem: Problem, captured: Captured, kept: dict | None = None) -> list[tf.Tensor]:
@@ -140,8 +153,7 @@ def per_variable_squared_norms(problem: Problem, captured: Captured, kept: dict 
         previous = norms
         for v, n in zip(unit.variables, norms):
             found[id(v)] = n
-    zeros = tf.zeros([captured.batch_size], tf.float32)
-    return [found.get(id(v), zeros) for v in problem.variables]
+    return [found.get(id(v), tf.zeros([captured.batch_size], compute_dtype(v.dtype))) for v in problem.variables]
 
 
 def weighted_sums(problem: Problem, captured: Captured, weights_for, kept: dict | None = None) -> list[tf.Tensor]:
@@ -197,7 +209,24 @@ def per_example_gradients(problem: Problem, batch: Batch, sparse: bool = False) 
     ]
 
 
-@register_engine(name="layerwise", isolates_examples=True, why_not=why_not)
+def squared_norms(problem: Problem, batch: Batch) -> list[tf.Tensor]:
+    """``[B]`` squared norms per variable from closed forms per layer, never ``B x P``."""
+    return per_variable_squared_norms(problem, capture(problem, batch))
+
+
+def clipped_sums(problem: Problem, batch: Batch, clip: ClipGroups) -> tuple[list, list]:
+    """``sum_i c_i grad_i`` per variable and ``[B]`` norms per group, in one forward and one backward pass."""
+    captured = capture(problem, batch)
+    kept: dict = {}
+    norms, factors = clip.factors(per_variable_squared_norms(problem, captured, kept))
+    group_of = {id(problem.variables[i]): g for g, idx in enumerate(clip.groups) for i in idx}
+    return weighted_sums(problem, captured, lambda v: factors[group_of[id(v)]], kept), norms
+
+
+@register_engine(
+    name="layerwise", isolates_examples=True, why_not=why_not,
+    native_squared_norms=squared_norms, native_clipped_sums=clipped_sums,
+)
 def layerwise(problem: Problem, batch: Batch) -> list:
     """Per-example gradients from closed forms per layer: list of ``[B, *var.shape]``."""
     return per_example_gradients(problem, batch)

@@ -1,0 +1,99 @@
+"""One engine interface for the three capabilities: per-example gradients, norms, clipped sums."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import per_example_grads as peg
+from conftest import assert_clipped_sums_close, assert_close, assert_norms_close, reference_gradients, reference_norms, sparse_ce
+from per_example_grads.layerwise import capture as capture_module
+from tolerances import EPS64, rounding_rtol
+
+
+class Doubling(keras.layers.Layer):
+    """A layer the test teaches the layer-wise engine with a rule that breaks while building."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1],), initializer="ones")
+
+    def call(self, x):
+        return x * self.w * 2.0
+
+
+class BrokenRule(peg.LayerRule):
+    def variables(self, layer):
+        return [layer.w]
+
+    def forward(self, layer, call, args, kwargs):
+        raise RuntimeError("this rule cannot build")
+
+    def per_example(self, layer, a, grads):
+        raise AssertionError("never reached")
+
+
+def _broken_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((4,)), Doubling(), keras.layers.Dense(3)])
+
+
+def test_norms_and_clipped_sums_fall_back_like_per_example_gradients(monkeypatch):
+    from per_example_grads.layerwise import rule as rule_module
+
+    monkeypatch.setitem(rule_module.RULES, Doubling, BrokenRule())
+    model = _broken_model()
+    x = np.random.RandomState(0).normal(size=(6, 4)).astype("float32")
+    y = np.arange(6) % 3
+    reference = reference_gradients(model, sparse_ce, x, y)
+    with pytest.warns(peg.EngineFallbackWarning, match="'layerwise' because it raised RuntimeError"):
+        norms = peg.per_example_norms(model, sparse_ce, x, y)
+    assert_norms_close(norms, reference)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", peg.EngineFallbackWarning)
+        sums = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.1)
+    assert_clipped_sums_close(sums, reference, 0.1 / np.maximum(reference_norms(reference), 0.1))
+    with pytest.raises(peg.EngineError, match="method='layerwise' could not handle this model"):
+        peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.1, method="layerwise")
+
+
+def test_engine_error_is_the_one_refusal_type_and_a_value_error():
+    assert issubclass(peg.EngineError, ValueError)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    with pytest.raises(peg.EngineError, match="cannot run on this model"):
+        peg.per_example_gradients(lambda x: model(x), "mse", np.ones((2, 4)), np.zeros((2, 2)),
+                                  variables=model.trainable_variables, method="layerwise")
+
+
+def test_the_unit_plan_is_worked_out_once_per_call(monkeypatch):
+    calls = []
+    original = capture_module.plan_units
+    from per_example_grads.layerwise import engine
+
+    monkeypatch.setattr(engine, "plan_units", lambda *a: calls.append(1) or original(*a))
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    x, y = np.ones((5, 4), "float32"), np.arange(5) % 3
+    peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=1.0)
+    assert len(calls) == 1
+
+
+def test_a_float64_model_with_an_embedding_gives_float64_norms_and_clipped_sums():
+    keras.utils.set_random_seed(0)
+    f64 = dict(dtype="float64")
+    model = keras.Sequential([
+        keras.Input((5,), dtype="int32"), keras.layers.Embedding(20, 4, **f64),
+        keras.layers.GlobalAveragePooling1D(**f64), keras.layers.Dense(3, **f64),
+    ])
+    x = np.random.RandomState(1).randint(0, 20, (6, 5)).astype("int32")
+    y = np.arange(6) % 3
+    reference = reference_gradients(model, sparse_ce, x, y)
+    flat = np.concatenate([r.reshape(6, -1) for r in reference], axis=1)
+    norms = peg.per_example_norms(model, sparse_ce, x, y, method="layerwise")
+    sums = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.05, method="layerwise")
+    assert norms.dtype == tf.float64
+    rtol = rounding_rtol(flat.shape[1] + 64, EPS64)  # float64 sums over the entries and the model's path
+    assert_close(norms, np.linalg.norm(flat, axis=1), rtol=rtol)
+    factors = 0.05 / np.maximum(np.linalg.norm(flat, axis=1), 0.05)
+    for s, r in zip(sums, reference):
+        assert_close(tf.convert_to_tensor(s), np.tensordot(factors, r, axes=1), rtol=rtol, atol=rtol * 0.05 * 6)
