@@ -15,21 +15,22 @@ n's kernel gradient is ``G_n = sum_t p_nt^T g_nt``. ``||G_n||^2`` is the Gram
 form ``sum_{t,s} (p_nt . p_ns)(g_nt . g_ns)`` when
 ``positions (f + c_out) < f c_out``; otherwise ``G_n`` is built, one layer at a
 time, by batched matrix products with the smaller of ``f`` and ``c_out`` first
-(measured faster); patches built outside XLA are built in batch chunks of at
-most ``PATCH_CHUNK_ELEMENTS`` elements (the CNN's clipped sum at B=256: peak
-TensorFlow allocations 89.5 -> 58-65 MiB, against 80 MiB for the batch step). When ``f <= c_out`` the patches and those products run as one XLA
-function (``jit_compile=True``), with the patches built as the concatenation over the
-kernel offsets ``(i, j)`` of the strided slices
+(the faster order); patches built outside XLA are built in batch chunks of at
+most ``PATCH_CHUNK_ELEMENTS`` elements, so the patches of all ``B`` examples
+never exist at once (lower peak memory for norms and clipped sum). When ``f <= c_out`` the patches
+and those products run as one XLA function (``jit_compile=True``), with the
+patches built as the concatenation over the kernel offsets ``(i, j)`` of the
+strided slices
 ``a[:, i d_h : i d_h + (oh - 1) s_h + 1 : s_h, j d_w : ... : s_w, :]`` of the
 (explicitly padded) input, in the ``(i, j, c_in)`` order of
 ``tf.image.extract_patches``: XLA fuses these slices into the product's
-operand, which on this project's CPU was measured 4.5x faster than
-``extract_patches`` outside XLA for the first convolution of the benchmark CNN
-(``c_in = 1``, ``f = 9 <= c_out``). When ``f > c_out`` (the CNN's second
-convolution, ``f = 144``) the fused slices were 1.3x faster at ``B = 64`` but
-1.5x slower at ``B = 256``, so there the patches are extracted outside XLA
-and only the products run under it; ``extract_patches`` *inside* XLA was
-slower in both. ``NORMS_JIT_COMPILE = False`` runs the same without XLA.
+operand, which on this project's CPU was faster than ``extract_patches``
+outside XLA for the first convolution of the benchmark CNN (``c_in = 1``,
+``f = 9 <= c_out``). When ``f > c_out`` (the CNN's second convolution,
+``f = 144``) the fused slices were faster at small batches but slower at
+large ones, so there the patches are extracted outside XLA and only the
+products run under it; ``extract_patches`` *inside* XLA was slower in both
+cases. ``NORMS_JIT_COMPILE = False`` runs the same without XLA.
 ``"same"`` padding pads ``pad = max((o - 1) s + (k - 1) d + 1 - n, 0)``,
 ``pad // 2`` before, as TensorFlow does (``o = ceil(n / s)``).
 
@@ -47,6 +48,8 @@ always uses the convolution VJP. The bias part is ``sum_{n,t} c_n g_nt``.
 
 Materialized per-example kernels come from the layer-local VJP (measured as
 fast as ``tf.vectorized_map`` and faster than the patch contraction).
+
+Measured costs: ``benchmarks/RESULTS.md`` (the runs behind these choices: its git history).
 """
 
 from __future__ import annotations
