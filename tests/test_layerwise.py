@@ -438,8 +438,9 @@ def test_materialized_norms_are_kept_for_the_clipped_sum_only_when_no_larger(nam
     captured = engine.capture(problem, make_batch(model, x, y, None))
     record, g = next((r, g) for r, g in zip(captured.records, captured.grads) if isinstance(r.unit.layer, layer_class))
     rule, layer = record.unit.rule, record.unit.layer
-    norms, kept = rule.squared_norms_keeping(layer, record.saved, g)
-    assert (kept is not None) == keeps
+    cache = {}
+    norms = rule.squared_norms(layer, record.saved, g, cache)
+    assert ("per_example" in cache) == keeps
     # Two computations of one layer's per-example gradients from the same captured a and g: a layer's path is
     # part of a model's, so its entries agree to GRADIENT_RTOL at most; a squared norm doubles a norm's error.
     per_example = [np.asarray(t, np.float64) for t in rule.per_example(layer, record.saved, g)]
@@ -449,7 +450,7 @@ def test_materialized_norms_are_kept_for_the_clipped_sum_only_when_no_larger(nam
         np.testing.assert_allclose(got, want, rtol=2 * norm_rtol(p), atol=2 * GRADIENT_RTOL * scale**2 * p)
     if keeps:
         w = np.linspace(0.1, 1.0, B)
-        sums = zip(rule.weighted_sum_kept(layer, record.saved, g, tf.constant(w, tf.float32), kept),
+        sums = zip(rule.weighted_sum(layer, record.saved, g, tf.constant(w, tf.float32), cache),
                    rule.weighted_sum(layer, record.saved, g, tf.constant(w, tf.float32)), per_example)
         for got, want, t in sums:
             rtol = weighted_sum_rtol(B, GRADIENT_RTOL)

@@ -259,29 +259,26 @@ class ConvPatchesRule(LayerRule):
     def per_example(self, layer, saved, grads):
         return LOCAL_CONV_RULE.per_example(layer, saved, grads, variables=self.variables(layer))
 
-    def squared_norms(self, layer, saved, grads):
-        return self.squared_norms_keeping(layer, saved, grads, keep=False)[0]
-
-    def squared_norms_keeping(self, layer, saved, grads, keep: bool = True):
-        """Norms, and (when the per-example kernels are kept) ``(kernels, biases)``.
+    def squared_norms(self, layer, saved, grads, cache=None):
+        """Norms; with a ``cache`` (a clipped sum follows), the per-example ``(kernels, biases)`` when small.
 
         The per-example bias gradients ``[B, c_out]`` are kept with the
         kernels, so that nothing in the clipped sum reads ``g`` and it can be
         freed before every norm is known.
         """
         a, g = saved[0][0], grads[0]
-        kernel_norms, kernels = kernel_squared_norms(ConvSpec.of(layer), a, g, keep)
+        kernel_norms, kernels = kernel_squared_norms(ConvSpec.of(layer), a, g, cache is not None)
         out = [kernel_norms]
         biases = None
         if layer.use_bias:
             biases = tf.reduce_sum(op.as_btf(g), axis=1)  # [B, c_out]
             out.append(per_example_squared_norms(biases))
-        return out, (None if kernels is None else (kernels, biases))
+        if kernels is not None:
+            cache["kept"] = (kernels, biases)
+        return out
 
-    def weighted_sum(self, layer, saved, grads, weights):
-        return self.weighted_sum_kept(layer, saved, grads, weights, None)
-
-    def weighted_sum_kept(self, layer, saved, grads, weights, kept):
+    def weighted_sum(self, layer, saved, grads, weights, cache=None):
+        kept = (cache or {}).get("kept")
         if kept is not None:
             kernels, biases = kept
             out = [kept_weighted_sum(kernels, weights, layer.kernel.shape)]

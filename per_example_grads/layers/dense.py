@@ -38,14 +38,14 @@ class DenseRule(LayerRule):
             out.append(tf.reduce_sum(g, axis=1))
         return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
 
-    def squared_norms(self, layer, saved, grads):
+    def squared_norms(self, layer, saved, grads, cache=None):
         a, g = op.as_btf(saved), op.as_btf(grads[0])
         out = [op.kernel_squared_norms(a, g)]
         if layer.bias is not None:
             out.append(per_example_squared_norms(tf.reduce_sum(g, axis=1)))
         return out
 
-    def weighted_sum(self, layer, saved, grads, weights):
+    def weighted_sum(self, layer, saved, grads, weights, cache=None):
         a, g = op.as_btf(saved), op.as_btf(grads[0])
         out = [op.weighted_kernel_sum(a, g, weights)]
         if layer.bias is not None:

@@ -75,7 +75,7 @@ class EinsumDenseRule(LayerRule):
             result.append(sum_to_shape(g, layer.bias.shape))
         return [tf.cast(t, v.dtype) for t, v in zip(result, self.variables(layer))]
 
-    def squared_norms(self, layer, saved, grads):
+    def squared_norms(self, layer, saved, grads, cache=None):
         a, g = self._cast(saved, grads[0])
         inp, kern, out = _expand(layer.equation, a.shape.rank)
         b = inp[0]
@@ -83,7 +83,7 @@ class EinsumDenseRule(LayerRule):
         positions = [c for c in inp[1:] if c not in kern]
         outputs = [c for c in kern if c not in inp]
         if set(out[1:]) != set(positions) | set(outputs) or len(out) != 1 + len(positions) + len(outputs):
-            return super().squared_norms(layer, saved, grads)
+            return super().squared_norms(layer, saved, grads, cache)
         dims = dict(zip(kern, layer.kernel.shape))
         m, c, k = "".join(positions), "".join(contracted), "".join(outputs)
         a_btf = tf.reshape(tf.einsum(f"{inp}->{b}{m}{c}", a), [tf.shape(a)[0], -1, math.prod(dims[x] for x in c)])
@@ -97,7 +97,7 @@ class EinsumDenseRule(LayerRule):
             result.append(per_example_squared_norms(bias_g))
         return result
 
-    def weighted_sum(self, layer, saved, grads, weights):
+    def weighted_sum(self, layer, saved, grads, weights, cache=None):
         a, g = self._cast(saved, grads[0])
         inp, kern, out = _expand(layer.equation, a.shape.rank)
         gw = g * tf.reshape(tf.cast(weights, g.dtype), [-1] + [1] * (g.shape.rank - 1))

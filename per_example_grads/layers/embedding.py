@@ -65,17 +65,14 @@ class EmbeddingRule(LayerRule):
         return PerExampleSlices(ids, tf.cast(g, layer.embeddings.dtype), tf.TensorShape(layer.embeddings.shape))
 
     def per_example(self, layer, saved, grads):
-        return [self._slices(layer, saved, grads).to_dense()]
-
-    def per_example_sparse(self, layer, saved, grads):
         return [self._slices(layer, saved, grads)]
 
-    def squared_norms(self, layer, saved, grads):
+    def squared_norms(self, layer, saved, grads, cache=None):
         _, repeats = saved
         values = self._slices(layer, saved, grads).values
         return [grouped_squared_norms(tf.cast(values, compute_dtype(values.dtype)), repeats)]
 
-    def weighted_sum(self, layer, saved, grads, weights):
+    def weighted_sum(self, layer, saved, grads, weights, cache=None):
         """``[tf.IndexedSlices]`` of dense shape ``[V, D]``: ``sum_n weights[n] G_n``."""
         return [self._slices(layer, saved, grads).scale(weights).sum_examples()]
 

@@ -79,7 +79,9 @@ class LayerNormRule(LayerRule):
             out.append(tf.reduce_sum(g, axis=other) if other else g)
         return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
 
-    def weighted_sum(self, layer, saved, grads, weights):
+    def weighted_sum(self, layer, saved, grads, weights, cache=None):
+        if cache and "per_example" in cache:  # the [B, D] gradients the norms built
+            return super().weighted_sum(layer, saved, grads, weights, cache)
         xh, axes = saved
         g = tf.cast(grads[0], xh.dtype)
         g = g * tf.reshape(tf.cast(weights, g.dtype), [-1] + [1] * (g.shape.rank - 1))

@@ -47,11 +47,16 @@ class Unit:
 
 @dataclasses.dataclass
 class Record:
-    """One call of a unit: what the rule saved and where it tapped the output."""
+    """One call of a unit: what the rule saved, where it tapped the output, and its per-call cache.
+
+    ``cache`` is what the rule's ``squared_norms`` leaves for its
+    ``weighted_sum`` on this call (``LayerRule.squared_norms``).
+    """
 
     unit: Unit
     saved: Any
     taps: list
+    cache: dict = dataclasses.field(default_factory=dict)
 
 
 def plan_units(model: Any, variables) -> list[Unit]:

@@ -98,12 +98,14 @@ def capture(problem: Problem, batch: Batch) -> Captured:
 def unit_per_example(unit: Unit, calls: list, sparse: bool = False) -> list:
     """``[B, *var.shape]`` per variable of ``unit``, summed over its calls.
 
-    With ``sparse``, an embedding table's entry is a ``PerExampleSlices``.
+    A rule's ``PerExampleSlices`` (an embedding table's rows) is made dense
+    unless ``sparse``.
     """
-    rule_per_example = unit.rule.per_example_sparse if sparse else unit.rule.per_example
     total = None
     for record, g in calls:
-        pe = rule_per_example(unit.layer, record.saved, g)
+        pe = unit.rule.per_example(unit.layer, record.saved, g)
+        if not sparse:
+            pe = [tf.convert_to_tensor(t) if isinstance(t, PerExampleSlices) else t for t in pe]
         total = pe if total is None else [add_per_example(a, b) for a, b in zip(total, pe)]
     return total
 
@@ -115,17 +117,7 @@ def add_per_example(a, b):
     return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
 
 
-def unit_squared_norms(unit: Unit, calls: list) -> list[tf.Tensor]:
-    """``[B]`` squared norms per variable of ``unit`` (exact for shared layers too)."""
-    if len(calls) == 1:
-        record, g = calls[0]
-        return unit.rule.squared_norms(unit.layer, record.saved, g)
-    # A shared layer's norm has cross terms between its calls: build its
-    # per-example gradient (this layer only) and take the norm of the sum.
-    return [per_example_squared_norms(t) for t in unit_per_example(unit, calls)]
-
-
-def per_variable_squared_norms(problem: Problem, captured: Captured, kept: dict | None = None) -> list[tf.Tensor]:
+def per_variable_squared_norms(problem: Problem, captured: Captured, for_sums: bool = False) -> list[tf.Tensor]:
     """``[B]`` squared norms aligned with ``problem.variables`` (zeros if unreached).
 
     Units are processed one after another (control dependencies), so at most
@@ -134,8 +126,8 @@ def per_variable_squared_norms(problem: Problem, captured: Captured, kept: dict 
     of the last layers overlap with the backward pass of the first.
 
     Args:
-      kept: if given, filled with ``{id(record): what the rule kept}`` for
-        ``weighted_sums`` (``LayerRule.squared_norms_keeping``).
+      for_sums: a clipped sum follows: each call's rule gets its record's
+        ``cache`` to leave what the sum can reuse.
     """
     found: dict[int, tf.Tensor] = {}
     previous: list = []
@@ -143,20 +135,20 @@ def per_variable_squared_norms(problem: Problem, captured: Captured, kept: dict 
         if not calls:
             continue
         with tf.control_dependencies(previous):
-            if kept is not None and len(calls) == 1:
+            if len(calls) == 1:
                 record, g = calls[0]
-                norms, state = unit.rule.squared_norms_keeping(unit.layer, record.saved, g)
-                if state is not None:
-                    kept[id(record)] = state
+                norms = unit.rule.squared_norms(unit.layer, record.saved, g, record.cache if for_sums else None)
             else:
-                norms = unit_squared_norms(unit, calls)
+                # A shared layer's norm has cross terms between its calls: build its
+                # per-example gradient (this layer only) and take the norm of the sum.
+                norms = [per_example_squared_norms(t) for t in unit_per_example(unit, calls)]
         previous = norms
         for v, n in zip(unit.variables, norms):
             found[id(v)] = n
     return [found.get(id(v), tf.zeros([captured.batch_size], compute_dtype(v.dtype))) for v in problem.variables]
 
 
-def weighted_sums(problem: Problem, captured: Captured, weights_for, kept: dict | None = None) -> list[tf.Tensor]:
+def weighted_sums(problem: Problem, captured: Captured, weights_for) -> list[tf.Tensor]:
     """``sum_i w_i grad_i`` per variable, ``[*var.shape]``, aligned with ``problem.variables``.
 
     Embedding tables' sums are ``tf.IndexedSlices`` (see ``layers.embedding``).
@@ -164,9 +156,7 @@ def weighted_sums(problem: Problem, captured: Captured, weights_for, kept: dict 
     Args:
       weights_for: ``variable -> [B]`` weights (the same tensor object for
         variables clipped together; each distinct one costs one rule call).
-      kept: what ``per_variable_squared_norms`` kept, by ``id(record)``.
     """
-    kept = kept or {}
     requested = {id(v) for v in problem.variables}
     sums: dict[int, tf.Tensor] = {}
     for unit, calls in captured.by_unit().items():
@@ -174,10 +164,7 @@ def weighted_sums(problem: Problem, captured: Captured, weights_for, kept: dict 
         distinct = {id(weights_for(v)): weights_for(v) for v in wanted}
         for w in distinct.values():
             for record, g in calls:
-                if id(record) in kept:
-                    outputs = unit.rule.weighted_sum_kept(unit.layer, record.saved, g, w, kept[id(record)])
-                else:
-                    outputs = unit.rule.weighted_sum(unit.layer, record.saved, g, w)
+                outputs = unit.rule.weighted_sum(unit.layer, record.saved, g, w, record.cache)
                 for v, s in zip(unit.variables, outputs):
                     if id(v) in requested and weights_for(v) is w:
                         sums[id(v)] = s if id(v) not in sums else add_sums(sums[id(v)], s)
@@ -217,10 +204,9 @@ def squared_norms(problem: Problem, batch: Batch) -> list[tf.Tensor]:
 def clipped_sums(problem: Problem, batch: Batch, clip: ClipGroups) -> tuple[list, list]:
     """``sum_i c_i grad_i`` per variable and ``[B]`` norms per group, in one forward and one backward pass."""
     captured = capture(problem, batch)
-    kept: dict = {}
-    norms, factors = clip.factors(per_variable_squared_norms(problem, captured, kept))
+    norms, factors = clip.factors(per_variable_squared_norms(problem, captured, for_sums=True))
     group_of = {id(problem.variables[i]): g for g, idx in enumerate(clip.groups) for i in idx}
-    return weighted_sums(problem, captured, lambda v: factors[group_of[id(v)]], kept), norms
+    return weighted_sums(problem, captured, lambda v: factors[group_of[id(v)]]), norms
 
 
 @register_engine(

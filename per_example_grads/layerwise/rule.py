@@ -8,14 +8,17 @@ at which it wants the loss gradient ``g`` (for a Dense layer, the
 pre-activation ``z = a @ W + b``). After the one backward pass, the rule turns
 ``(saved, g)`` into per-example quantities:
 
-- ``per_example``: per-example gradients, ``[B, *var.shape]`` per variable;
-- ``squared_norms``: ``||grad_i||^2`` per variable, ``[B]`` each, ideally
-  without building per-example gradients ("ghost norms");
-- ``weighted_sum``: ``sum_i c_i grad_i`` per variable, ``[*var.shape]``,
-  ideally as one contraction (the clipped sum of DP-SGD).
+- ``per_example`` (required): per-example gradients, ``[B, *var.shape]`` per
+  variable;
+- ``squared_norms`` (optional): ``||grad_i||^2`` per variable, ``[B]`` each,
+  ideally without building per-example gradients ("ghost norms");
+- ``weighted_sum`` (optional): ``sum_i c_i grad_i`` per variable,
+  ``[*var.shape]``, ideally as one contraction (the clipped sum of DP-SGD).
 
 The defaults of the last two materialize ``per_example`` for this one layer,
-which is exact but costs ``B x (layer's parameters)`` memory.
+which is exact but costs ``B x (layer's parameters)`` memory. The engine
+passes both the same per-call ``cache`` dict when it computes a clipped sum,
+so what the norms built can serve the sum.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import keras
 import tensorflow as tf
 
 from per_example_grads.example_ops import per_example_squared_norms, weighted_example_sum  # noqa: F401  (re-exported)
+from per_example_grads.per_example_slices import PerExampleSlices
 
 
 class LayerRule:
@@ -65,66 +69,51 @@ class LayerRule:
         """
         raise NotImplementedError
 
-    def per_example(self, layer, saved, grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    def per_example(self, layer, saved, grads: Sequence[tf.Tensor]) -> list:
         """Per-example gradients, list of ``[B, *var.shape]`` aligned with ``variables``.
 
-        ``grads[j]`` is the loss gradient at ``taps[j]``, same shape.
+        ``grads[j]`` is the loss gradient at ``taps[j]``, same shape. A table
+        whose per-example gradients are a few of its rows may return a
+        ``PerExampleSlices`` (the engine densifies it unless
+        ``sparse_embeddings=True`` asked for the rows).
         """
         raise NotImplementedError
 
-    def per_example_sparse(self, layer, saved, grads: Sequence[tf.Tensor]) -> list:
-        """``per_example``, where a table's entry may be a ``PerExampleSlices`` instead of ``[B, *var.shape]``.
+    # -- optional: closed forms that never build [B, *var.shape] --------------
 
-        For layers whose per-example gradients are a few rows of a large
-        table (``sparse_embeddings=True``). By default, ``per_example``.
+    def squared_norms(self, layer, saved, grads, cache: dict | None = None) -> list[tf.Tensor]:
+        """``||grad_i||^2`` per variable: list of ``[B]`` (float32, float64 for float64 layers).
+
+        ``cache`` is a dict the engine passes when a ``weighted_sum`` on the
+        same call follows (a clipped sum), else None: a rule may leave in it
+        what that sum can reuse. By default the norms come from
+        ``per_example``, whose tensors are cached when they hold no more
+        elements per example than ``saved`` and ``grads``: the clipped sum
+        then reads them, and ``saved`` and ``grads`` can be freed before every
+        norm is known.
         """
-        return self.per_example(layer, saved, grads)
-
-    def squared_norms(self, layer, saved, grads) -> list[tf.Tensor]:
-        """``||grad_i||^2`` per variable: list of ``[B]`` float32."""
-        return [per_example_squared_norms(g) for g in self.per_example(layer, saved, grads)]
-
-    def squared_norms_keeping(self, layer, saved, grads) -> tuple[list[tf.Tensor], Any]:
-        """``squared_norms``, plus anything ``weighted_sum_kept`` can reuse (``None``: nothing).
-
-        For the clipped sum, where the norms come first and the weighted sum
-        after: a rule that built small per-example gradients for the norms
-        can keep them instead of recomputing the sum from ``(saved, grads)``.
-        By default, a rule whose norms come from ``per_example`` (the default
-        ``squared_norms``) keeps those ``[B, *var.shape]`` tensors when they
-        hold no more elements per example than ``saved`` and ``grads``: the
-        clipped sum then reads them instead of recomputing them, and
-        ``saved`` and ``grads`` can be freed before every norm is known.
-        """
-        if type(self).squared_norms is not LayerRule.squared_norms:
-            return self.squared_norms(layer, saved, grads), None
         per_example = self.per_example(layer, saved, grads)
-        norms = [per_example_squared_norms(g) for g in per_example]
-        size, inputs_size = _elements_per_example(per_example), _elements_per_example([saved, grads])
-        small = size is not None and inputs_size is not None and size <= inputs_size
-        return norms, (per_example if small else None)
+        if cache is not None:
+            size, inputs_size = _elements_per_example(per_example), _elements_per_example([saved, grads])
+            if size is not None and inputs_size is not None and size <= inputs_size:
+                cache["per_example"] = per_example
+        return [t.squared_norms() if isinstance(t, PerExampleSlices) else per_example_squared_norms(t) for t in per_example]
 
-    def weighted_sum_kept(self, layer, saved, grads, weights: tf.Tensor, kept: Any) -> list[tf.Tensor]:
-        """``weighted_sum``, given what ``squared_norms_keeping`` kept (not ``None``).
-
-        By default ``kept`` is the per-example gradients: ``sum_i weights[i] kept[k][i]``.
-        """
-        return [weighted_example_sum(weights, t) for t in kept]
-
-    def weighted_sum(self, layer, saved, grads, weights: tf.Tensor) -> list[tf.Tensor]:
+    def weighted_sum(self, layer, saved, grads, weights: tf.Tensor, cache: dict | None = None) -> list:
         """``sum_i weights[i] * grad_i`` per variable: list of ``[*var.shape]``.
 
         A rule may return a ``tf.IndexedSlices`` of dense shape ``var.shape``
         for a variable whose gradient is sparse (an embedding table).
 
         Args:
-          weights: ``[B]`` float32.
+          weights: ``[B]``.
+          cache: what ``squared_norms`` left for this call, or None.
         """
-        out = []
-        for g in self.per_example(layer, saved, grads):
-            w = tf.reshape(tf.cast(weights, g.dtype), [-1] + [1] * (g.shape.rank - 1))
-            out.append(tf.reduce_sum(g * w, axis=0))
-        return out
+        per_example = (cache or {}).get("per_example") or self.per_example(layer, saved, grads)
+        return [
+            t.scale(weights).sum_examples() if isinstance(t, PerExampleSlices) else weighted_example_sum(weights, t)
+            for t in per_example
+        ]
 
 
 RULES: dict[type, LayerRule] = {}
