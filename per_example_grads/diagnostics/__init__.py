@@ -16,9 +16,9 @@ The names load their modules on first use (as in ``per_example_grads``), so
 ``pegrad diagnose`` can check its arguments before TensorFlow is imported.
 """
 
-import importlib as _importlib
-from importlib.util import find_spec as _find_spec
 from typing import TYPE_CHECKING as _TYPE_CHECKING
+
+from per_example_grads import _lazy
 
 _EXPORTS = {
     "GradientReport": "per_example_grads.diagnostics.report",
@@ -43,22 +43,4 @@ if _TYPE_CHECKING:
     from per_example_grads.diagnostics.statistics import GradientStatistics, gradient_statistics  # noqa: F401
 
 
-def __getattr__(name: str) -> object:
-    """Imports the module behind a public name on first access (PEP 562)."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        return _submodule(name)
-    value = getattr(_importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def _submodule(name: str) -> object:
-    """``name``'s submodule, imported (``peg.dp``, ``peg.clipping.dense_sums``, ...)."""
-    if not name.startswith("_") and _find_spec(f"{__name__}.{name}") is not None:
-        return _importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = _lazy.exports(globals(), _EXPORTS)

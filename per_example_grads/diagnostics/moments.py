@@ -14,13 +14,14 @@ norms, cosines to a reference).
 
 How they are computed:
 
-* A Dense layer called once on a rank-2 input, in a model the layer-wise
-  engine covers, uses closed forms from its input ``a`` ``[B, i]`` and
-  pre-activation gradient ``g`` ``[B, j]`` (example n's kernel gradient is the
-  outer product ``a_n g_n^T``):
+* A layer called once whose rule gives its gradients as outer products
+  (``LayerRule.outer_factors``: a Dense layer on a rank-2 input, example n's
+  kernel gradient ``a_n g_n^T`` from its input ``a`` ``[B, i]`` and
+  pre-activation gradient ``g`` ``[B, j]``) uses closed forms:
   ``sum = a^T g``, ``sumsq = (a*a)^T (g*g)`` (because ``(a_n g_n^T)^2 =
   a_n^2 (g_n^2)^T``), ``||.||^2 = ||a_n||^2 ||g_n||^2``, and
-  ``<a_n g_n^T, R> = a_n^T R g_n``. Nothing of size ``B x P`` is built.
+  ``<a_n g_n^T, R> = a_n^T R g_n`` (a bias, ``g_n`` alone, likewise).
+  Nothing of size ``B x P`` is built.
 * Every other layer the layer-wise engine covers materializes that one
   layer's per-example gradients (``unit_per_example``), reduces them, and
   moves on (layers are chained by control dependencies, so one layer's
@@ -37,21 +38,18 @@ import tensorflow as tf
 
 from per_example_grads.batch import Batch
 from per_example_grads.engines import selection
-from per_example_grads.layers.dense import DenseRule
 from per_example_grads.layerwise import engine as layerwise
 from per_example_grads.problem import Problem
 
 F64 = tf.float64
 
 
-def dense_fast_path(unit: Any, calls: list) -> bool:
-    """Whether ``unit`` is a Dense layer called once on a rank-2 input."""
-    return (
-        isinstance(unit.rule, DenseRule)
-        and len(calls) == 1
-        and getattr(calls[0][0].saved, "shape", None) is not None
-        and calls[0][0].saved.shape.rank == 2
-    )
+def outer_factors(unit: Any, calls: list) -> list | None:
+    """The rule's ``(A, G)`` per variable of a unit called once, or None (see ``LayerRule.outer_factors``)."""
+    if len(calls) != 1:
+        return None
+    record, g = calls[0]
+    return unit.rule.outer_factors(unit.layer, record.saved, g)
 
 
 def _reduce_materialized(pe: tf.Tensor, ref: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
@@ -66,30 +64,21 @@ def _reduce_materialized(pe: tf.Tensor, ref: tf.Tensor) -> tuple[tf.Tensor, tf.T
     )
 
 
-def _dense_moments(layer, record, g, refs: dict, wanted: set) -> dict[int, tuple]:
-    """Closed forms for a Dense layer: ``{id(var): (sum, sumsq, sqnorms, dots)}``."""
-    a = tf.cast(record.saved, F64)  # [B, i]
-    g = tf.cast(g[0], F64)  # [B, j]
-    out = {}
-    kernel = layer.kernel
-    if id(kernel) in wanted:
-        a2, g2 = tf.square(a), tf.square(g)
-        ref = tf.cast(refs[id(kernel)], F64)  # [i, j]
-        out[id(kernel)] = (
-            tf.matmul(a, g, transpose_a=True),
-            tf.matmul(a2, g2, transpose_a=True),
-            tf.reduce_sum(a2, axis=1) * tf.reduce_sum(g2, axis=1),
-            tf.reduce_sum(tf.matmul(a, ref) * g, axis=1),
-        )
-    bias = layer.bias
-    if bias is not None and id(bias) in wanted:
-        out[id(bias)] = (
-            tf.reduce_sum(g, axis=0),
-            tf.reduce_sum(tf.square(g), axis=0),
-            tf.reduce_sum(tf.square(g), axis=1),
-            tf.linalg.matvec(g, tf.cast(refs[id(bias)], F64)),
-        )
-    return out
+def _factor_moments(a, g, ref) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
+    """(sum, sumsq, sqnorms, dots) of gradients ``a_n^T g_n`` (or ``g_n`` when ``a`` is None)."""
+    g = tf.cast(g, F64)  # [B, j]
+    ref = tf.cast(ref, F64)
+    g2 = tf.square(g)
+    if a is None:
+        return tf.reduce_sum(g, axis=0), tf.reduce_sum(g2, axis=0), tf.reduce_sum(g2, axis=1), tf.linalg.matvec(g, ref)
+    a = tf.cast(a, F64)  # [B, i]
+    a2 = tf.square(a)
+    return (
+        tf.matmul(a, g, transpose_a=True),
+        tf.matmul(a2, g2, transpose_a=True),
+        tf.reduce_sum(a2, axis=1) * tf.reduce_sum(g2, axis=1),
+        tf.reduce_sum(tf.matmul(a, ref) * g, axis=1),
+    )
 
 
 def batch_moments(
@@ -121,11 +110,13 @@ def batch_moments(
             if not calls:
                 continue
             with tf.control_dependencies(previous):
-                if dense_fast_path(unit, calls):
-                    record, g = calls[0]
-                    part = _dense_moments(unit.layer, record, g, refs, wanted)
+                factors = outer_factors(unit, calls)
+                part = {}
+                if factors is not None:
+                    for v, (a, g) in zip(unit.variables, factors):
+                        if id(v) in wanted:
+                            part[id(v)] = _factor_moments(a, g, refs[id(v)])
                 else:
-                    part = {}
                     for v, pe in zip(unit.variables, layerwise.unit_per_example(unit, calls)):
                         if id(v) in wanted:
                             part[id(v)] = _reduce_materialized(pe, refs[id(v)])

@@ -4,10 +4,11 @@
 of dot products between the per-example gradients ``g_i`` of batch a and
 ``h_j`` of batch b (or their cosines).
 
-*Closed form (Dense-only models).* When every watched layer is a Dense layer
-called once on a rank-2 input, example n's kernel gradient is the outer
-product ``a_n g_n^T`` of the layer input ``a_n`` ``[i]`` and the
-pre-activation gradient ``g_n`` ``[j]``, and its bias gradient is ``g_n``. So
+*Closed form.* When every watched layer's rule gives its gradients as outer
+products (``LayerRule.outer_factors``: a Dense layer called once on a rank-2
+input), example n's kernel gradient is the outer product ``a_n g_n^T`` of the
+layer input ``a_n`` ``[i]`` and the pre-activation gradient ``g_n`` ``[j]``,
+and its bias gradient is ``g_n``. So
 
     <a_n g_n^T, a'_m g'_m^T> = (a_n . a'_m) (g_n . g'_m)
 
@@ -38,7 +39,7 @@ import numpy as np
 import tensorflow as tf
 
 from per_example_grads.batch import make_batch
-from per_example_grads.diagnostics.moments import dense_fast_path
+from per_example_grads.diagnostics.moments import outer_factors
 from per_example_grads.engines import selection
 from per_example_grads.layerwise import engine as layerwise
 from per_example_grads.problem import Problem
@@ -51,11 +52,12 @@ F64 = tf.float64
 class _Features:
     """What the dot products of one batch need.
 
-    ``dense``: per Dense layer ``(A [B, i] or None, G [B, j], with_bias)``;
-    ``flat``: ``[B, P]`` materialized gradients. Exactly one is set.
+    ``factors``: per requested variable ``(A [B, i] or None, G [B, j])`` with
+    example n's gradient ``A_n^T G_n`` (or ``G_n``); ``flat``: ``[B, P]``
+    materialized gradients. Exactly one is set.
     """
 
-    dense: list[tuple[tf.Tensor | None, tf.Tensor, bool]] | None = None
+    factors: list[tuple[tf.Tensor | None, tf.Tensor]] | None = None
     flat: tf.Tensor | None = None
 
     def squared_norms(self) -> tf.Tensor:
@@ -63,12 +65,9 @@ class _Features:
         if self.flat is not None:
             return tf.reduce_sum(tf.square(self.flat), axis=1)
         total = 0.0
-        for a, g, bias in self.dense:
+        for a, g in self.factors:
             g2 = tf.reduce_sum(tf.square(g), axis=1)
-            if a is not None:
-                total += tf.reduce_sum(tf.square(a), axis=1) * g2
-            if bias:
-                total += g2
+            total += g2 if a is None else tf.reduce_sum(tf.square(a), axis=1) * g2
         return total
 
 
@@ -77,22 +76,22 @@ def _features(problem: Problem, x: Any, y: Any, method: str, materialize: bool =
     if not materialize and layerwise.use_layerwise(method, problem):
         captured = layerwise.capture(problem, batch)
         wanted = {id(v) for v in problem.variables}
-        dense = []
+        factors = []
         for unit, calls in captured.by_unit().items():
             if not any(id(v) in wanted for v in unit.variables):
                 continue
             if not calls:
                 continue  # the loss does not reach this layer: zero gradients
-            if not dense_fast_path(unit, calls):
-                dense = None
+            unit_factors = outer_factors(unit, calls)
+            if unit_factors is None:
+                factors = None
                 break
-            record, g = calls[0]
-            layer = unit.layer
-            a = tf.cast(record.saved, F64) if id(layer.kernel) in wanted else None
-            bias = layer.bias is not None and id(layer.bias) in wanted
-            dense.append((a, tf.cast(g[0], F64), bias))
-        if dense is not None:
-            return _Features(dense=dense)
+            factors += [
+                (None if a is None else tf.cast(a, F64), tf.cast(g, F64))
+                for v, (a, g) in zip(unit.variables, unit_factors) if id(v) in wanted
+            ]
+        if factors is not None:
+            return _Features(factors=factors)
     grads = selection.compute(method, problem, batch)
     b = tf.shape(grads[0])[0]
     return _Features(flat=tf.concat([tf.reshape(tf.cast(t, F64), [b, -1]) for t in grads], axis=1))
@@ -103,11 +102,10 @@ def _dots(fa: _Features, fb: _Features) -> tf.Tensor:
     if fa.flat is not None:
         return tf.matmul(fa.flat, fb.flat, transpose_b=True)
     total = None
-    for (aa, ga, bias), (ab, gb, _) in zip(fa.dense, fb.dense):
-        gg = tf.matmul(ga, gb, transpose_b=True)
-        k = gg if bias else tf.zeros_like(gg)
+    for (aa, ga), (ab, gb) in zip(fa.factors, fb.factors):
+        k = tf.matmul(ga, gb, transpose_b=True)
         if aa is not None:
-            k = k + tf.matmul(aa, ab, transpose_b=True) * gg
+            k = tf.matmul(aa, ab, transpose_b=True) * k
         total = k if total is None else total + k
     if total is None:
         raise ValueError("no requested variable is reached by the loss.")
@@ -163,7 +161,7 @@ def _head(x: Any, y: Any, n: int = 2) -> tuple[Any, Any]:
 def uses_closed_form(model: Any, loss_fn: Callable | str, x: Any, y: Any) -> bool:
     """Whether ``gradient_similarity`` takes the Dense closed form on this model."""
     problem = make_problem(model, loss_fn, None, False, False)
-    return _features(problem, x, y, "auto").dense is not None
+    return _features(problem, x, y, "auto").factors is not None
 
 
 @dataclasses.dataclass
@@ -232,7 +230,7 @@ def tracin_scores(
     problem = make_problem(model, loss_fn, None, False, False)
     # One kind of features for every block (whether the closed form holds
     # depends on the model, not on the batch).
-    materialize = _features(problem, *_head(x_train, y_train), method).dense is None
+    materialize = _features(problem, *_head(x_train, y_train), method).factors is None
     original = model.get_weights()
 
     def chunk(x, y, start):

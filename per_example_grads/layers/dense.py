@@ -53,4 +53,11 @@ class DenseRule(LayerRule):
         return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
 
 
+    def outer_factors(self, layer, saved, grads):
+        """``(a, g)`` for the kernel (``a_n g_n^T``) and ``(None, g)`` for the bias, for a rank-2 input."""
+        if saved.shape.rank != 2:
+            return None  # a sequence: sum_t a_t g_t^T is no single outer product
+        return [(saved, grads[0])] + ([(None, grads[0])] if layer.bias is not None else [])
+
+
 register_layer_rule(keras.layers.Dense, DenseRule())

@@ -116,6 +116,18 @@ class LayerRule:
         ]
 
 
+    def outer_factors(self, layer, saved, grads) -> list | None:
+        """Optional, for the diagnostics' closed forms: per variable ``(A, G)`` with ``grad_n = A_n^T G_n``.
+
+        ``A`` ``[B, i]`` and ``G`` ``[B, j]`` (``A`` None: ``grad_n = G_n``, a
+        bias). Means, variances, norms and dot products of such gradients
+        need only ``A`` and ``G`` (``diagnostics.moments``,
+        ``diagnostics.similarity``). None (the default): the gradients have
+        no such form, and the diagnostics materialize them.
+        """
+        return None
+
+
 RULES: dict[type, LayerRule] = {}
 
 
