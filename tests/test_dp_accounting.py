@@ -291,7 +291,7 @@ def test_callback_with_steps_per_execution_counts_batches_not_calls():
 
 def test_callback_builds_accountant_and_can_leave_counting_to_the_model(capsys):
     callback = EpsilonCallback(
-        delta=1e-3, noise_multiplier=1.0, sampling_probability=1 / 3, method="rdp", verbose=1
+        "rdp", delta=1e-3, noise_multiplier=1.0, sampling_probability=1 / 3, verbose=1
     )
     history = _tiny_fit(callback, epochs=1)
     assert callback.accountant.steps == 3
@@ -310,8 +310,10 @@ def test_callback_bad_arguments():
         EpsilonCallback(delta=1e-5)
     with pytest.raises(ValueError, match=r"delta must be in \(0, 1\)"):
         EpsilonCallback(PrivacyAccountant(1.0, 0.1), delta=5.0)
-    with pytest.raises(TypeError, match="PrivacyAccountant"):
+    with pytest.raises(ValueError, match="noise_multiplier and sampling_probability"):
         EpsilonCallback("pld", delta=1e-5)
+    with pytest.raises(TypeError, match="PrivacyAccountant, 'pld', 'rdp' or None"):
+        EpsilonCallback(3, delta=1e-5)
 
 
 # --------------------------------------------------------------------------

@@ -24,12 +24,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-import keras
 import tensorflow as tf
 
 from per_example_grads import transforms
 from per_example_grads.batch import Batch
 from per_example_grads.example_ops import weighted_example_sum
+from per_example_grads.tape import dense_or_zeros, watch_variables
 from per_example_grads.problem import Problem
 
 EngineFn = Callable[[Problem, Batch], list]
@@ -111,18 +111,6 @@ def register_engine(**properties) -> Callable[[EngineFn], EngineFn]:
     return wrap
 
 
-def watch_variables(tape: tf.GradientTape, variables) -> None:
-    """Makes ``tape`` watch ``variables``, non-trainable ones included.
-
-    Trainable variables are watched when the tape sees them read; a
-    non-trainable one must be watched by hand, through its ``tf.Variable``
-    (``keras.Variable.value``), since ``tape.watch`` rejects Keras variables.
-    """
-    for v in variables:
-        if not v.trainable:
-            tape.watch(v.value if isinstance(v, keras.Variable) else v)
-
-
 @tf.autograph.experimental.do_not_convert  # plain Python; nothing for AutoGraph to convert
 def example_gradient(problem: Problem, example: Batch) -> list:
     """Gradients of one example's loss: ``list of [*var.shape]``."""
@@ -130,25 +118,3 @@ def example_gradient(problem: Problem, example: Batch) -> list:
         watch_variables(tape, problem.variables)
         loss = problem.example_loss(example)
     return dense_or_zeros(tape.gradient(loss, problem.variables), problem.variables)
-
-
-def dense_or_zeros(grads, variables, leading_shape=None) -> list:
-    """Dense gradients, with zeros of ``[*leading_shape, *var.shape]`` for ``None``.
-
-    ``leading_shape`` is None or a 1-D int32 tensor.
-
-    Embedding gradients arrive as IndexedSlices, and variables the loss does
-    not reach as None. (TensorFlow's own ``UnconnectedGradients.ZERO`` cannot
-    be used: it fails on Keras variables, whose ``dtype`` is a string.)
-    """
-    def zeros(v):
-        if leading_shape is None:
-            return tf.zeros(v.shape, v.dtype)
-        return tf.zeros(tf.concat([leading_shape, tf.constant(v.shape, tf.int32)], 0), v.dtype)
-
-    return [
-        zeros(v)
-        if g is None
-        else tf.convert_to_tensor(g)
-        for g, v in zip(grads, variables)
-    ]

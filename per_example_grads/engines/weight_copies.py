@@ -20,7 +20,8 @@ import tensorflow as tf
 
 from per_example_grads import model_inspection
 from per_example_grads.batch import batch_size
-from per_example_grads.engines.base import dense_or_zeros, register_engine
+from per_example_grads.engines.base import register_engine
+from per_example_grads.tape import dense_or_zeros
 
 
 def why_not(problem) -> str | None:

@@ -30,9 +30,9 @@ class EpsilonCallback(keras.callbacks.Callback):
     steps are not counted twice.
 
     Args:
-      accountant: a ``PrivacyAccountant``; or None to build one from
-        ``noise_multiplier``, ``sampling_probability``, ``method`` and
-        ``sampling`` (``method`` is ``PrivacyAccountant``'s ``accountant``).
+      accountant: a ``PrivacyAccountant``; or the kind of one to build from
+        ``noise_multiplier``, ``sampling_probability`` and ``sampling``:
+        ``"pld"`` (also what None means) or ``"rdp"``, as everywhere else.
       delta: the delta epsilon is reported for.
       count_steps: record one accountant step per training batch.
       verbose: 1 prints ``Epoch k: epsilon = ...`` after each epoch.
@@ -52,12 +52,11 @@ class EpsilonCallback(keras.callbacks.Callback):
 
     def __init__(
         self,
-        accountant: PrivacyAccountant | None = None,
+        accountant: PrivacyAccountant | str | None = None,
         delta: float | None = None,
         *,
         noise_multiplier: float | None = None,
         sampling_probability: float | None = None,
-        method: str = "pld",
         sampling: str = "poisson",
         count_steps: bool = True,
         verbose: int = 0,
@@ -66,17 +65,19 @@ class EpsilonCallback(keras.callbacks.Callback):
         super().__init__()
         if delta is None:
             raise ValueError("delta is required: the delta that epsilon is reported for.")
-        if accountant is None:
+        if accountant is None or isinstance(accountant, str):
             if noise_multiplier is None or sampling_probability is None:
                 raise ValueError(
                     "give a PrivacyAccountant as accountant, or noise_multiplier and "
                     "sampling_probability to build one."
                 )
             accountant = PrivacyAccountant(
-                noise_multiplier, sampling_probability, accountant=method, sampling=sampling
+                noise_multiplier, sampling_probability, accountant=accountant or "pld", sampling=sampling
             )
         elif not isinstance(accountant, PrivacyAccountant):
-            raise TypeError(f"accountant must be a PrivacyAccountant or None; got {type(accountant).__name__}.")
+            raise TypeError(
+                f"accountant must be a PrivacyAccountant, 'pld', 'rdp' or None; got {type(accountant).__name__}."
+            )
         elif noise_multiplier is not None or sampling_probability is not None:
             raise ValueError("give either accountant or noise_multiplier/sampling_probability, not both.")
         accountant.epsilon(delta)  # validates delta now rather than after the first epoch

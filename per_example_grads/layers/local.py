@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from per_example_grads import model_inspection
 from per_example_grads._quiet import quiet_vectorization
-from per_example_grads.engines.base import dense_or_zeros, watch_variables
+from per_example_grads.tape import dense_or_zeros, watch_variables
 from per_example_grads.layerwise.rule import LayerRule
 from per_example_grads.xla_context import in_xla_context
 

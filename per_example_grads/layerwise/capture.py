@@ -18,6 +18,7 @@ import keras
 import tensorflow as tf
 
 from per_example_grads import model_inspection
+from per_example_grads.layers.local import LOCAL_RULE  # the fallback rule
 from per_example_grads.layerwise.rule import LayerRule, rule_for
 
 # Layers that call their sublayers inside a loop or on a reshaped batch: they
@@ -70,8 +71,6 @@ def plan_units(model: Any, variables) -> list[Unit]:
       NotCoverable: if ``model`` is not a Keras layer, owns variables itself, or
         some requested variable belongs to no unit.
     """
-    from per_example_grads.layers.local import LOCAL_RULE  # the fallback rule
-
     if not isinstance(model, keras.layers.Layer):
         raise NotCoverable("the model is not a Keras layer or model")
     if model_inspection.own_variables(model) and rule_for(model) is None:
