@@ -8,9 +8,21 @@ import pytest
 import tensorflow as tf
 
 import per_example_grads as peg
-from conftest import assert_clipped_sums_close, assert_close, assert_norms_close, reference_gradients, reference_norms, sparse_ce
+from conftest import (
+    assert_clipped_sums_close,
+    assert_close,
+    assert_grads_close,
+    assert_norms_close,
+    reference_gradients,
+    reference_norms,
+    sparse_ce,
+)
+from model_zoo import ZOO
 from per_example_grads.layerwise import capture as capture_module
-from tolerances import EPS64, rounding_rtol
+from per_example_grads.layerwise import engine as layerwise_engine
+from per_example_grads.layerwise.capture import capturing
+from per_example_grads.problem import make_problem
+from tolerances import EPS64, GRADIENT_RTOL, rounding_rtol
 
 
 class Doubling(keras.layers.Layer):
@@ -97,3 +109,56 @@ def test_a_float64_model_with_an_embedding_gives_float64_norms_and_clipped_sums(
     factors = 0.05 / np.maximum(np.linalg.norm(flat, axis=1), 0.05)
     for s, r in zip(sums, reference):
         assert_close(tf.convert_to_tensor(s), np.tensordot(factors, r, axes=1), rtol=rtol, atol=rtol * 0.05 * 6)
+
+
+class Reversible(keras.layers.Embedding):
+    """An Embedding that is also its model's output projection (as KerasHub's ReversibleEmbedding)."""
+
+    def call(self, inputs, reverse=False):
+        if reverse:
+            return keras.ops.matmul(inputs, keras.ops.transpose(self.embeddings))
+        return super().call(inputs)
+
+
+class TiedLM(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.table = Reversible(12, 4)
+        self.mix = keras.layers.Dense(4, activation="tanh")
+
+    def call(self, ids):
+        h = self.mix(keras.ops.mean(self.table(ids), axis=1))
+        return self.table(h, reverse=True)  # [B, vocab] logits
+
+
+def test_a_subclass_that_overrides_call_is_never_run_by_its_base_class_rule():
+    keras.utils.set_random_seed(0)
+    model = TiedLM()
+    ids = np.random.RandomState(0).randint(0, 12, (5, 3)).astype("int32")
+    y = np.arange(5) % 12
+    plain = model(ids)
+    from per_example_grads.layers.local import LocalRule
+    from per_example_grads.layerwise.rule import rule_for
+
+    assert isinstance(rule_for(model.table), LocalRule) or rule_for(model.table) is None
+    reference = reference_gradients(model, sparse_ce, ids, y)
+    for method in ["layerwise", "auto"]:
+        assert_grads_close(peg.per_example_gradients(model, sparse_ce, ids, y, method=method), reference)
+    assert_norms_close(peg.per_example_norms(model, sparse_ce, ids, y, method="layerwise"), reference)
+    assert_close(model(ids), plain, rtol=0)  # capturing left the model as it was
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_capturing_leaves_every_zoo_model_computing_what_it_computes(name):
+    """Rules replace each layer's call while the engine watches: the model's outputs must not change."""
+    case = ZOO[name]()
+    problem = make_problem(case.model, case.loss_fn, case.variables, False, False)
+    reason = layerwise_engine.why_not(problem)
+    if reason is not None:
+        pytest.skip(f"the layer-wise engine does not cover it: {reason}")
+    plain = tf.nest.flatten(case.model(case.x))
+    with capturing(layerwise_engine.units_of(problem)):
+        watched = tf.nest.flatten(case.model(case.x))
+    for a, b in zip(watched, plain):
+        # The same layers' maths, reorganized by the rules (a Dense rule's matmul and add): a few roundings.
+        assert_close(a, b, rtol=GRADIENT_RTOL, atol=GRADIENT_RTOL * float(np.max(np.abs(b))))

@@ -147,11 +147,28 @@ def register_layer_rule(layer_class: type, rule: LayerRule) -> None:
 
 
 def rule_for(layer: keras.layers.Layer) -> LayerRule | None:
-    """The rule registered for the most specific class in ``type(layer)``'s MRO."""
+    """The rule registered for the most specific class in ``type(layer)``'s MRO, if it applies.
+
+    A rule never changes what a layer computes: it is written for its class's
+    ``call``, so a subclass that overrides ``call`` (KerasHub's
+    ``ReversibleEmbedding``, which an ``Embedding`` rule would run as a
+    lookup in both directions) gets no rule, hence the exact layer-local
+    fallback, unless a rule is registered for that subclass itself.
+    """
     for cls in type(layer).__mro__:
         if cls in RULES:
-            return RULES[cls]
+            return None if _overrides_call(type(layer), cls) else RULES[cls]
     return None
+
+
+def _overrides_call(layer_class: type, rule_class: type) -> bool:
+    """Whether a class from ``layer_class`` down to (not including) ``rule_class`` defines ``call``."""
+    for cls in layer_class.__mro__:
+        if cls is rule_class:
+            return False
+        if "call" in vars(cls):
+            return True
+    return False
 
 
 def reparametrized(layer: keras.layers.Layer) -> str | None:
