@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from per_example_grads import transforms
 from per_example_grads.arguments import check_clip
-from per_example_grads.batch import batch_size, make_batch, unless_empty
+from per_example_grads.batch import make_batch, unless_empty
 from per_example_grads.engines import selection
 from per_example_grads.engines.base import ClipGroups
 from per_example_grads.problem import make_problem
@@ -85,29 +85,56 @@ def clipped_gradients(
     """
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean'; got {reduction!r}.")
+    sums, norms, _ = clipped_sums_and_predictions(
+        model, loss_fn, x, y, l2_norm_clip=l2_norm_clip, sample_weight=sample_weight, method=method,
+        variables=variables, training=training, allow_batch_coupling=allow_batch_coupling,
+    )
+    if reduction == "mean":
+        b = tf.shape(tf.nest.flatten(x)[0])[0]  # x is checked by now
+        sums = [transforms.divide_no_nan(s, b) for s in sums]
+    return (sums, norms) if return_norms else sums
+
+
+def clipped_sums_and_predictions(
+    model: Any,
+    loss_fn: Any,
+    x: Any,
+    y: Any = None,
+    *,
+    l2_norm_clip: ClipNorm,
+    sample_weight: Any = None,
+    method: str = "auto",
+    variables: Sequence | None = None,
+    training: bool = False,
+    allow_batch_coupling: bool = False,
+) -> tuple[list, Any, Any]:
+    """``clipped_gradients``' sums and norms (as ``return_norms=True`` gives them), and the model's predictions.
+
+    The predictions are the outputs of the forward pass the sums came from
+    (the layer-wise engine runs the model once on the whole batch), or
+    ``()`` when the engine ran no such pass: a training step then needs no
+    second forward pass for its loss and metrics.
+    """
     selection.check_method(method)
     l2_norm_clip = check_clip(l2_norm_clip)
     problem = make_problem(model, loss_fn, variables, training, allow_batch_coupling)
     clip = _clip_groups(problem.variables, l2_norm_clip)
     batch = make_batch(model, x, y, sample_weight)
-    b = batch_size(batch)
 
     def clipped_sums(batch):
-        return selection.run(method, problem, lambda engine: engine.clipped_sums(problem, batch, clip))
+        sums, norms, predictions = selection.run(method, problem, lambda engine: engine.clipped_sums(problem, batch, clip))
+        return sums, norms, () if predictions is None else predictions
 
     def without_nonfinite(batch):  # run only for B > 0
-        sums, norms = clipped_sums(batch)
-        return _without_nonfinite_examples(clipped_sums, batch, sums, norms, problem.variables), norms
+        sums, norms, predictions = clipped_sums(batch)
+        recompute = lambda batch: clipped_sums(batch)[:2]
+        return _without_nonfinite_examples(recompute, batch, sums, norms, problem.variables), norms, predictions
 
-    sums, norms = unless_empty(batch, without_nonfinite)
-    if reduction == "mean":
-        sums = [transforms.divide_no_nan(s, b) for s in sums]
-    if not return_norms:
-        return sums
+    sums, norms, predictions = unless_empty(batch, without_nonfinite)
     if not isinstance(l2_norm_clip, (Mapping, list)):
-        return sums, norms[0]
+        return sums, norms[0], predictions
     names = list(l2_norm_clip) if isinstance(l2_norm_clip, Mapping) else list(range(len(clip.groups)))
-    return sums, dict(zip(names, norms))
+    return sums, dict(zip(names, norms)), predictions
 
 
 def finite_examples(norms: Sequence[tf.Tensor]) -> tf.Tensor:

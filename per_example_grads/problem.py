@@ -43,10 +43,15 @@ class Problem:
 
     def losses(self, batch: Batch) -> tf.Tensor:
         """``[B]`` losses, each multiplied by its ``sample_weight`` if given."""
-        values = self.loss(batch.get("y"), self.forward(batch["x"]))
+        return self.predictions_and_losses(batch)[1]
+
+    def predictions_and_losses(self, batch: Batch) -> tuple[Any, tf.Tensor]:
+        """The model's outputs on the batch, and ``losses``."""
+        predictions = self.forward(batch["x"])
+        values = self.loss(batch.get("y"), predictions)
         if "sample_weight" in batch:
             values = values * tf.cast(batch["sample_weight"], values.dtype)
-        return values
+        return predictions, values
 
     def example_loss(self, example: Batch) -> tf.Tensor:
         """The scalar loss of one example (leaves without the batch axis)."""

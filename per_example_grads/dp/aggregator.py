@@ -39,7 +39,7 @@ import tensorflow as tf
 
 from per_example_grads import replicas
 from per_example_grads.arguments import check_dp_arguments, total_clip
-from per_example_grads.clipping import clipped_gradients, dense_sums
+from per_example_grads.clipping import clipped_gradients, clipped_sums_and_predictions, dense_sums
 from per_example_grads.dp import adaptive as adaptive_clipping
 from per_example_grads.dp.accounting import adaptive_clipping_noise_multiplier
 from per_example_grads.dp.noise import NoiseSeed, gaussian_like, noise_source
@@ -57,11 +57,18 @@ class ClippedSum:
         embedding table's may be ``tf.IndexedSlices``).
       norms: ``[B]`` norms before clipping (over all clipping groups).
       real: ``[B]`` float, 1 for rows with a non-zero sample weight.
+      predictions: the model's outputs from the pass that computed
+        ``sums``, on the rows ``rows`` of the batch (all rows when ``rows``
+        is None); ``()`` when that pass gave none (another engine, physical
+        chunks).
+      rows: ``[b]`` int64 indices of the rows that were computed, or None.
     """
 
     sums: list
     norms: tf.Tensor
     real: tf.Tensor
+    predictions: Any = ()
+    rows: tf.Tensor | None = None
 
     @property
     def nonfinite(self) -> tf.Tensor:
@@ -194,7 +201,7 @@ class DPAggregator(keras.layers.Layer):
         Opacus's Poisson sampling). Under XLA, which needs static shapes,
         every row is computed.
         """
-        args = dict(l2_norm_clip=self.clip(), return_norms=True, method=self.method, training=self.training, variables=variables)
+        args = dict(l2_norm_clip=self.clip(), method=self.method, training=self.training, variables=variables)
         rows = tf.shape(tf.nest.flatten(x)[0])[0]
         data = {"x": x} | ({} if y is None else {"y": y})
         if sample_weight is None:
@@ -205,8 +212,11 @@ class DPAggregator(keras.layers.Layer):
             keep = None if in_xla_context() else real_rows(real)
         if keep is not None:
             data = tf.nest.map_structure(lambda t: tf.gather(t, keep), data)
+        predictions = ()
         if self.physical_batch_size is None:
-            sums, norms = clipped_gradients(model, loss_fn, data["x"], data.get("y"), sample_weight=data.get("sample_weight"), **args)
+            sums, norms, predictions = clipped_sums_and_predictions(
+                model, loss_fn, data["x"], data.get("y"), sample_weight=data.get("sample_weight"), **args
+            )
         else:
             sums, norms = self._chunked(model, loss_fn, data, args)
         if isinstance(norms, dict):
@@ -214,7 +224,7 @@ class DPAggregator(keras.layers.Layer):
         norms = tf.cast(norms, tf.float32)
         if keep is not None:  # back to the batch's rows; padding has norm 0
             norms = tf.scatter_nd(keep[:, None], norms, [rows])
-        return ClippedSum(sums, norms, real)
+        return ClippedSum(sums, norms, real, predictions, keep)
 
     def _chunked(self, model, loss_fn, data, args):
         """Clipped sums and norms of ``data``'s rows, ``physical_batch_size`` at a time, in a loop."""
@@ -226,7 +236,7 @@ class DPAggregator(keras.layers.Layer):
 
         def body(i, sums, norms):
             part = tf.nest.map_structure(lambda t: t[i], chunks)
-            s, m = clipped_gradients(model, loss_fn, part["x"], part.get("y"), sample_weight=weights[i], **args)
+            s, m = clipped_gradients(model, loss_fn, part["x"], part.get("y"), sample_weight=weights[i], return_norms=True, **args)
             return i + 1, [a + b for a, b in zip(sums, dense_sums(s))], norms.write(i, tf.cast(m, tf.float32))
 
         _, sums, norms = tf.while_loop(

@@ -7,10 +7,12 @@ An engine has three capabilities, all aligned with ``problem.variables``:
   (weighted) loss; zeros for variables the loss does not reach;
 - ``norms(problem, batch, by_variable)``: ``[B]`` norms of each example's
   whole gradient, or with ``by_variable`` a ``[B]`` per variable;
-- ``clipped_sums(problem, batch, clip)``: ``(sums, norms)`` with
+- ``clipped_sums(problem, batch, clip)``: ``(sums, norms, predictions)`` with
   ``sums[k] = sum_i c_i grads[k][i]``, ``c_i = C_g / max(n_ig, C_g)`` for the
-  clipping group ``g`` of variable ``k`` (``clip``, a ``ClipGroups``), and
-  ``norms`` the ``[B]`` norms ``n_ig`` per group.
+  clipping group ``g`` of variable ``k`` (``clip``, a ``ClipGroups``),
+  ``norms`` the ``[B]`` norms ``n_ig`` per group, and ``predictions`` the
+  model's outputs on the batch when the engine ran it on the whole batch
+  (else None), so a training step needs no second forward pass.
 
 An engine that only computes per-example gradients gets the other two by
 materializing them (``B x P`` memory); the layer-wise engine has its own,
@@ -22,7 +24,7 @@ every capability.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 import tensorflow as tf
 
@@ -85,8 +87,8 @@ class Engine:
         grads = self.compute(problem, batch)
         return transforms.per_variable_norms(grads) if by_variable else transforms.global_norms(grads)
 
-    def clipped_sums(self, problem: Problem, batch: Batch, clip: ClipGroups) -> tuple[list, list]:
-        """``(sums per variable, [B] norms per group)``."""
+    def clipped_sums(self, problem: Problem, batch: Batch, clip: ClipGroups) -> tuple[list, list, Any]:
+        """``(sums per variable, [B] norms per group, predictions or None)``."""
         if self.native_clipped_sums is not None:
             return self.native_clipped_sums(problem, batch, clip)
         grads = self.compute(problem, batch)
@@ -95,7 +97,7 @@ class Engine:
         for idx, f in zip(clip.groups, factors):
             for i in idx:
                 sums[i] = weighted_example_sum(f, grads[i])
-        return sums, norms
+        return sums, norms, None
 
 
 ENGINES: dict[str, Engine] = {}

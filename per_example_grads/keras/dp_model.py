@@ -70,10 +70,13 @@ class DPModel(keras.Model):
     each example's loss *before* clipping, so every example's contribution
     stays bounded by the clip norm; a Poisson batch's mask is passed as
     ``sample_weight`` (padded rows then contribute nothing). The reported
-    ``loss`` and metrics come from an inference-mode forward pass on the batch
-    before the update, weighted by ``sample_weight`` (``compile`` makes
-    ``metrics`` weighted ones), so padding never counts; the loss includes
-    the regularization penalty, as Keras reports it. ``clipped_fraction`` (epoch running mean) and
+    ``loss`` and metrics come from the forward pass that computed the
+    clipped gradients (training mode, before the update, as Keras's own
+    ``fit`` reports them; an engine that runs no such pass, or physical
+    chunks, costs one more inference-mode pass), weighted by
+    ``sample_weight`` (``compile`` makes ``metrics`` weighted ones), so
+    padding never counts; the loss includes the regularization penalty, as
+    Keras reports it. ``clipped_fraction`` (epoch running mean) and
     ``step_clipped_fraction`` (this step's) are logged as well; they are
     computed from the private gradient norms, so do not publish them without
     accounting for them.
@@ -248,8 +251,6 @@ class DPModel(keras.Model):
         if isinstance(self.loss, (list, tuple, dict)):
             raise ValueError("DPModel supports one loss for one output; got a list or dict of losses.")
         loss_fn = as_per_example_loss(self.loss)
-        y_pred = self.model(x, training=False)
-
         sampling = self._fit_sampling
         aggregator = self.aggregator
         clipped = aggregator.clipped_sum(self.model, loss_fn, x, y, sample_weight)
@@ -273,17 +274,32 @@ class DPModel(keras.Model):
         optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
 
         weights = tf.ones([rows]) if sample_weight is None else tf.cast(sample_weight, tf.float32)
-        losses = tf.cast(loss_fn(y, y_pred), tf.float32)
+        y_pred, y_seen, weights = self._predictions(clipped, x, y, weights)
+        losses = tf.cast(loss_fn(y_seen, y_pred), tf.float32)
         weight = tf.reduce_sum(weights)
         loss = tf.math.divide_no_nan(tf.reduce_sum(losses * weights), weight)
         if self.model.losses:
             loss += tf.cast(tf.add_n(self.model.losses), tf.float32)
         self._loss_tracker.update_state(loss, sample_weight=weight)
-        logs = self.compute_metrics(x, y, y_pred, sample_weight=weights)
+        logs = self.compute_metrics(x, y_seen, y_pred, sample_weight=weights)
         # This step's own value (the metric above is the epoch's running mean),
         # for callbacks that plot per-step clipping.
         logs["step_clipped_fraction"] = tf.math.divide_no_nan(clipped_count, counted)
         return logs
+
+    def _predictions(self, clipped, x, y, weights):
+        """``(y_pred, y, weights)`` for the loss and metrics, from the clipped pass when it gave its predictions.
+
+        That pass ran on the real rows only (``clipped.rows``), in training
+        mode, as Keras's own ``fit`` reports; otherwise the model runs once
+        more on the batch (inference mode).
+        """
+        if isinstance(clipped.predictions, tuple) and not clipped.predictions:
+            return self.model(x, training=False), y, weights
+        if clipped.rows is None:
+            return clipped.predictions, y, weights
+        rows_of = lambda tree: tf.nest.map_structure(lambda t: tf.gather(t, clipped.rows), tree)
+        return clipped.predictions, rows_of(y), rows_of(weights)
 
     @property
     def sampling_probability(self) -> float | None:

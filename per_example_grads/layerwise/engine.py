@@ -9,6 +9,7 @@ gradients, per-example squared norms, or weighted sums over examples.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import tensorflow as tf
 
@@ -30,6 +31,7 @@ class Captured:
     records: list[Record]
     grads: list[list[tf.Tensor]]  # grads[r][j]: loss gradient at records[r].taps[j]
     batch_size: tf.Tensor | int
+    predictions: Any = None  # the model's outputs in the forward pass
 
     def by_unit(self) -> dict[Unit, list[tuple[Record, list]]]:
         out: dict[Unit, list] = {u: [] for u in self.units}
@@ -79,7 +81,7 @@ def capture(problem: Problem, batch: Batch) -> Captured:
     units = units_of(problem)
     with tf.GradientTape(persistent=False) as tape:
         with capturing(units) as records:
-            losses = problem.losses(batch)
+            predictions, losses = problem.predictions_and_losses(batch)
         total = tf.reduce_sum(tf.cast(losses, tf.float32))
         for r in records:  # watched so gradients reach them through frozen layers too
             tape.watch(r.taps)
@@ -92,7 +94,7 @@ def capture(problem: Problem, batch: Batch) -> Captured:
         i += n
     b = batch_size(batch)
     check_batch_axis(records, b)
-    return Captured(units, records, grads, b)
+    return Captured(units, records, grads, b, predictions)
 
 
 def unit_per_example(unit: Unit, calls: list, sparse: bool = False) -> list:
@@ -201,12 +203,13 @@ def squared_norms(problem: Problem, batch: Batch) -> list[tf.Tensor]:
     return per_variable_squared_norms(problem, capture(problem, batch))
 
 
-def clipped_sums(problem: Problem, batch: Batch, clip: ClipGroups) -> tuple[list, list]:
-    """``sum_i c_i grad_i`` per variable and ``[B]`` norms per group, in one forward and one backward pass."""
+def clipped_sums(problem: Problem, batch: Batch, clip: ClipGroups) -> tuple[list, list, Any]:
+    """``sum_i c_i grad_i`` per variable, ``[B]`` norms per group and the predictions, in one forward and one backward pass."""
     captured = capture(problem, batch)
     norms, factors = clip.factors(per_variable_squared_norms(problem, captured, for_sums=True))
     group_of = {id(problem.variables[i]): g for g, idx in enumerate(clip.groups) for i in idx}
-    return weighted_sums(problem, captured, lambda v: factors[group_of[id(v)]]), norms
+    sums = weighted_sums(problem, captured, lambda v: factors[group_of[id(v)]])
+    return sums, norms, captured.predictions
 
 
 @register_engine(
