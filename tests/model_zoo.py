@@ -12,7 +12,7 @@ from typing import Any, Callable
 import keras
 import numpy as np
 
-from conftest import sparse_ce
+from helpers import sparse_ce
 
 B = 5
 rng = np.random.default_rng(0)

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import per_example_grads as peg
-from conftest import assert_clipped_sums_close, assert_grads_close, reference_gradients, reference_norms, sparse_ce
+from helpers import assert_clipped_sums_close, assert_grads_close, reference_gradients, reference_norms, sparse_ce
 from tolerances import GRADIENT_RTOL, Z, weighted_sum_rtol
 
 rng = np.random.default_rng(5)

@@ -25,7 +25,7 @@ from per_example_grads.diagnostics import (  # noqa: E402
     tracin_scores,
 )
 from per_example_grads.diagnostics.similarity import uses_closed_form  # noqa: E402
-from conftest import assert_close  # noqa: E402
+from helpers import assert_close  # noqa: E402
 from tolerances import (  # noqa: E402
     EPS64,
     GRADIENT_RTOL,

@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import per_example_grads as peg
-from tests.conftest import (
+from helpers import (
     assert_clipped_sums_close,
     assert_grads_close,
     assert_norms_close,
@@ -22,7 +22,7 @@ from tests.conftest import (
     reference_norms,
     sparse_ce,
 )
-from tests.tolerances import (
+from tolerances import (
     EPS32,
     GRADIENT_RTOL,
     TRAJECTORY_LOSS_RTOL,

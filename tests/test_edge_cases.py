@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import per_example_grads as peg
-from conftest import assert_close, assert_grads_close, assert_norms_close, reference_gradients, sparse_ce
+from helpers import assert_close, assert_grads_close, assert_norms_close, reference_gradients, sparse_ce
 from model_zoo import ZOO
 from tolerances import ELEMENTWISE_RTOL
 

@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 import per_example_grads as peg
-from conftest import assert_grads_close, reference_gradients
+from helpers import assert_grads_close, reference_gradients
 from model_zoo import ZOO
 from tolerances import GRADIENT_RTOL, weighted_sum_rtol
 

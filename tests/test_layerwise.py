@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import per_example_grads as peg
-from conftest import (
+from helpers import (
     assert_clipped_sums_close,
     assert_close,
     assert_grads_close,
