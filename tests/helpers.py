@@ -11,7 +11,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tolerances import EPS32, GRADIENT_RTOL, clipped_sum_rtol, norm_rtol  # every tolerance: tests/tolerances.py
+import per_example_grads as peg
+from tolerances import EPS32, EPS64, GRADIENT_RTOL, clipped_sum_rtol, norm_rtol, rounding_rtol  # every tolerance: tests/tolerances.py
 
 
 def reference_gradients(model, loss_fn, x, y, sample_weight=None, variables=None, training=False):
@@ -130,3 +131,42 @@ def assert_clipped_sums_close(actual, expected, factors, divisor=1, rtol=None, e
 
 def sparse_ce(y_true, y_pred):
     return keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
+
+
+def rule_against_loop(model, x, y, *, norms="by_variable", method="layerwise", variables=None, loss_fn=sparse_ce):
+    """An engine (the layer-wise one: its rules) against the one-example loop; returns the loop's gradients.
+
+    Checks ``per_example_gradients`` with ``assert_grads_close`` and, unless
+    ``norms`` is None, ``per_example_norms`` with ``assert_norms_close``:
+    one per variable (``norms="by_variable"``) or one global norm (``"global"``).
+    """
+    if norms not in ("by_variable", "global", None):
+        raise ValueError(f"norms must be 'by_variable', 'global' or None; got {norms!r}")
+    expected = reference_gradients(model, loss_fn, x, y, variables=variables)
+    assert_grads_close(peg.per_example_gradients(model, loss_fn, x, y, method=method, variables=variables), expected)
+    if norms is not None:
+        by_variable = norms == "by_variable"
+        got = peg.per_example_norms(model, loss_fn, x, y, method=method, variables=variables, by_variable=by_variable)
+        assert_norms_close(got, expected, by_variable=by_variable)
+    return expected
+
+
+def clipped_against_loop(model, x, y, clip, methods=("layerwise",)):
+    """``clipped_gradients`` with its norms, for each of ``methods``, against the loop's clipped sum.
+
+    Embedding tables' sums must be ``tf.IndexedSlices`` exactly when the
+    layer-wise engine computes them. Returns the loop's gradients.
+    """
+    expected = reference_gradients(model, sparse_ce, x, y)
+    norms = reference_norms(expected)
+    factors = clip / np.maximum(norms, clip)
+    for method in methods:
+        got, got_norms = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=clip, return_norms=True, method=method)
+        assert_norms_close(got_norms, expected)
+        for g, v in zip(got, model.trainable_variables):
+            # The layer-wise engine returns an embedding table's sum as IndexedSlices, like tape.gradient.
+            assert isinstance(g, tf.IndexedSlices) == (method == "layerwise" and "embedding" in v.path)
+        assert_clipped_sums_close(got, expected, factors)
+    # Every clipped example's norm is at most C, up to numpy's two float64 roundings in C / n * n.
+    assert np.all(norms * factors <= clip * (1 + rounding_rtol(2, EPS64)))
+    return expected
