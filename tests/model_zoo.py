@@ -350,8 +350,18 @@ RULE_FAMILIES = {
 LAYER_CASES = {name: build for family in RULE_FAMILIES.values() for name, build in family.items()}
 assert len(LAYER_CASES) == sum(len(f) for f in RULE_FAMILIES.values()), "a layer case name is in two families"
 
-# Cases whose every test takes seconds (a recurrent layer under the fallback): marked slow.
+# Cases whose tests take seconds (recurrent layers, which vectorize slowly): marked slow by *_params.
+SLOW_ZOO = {"lstm", "gru", "embedding_mask_zero_lstm"}
 SLOW_LAYER_CASES = {"lstm_fallback"}
+
+
+def _params(names, slow):
+    return [pytest.param(n, marks=pytest.mark.slow) if n in slow else n for n in names]
+
+
+def zoo_params(names):
+    """``names`` of ``ZOO`` cases for ``pytest.mark.parametrize``, those in ``SLOW_ZOO`` marked slow."""
+    return _params(names, SLOW_ZOO)
 
 
 def layer_case(name: str):
@@ -360,8 +370,8 @@ def layer_case(name: str):
 
 
 def layer_case_params(names):
-    """``names`` for ``pytest.mark.parametrize``, those in ``SLOW_LAYER_CASES`` marked slow."""
-    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYER_CASES else n for n in names]
+    """``names`` of ``LAYER_CASES`` for ``pytest.mark.parametrize``, those in ``SLOW_LAYER_CASES`` marked slow."""
+    return _params(names, SLOW_LAYER_CASES)
 
 
 def shared_dense_and_embedding(r):

@@ -217,7 +217,8 @@ def small_classification(n: int = 60, seed: int = 0) -> tuple[np.ndarray, np.nda
 
 @pytest.mark.parametrize(
     "extra, method",
-    [(None, "auto"), (keras.layers.LayerNormalization, "auto"), (keras.layers.LayerNormalization, "vectorized")],
+    [(None, "auto"), (keras.layers.LayerNormalization, "auto"),
+     pytest.param(keras.layers.LayerNormalization, "vectorized", marks=pytest.mark.slow)],
     ids=["dense-closed-form", "layer-local", "materialized"],
 )
 def test_streaming_matches_one_big_batch(extra, method):

@@ -103,6 +103,7 @@ def test_per_example_gradients_per_replica_shards_match_the_loop():
         assert_grads_close([g.numpy() for g in peg.per_example_gradients(model, sparse_ce, x, y)], reference)
 
 
+@pytest.mark.slow
 def test_clipped_sums_all_reduced_equal_one_device():
     strategy = _strategy()
     model, single = _twins(strategy)
@@ -138,6 +139,7 @@ def _private_step(strategy, model, seed, noise_multiplier):
     return step(xb, yb)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed_kind", ["generator", "stateless"])
 def test_private_gradients_have_noise_sigma_c_exactly_once(seed_kind):
     """4003 parameters: the sample std's relative standard error is 1/sqrt(2n) = 1.1%.
@@ -162,6 +164,7 @@ def test_private_gradients_have_noise_sigma_c_exactly_once(seed_kind):
     assert abs(noise.mean()) < Z * sigma * clip / np.sqrt(noise.size)
 
 
+@pytest.mark.slow
 def test_accumulator_under_strategy_equals_one_device():
     strategy = _strategy()
     model, single = _twins(strategy)
@@ -228,6 +231,7 @@ def _fit(model, x, y, **dp_args):
     return dp, history
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("divisor", [None, 16])
 def test_dp_model_fit_without_noise_equals_one_device(divisor):
     strategy = _strategy()
@@ -249,6 +253,7 @@ def test_dp_model_fit_without_noise_equals_one_device(divisor):
     np.testing.assert_allclose(history.history["clipped_fraction"], ref_history.history["clipped_fraction"], rtol=rounding_rtol(1))
 
 
+@pytest.mark.slow
 def test_dp_model_adaptive_clipping_under_strategy_tracks_one_device():
     strategy = _strategy()
     model, single = _twins(strategy)
@@ -279,6 +284,7 @@ def test_gradient_statistics_under_scope_equal_one_device():
     assert report.trace_covariance == pytest.approx(ref.trace_covariance, abs=variance_atol(flat, err).sum())
 
 
+@pytest.mark.slow
 def test_embedding_model_sparse_sums_under_strategy_equal_one_device():
     """An embedding table's clipped sum is an IndexedSlices: all-reduced by the optimizer, scatter-added by the accumulator."""
     strategy = _strategy()

@@ -164,6 +164,7 @@ def _digits(n_train=600, seed=0):
     return x[idx[:n_train]], y[idx[:n_train]], x[idx[-300:]], y[idx[-300:]]
 
 
+@pytest.mark.slow
 def test_dp_model_learns_and_saves(tmp_path):
     x, y, xt, yt = _digits()
     net = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)])
@@ -193,6 +194,7 @@ def test_dp_model_learns_and_saves(tmp_path):
     np.testing.assert_allclose(fresh.predict(xt, verbose=0), want, rtol=forward_rtol, atol=forward_rtol * np.abs(want).max())
 
 
+@pytest.mark.slow
 def test_dp_model_ledger_survives_a_restart_with_other_settings(tmp_path):
     """The saved ledger keeps the worst sigma and q seen, so epsilon can only over-report."""
     x, y, _, _ = _digits(n_train=200)
@@ -251,6 +253,7 @@ def test_dp_model_with_adaptive_clipping_moves_the_clip():
     assert float(dp.l2_norm_clip.numpy()) < 100.0
 
 
+@pytest.mark.slow
 def test_dp_model_physical_chunks_equal_one_big_batch():
     """A logical batch of 24 in chunks of 5 gives the same noiseless step as one pass."""
     x, y, _, _ = _digits(24)
@@ -275,6 +278,7 @@ def test_dp_model_physical_chunks_equal_one_big_batch():
         peg.keras.DPModel(_mlp(), l2_norm_clip=1.0, noise_multiplier=1.0, physical_batch_size=0)
 
 
+@pytest.mark.slow
 def test_epsilon_callback_follows_dp_model_steps():
     x, y, _, _ = _digits(100)
     net = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])

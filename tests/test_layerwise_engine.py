@@ -90,6 +90,7 @@ def test_register_layer_rule_extension_point():
         peg.register_layer_rule(Shift, object())
 
 
+@pytest.mark.slow
 def test_layerwise_in_tf_function_unknown_batch_and_empty_batch():
     model, x, y = layer_case("conv1d_causal_dilated")
     f = tf.function(

@@ -20,6 +20,7 @@ def test_rules_know_when_xla_compiles_them():
     assert seen == [True, False] and not in_xla_context()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", layer_case_params([
     "embedding_repeated_ids", "embedding_mask_zero_pooled", "dense_sequence_gram", "conv2d_strided_valid",
     "layer_norm_sequence", "multi_head_attention", "lstm_fallback", "custom_layer_fallback",

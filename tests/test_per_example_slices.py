@@ -100,6 +100,7 @@ def test_transforms_use_the_rows_and_agree_with_dense_gradients(name):
             np.testing.assert_allclose(tf.convert_to_tensor(got), w, rtol=rtol, atol=rtol * scale / divisor)
 
 
+@pytest.mark.slow
 def test_transforms_on_rows_compile_under_xla():
     model, x, y = _bag(mask_zero=True)
     dense = reference_gradients(model, sparse_ce, x, y)

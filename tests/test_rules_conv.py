@@ -34,6 +34,7 @@ def test_clipped_gradients_match_clipping_materialized(name, clip):
     clipped_against_loop(*layer_case(name), clip, methods=["layerwise", "vectorized"])
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.integers(1, 3), st.integers(1, 2), st.sampled_from([1, 2]), st.sampled_from(["valid", "same"]),
