@@ -1,4 +1,4 @@
-"""Shared test helpers: an independent per-example reference and a model zoo."""
+"""Process set-up and fixtures only; the shared helpers are in ``tests/helpers.py``."""
 
 from __future__ import annotations
 
@@ -7,138 +7,18 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 # Two logical CPU devices for the MirroredStrategy tests (tests/test_distribute_mirrored.py).
 # Must happen before TensorFlow initializes its devices; every other test runs on /cpu:0.
+# If it cannot (something initialized TensorFlow first), those tests skip locally and fail in CI.
 try:
     tf.config.set_logical_device_configuration(
         tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
     )
 except RuntimeError:  # devices already initialized by whoever imported TensorFlow first
     pass
-
-from tolerances import EPS32, GRADIENT_RTOL, clipped_sum_rtol, norm_rtol  # noqa: E402  (every tolerance: tests/tolerances.py)
-
-
-def reference_gradients(model, loss_fn, x, y, sample_weight=None, variables=None, training=False):
-    """One ``tape.gradient`` per example, in eager Python: ``[B, *var.shape]`` numpy arrays.
-
-    Independent of the library: it slices examples itself, calls the raw loss
-    function, averages trailing axes and applies the sample weight by hand.
-    """
-    variables = list(model.trainable_variables if variables is None else variables)
-    n = tf.nest.flatten(x)[0].shape[0]
-    per_example = []
-    for i in range(n):
-        xi = tf.nest.map_structure(lambda t: t[i : i + 1], x)
-        yi = None if y is None else tf.nest.map_structure(lambda t: t[i : i + 1], y)
-        with tf.GradientTape(persistent=True) as tape:
-            for v in variables:
-                if not v.trainable:
-                    tape.watch(v.value)
-            loss = loss_fn(yi, model(xi, training=training))
-            loss = tf.reduce_mean(tf.reshape(loss, [-1]))
-            if sample_weight is not None:
-                loss = loss * float(sample_weight[i])
-        grads = tape.gradient(loss, variables)
-        per_example.append(
-            [np.zeros(v.shape, v.dtype) if g is None else np.asarray(tf.convert_to_tensor(g)) for g, v in zip(grads, variables)]
-        )
-    return [np.stack([p[k] for p in per_example]) for k in range(len(variables))]
-
-
-def assert_close(actual, desired, *, rtol=0.0, atol=0.0, err_msg=""):
-    """``|actual - desired| <= atol + rtol |desired|`` entry by entry, where ``rtol`` and ``atol`` may be arrays.
-
-    (``np.testing.assert_allclose`` takes only numbers: a bound per entry, as
-    tests/tolerances.py derives them, needs this.) NaNs must match.
-    """
-    actual, desired = np.asarray(actual, np.float64), np.asarray(desired, np.float64)
-    assert actual.shape == desired.shape, f"{err_msg}: shape {actual.shape} != {desired.shape}"
-    bound = np.broadcast_to(np.asarray(atol, np.float64) + np.asarray(rtol, np.float64) * np.abs(desired), desired.shape)
-    diff = np.abs(actual - desired)
-    bad = ~((diff <= bound) | (np.isnan(actual) & np.isnan(desired)))
-    if np.any(bad):
-        worst = np.unravel_index(np.argmax(np.where(bad, diff / np.maximum(bound, 1e-300), 0)), bad.shape)
-        raise AssertionError(
-            f"{err_msg}: {int(bad.sum())} of {bad.size} entries differ by more than their tolerance; worst at "
-            f"{tuple(int(i) for i in worst)}: actual {actual[worst]!r}, desired {desired[worst]!r}, "
-            f"difference {diff[worst]:.3g} > tolerance {bound[worst]:.3g}"
-        )
-
-
-def gradient_scale(expected) -> float:
-    """The largest reference entry over all variables: the magnitude of the terms.
-
-    An entry that is 0 in exact arithmetic (an attention key bias's gradient)
-    or cancels to near 0 is made of terms of about this size, so its rounding
-    error is relative to this, not to itself (see tests/tolerances.py).
-    """
-    return max([float(np.max(np.abs(e))) for e in expected if np.size(e)] + [1e-30])
-
-
-def assert_grads_close(actual, expected, rtol=GRADIENT_RTOL):
-    """Per-example gradients against the reference: ``rtol``, and ``rtol`` times ``gradient_scale`` absolutely."""
-    assert len(actual) == len(expected)
-    atol = rtol * gradient_scale(expected)
-    for k, (a, e) in enumerate(zip(actual, expected)):
-        a = np.asarray(a)
-        assert a.shape == e.shape, f"variable {k}: shape {a.shape} != {e.shape}"
-        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=f"variable {k}")
-
-
-def reference_norms(expected, by_variable=False):
-    """``[B]`` float64 norms of the reference per-example gradients (a list of ``[B]`` with ``by_variable``)."""
-    b = len(expected[0])
-    flats = [np.reshape(e, (b, -1)).astype(np.float64) for e in expected]
-    if by_variable:
-        return [np.linalg.norm(f, axis=1) for f in flats]
-    return np.linalg.norm(np.concatenate(flats, axis=1), axis=1)
-
-
-def assert_norms_close(actual, expected, by_variable=False, scale=None):
-    """Per-example norms (global, or a list per variable) against the reference's: ``norm_rtol`` of their size.
-
-    Absolutely, ``GRADIENT_RTOL * scale * sqrt(p)``: the norm of ``p`` entries
-    each off by ``GRADIENT_RTOL * scale`` (``scale`` defaults to ``gradient_scale(expected)``).
-    """
-    scale = gradient_scale(expected) if scale is None else scale
-    b = len(expected[0])
-    groups = [[e] for e in expected] if by_variable else [expected]
-    actual = list(actual) if by_variable else [actual]
-    assert len(actual) == len(groups)
-    for k, (a, group) in enumerate(zip(actual, groups)):
-        p = sum(int(np.prod(np.shape(e)[1:])) for e in group)
-        np.testing.assert_allclose(
-            a, reference_norms(group), rtol=norm_rtol(p), atol=GRADIENT_RTOL * scale * np.sqrt(p), err_msg=f"norms {k}"
-        )
-
-
-def assert_clipped_sums_close(actual, expected, factors, divisor=1, rtol=None, extra_atol=None):
-    """``sum_i factors[i] expected[k][i] / divisor`` per variable: ``clipped_sum_rtol`` of the clip group's size.
-
-    ``expected`` is the clip group (all variables for one global clip norm).
-    Absolutely, ``rtol`` times the largest ``sum_i |factors[i] expected[k][i]| / divisor``: the sum's terms,
-    plus ``extra_atol[k]`` (a further rounding the caller accounts for). ``tf.IndexedSlices`` sums are made dense first.
-    """
-    b = len(expected[0])
-    p = sum(int(np.prod(np.shape(e)[1:])) for e in expected)
-    if rtol is None:
-        rtol = clipped_sum_rtol(p, b) + (EPS32 if divisor != 1 else 0.0)  # the division rounds once on each side
-    factors = np.asarray(factors, np.float64)
-    scale = max(float(np.max(np.tensordot(np.abs(factors), np.abs(e), axes=1))) for e in expected) / divisor
-    assert len(actual) == len(expected)
-    for k, (a, e) in enumerate(zip(actual, expected)):
-        want = np.tensordot(factors, e, axes=1) / divisor
-        atol = rtol * scale + (0.0 if extra_atol is None else extra_atol[k])
-        assert_close(tf.convert_to_tensor(a), want, rtol=rtol, atol=atol, err_msg=f"variable {k}")
-
-
-def sparse_ce(y_true, y_pred):
-    return keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
 
 
 @pytest.fixture(autouse=True)

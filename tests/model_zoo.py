@@ -1,18 +1,29 @@
 """Small models covering the layer families the engines must handle.
 
-Each builder returns a ``Case``: the model, a batch, the loss, and which
-engines are expected to refuse the model (by design) rather than compute.
+``ZOO``: whole models for every engine. Each builder returns a ``Case``: the
+model, a batch, the loss, and which engines are expected to refuse the model
+(by design) rather than compute.
+
+``LAYER_CASES``: one layer (or a few) per case, grouped by the layer-wise rule
+family that handles them (``RULE_FAMILIES``), for the rule tests
+(tests/test_rules_*.py, tests/test_layerwise_*.py). ``layer_case(name)``
+returns ``(model, x, y)`` with ``LAYER_B`` examples, its data drawn from a
+generator seeded by the name, so a case's data does not depend on which
+tests ran before it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from typing import Any, Callable
 
 import keras
 import numpy as np
+import pytest
+import tensorflow as tf
 
-from conftest import sparse_ce
+from helpers import sparse_ce
 
 B = 5
 rng = np.random.default_rng(0)
@@ -235,3 +246,141 @@ ZOO = {
         regression_sequence_loss,
     ]
 }
+
+
+# Layer-wise rule cases -----------------------------------------------------
+
+LAYER_B = 4
+
+
+def sequential_case(r, model_layers, x_shape, dtype="float32", n_classes=3):
+    """``model_layers`` between an input of ``x_shape[1:]`` and Flatten, Dense(n_classes); a batch from ``r``."""
+    model = keras.Sequential([keras.Input(x_shape[1:], dtype=dtype)] + model_layers + [keras.layers.Flatten(), keras.layers.Dense(n_classes)])
+    if dtype == "int32":
+        x = r.integers(0, 12, x_shape).astype("int32")
+    else:
+        x = r.normal(size=x_shape).astype("float32")
+    return model, x, r.integers(0, n_classes, x_shape[0]).astype("int32")
+
+
+def _custom_with_inner_dense(r):
+    class Block(keras.layers.Layer):
+        def __init__(self):
+            super().__init__()
+            self.inner = keras.layers.Dense(4, activation="relu")
+
+        def call(self, x):
+            return self.inner(x) * 2.0 + 1.0
+
+    return sequential_case(r, [Block()], (LAYER_B, 5))
+
+
+class Scale(keras.layers.Layer):
+    """A custom layer with its own weight: no rule, so the layer-local fallback."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1],), initializer="random_normal", name="w")
+
+    def call(self, x):
+        return x * self.w + tf.sin(x * self.w)
+
+
+def _mha(r):
+    inp = keras.Input((5, 8))
+    h = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)(inp, inp)
+    out = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h))
+    return keras.Model(inp, out), r.normal(size=(LAYER_B, 5, 8)).astype("float32"), r.integers(0, 3, LAYER_B).astype("int32")
+
+
+def _lora_model(r):
+    model, x, y = sequential_case(r, [keras.layers.Dense(5, activation="tanh", name="adapted")], (LAYER_B, 6))
+    model.get_layer("adapted").enable_lora(rank=2)
+    return model, x, y
+
+
+_B = LAYER_B
+RULE_FAMILIES = {
+    "dense": {  # Dense and EinsumDense rules (MultiHeadAttention is EinsumDense layers)
+        "dense_rank2": lambda r: sequential_case(r, [keras.layers.Dense(5, activation="tanh")], (_B, 6)),
+        "dense_sequence_gram": lambda r: sequential_case(r, [keras.layers.Dense(16, activation="relu")], (_B, 3, 16)),
+        "dense_sequence_materialized": lambda r: sequential_case(r, [keras.layers.Dense(2)], (_B, 9, 2)),
+        "dense_rank4_no_bias": lambda r: sequential_case(r, [keras.layers.Dense(3, use_bias=False)], (_B, 2, 3, 4)),
+        "einsum_dense_bias_axes": lambda r: sequential_case(r, [keras.layers.EinsumDense("abc,cde->abde", (3, 2, 4), bias_axes="de", activation="relu")], (_B, 3, 5)),
+        "einsum_dense_ellipsis": lambda r: sequential_case(r, [keras.layers.EinsumDense("...b,bc->...c", 4, bias_axes="c")], (_B, 2, 5)),
+        "einsum_dense_not_dense_like": lambda r: sequential_case(r, [keras.layers.EinsumDense("abc,bd->adc", (4, 3))], (_B, 3, 3)),
+        "dense_inside_custom_call": _custom_with_inner_dense,
+        "multi_head_attention": _mha,
+    },
+    "conv": {
+        "conv1d_causal_dilated": lambda r: sequential_case(r, [keras.layers.Conv1D(4, 3, padding="causal", dilation_rate=2, activation="relu")], (_B, 10, 3)),
+        "conv1d_strided_groups": lambda r: sequential_case(r, [keras.layers.Conv1D(4, 3, strides=2, groups=2, padding="same")], (_B, 10, 4)),
+        "conv2d_strided_valid": lambda r: sequential_case(r, [keras.layers.Conv2D(3, 3, strides=2, activation="tanh")], (_B, 9, 9, 2)),
+        "conv2d_dilated_same": lambda r: sequential_case(r, [keras.layers.Conv2D(3, 2, dilation_rate=2, padding="same")], (_B, 7, 7, 2)),
+        "conv2d_few_positions_gram": lambda r: sequential_case(r, [keras.layers.Conv2D(16, 3, strides=2, activation="relu")], (_B, 5, 5, 8)),
+        "conv2d_same_small_input": lambda r: sequential_case(r, [keras.layers.Conv2D(8, 3, padding="same")], (_B, 3, 3, 2)),
+        "conv1d_strided_same_no_bias": lambda r: sequential_case(r, [keras.layers.Conv1D(5, 4, strides=3, padding="same", use_bias=False)], (_B, 11, 2)),
+        "conv3d": lambda r: sequential_case(r, [keras.layers.Conv3D(2, 2, strides=(1, 2, 1))], (_B, 4, 5, 4, 2)),
+        "depthwise_conv2d": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D(3, depth_multiplier=2, padding="same")], (_B, 6, 6, 2)),
+        "separable_conv2d": lambda r: sequential_case(r, [keras.layers.SeparableConv2D(3, 3, activation="relu")], (_B, 6, 6, 2)),
+    },
+    "embedding": {
+        "embedding_mask_zero_pooled": lambda r: sequential_case(r, [keras.layers.Embedding(12, 4, mask_zero=True), keras.layers.GlobalAveragePooling1D()], (_B, 6), dtype="int32"),
+        "embedding_long_sequence": lambda r: sequential_case(r, [keras.layers.Embedding(12, 3)], (_B, 8), dtype="int32"),
+        # 24 ids out of 12: every example has repeated ids.
+        "embedding_repeated_ids": lambda r: sequential_case(r, [keras.layers.Embedding(12, 3)], (_B, 24), dtype="int32"),
+        "embedding_long_mask_zero_pooled": lambda r: sequential_case(r, [keras.layers.Embedding(12, 4, mask_zero=True), keras.layers.GlobalAveragePooling1D()], (_B, 20), dtype="int32"),
+    },
+    "normalization": {
+        "layer_norm": lambda r: sequential_case(r, [keras.layers.Dense(6), keras.layers.LayerNormalization()], (_B, 5)),
+        "layer_norm_sequence": lambda r: sequential_case(r, [keras.layers.Dense(6), keras.layers.LayerNormalization(epsilon=0.3)], (_B, 4, 5)),
+        "layer_norm_two_axes_rank4": lambda r: sequential_case(r, [keras.layers.LayerNormalization(axis=[1, 3])], (_B, 3, 2, 4)),
+        "layer_norm_middle_axis_no_center": lambda r: sequential_case(r, [keras.layers.LayerNormalization(axis=1, center=False)], (_B, 4, 3)),
+        "layer_norm_rms_scaling": lambda r: sequential_case(r, [keras.layers.Dense(6), keras.layers.LayerNormalization(rms_scaling=True)], (_B, 3, 5)),
+        "layer_norm_no_scale": lambda r: sequential_case(r, [keras.layers.LayerNormalization(scale=False)], (_B, 3, 5)),
+        "group_norm": lambda r: sequential_case(r, [keras.layers.Conv1D(4, 2), keras.layers.GroupNormalization(groups=2)], (_B, 6, 3)),
+        "batch_norm_inference": lambda r: sequential_case(r, [keras.layers.Dense(6), keras.layers.BatchNormalization()], (_B, 5)),
+    },
+    "local": {  # the layer-local fallback (PReLU is registered to it)
+        "prelu": lambda r: sequential_case(r, [keras.layers.Dense(6), keras.layers.PReLU()], (_B, 5)),
+        "lstm_fallback": lambda r: sequential_case(r, [keras.layers.LSTM(4, return_sequences=True)], (_B, 5, 3)),
+        "custom_layer_fallback": lambda r: sequential_case(r, [Scale()], (_B, 5)),
+        "dense_lora_fallback": _lora_model,
+    },
+}
+LAYER_CASES = {name: build for family in RULE_FAMILIES.values() for name, build in family.items()}
+assert len(LAYER_CASES) == sum(len(f) for f in RULE_FAMILIES.values()), "a layer case name is in two families"
+
+# Cases whose tests take seconds (recurrent layers, which vectorize slowly): marked slow by *_params.
+SLOW_ZOO = {"lstm", "gru", "embedding_mask_zero_lstm"}
+SLOW_LAYER_CASES = {"lstm_fallback"}
+
+
+def _params(names, slow):
+    return [pytest.param(n, marks=pytest.mark.slow) if n in slow else n for n in names]
+
+
+def zoo_params(names):
+    """``names`` of ``ZOO`` cases for ``pytest.mark.parametrize``, those in ``SLOW_ZOO`` marked slow."""
+    return _params(names, SLOW_ZOO)
+
+
+def layer_case(name: str):
+    """``(model, x, y)`` for ``LAYER_CASES[name]``, its data from a generator seeded by ``name``."""
+    return LAYER_CASES[name](np.random.default_rng(zlib.crc32(name.encode())))
+
+
+def layer_case_params(names):
+    """``names`` of ``LAYER_CASES`` for ``pytest.mark.parametrize``, those in ``SLOW_LAYER_CASES`` marked slow."""
+    return _params(names, SLOW_LAYER_CASES)
+
+
+def shared_dense_and_embedding(r):
+    """A Dense layer called twice in a row, an Embedding called on the ids and on them reversed."""
+    inp = keras.Input((6,))
+    shared = keras.layers.Dense(6, activation="tanh")
+    emb_in = keras.Input((5,), dtype="int32")
+    emb = keras.layers.Embedding(10, 6)
+    h = shared(shared(inp)) + keras.layers.GlobalAveragePooling1D()(emb(emb_in) + emb(emb_in[:, ::-1]))
+    model = keras.Model([inp, emb_in], keras.layers.Dense(3)(h))
+    x = [r.normal(size=(LAYER_B, 6)).astype("float32"), r.integers(0, 10, (LAYER_B, 5)).astype("int32")]
+    return model, x, r.integers(0, 3, LAYER_B).astype("int32")

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import per_example_grads as peg
-from conftest import assert_clipped_sums_close, assert_grads_close, reference_gradients, reference_norms, sparse_ce
+from helpers import assert_clipped_sums_close, assert_grads_close, reference_gradients, reference_norms, sparse_ce
 from tolerances import GRADIENT_RTOL, Z, weighted_sum_rtol
 
 rng = np.random.default_rng(5)
@@ -66,6 +66,7 @@ def test_dp_noise_is_added_once_per_logical_batch():
     assert float(acc.count.numpy()) == 0.0 and all(np.all(s.numpy() == 0) for s in acc.sums)
 
 
+@pytest.mark.slow
 def test_accumulate_in_tf_function_without_retracing_and_checkpoint(tmp_path):
     model, x, y = _case(16)
     acc = peg.GradientAccumulator(model, sparse_ce)

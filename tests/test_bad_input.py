@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import per_example_grads as peg
-from conftest import sparse_ce
+from helpers import sparse_ce
 from model_zoo import ZOO
 
 

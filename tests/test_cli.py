@@ -89,6 +89,7 @@ def test_public_names_resolve_lazily():
         peg.no_such_name  # noqa: B018
 
 
+@pytest.mark.slow
 def test_a_user_rule_for_a_builtin_layer_is_not_overwritten():
     """``peg.register_layer_rule`` loads the built-in rules first, so the user's wins."""
     code = (

@@ -78,6 +78,7 @@ def _check_png(path: Path) -> None:
 # --- pegrad demo, in-process -------------------------------------------------
 
 
+@pytest.mark.slow
 def test_demo_exits_zero_and_writes_png(demo_run):
     assert demo_run.status == 0
     png = demo_run.out_dir / "norms_histogram.png"
@@ -85,6 +86,7 @@ def test_demo_exits_zero_and_writes_png(demo_run):
     _check_png(png)
 
 
+@pytest.mark.slow
 def test_demo_histogram_names_model_and_data_and_labels_its_axes(demo_run):
     (fig,) = demo_run.figures
     norms = demo_run.result["norms"]
@@ -105,6 +107,7 @@ def test_demo_histogram_names_model_and_data_and_labels_its_axes(demo_run):
     assert labels and all("10^" not in t and "mathdefault" not in t for t in labels), labels
 
 
+@pytest.mark.slow
 def test_demo_explains_its_columns_and_marks(demo_run):
     out = demo_run.stdout
     assert "norm: the L2 norm of one example's own loss gradient over all 4,810 parameters" in out
@@ -115,6 +118,7 @@ def test_demo_explains_its_columns_and_marks(demo_run):
     assert out.startswith("TensorFlow ")  # the device line, instead of TensorFlow's cuInit message
 
 
+@pytest.mark.slow
 def test_demo_prints_stats_for_every_class(demo_run):
     counts = _class_counts(demo_run.stdout)
     assert sorted(counts) == list(range(10))
@@ -122,6 +126,7 @@ def test_demo_prints_stats_for_every_class(demo_run):
     assert sum(counts.values()) == demo_run.result["train_size"] == demo.FAST_TRAIN_SIZE
 
 
+@pytest.mark.slow
 def test_demo_norms_are_finite_and_positive(demo_run):
     norms = demo_run.result["norms"]
     assert norms.shape == (demo_run.result["train_size"],)
@@ -133,11 +138,13 @@ def test_demo_norms_are_finite_and_positive(demo_run):
         assert 0 < stats["mean"] <= stats["max"]
 
 
+@pytest.mark.slow
 def test_demo_fast_accuracy_well_above_chance(demo_run):
     assert demo_run.result["epochs"] == 1
     assert demo_run.result["test_accuracy"] > 0.5  # chance is 0.1
 
 
+@pytest.mark.slow
 def test_demo_top_examples_are_the_largest_norms(demo_run):
     result = demo_run.result
     top = result["top_examples"]
@@ -152,6 +159,7 @@ def test_demo_top_examples_are_the_largest_norms(demo_run):
         assert str(e["index"]) in demo_run.stdout
 
 
+@pytest.mark.slow
 def test_demo_times_every_method(demo_run):
     timings = demo_run.result["timings"]
     assert list(timings) == [demo.BASELINE] + [m for m in peg.METHODS if m != "auto"] + ["auto"]
@@ -164,6 +172,7 @@ def test_demo_times_every_method(demo_run):
 # --- pegrad as a program -------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_demo_as_subprocess(tmp_path):
     out_dir = tmp_path / "out"
     proc = subprocess.run(

@@ -83,6 +83,7 @@ def test_each_file_error_is_one_line_with_status_2_and_writes_nothing(files, tmp
     assert sorted(p.name for p in files.iterdir()) == before
 
 
+@pytest.mark.slow
 def test_the_good_files_do_work(files, tmp_path):
     """The fixture's model and data are fine: the errors above come from the broken ones."""
     result = run_diagnose(tmp_path / "ok", files / "model.keras", files / "data.npz", verbose=False)

@@ -25,7 +25,7 @@ from per_example_grads.diagnostics import (  # noqa: E402
     tracin_scores,
 )
 from per_example_grads.diagnostics.similarity import uses_closed_form  # noqa: E402
-from conftest import assert_close  # noqa: E402
+from helpers import assert_close  # noqa: E402
 from tolerances import (  # noqa: E402
     EPS64,
     GRADIENT_RTOL,
@@ -217,7 +217,8 @@ def small_classification(n: int = 60, seed: int = 0) -> tuple[np.ndarray, np.nda
 
 @pytest.mark.parametrize(
     "extra, method",
-    [(None, "auto"), (keras.layers.LayerNormalization, "auto"), (keras.layers.LayerNormalization, "vectorized")],
+    [(None, "auto"), (keras.layers.LayerNormalization, "auto"),
+     pytest.param(keras.layers.LayerNormalization, "vectorized", marks=pytest.mark.slow)],
     ids=["dense-closed-form", "layer-local", "materialized"],
 )
 def test_streaming_matches_one_big_batch(extra, method):

@@ -14,10 +14,13 @@ import numpy as np
 import pytest
 
 import per_example_grads as peg
-from tests.cluster import Cluster, free_ports, tf_config, wait_for_file
-from tests.cluster_jobs import CLIP, load, loss_fn, net
-from tests.conftest import assert_clipped_sums_close, assert_grads_close, assert_norms_close, reference_gradients, reference_norms
-from tests.tolerances import ACCOUNTING_SAME_RTOL, EPS32, TRAJECTORY_LOSS_RTOL, clipped_sum_rtol, sgd_steps_atol
+from cluster import Cluster, free_ports, tf_config, wait_for_file
+from cluster_jobs import CLIP, load, loss_fn, net
+from helpers import assert_clipped_sums_close, assert_grads_close, assert_norms_close, reference_gradients, reference_norms
+from tolerances import ACCOUNTING_SAME_RTOL, EPS32, TRAJECTORY_LOSS_RTOL, clipped_sum_rtol, sgd_steps_atol
+
+# Worker processes on loopback, each starting TensorFlow: seconds per test.
+pytestmark = [pytest.mark.multi_process, pytest.mark.slow]
 
 B, D, K, N = 16, 6, 3, 64
 START_TIMEOUT = 240  # seconds per job, TensorFlow's start-up included, on a loaded 2-core machine

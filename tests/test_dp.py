@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import per_example_grads as peg
-from conftest import assert_clipped_sums_close, assert_close, reference_gradients, reference_norms, sparse_ce
+from helpers import assert_clipped_sums_close, assert_close, reference_gradients, reference_norms, sparse_ce
 from tolerances import (
     ACCOUNTING_COMPOSED_RTOL,
     ACCOUNTING_SAME_RTOL,
@@ -164,6 +164,7 @@ def _digits(n_train=600, seed=0):
     return x[idx[:n_train]], y[idx[:n_train]], x[idx[-300:]], y[idx[-300:]]
 
 
+@pytest.mark.slow
 def test_dp_model_learns_and_saves(tmp_path):
     x, y, xt, yt = _digits()
     net = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)])
@@ -193,6 +194,7 @@ def test_dp_model_learns_and_saves(tmp_path):
     np.testing.assert_allclose(fresh.predict(xt, verbose=0), want, rtol=forward_rtol, atol=forward_rtol * np.abs(want).max())
 
 
+@pytest.mark.slow
 def test_dp_model_ledger_survives_a_restart_with_other_settings(tmp_path):
     """The saved ledger keeps the worst sigma and q seen, so epsilon can only over-report."""
     x, y, _, _ = _digits(n_train=200)
@@ -251,6 +253,7 @@ def test_dp_model_with_adaptive_clipping_moves_the_clip():
     assert float(dp.l2_norm_clip.numpy()) < 100.0
 
 
+@pytest.mark.slow
 def test_dp_model_physical_chunks_equal_one_big_batch():
     """A logical batch of 24 in chunks of 5 gives the same noiseless step as one pass."""
     x, y, _, _ = _digits(24)
@@ -275,6 +278,7 @@ def test_dp_model_physical_chunks_equal_one_big_batch():
         peg.keras.DPModel(_mlp(), l2_norm_clip=1.0, noise_multiplier=1.0, physical_batch_size=0)
 
 
+@pytest.mark.slow
 def test_epsilon_callback_follows_dp_model_steps():
     x, y, _, _ = _digits(100)
     net = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
@@ -285,3 +289,22 @@ def test_epsilon_callback_follows_dp_model_steps():
     history = dp.fit(x, y, batch_size=25, epochs=2, verbose=0, callbacks=[callback])
     assert accountant.steps == int(dp.dp_steps.numpy()) == 8
     assert history.history["epsilon"][-1] == pytest.approx(dp.epsilon(1e-3), rel=ACCOUNTING_COMPOSED_RTOL)
+
+
+@pytest.mark.parametrize("physical", [None, 3])
+def test_dp_model_with_embedding_takes_sparse_clipped_sums_in_and_out_of_chunks(physical):
+    """Noiseless DPModel step on an embedding model, whole batch or in chunks: SGD(1) moves by the clipped mean."""
+    keras.utils.set_random_seed(5)
+    net = keras.Sequential([keras.Input((20,), dtype="int32"), keras.layers.Embedding(12, 4),
+                            keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+    x, y = rng.integers(0, 12, (8, 20)).astype("int32"), rng.integers(0, 3, 8).astype("int32")
+    expected = reference_gradients(net, sparse_ce, x, y)
+    factors = 0.1 / np.maximum(reference_norms(expected), 0.1)
+    dp = peg.keras.DPModel(net, l2_norm_clip=0.1, noise_multiplier=0.0, expected_batch_size=8.0,
+                           physical_batch_size=physical, method="layerwise")
+    dp.compile(optimizer=keras.optimizers.SGD(1.0), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    before = [v.numpy().copy() for v in net.trainable_variables]
+    dp.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    # The step b - lr g rounds relative to the weights, not to g, and numpy's b - v once more: EPS32 |b|.
+    moved = [b - v.numpy() for b, v in zip(before, net.trainable_variables)]
+    assert_clipped_sums_close(moved, expected, factors, divisor=8, extra_atol=[EPS32 * np.abs(b) for b in before])

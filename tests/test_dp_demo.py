@@ -45,6 +45,7 @@ def dp_run(tmp_path_factory) -> SimpleNamespace:
     )
 
 
+@pytest.mark.slow
 def test_dp_demo_exits_zero_and_writes_png(dp_run):
     import matplotlib.image
 
@@ -58,6 +59,7 @@ def test_dp_demo_exits_zero_and_writes_png(dp_run):
     assert image.std() > 0  # not a blank canvas
 
 
+@pytest.mark.slow
 def test_dp_plot_names_model_data_and_privacy_parameters(dp_run):
     (fig,) = dp_run.figures
     r = dp_run.result
@@ -78,6 +80,7 @@ def test_dp_plot_names_model_data_and_privacy_parameters(dp_run):
     assert clip_ax.get_xlabel() == "DP-SGD step"
 
 
+@pytest.mark.slow
 def test_dp_demo_spends_at_most_the_target_epsilon(dp_run):
     r = dp_run.result
     assert r["target_epsilon"] == dp_demo.DEFAULT_TARGET_EPSILON
@@ -92,6 +95,7 @@ def test_dp_demo_spends_at_most_the_target_epsilon(dp_run):
     assert r["noise_multiplier"] > 0
 
 
+@pytest.mark.slow
 def test_dp_demo_step_schedule(dp_run):
     r = dp_run.result
     assert r["epochs"] == dp_demo.FAST_EPOCHS
@@ -101,6 +105,7 @@ def test_dp_demo_step_schedule(dp_run):
     assert len(r["private_curve"]) == len(r["nonprivate_curve"]) == r["epochs"]
 
 
+@pytest.mark.slow
 def test_dp_demo_accuracies(dp_run):
     r = dp_run.result
     assert r["private_accuracy"] == r["private_curve"][-1]
@@ -111,6 +116,7 @@ def test_dp_demo_accuracies(dp_run):
         assert 0.0 <= accuracy <= 1.0
 
 
+@pytest.mark.slow
 def test_dp_demo_clipped_fraction_per_step(dp_run):
     fractions = np.asarray(dp_run.result["clipped_fraction"])
     assert fractions.shape == (dp_run.result["steps"],)
@@ -118,6 +124,7 @@ def test_dp_demo_clipped_fraction_per_step(dp_run):
     assert np.all(np.isfinite(fractions))
 
 
+@pytest.mark.slow
 def test_dp_demo_prints_the_comparison(dp_run):
     r = dp_run.result
     out = dp_run.stdout

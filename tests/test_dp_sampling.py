@@ -16,7 +16,7 @@ from per_example_grads.dp.sampling import (
     poisson_batches,
     poisson_batches_from_dataset,
 )
-from conftest import assert_close
+from helpers import assert_close
 from tolerances import Z, Z_EACH, rounding_rtol
 
 

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import per_example_grads as peg
-from conftest import assert_close, gradient_scale, reference_gradients
+from helpers import assert_close, gradient_scale, reference_gradients
 from per_example_grads.dp.aggregator import ClippedSum, DPAggregator
 from tolerances import ELEMENTWISE_RTOL, EPS32, clipped_sum_rtol, sgd_steps_atol
 

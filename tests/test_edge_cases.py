@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import per_example_grads as peg
-from conftest import assert_close, assert_grads_close, assert_norms_close, reference_gradients, sparse_ce
+from helpers import assert_close, assert_grads_close, assert_norms_close, reference_gradients, sparse_ce
 from model_zoo import ZOO
 from tolerances import ELEMENTWISE_RTOL
 
@@ -86,6 +86,7 @@ def _entry_points(model, method):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["auto", "jacobian", "loop"])  # vectorized_map cannot vectorize the counter
 def test_batch_of_zero_never_runs_the_model(method):
     model = _RefusesEmptyBatches()
@@ -207,6 +208,7 @@ class _MaskedRnnWithOwnWeight(keras.Model):
         return self.head(self.rnn(self.embed(x))) * self.temperature
 
 
+@pytest.mark.slow
 def test_auto_falls_back_and_warns_once_with_engine_and_reasons():
     model = _MaskedRnnWithOwnWeight()
     x = np.array([[1, 2, 0, 0], [3, 4, 5, 0], [2, 0, 0, 0]], "int32")

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import per_example_grads as peg
-from conftest import (
+from helpers import (
     assert_clipped_sums_close,
     assert_close,
     assert_grads_close,

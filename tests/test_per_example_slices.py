@@ -1,6 +1,6 @@
 """Sparse per-example embedding gradients (``sparse_embeddings=True``, ``PerExampleSlices``).
 
-References: the one-example-at-a-time loop (``conftest.reference_gradients``)
+References: the one-example-at-a-time loop (``helpers.reference_gradients``)
 for what the engine returns, and dense numpy tables built with ``np.add.at``
 for the type's own arithmetic.
 """
@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import per_example_grads as peg
-from conftest import assert_close, assert_grads_close, assert_norms_close, reference_gradients, sparse_ce
+from helpers import assert_close, assert_grads_close, assert_norms_close, reference_gradients, sparse_ce
 from tolerances import ELEMENTWISE_RTOL, GRADIENT_RTOL, norm_rtol, rounding_rtol, weighted_sum_rtol
 from per_example_grads.per_example_slices import PerExampleSlices
 
@@ -100,6 +100,7 @@ def test_transforms_use_the_rows_and_agree_with_dense_gradients(name):
             np.testing.assert_allclose(tf.convert_to_tensor(got), w, rtol=rtol, atol=rtol * scale / divisor)
 
 
+@pytest.mark.slow
 def test_transforms_on_rows_compile_under_xla():
     model, x, y = _bag(mask_zero=True)
     dense = reference_gradients(model, sparse_ce, x, y)

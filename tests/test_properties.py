@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import per_example_grads as peg
-from conftest import assert_grads_close, reference_gradients, sparse_ce
+from helpers import assert_grads_close, reference_gradients, sparse_ce
 
 ACTIVATIONS = [None, "relu", "tanh", "sigmoid"]
 

@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 import per_example_grads as peg
-from conftest import assert_close
+from helpers import assert_close
 from tolerances import EPS32, ELEMENTWISE_RTOL, norm_rtol, rounding_rtol
 
 P = 17  # entries per example in _grads(): 6 + 6 + 5

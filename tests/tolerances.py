@@ -27,7 +27,7 @@ float32 tolerance below is therefore derived, never tuned, from:
   signs, a cosine near 0) the result's relative error is unbounded, so such
   comparisons also get an absolute tolerance: the same relative tolerance
   times the magnitude of the terms (``scale`` in the helpers of
-  ``tests/conftest.py``), never a bare number.
+  ``tests/helpers.py``), never a bare number.
 
 A few tolerances are about something else (statistics, half precision,
 float64 libraries, printed digits); they are at the end, with their reasons,

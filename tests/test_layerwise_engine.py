@@ -1,0 +1,190 @@
+"""The layer-wise engine as a whole against the one-example loop: shared layers, sample weights, per-layer
+clipping, user rules, graphs with unknown and empty batches, auto's choice, mixed precision, frozen layers
+and layers it must refuse."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import per_example_grads as peg
+from helpers import (
+    assert_clipped_sums_close,
+    assert_grads_close,
+    assert_norms_close,
+    gradient_scale,
+    reference_gradients,
+    reference_norms,
+    rule_against_loop,
+    sparse_ce,
+)
+from model_zoo import LAYER_B as B
+from model_zoo import layer_case, sequential_case, shared_dense_and_embedding
+from tolerances import MIXED_BFLOAT16_RTOL, MIXED_FLOAT16_RTOL
+
+rng = np.random.default_rng(7)
+
+
+def test_shared_layers_sum_contributions_and_norms_have_cross_terms():
+    rule_against_loop(*shared_dense_and_embedding(rng), norms="global")
+
+
+def test_clipped_mean_and_sample_weights():
+    model, x, y = layer_case("dense_rank2")
+    sw = np.array([1.0, 0.0, 2.0, 0.5], "float32")
+    expected = reference_gradients(model, sparse_ce, x, y, sample_weight=sw)
+    factors = 0.1 / np.maximum(reference_norms(expected), 0.1)
+    got = peg.clipped_gradients(model, sparse_ce, x, y, sample_weight=sw, l2_norm_clip=0.1, reduction="mean")
+    assert_clipped_sums_close(got, expected, factors, divisor=B)
+
+
+def test_per_layer_clipping():
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, name="hidden"), keras.layers.Dense(3, name="head")])
+    x, y = rng.normal(size=(B, 5)).astype("float32"), rng.integers(0, 3, B)
+    expected = reference_gradients(model, sparse_ce, x, y)
+    clips = {"hidden": 0.05, "head": 0.2}
+    got, norms = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=clips, return_norms=True)
+    for name, idx in [("hidden", [0, 1]), ("head", [2, 3])]:
+        group = [expected[i] for i in idx]
+        assert_norms_close(norms[name], group, scale=gradient_scale(expected))
+        n = reference_norms(group)
+        assert_clipped_sums_close([got[i] for i in idx], group, clips[name] / np.maximum(n, clips[name]))
+    # One clip norm per variable, the generic path, agrees with per-variable maths.
+    per_var = [0.1, 0.01, 0.1, 0.01]
+    got = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=per_var, method="vectorized")
+    for g, e, c in zip(got, expected, per_var):
+        n = reference_norms([e])
+        assert_clipped_sums_close([g], [e], c / np.maximum(n, c))
+    with pytest.raises(ValueError, match="no entry for variable"):
+        peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip={"hidden": 1.0})
+    with pytest.raises(ValueError, match=r"l2_norm_clip\['head'\] must be a finite number > 0"):
+        peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip={"hidden": 1.0, "head": -1})
+
+
+def test_register_layer_rule_extension_point():
+    class Shift(keras.layers.Layer):
+        def build(self, shape):
+            self.b = self.add_weight(shape=(shape[-1],), initializer="random_normal", name="b")
+
+        def call(self, x):
+            return x + self.b
+
+    class ShiftRule(peg.LayerRule):
+        def variables(self, layer):
+            return [layer.b]
+
+        def forward(self, layer, call, args, kwargs):
+            out = args[0] + layer.b
+            return out, None, [out]
+
+        def per_example(self, layer, saved, grads):
+            return [peg.layerwise.sum_to_shape(grads[0], layer.b.shape)]
+
+    peg.register_layer_rule(Shift, ShiftRule())
+    model, x, y = sequential_case(rng, [Shift(), keras.layers.Dense(4, activation="tanh")], (B, 2, 5))
+    from per_example_grads.layerwise.capture import plan_units
+
+    assert any(isinstance(u.rule, ShiftRule) for u in plan_units(model, model.trainable_variables))
+    rule_against_loop(model, x, y, norms=None)
+    with pytest.raises(TypeError, match="LayerRule"):
+        peg.register_layer_rule(Shift, object())
+
+
+@pytest.mark.slow
+def test_layerwise_in_tf_function_unknown_batch_and_empty_batch():
+    model, x, y = layer_case("conv1d_causal_dilated")
+    f = tf.function(
+        lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.5, return_norms=True),
+        input_signature=[tf.TensorSpec([None, 10, 3]), tf.TensorSpec([None], tf.int32)],
+    )
+    for n in (4, 1, 0):
+        sums, norms = f(x[:n], y[:n])
+        assert norms.shape == (n,)
+        if n == 0:
+            assert all(np.all(np.asarray(s) == 0) for s in sums)
+    expected = reference_gradients(model, sparse_ce, x, y)
+    grads = tf.function(lambda x, y: peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise"))(x, y)
+    assert_grads_close(grads, expected)
+
+
+def test_auto_prefers_layerwise_and_no_batch_sized_tensors_for_norms():
+    model, x, y = layer_case("dense_rank2")
+    from per_example_grads.engines import selection
+
+    assert selection.AUTO_ORDER[0] == "layerwise"
+    graph = tf.function(lambda x, y: peg.per_example_norms(model, sparse_ce, x, y)).get_concrete_function(
+        tf.TensorSpec([None, 6]), tf.TensorSpec([None], tf.int32)
+    ).graph
+    # Ghost norms: no op output has the shape of per-example kernels [B, 6, 5].
+    shapes = [tuple(o.shape.as_list()) for op in graph.get_operations() for o in op.outputs if o.shape.rank == 3]
+    assert (None, 6, 5) not in shapes
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_matches_float32(policy):
+    def build():
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.LayerNormalization(),
+                                 keras.layers.Dense(3, dtype="float32")])
+
+    model32 = build()
+    x, y = rng.normal(size=(B, 6)).astype("float32"), rng.integers(0, 3, B)
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        mixed = build()
+        mixed.set_weights(model32.get_weights())
+        grads = peg.per_example_gradients(mixed, sparse_ce, x, y, method="layerwise")
+        norms = peg.per_example_norms(mixed, sparse_ce, x, y)
+        clipped = peg.clipped_gradients(mixed, sparse_ce, x, y, l2_norm_clip=0.1)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert norms.dtype == tf.float32 and all(g.dtype == tf.float32 for g in grads)
+    expected = reference_gradients(model32, sparse_ce, x, y)
+    tol = MIXED_FLOAT16_RTOL if policy == "mixed_float16" else MIXED_BFLOAT16_RTOL  # half precision, not float32
+    scale = max(np.abs(e).max() for e in expected)
+    for g, e in zip(grads, expected):
+        np.testing.assert_allclose(g, e, rtol=tol, atol=tol * scale)
+    np.testing.assert_allclose(norms, np.sqrt(sum(np.sum(e.reshape(B, -1) ** 2, axis=1) for e in expected)), rtol=tol)
+    ref_clipped = peg.clipped_gradients(model32, sparse_ce, x, y, l2_norm_clip=0.1)
+    for c, r in zip(clipped, ref_clipped):
+        np.testing.assert_allclose(c, r, rtol=tol, atol=tol * 0.1)
+
+
+def test_frozen_layers_explicitly_requested():
+    """Frozen Dense and Conv2D weights asked for by ``variables=`` get exact gradients."""
+    conv = keras.layers.Conv2D(3, 3, name="frozen_conv")
+    dense = keras.layers.Dense(4, name="frozen_dense")
+    model = keras.Sequential([keras.Input((6, 6, 2)), conv, keras.layers.Flatten(), dense, keras.layers.Dense(3)])
+    conv.trainable = False
+    dense.trainable = False
+    x, y = rng.normal(size=(B, 6, 6, 2)).astype("float32"), rng.integers(0, 3, B)
+    variables = [conv.kernel, conv.bias, dense.kernel] + model.trainable_variables
+    rule_against_loop(model, x, y, variables=variables)
+
+
+class WithPositions(keras.Model):
+    """Adds a learned positional embedding looked up on ``arange(T)[None]``: not batch-shaped."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = keras.layers.Embedding(12, 4)
+        self.positions = keras.layers.Embedding(6, 4)
+        self.head = keras.layers.Dense(3)
+
+    def call(self, x):
+        h = self.tokens(x) + self.positions(keras.ops.arange(6)[None])
+        return self.head(keras.ops.mean(h, axis=1))
+
+
+def test_layer_called_on_non_batch_tensor_is_refused_and_auto_falls_back():
+    model = WithPositions()
+    x, y = rng.integers(0, 12, (B, 6)).astype("int32"), rng.integers(0, 3, B)
+    model(x)
+    with pytest.raises(peg.EngineError, match="not the batch"):
+        peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise")
+    f = tf.function(lambda x, y: peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise"),
+                    input_signature=[tf.TensorSpec([None, 6], tf.int32), tf.TensorSpec([None], tf.int32)])
+    with pytest.raises(peg.EngineError, match="not the batch"):
+        f(x, y)
+    with pytest.warns(peg.EngineFallbackWarning, match="not the batch"):
+        grads = peg.per_example_gradients(model, sparse_ce, x, y)
+    assert_grads_close(grads, reference_gradients(model, sparse_ce, x, y))

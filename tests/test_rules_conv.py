@@ -1,0 +1,119 @@
+"""The layer-wise convolution rule against the one-example loop, and its internals: patches, chunks, kept kernels."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import per_example_grads as peg
+from helpers import (
+    assert_clipped_sums_close,
+    assert_norms_close,
+    clipped_against_loop,
+    reference_gradients,
+    reference_norms,
+    rule_against_loop,
+    sparse_ce,
+)
+from model_zoo import RULE_FAMILIES, layer_case, layer_case_params
+
+
+@pytest.mark.parametrize("name", layer_case_params(sorted(RULE_FAMILIES["conv"])))
+def test_rule_matches_loop(name):
+    rule_against_loop(*layer_case(name))
+
+
+@pytest.mark.parametrize("clip", [1e-3, 0.3, 1e3])
+@pytest.mark.parametrize("name", layer_case_params([
+    "conv2d_strided_valid", "conv2d_dilated_same", "conv2d_few_positions_gram", "conv2d_same_small_input",
+    "conv1d_causal_dilated", "conv1d_strided_same_no_bias",
+]))
+def test_clipped_gradients_match_clipping_materialized(name, clip):
+    clipped_against_loop(*layer_case(name), clip, methods=["layerwise", "vectorized"])
+
+
+@pytest.mark.slow
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.integers(1, 3), st.integers(1, 2), st.sampled_from([1, 2]), st.sampled_from(["valid", "same"]),
+    st.sampled_from([1, 2]), st.integers(1, 4), st.integers(0, 2**16),
+)
+def test_random_conv_and_sequence_dense(kernel, strides, dilation, padding, t, width, seed):
+    dilation = 1 if strides > 1 else dilation
+    r = np.random.default_rng(seed)
+    model = keras.Sequential([
+        keras.Input((8, 2)),
+        keras.layers.Conv1D(width, kernel, strides=strides, dilation_rate=dilation, padding=padding),
+        keras.layers.Dense(width + 1, activation="tanh"),
+        keras.layers.Flatten(), keras.layers.Dense(3),
+    ])
+    x, y = r.normal(size=(3, 8, 2)).astype("float32"), r.integers(0, 3, 3)
+    rule_against_loop(model, x, y, norms="global")
+
+
+CONV_CLIPPED = ["conv2d_strided_valid", "conv2d_dilated_same", "conv2d_same_small_input", "conv1d_causal_dilated", "conv1d_strided_same_no_bias"]
+
+
+@pytest.mark.parametrize("keep, jit", [(False, True), (True, False)])
+@pytest.mark.parametrize("name", CONV_CLIPPED)
+def test_conv_clipped_sum_by_kernel_vjp_or_kept_kernels_with_and_without_xla(name, keep, jit, monkeypatch):
+    from per_example_grads.layers import conv
+
+    monkeypatch.setattr(conv, "KEEP_PER_EXAMPLE_KERNELS", keep)
+    monkeypatch.setattr(conv, "NORMS_JIT_COMPILE", jit)
+    model, x, y = layer_case(name)
+    expected = reference_gradients(model, sparse_ce, x, y)
+    factors = 0.3 / np.maximum(reference_norms(expected), 0.3)
+    got, got_norms = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, return_norms=True, method="layerwise")
+    assert_norms_close(got_norms, expected)
+    assert_clipped_sums_close(got, expected, factors)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("name", CONV_CLIPPED)
+def test_conv_norms_in_batch_chunks_equal_the_reference(name, graph, monkeypatch):
+    """A chunk of one example (the smallest patch budget) changes nothing, eagerly and in a graph."""
+    from per_example_grads.layers import conv
+
+    monkeypatch.setattr(conv, "PATCH_CHUNK_ELEMENTS", 1)
+    model, x, y = layer_case(name)
+    expected = reference_gradients(model, sparse_ce, x, y)
+    factors = 0.3 / np.maximum(reference_norms(expected), 0.3)
+    clipped = lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, return_norms=True, method="layerwise")  # noqa: E731
+    got, got_norms = (tf.function(clipped) if graph else clipped)(x, y)
+    assert_norms_close(got_norms, expected)
+    assert_clipped_sums_close(got, expected, factors)
+
+
+def test_conv_keeps_per_example_kernels_only_when_small():
+    from per_example_grads.layers import conv
+
+    a, g = tf.zeros([2, 9, 9, 2]), tf.zeros([2, 4, 4, 3])  # f k = 54 <= 162 + 48
+    spec = conv.ConvSpec(2, (3, 3), (2, 2), (1, 1), "valid")
+    assert conv.kernel_squared_norms(spec, a, g, keep=True)[1].shape == (2, 3, 18)  # [B, k, f]: the smaller axis first
+    assert conv.kernel_squared_norms(spec, a, g, keep=False)[1] is None
+    a, g = tf.zeros([2, 3, 3, 2]), tf.zeros([2, 3, 3, 8])  # f k = 144 > 18 + 72
+    assert conv.kernel_squared_norms(conv.ConvSpec(2, (3, 3), (1, 1), (1, 1), "same"), a, g, keep=True)[1] is None
+
+
+@pytest.mark.parametrize("spec, shape", [
+    ((2, (3, 3), (1, 1), (1, 1), "valid"), (3, 9, 8, 1)),
+    ((2, (3, 2), (2, 3), (1, 1), "valid"), (2, 11, 10, 3)),
+    ((2, (3, 3), (2, 2), (1, 1), "same"), (2, 9, 8, 2)),
+    ((2, (2, 3), (1, 1), (2, 2), "same"), (2, 7, 9, 2)),
+    ((1, (3,), (2,), (1,), "same"), (2, 10, 3)),
+    ((1, (3,), (1,), (2,), "causal"), (2, 9, 2)),
+    ((1, (1,), (1,), (1,), "valid"), (2, 5, 4)),
+])
+def test_conv_sliced_patches_equal_extract_patches(spec, shape):
+    """The strided-slice patches the norms use under XLA are extract_patches' exactly, in its feature order."""
+    from per_example_grads.layers import conv
+
+    layer = conv.ConvSpec(*spec)
+    a = tf.random.stateless_normal(shape, [1, 2])
+    want = conv.patches(layer, a).numpy()
+    got = conv.sliced_patches(layer, tuple(shape[1:-1]), a).numpy()
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got, want)

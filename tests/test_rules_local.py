@@ -1,0 +1,57 @@
+"""The layer-local fallback (custom layers, RNNs, LoRA, PReLU) against the one-example loop, and when a rule
+keeps its materialized per-example gradients for the clipped sum."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from helpers import clipped_against_loop, gradient_scale, rule_against_loop, sparse_ce
+from model_zoo import LAYER_B as B
+from model_zoo import RULE_FAMILIES, Scale, layer_case, layer_case_params
+from tolerances import GRADIENT_RTOL, norm_rtol, weighted_sum_rtol
+
+
+@pytest.mark.parametrize("name", layer_case_params(sorted(RULE_FAMILIES["local"])))
+def test_rule_matches_loop(name):
+    rule_against_loop(*layer_case(name))
+
+
+@pytest.mark.parametrize("clip", [1e-3, 0.3, 1e3])
+@pytest.mark.parametrize("name", layer_case_params(["lstm_fallback"]))
+def test_clipped_gradients_match_clipping_materialized(name, clip):
+    clipped_against_loop(*layer_case(name), clip, methods=["layerwise", "vectorized"])
+
+
+@pytest.mark.parametrize("name,layer_class,keeps", [
+    ("layer_norm_sequence", keras.layers.LayerNormalization, True),  # [B, 6] x 2 vs [B, 4, 6] x 2
+    ("custom_layer_fallback", Scale, True),  # [B, 5] vs [B, 5] + [B, 5]
+    pytest.param("lstm_fallback", keras.layers.LSTM, False, marks=pytest.mark.slow),  # [B, 3, 16] kernel alone vs [B, 5, 3] + [B, 5, 4]
+])
+def test_materialized_norms_are_kept_for_the_clipped_sum_only_when_no_larger(name, layer_class, keeps):
+    from per_example_grads.layerwise import engine
+    from per_example_grads.problem import make_problem
+    from per_example_grads.batch import make_batch
+
+    model, x, y = layer_case(name)
+    problem = make_problem(model, sparse_ce, None, False, False)
+    captured = engine.capture(problem, make_batch(model, x, y, None))
+    record, g = next((r, g) for r, g in zip(captured.records, captured.grads) if isinstance(r.unit.layer, layer_class))
+    rule, layer = record.unit.rule, record.unit.layer
+    cache = {}
+    norms = rule.squared_norms(layer, record.saved, g, cache)
+    assert ("per_example" in cache) == keeps
+    # Two computations of one layer's per-example gradients from the same captured a and g: a layer's path is
+    # part of a model's, so its entries agree to GRADIENT_RTOL at most; a squared norm doubles a norm's error.
+    per_example = [np.asarray(t, np.float64) for t in rule.per_example(layer, record.saved, g)]
+    scale = gradient_scale(per_example)
+    for got, want, t in zip(norms, rule.squared_norms(layer, record.saved, g), per_example):
+        p = int(np.prod(t.shape[1:]))
+        np.testing.assert_allclose(got, want, rtol=2 * norm_rtol(p), atol=2 * GRADIENT_RTOL * scale**2 * p)
+    if keeps:
+        w = np.linspace(0.1, 1.0, B)
+        sums = zip(rule.weighted_sum(layer, record.saved, g, tf.constant(w, tf.float32), cache),
+                   rule.weighted_sum(layer, record.saved, g, tf.constant(w, tf.float32)), per_example)
+        for got, want, t in sums:
+            rtol = weighted_sum_rtol(B, GRADIENT_RTOL)
+            np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.max(np.tensordot(w, np.abs(t), axes=1)))
