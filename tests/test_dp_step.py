@@ -107,6 +107,7 @@ def _updates(dp, x, y, steps):
     return out
 
 
+@pytest.mark.slow
 def test_a_seeded_dp_model_restored_from_a_checkpoint_never_replays_earlier_noise(tmp_path):
     warnings.simplefilter("ignore", UserWarning)
     x, y = np.ones((4, 2), "float32"), np.zeros((4,), "float32")
@@ -148,6 +149,7 @@ def test_poisson_batches_seeds_are_unrelated_and_a_rebuilt_dataset_resumes():
     assert ds.pegrad_sampling.sampling_probability == 0.1 and ds.pegrad_sampling.num_examples == 200
 
 
+@pytest.mark.slow
 def test_dp_model_fit_resumes_a_poisson_dataset_at_its_ledger(tmp_path):
     x, y = _data(60)
     dp = peg.keras.DPModel(_net(), l2_norm_clip=1.0, noise_multiplier=0.5, seed=0)
@@ -161,6 +163,7 @@ def test_dp_model_fit_resumes_a_poisson_dataset_at_its_ledger(tmp_path):
     assert int(rebuilt.pegrad_sampling.next_step.numpy()) == 10  # steps 5..9, not 0..4 again
 
 
+@pytest.mark.slow
 def test_dp_model_refuses_a_poisson_dataset_sampled_at_another_rate_and_accounts_the_real_one():
     x, y = _data(100)
     dp = peg.keras.DPModel(_net(), l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=5, num_examples=100)
@@ -177,6 +180,7 @@ def test_dp_model_refuses_a_poisson_dataset_sampled_at_another_rate_and_accounts
         free.epsilon(1e-5)  # Poisson all along: no heuristic warning
 
 
+@pytest.mark.slow
 def test_fixed_size_batches_warn_once_and_are_accounted_as_such():
     x, y = _data(40)
     dp = peg.keras.DPModel(_net(), l2_norm_clip=1.0, noise_multiplier=1.0, num_examples=40)
@@ -309,6 +313,7 @@ def test_accumulator_training_flag_runs_dropout():
     assert not np.allclose(results[1], plain)
 
 
+@pytest.mark.slow
 def test_dp_model_epsilon_warns_for_a_large_delta_and_empty_steps_do_not_count_as_unclipped():
     x, y = _data(10)
     dp = peg.keras.DPModel(_net(), l2_norm_clip=1e-6, noise_multiplier=1.0, seed=0)
@@ -324,6 +329,7 @@ def test_dp_model_epsilon_warns_for_a_large_delta_and_empty_steps_do_not_count_a
         dp.epsilon(0.5)
 
 
+@pytest.mark.slow
 def test_dp_model_reports_loss_and_accuracy_over_real_rows_only():
     x, y = _data(60)
     net = _net()
@@ -341,6 +347,7 @@ def test_dp_model_reports_loss_and_accuracy_over_real_rows_only():
     assert history.history["accuracy"][0] == pytest.approx(np.mean(hits), rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("physical_batch_size", [None, 4])
 def test_dp_model_under_xla_matches_the_uncompiled_step(physical_batch_size):
     x, y = _data(40)
