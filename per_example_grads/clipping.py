@@ -197,7 +197,12 @@ def _without_nonfinite_examples(clipped_sums, batch, sums, norms, variables) -> 
             lambda: flat,
             lambda: tf.cond(tf.reduce_any(finite), recomputed, zeros),
         )
-    return tf.nest.pack_sequence_as(sums, out, expand_composites=True)
+    packed = tf.nest.pack_sequence_as(sums, out, expand_composites=True)
+    # A table's dense shape is the variable's, a constant: keep it static (tf.cond returns it as a tensor).
+    return [
+        tf.IndexedSlices(p.values, p.indices, s.dense_shape) if isinstance(s, tf.IndexedSlices) else p
+        for p, s in zip(packed, sums)
+    ]
 
 
 def dense_sums(sums: Sequence) -> list[tf.Tensor]:

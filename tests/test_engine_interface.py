@@ -162,3 +162,17 @@ def test_capturing_leaves_every_zoo_model_computing_what_it_computes(name):
     for a, b in zip(watched, plain):
         # The same layers' maths, reorganized by the rules (a Dense rule's matmul and add): a few roundings.
         assert_close(a, b, rtol=GRADIENT_RTOL, atol=GRADIENT_RTOL * float(np.max(np.abs(b))))
+
+
+def test_embedding_clipped_sums_in_a_graph_of_unknown_batch_size_keep_their_static_shape():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,), dtype="int32"), keras.layers.Embedding(20, 4),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+    x = np.random.RandomState(1).randint(0, 20, (6, 5)).astype("int32")
+    y = np.arange(6) % 3
+    graph = tf.function(
+        lambda a, b: peg.clipped_gradients(model, sparse_ce, a, b, l2_norm_clip=0.05),
+        input_signature=[tf.TensorSpec([None, 5], tf.int32), tf.TensorSpec([None], tf.int64)],
+    )
+    reference = reference_gradients(model, sparse_ce, x, y)
+    assert_clipped_sums_close(graph(x, y), reference, 0.05 / np.maximum(reference_norms(reference), 0.05))
