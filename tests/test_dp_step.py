@@ -366,3 +366,17 @@ def test_dp_model_under_xla_matches_the_uncompiled_step(physical_batch_size):
     for a, b in zip(*weights):
         atol = sgd_steps_atol(steps, 0.5, clipped_sum_rtol(p, m) + EPS32, m * 0.5 / divisor, np.abs(a).max())
         assert_close(b, a, atol=atol)
+
+
+@pytest.mark.slow
+def test_dp_model_fits_an_embedding_model_on_poisson_batches():
+    """Real rows gathered to a batch of unknown size: the table's sparse clipped sum must still build."""
+    keras.utils.set_random_seed(0)
+    net = keras.Sequential([keras.Input((5,), dtype="int32"), keras.layers.Embedding(30, 4),
+                            keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+    x = np.random.RandomState(0).randint(0, 30, (40, 5)).astype("int32")
+    y = (np.arange(40) % 3).astype("int32")
+    dp = peg.keras.DPModel(net, l2_norm_clip=1.0, noise_multiplier=0.5, seed=0)
+    dp.compile(optimizer="sgd", loss=sparse_ce, metrics=["accuracy"])
+    history = dp.fit(peg.dp.poisson_batches(x, y, sampling_probability=0.25, seed=0), epochs=1, verbose=0)
+    assert int(dp.dp_steps.numpy()) == 4 and np.isfinite(history.history["loss"][0])
