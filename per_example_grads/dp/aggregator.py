@@ -230,15 +230,16 @@ class DPAggregator(keras.layers.Layer):
 
     def _chunked(self, model, loss_fn, data, args):
         """Clipped sums and norms of ``data``'s rows, ``physical_batch_size`` at a time, in a loop."""
-        chunks, count = split_into_chunks(data, self.physical_batch_size)
         n = tf.shape(tf.nest.flatten(data)[0])[0]
-        # the padding of the last chunk weighs 0
-        weights = split_into_chunks(data.get("sample_weight", tf.ones([n])), self.physical_batch_size)[0]
+        # Every row weighs 1 unless weighted; the zero padding of the last chunk then weighs 0.
+        chunks, count = split_into_chunks({"sample_weight": tf.ones([n])} | data, self.physical_batch_size)
         variables = args["variables"] if args["variables"] is not None else model.trainable_variables
 
         def body(i, sums, norms):
             part = tf.nest.map_structure(lambda t: t[i], chunks)
-            s, m = clipped_gradients(model, loss_fn, part["x"], part.get("y"), sample_weight=weights[i], return_norms=True, **args)
+            s, m = clipped_gradients(
+                model, loss_fn, part["x"], part.get("y"), sample_weight=part["sample_weight"], return_norms=True, **args
+            )
             return i + 1, [a + b for a, b in zip(sums, dense_sums(s))], norms.write(i, tf.cast(m, tf.float32))
 
         _, sums, norms = tf.while_loop(
@@ -248,12 +249,10 @@ class DPAggregator(keras.layers.Layer):
         )
         return sums, tf.reshape(norms.stack(), [-1])[:n]
 
-    def divisor(self, rows=None):
-        """``expected_batch_size``, else the rows of the (global) batch, at least 1."""
+    def divisor(self, rows):
+        """``expected_batch_size``, else the rows of the (global) batch (a constant of the pipeline), at least 1."""
         if self.expected_batch_size is not None:
             return self.expected_batch_size
-        if rows is None:
-            raise ValueError("expected_batch_size is needed: the divisor must not depend on the data.")
         return tf.maximum(replicas.global_sum(tf.cast(rows, tf.float32)), 1.0)
 
     def release(

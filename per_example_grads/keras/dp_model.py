@@ -24,7 +24,7 @@ class _FitSampling:
 
     poisson: bool
     sampling_probability: float | None  # None: per step, rows / num_examples (fixed-size batches)
-    divisor: float | None  # None: the rows of each batch
+    divisor: float | None  # None: the aggregator's (expected_batch_size, else the rows of each batch)
     source: PoissonSampling | None = None
 
     def traced_as(self) -> tuple:
@@ -227,7 +227,7 @@ class DPModel(keras.Model):
                     "fit on peg.dp.poisson_batches(x, y, sampling_probability=q).",
                     UserWarning, stacklevel=3,
                 )
-            return _FitSampling(poisson=False, sampling_probability=None, divisor=self.expected_batch_size)
+            return _FitSampling(poisson=False, sampling_probability=None, divisor=None)
         if self.num_examples is None:
             self.num_examples = source.num_examples
         elif self.num_examples != source.num_examples:
@@ -260,10 +260,9 @@ class DPModel(keras.Model):
         if q is None and self.num_examples is not None:
             q = tf.minimum(tf.cast(replicas.global_sum(rows), tf.float64) / self.num_examples, 1.0)
         clipped_count, counted = aggregator.clipped_fraction(clipped)
+        step_clipped_fraction = tf.math.divide_no_nan(clipped_count, counted)
         # An empty Poisson step has no examples to be clipped: it is not a 0.
-        self._clipped_fraction.update_state(
-            tf.math.divide_no_nan(clipped_count, counted), sample_weight=tf.cast(counted > 0, tf.float32)
-        )
+        self._clipped_fraction.update_state(step_clipped_fraction, sample_weight=tf.cast(counted > 0, tf.float32))
         self._nonfinite.update_state(replicas.global_sum(clipped.nonfinite) / replicas.num_replicas())
         grads = aggregator.release(
             clipped, divisor, sampling_probability=q, poisson=sampling.poisson,
@@ -284,7 +283,7 @@ class DPModel(keras.Model):
         logs = self.compute_metrics(x, y_seen, y_pred, sample_weight=weights)
         # This step's own value (the metric above is the epoch's running mean),
         # for callbacks that plot per-step clipping.
-        logs["step_clipped_fraction"] = tf.math.divide_no_nan(clipped_count, counted)
+        logs["step_clipped_fraction"] = step_clipped_fraction
         return logs
 
     def _predictions(self, clipped, x, y, weights):
