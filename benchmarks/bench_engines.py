@@ -57,7 +57,6 @@ MODELS = ("mlp", "cnn", "transformer")
 BASELINE = "batch_grad"
 RAW_VECTORIZED_LABEL = "vectorized (raw tf.vectorized_map, refused by library)"
 TRACE_BATCH = 2  # the batch the workers trace on (the signature's B is None)
-SEQ_LEN, VOCAB, D_MODEL = 32, 1000, 64
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "per_example_grads"
 
@@ -68,75 +67,24 @@ PACKAGE = "per_example_grads"
 
 
 def _build_model(name: str):
-    import keras
+    from per_example_grads.apps import zoo
 
-    keras.utils.set_random_seed(0)
-    L = keras.layers
-    if name == "mlp":
-        inputs = keras.Input((784,), name="x")
-        h = L.Dense(512, activation="relu")(inputs)
-        h = L.Dense(512, activation="relu")(h)
-        outputs = L.Dense(10)(h)
-    elif name == "cnn":
-        inputs = keras.Input((28, 28, 1), name="x")
-        h = L.Conv2D(16, 3, activation="relu")(inputs)
-        h = L.MaxPooling2D()(h)
-        h = L.Conv2D(32, 3, activation="relu")(h)
-        h = L.MaxPooling2D()(h)
-        h = L.Flatten()(h)
-        h = L.Dense(64, activation="relu")(h)
-        outputs = L.Dense(10)(h)
-    elif name == "transformer":
-
-        class LearnedPositions(L.Layer):
-            """Adds a trainable ``[seq_len, dim]`` position table."""
-
-            def build(self, input_shape):
-                self.table = self.add_weight(
-                    shape=tuple(input_shape[1:]), initializer="random_normal", name="positions"
-                )
-
-            def call(self, x):
-                return x + self.table
-
-        inputs = keras.Input((SEQ_LEN,), dtype="int32", name="tokens")
-        h = L.Embedding(VOCAB, D_MODEL)(inputs)
-        h = LearnedPositions()(h)
-        attn = L.MultiHeadAttention(num_heads=4, key_dim=D_MODEL // 4)(h, h)
-        h = L.LayerNormalization()(h + attn)
-        ff = L.Dense(128, activation="relu")(h)
-        ff = L.Dense(D_MODEL)(ff)
-        h = L.LayerNormalization()(h + ff)
-        h = L.GlobalAveragePooling1D()(h)
-        outputs = L.Dense(2)(h)
-    else:
-        raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
-    return keras.Model(inputs, outputs, name=name)
+    return zoo.build_model(name)
 
 
 def _make_data(name: str, b: int):
-    import numpy as np
+    from per_example_grads.apps import zoo
 
-    rng = np.random.default_rng(1)
-    if name == "mlp":
-        return rng.standard_normal((b, 784), "float32"), rng.integers(0, 10, b).astype("int32")
-    if name == "cnn":
-        return (
-            rng.standard_normal((b, 28, 28, 1), "float32"),
-            rng.integers(0, 10, b).astype("int32"),
-        )
-    return rng.integers(0, VOCAB, (b, SEQ_LEN)).astype("int32"), rng.integers(0, 2, b).astype("int32")
+    return zoo.build(name, b, seed=1)[1:]
 
 
 def _input_signature(name: str):
     import tensorflow as tf
 
-    x_spec = {
-        "mlp": tf.TensorSpec([None, 784], tf.float32),
-        "cnn": tf.TensorSpec([None, 28, 28, 1], tf.float32),
-        "transformer": tf.TensorSpec([None, SEQ_LEN], tf.int32),
-    }[name]
-    return [x_spec, tf.TensorSpec([None], tf.int32)]
+    from per_example_grads.apps import zoo
+
+    _, shape, kind, _ = zoo.MODELS[name]
+    return [tf.TensorSpec([None, *shape], tf.float32 if kind == "normal" else tf.int32), tf.TensorSpec([None], tf.int32)]
 
 
 def _make_callable(model_name: str, method: str, model, loss_fn):

@@ -59,48 +59,10 @@ QUANTITIES = ("batch_grad", "clipped_layerwise", "norms_layerwise", "grads_layer
 
 
 def build(name: str, b: int):
-    import keras
-    import numpy as np
+    """``(model, x, y)`` from the shared zoo (``per_example_grads.apps.zoo``)."""
+    from per_example_grads.apps import zoo
 
-    keras.utils.set_random_seed(0)
-    rng = np.random.default_rng(0)
-    if name == "mlp":
-        model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(512, activation="relu"),
-                                  keras.layers.Dense(512, activation="relu"), keras.layers.Dense(10)])
-        x = rng.normal(size=(b, 784)).astype("float32")
-        n_classes = 10
-    elif name == "cnn":
-        model = keras.Sequential([
-            keras.Input((28, 28, 1)), keras.layers.Conv2D(16, 3, activation="relu"), keras.layers.MaxPooling2D(),
-            keras.layers.Conv2D(32, 3, activation="relu"), keras.layers.MaxPooling2D(), keras.layers.Flatten(),
-            keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
-        x = rng.normal(size=(b, 28, 28, 1)).astype("float32")
-        n_classes = 10
-    elif name == "transformer":
-        t, d = 32, 64
-        inp = keras.Input((t,), dtype="int32")
-        tok = keras.layers.Embedding(1000, d)(inp)
-        # Learned positions: ids 0..T-1 per example (built from the input so the
-        # table is one of the model's weights, as in the peers' models).
-        pos = keras.layers.Embedding(t, d)(keras.ops.zeros_like(inp) + keras.ops.arange(t, dtype="int32"))
-        h = tok + pos
-        a = keras.layers.MultiHeadAttention(num_heads=4, key_dim=d // 4)(h, h)
-        h = keras.layers.LayerNormalization()(h + a)
-        f = keras.layers.Dense(d)(keras.layers.Dense(128, activation="relu")(h))
-        h = keras.layers.LayerNormalization()(h + f)
-        out = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling1D()(h))
-        model = keras.Model(inp, out)
-        x = rng.integers(0, 1000, (b, t)).astype("int32")
-        n_classes = 2
-    elif name == "embedding_bag":
-        model = keras.Sequential([keras.Input((64,), dtype="int32"), keras.layers.Embedding(20000, 32),
-                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)])
-        x = rng.integers(0, 20000, (b, 64)).astype("int32")
-        n_classes = 2
-    else:
-        raise ValueError(name)
-    y = rng.integers(0, n_classes, b).astype("int32")
-    return model, x, y
+    return zoo.build(name, b)
 
 
 def quantity_fn(name: str, model, x, jit_compile: bool = False):

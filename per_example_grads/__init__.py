@@ -22,7 +22,7 @@ _EXPORTS = {
     "EngineFallbackWarning": "per_example_grads.errors",
     "GradientAccumulator": "per_example_grads.accumulation",
     "InvalidLossError": "per_example_grads.errors",
-    "LayerRule": "per_example_grads.layerwise",
+    "LayerRule": "per_example_grads.rules",
     "PerExampleSlices": "per_example_grads.per_example_slices",
     "clip_by_global_norm": "per_example_grads.transforms",
     "clipped_gradients": "per_example_grads.clipping",
@@ -34,22 +34,22 @@ _EXPORTS = {
     "per_example_gradients": "per_example_grads.gradients",
     "per_example_norms": "per_example_grads.gradients",
     "per_variable_norms": "per_example_grads.transforms",
-    "register_layer_rule": "per_example_grads.layerwise",
+    "register_layer_rule": "per_example_grads.rules",
     "sum_examples": "per_example_grads.transforms",
 }
 # Subpackages reached as attributes: peg.dp.*, peg.keras.DPModel, ...
-_SUBPACKAGES = ("diagnostics", "dp", "keras", "layerwise")
+_SUBPACKAGES = ("diagnostics", "dp", "keras", "rules")
 
 __all__ = sorted([*_EXPORTS, *_SUBPACKAGES], key=str.lower)
 
 if _TYPE_CHECKING:  # what static tools and IDEs see; at run time __getattr__ does this
-    from per_example_grads import diagnostics, dp, keras, layerwise  # noqa: F401
+    from per_example_grads import diagnostics, dp, keras, rules  # noqa: F401
     from per_example_grads.accumulation import GradientAccumulator  # noqa: F401
     from per_example_grads.clipping import clipped_gradients  # noqa: F401
     from per_example_grads.engines.selection import METHODS  # noqa: F401
     from per_example_grads.errors import EngineError, EngineFallbackWarning, InvalidLossError  # noqa: F401
     from per_example_grads.gradients import per_example_gradients, per_example_norms  # noqa: F401
-    from per_example_grads.layerwise import LayerRule, register_layer_rule  # noqa: F401
+    from per_example_grads.rules import LayerRule, register_layer_rule  # noqa: F401
     from per_example_grads.per_example_slices import PerExampleSlices  # noqa: F401
     from per_example_grads.transfer import compute_gradients, export_gradients, import_gradients  # noqa: F401
     from per_example_grads.transforms import (  # noqa: F401
@@ -61,11 +61,4 @@ if _TYPE_CHECKING:  # what static tools and IDEs see; at run time __getattr__ do
     )
 
 
-__getattr__, __dir__ = _lazy.exports(
-    globals(),
-    _EXPORTS,
-    # The built-in rules register themselves when the engine is imported; load
-    # them first, so that a rule the user registers for a built-in layer class
-    # is not overwritten by them later.
-    preload={"per_example_grads.layerwise": "per_example_grads.layerwise.engine"},
-)
+__getattr__, __dir__ = _lazy.exports(globals(), _EXPORTS)

@@ -15,18 +15,12 @@ from importlib.util import find_spec
 from typing import Callable, Mapping
 
 
-def exports(
-    namespace: dict, names: Mapping[str, str], preload: Mapping[str, str] | None = None
-) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
+def exports(namespace: dict, names: Mapping[str, str]) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
     """``(__getattr__, __dir__)`` for the package whose ``globals()`` is ``namespace``.
 
-    Args:
-      names: public name -> the module that defines it.
-      preload: module -> a module to import before it (for import-order
-        side effects, such as built-in rules registering themselves).
+    ``names`` maps each public name to the module that defines it.
     """
     package = namespace["__name__"]
-    preload = dict(preload or {})
 
     def __getattr__(name: str) -> object:
         module = names.get(name)
@@ -34,8 +28,6 @@ def exports(
             if not name.startswith("_") and find_spec(f"{package}.{name}") is not None:
                 return importlib.import_module(f"{package}.{name}")
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        if module in preload:
-            importlib.import_module(preload[module])
         value = getattr(importlib.import_module(module), name)
         namespace[name] = value  # later lookups skip __getattr__
         return value

@@ -41,12 +41,12 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from per_example_grads import replicas
-from per_example_grads.batch import batch_size, make_batch, unless_empty
+from per_example_grads._core import replicas
+from per_example_grads._core.batch import batch_size, make_batch, unless_empty
 from per_example_grads.dp.aggregator import ClippedSum, DPAggregator, regularization_gradients
 from per_example_grads.dp.applied_steps import AppliedSteps
 from per_example_grads.dp.noise import NoiseSeed
-from per_example_grads.problem import make_problem
+from per_example_grads._core.problem import make_problem
 
 
 class GradientAccumulator(tf.Module):

@@ -18,11 +18,11 @@ from typing import Any, Mapping, Sequence
 import tensorflow as tf
 
 from per_example_grads import transforms
-from per_example_grads.arguments import check_clip
-from per_example_grads.batch import make_batch, unless_empty
+from per_example_grads._core.arguments import check_clip
+from per_example_grads._core.batch import make_batch, unless_empty
 from per_example_grads.engines import selection
 from per_example_grads.engines.base import ClipGroups
-from per_example_grads.problem import make_problem
+from per_example_grads._core.problem import make_problem
 
 ClipNorm = float | Mapping[str, float] | Sequence[float]
 

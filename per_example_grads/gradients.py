@@ -6,10 +6,10 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
-from per_example_grads.batch import make_batch, unless_empty
+from per_example_grads._core.batch import make_batch, unless_empty
 from per_example_grads.engines import selection
-from per_example_grads.layerwise import engine as layerwise
-from per_example_grads.problem import make_problem
+from per_example_grads.engines import layerwise as layerwise
+from per_example_grads._core.problem import make_problem
 
 
 @tf.autograph.experimental.do_not_convert

@@ -33,8 +33,8 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from per_example_grads.example_ops import compute_dtype, per_example_squared_norms
-from per_example_grads.xla_context import in_xla_context
+from per_example_grads._core.example_ops import compute_dtype, per_example_squared_norms
+from per_example_grads._core.xla_context import in_xla_context
 
 
 class RepeatedRows(NamedTuple):

@@ -19,7 +19,7 @@ import tensorflow as tf
 from per_example_grads import transforms
 from per_example_grads.clipping import clipped_gradients
 from per_example_grads.gradients import per_example_gradients
-from per_example_grads.problem import resolve_variables
+from per_example_grads._core.problem import resolve_variables
 
 MODES = ("mean", "sum", "per_example", "clipped_sum")
 

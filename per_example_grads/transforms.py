@@ -13,8 +13,8 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from per_example_grads.arguments import check_number
-from per_example_grads.example_ops import compute_dtype, in_dtype
+from per_example_grads._core.arguments import check_number
+from per_example_grads._core.example_ops import compute_dtype, in_dtype
 from per_example_grads.per_example_slices import PerExampleSlices
 
 

@@ -1,6 +1,7 @@
 """Small models covering the layer families the engines must handle.
 
-``ZOO``: whole models for every engine. Each builder returns a ``Case``: the
+``ZOO``: whole models for every engine, the shared zoo's among them
+(``per_example_grads.apps.zoo``: what the benchmarks and demos run). Each builder returns a ``Case``: the
 model, a batch, the loss, and which engines are expected to refuse the model
 (by design) rather than compute.
 
@@ -24,6 +25,7 @@ import pytest
 import tensorflow as tf
 
 from helpers import sparse_ce
+from per_example_grads.apps import zoo
 
 B = 5
 rng = np.random.default_rng(0)
@@ -225,9 +227,26 @@ def regression_sequence_loss():
     )
 
 
+def _shared_zoo(name, refused=None):
+    """The model ``name`` of ``per_example_grads.apps.zoo`` (what the benchmarks and demos run)."""
+
+    def case():
+        model, x, y = zoo.build(name, B)
+        return Case(model, x, y, refused=dict(refused or {}))
+
+    case.__name__ = f"zoo_{name}"
+    return case
+
+
 ZOO = {
     f.__name__: f
     for f in [
+        _shared_zoo("mlp"),
+        _shared_zoo("cnn"),
+        # MultiHeadAttention is on the vectorization deny list: refused, never run.
+        _shared_zoo("transformer", refused={"vectorized": ValueError}),
+        _shared_zoo("embedding_bag"),
+        _shared_zoo("digits_mlp"),
         mlp,
         cnn1d,
         cnn2d,
@@ -351,7 +370,7 @@ LAYER_CASES = {name: build for family in RULE_FAMILIES.values() for name, build 
 assert len(LAYER_CASES) == sum(len(f) for f in RULE_FAMILIES.values()), "a layer case name is in two families"
 
 # Cases whose tests take seconds (recurrent layers, which vectorize slowly): marked slow by *_params.
-SLOW_ZOO = {"lstm", "gru", "embedding_mask_zero_lstm"}
+SLOW_ZOO = {"lstm", "gru", "embedding_mask_zero_lstm", "zoo_mlp", "zoo_transformer", "zoo_embedding_bag"}
 SLOW_LAYER_CASES = {"lstm_fallback"}
 
 

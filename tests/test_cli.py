@@ -15,10 +15,10 @@ TF_LINE_MARKERS = ("absl::InitializeLog", "I0000", "W0000", "E0000", "cuInit", "
 
 
 def run_pegrad(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
-    """``python -m per_example_grads.cli ARGS`` in a subprocess: the process and its wall time."""
+    """``python -m per_example_grads.apps.cli ARGS`` in a subprocess: the process and its wall time."""
     started = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "per_example_grads.cli", *args],
+        [sys.executable, "-m", "per_example_grads.apps.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -59,7 +59,7 @@ def test_parsing_imports_no_tensorflow():
     code = (
         "import sys\n"
         "import per_example_grads as peg\n"
-        "from per_example_grads import cli\n"
+        "from per_example_grads.apps import cli\n"
         "cli.build_parser().parse_args(['diagnose', 'm.keras', 'd.npz', '--fast'])\n"
         "heavy = sorted(m for m in ('tensorflow', 'keras', 'matplotlib') if m in sys.modules)\n"
         "print(heavy, peg.__version__)\n"
@@ -76,7 +76,7 @@ def test_public_names_resolve_lazily():
     for name in peg.__all__:
         assert name in listed, name
         assert getattr(peg, name) is not None, name
-    assert {"diagnostics", "layerwise", "dp", "keras"} <= set(peg.__all__)
+    assert {"diagnostics", "rules", "dp", "keras"} <= set(peg.__all__)
     assert callable(peg.dp.private_gradients)
     assert callable(peg.clipping.dense_sums)  # submodules as attributes, as the README uses them
     assert callable(peg.diagnostics.gradient_statistics)
@@ -99,7 +99,7 @@ def test_a_user_rule_for_a_builtin_layer_is_not_overwritten():
         "    pass\n"
         "peg.register_layer_rule(keras.layers.Dense, Mine())\n"
         "peg.per_example_gradients  # imports the engines and everything they need\n"
-        "from per_example_grads.layerwise.rule import rule_for\n"
+        "from per_example_grads.rules.rule import rule_for\n"
         "print(type(rule_for(keras.layers.Dense(2))).__name__)\n"
     )
     proc = subprocess.run(
@@ -124,7 +124,7 @@ def test_main_restores_the_tensorflow_logger_level(capsys):
     """``pegrad`` quiets the ``tensorflow`` logger only while its command runs."""
     import logging
 
-    from per_example_grads import cli
+    from per_example_grads.apps import cli
 
     logger = logging.getLogger("tensorflow")
     saved = logger.level

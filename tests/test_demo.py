@@ -16,7 +16,8 @@ import pytest
 
 import per_example_grads as peg
 from figure_checks import assert_report_ready, recording
-from per_example_grads import cli, demo, plots
+from per_example_grads import plots
+from per_example_grads.apps import cli, demo
 from per_example_grads.data import load_digits, train_test_split_digits
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -176,7 +177,7 @@ def test_demo_times_every_method(demo_run):
 def test_demo_as_subprocess(tmp_path):
     out_dir = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "per_example_grads.cli", "demo", "--fast", "--out", str(out_dir)],
+        [sys.executable, "-m", "per_example_grads.apps.cli", "demo", "--fast", "--out", str(out_dir)],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -194,7 +195,7 @@ def test_pegrad_console_script_points_at_main():
         for ep in importlib.metadata.entry_points(group="console_scripts")
         if ep.name == "pegrad"
     ]
-    assert entry.value == "per_example_grads.cli:main"
+    assert entry.value == "per_example_grads.apps.cli:main"
     assert entry.load() is cli.main
 
 

@@ -14,8 +14,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from per_example_grads import cli  # noqa: E402
-from per_example_grads.diagnostics.command import DiagnoseInputError, run_diagnose  # noqa: E402
+from per_example_grads.apps import cli  # noqa: E402
+from per_example_grads.apps.diagnose import DiagnoseInputError, run_diagnose  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +130,7 @@ def test_usage_errors_end_with_one_error_line_and_status_2(capsys, argv, message
 def test_a_missing_file_is_reported_before_tensorflow_loads(tmp_path):
     out = tmp_path / "report"
     proc = subprocess.run(
-        [sys.executable, "-m", "per_example_grads.cli", "diagnose", str(tmp_path / "m.keras"),
+        [sys.executable, "-m", "per_example_grads.apps.cli", "diagnose", str(tmp_path / "m.keras"),
          str(tmp_path / "d.npz"), "--out", str(out)],
         capture_output=True, text=True, timeout=60,
     )

@@ -15,7 +15,8 @@ import tensorflow as tf  # noqa: E402
 
 import per_example_grads as peg  # noqa: E402
 from figure_checks import assert_report_ready, recording  # noqa: E402
-from per_example_grads import cli, demo, plots  # noqa: E402
+from per_example_grads import plots  # noqa: E402
+from per_example_grads.apps import cli, demo, zoo  # noqa: E402
 from per_example_grads.data import train_test_split_digits  # noqa: E402
 from per_example_grads.diagnostics import (  # noqa: E402
     GradientStatistics,
@@ -445,8 +446,7 @@ def test_planted_mislabeled_digit_is_in_the_top_k():
     x, y = split.x_train, split.y_train.copy()
     planted = 700
     y[planted] = (y[planted] + 5) % 10
-    keras.utils.set_random_seed(0)
-    model = demo.build_model()
+    model = zoo.build_model("digits_mlp", seed=0)
     model.compile(optimizer=keras.optimizers.Adam(1e-2),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.fit(x, y, epochs=5, batch_size=32, verbose=0)

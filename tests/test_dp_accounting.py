@@ -16,7 +16,7 @@ import pytest
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
-from per_example_grads import cli
+from per_example_grads.apps import cli
 from tolerances import ACCOUNTING_COMPOSED_RTOL, ACCOUNTING_SAME_RTOL, FLOAT64_CLOSED_FORM_RTOL, PRINTED_RTOL
 from per_example_grads.dp import (
     PrivacyAccountant,

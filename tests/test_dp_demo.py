@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from figure_checks import assert_report_ready, recording
-from per_example_grads import cli, dp_demo
+from per_example_grads.apps import cli, dp_demo
 from tolerances import ACCOUNTING_COMPOSED_RTOL
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -18,10 +18,10 @@ from helpers import (
     sparse_ce,
 )
 from model_zoo import ZOO
-from per_example_grads.layerwise import capture as capture_module
-from per_example_grads.layerwise import engine as layerwise_engine
-from per_example_grads.layerwise.capture import capturing
-from per_example_grads.problem import make_problem
+from per_example_grads.engines import capture as capture_module
+from per_example_grads.engines import layerwise as layerwise_engine
+from per_example_grads.engines.capture import capturing
+from per_example_grads._core.problem import make_problem
 from tolerances import EPS64, GRADIENT_RTOL, rounding_rtol
 
 
@@ -52,7 +52,7 @@ def _broken_model():
 
 
 def test_norms_and_clipped_sums_fall_back_like_per_example_gradients(monkeypatch):
-    from per_example_grads.layerwise import rule as rule_module
+    from per_example_grads.rules import rule as rule_module
 
     monkeypatch.setitem(rule_module.RULES, Doubling, BrokenRule())
     model = _broken_model()
@@ -81,7 +81,7 @@ def test_engine_error_is_the_one_refusal_type_and_a_value_error():
 def test_the_unit_plan_is_worked_out_once_per_call(monkeypatch):
     calls = []
     original = capture_module.plan_units
-    from per_example_grads.layerwise import engine
+    from per_example_grads.engines import layerwise as engine
 
     monkeypatch.setattr(engine, "plan_units", lambda *a: calls.append(1) or original(*a))
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
@@ -137,8 +137,8 @@ def test_a_subclass_that_overrides_call_is_never_run_by_its_base_class_rule():
     ids = np.random.RandomState(0).randint(0, 12, (5, 3)).astype("int32")
     y = np.arange(5) % 12
     plain = model(ids)
-    from per_example_grads.layers.local import LocalRule
-    from per_example_grads.layerwise.rule import rule_for
+    from per_example_grads.rules.local import LocalRule
+    from per_example_grads.rules.rule import rule_for
 
     assert isinstance(rule_for(model.table), LocalRule) or rule_for(model.table) is None
     reference = reference_gradients(model, sparse_ce, ids, y)

@@ -78,11 +78,11 @@ def test_register_layer_rule_extension_point():
             return out, None, [out]
 
         def per_example(self, layer, saved, grads):
-            return [peg.layerwise.sum_to_shape(grads[0], layer.b.shape)]
+            return [peg.rules.sum_to_shape(grads[0], layer.b.shape)]
 
     peg.register_layer_rule(Shift, ShiftRule())
     model, x, y = sequential_case(rng, [Shift(), keras.layers.Dense(4, activation="tanh")], (B, 2, 5))
-    from per_example_grads.layerwise.capture import plan_units
+    from per_example_grads.engines.capture import plan_units
 
     assert any(isinstance(u.rule, ShiftRule) for u in plan_units(model, model.trainable_variables))
     rule_against_loop(model, x, y, norms=None)

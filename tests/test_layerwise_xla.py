@@ -11,7 +11,7 @@ from model_zoo import layer_case, layer_case_params
 
 def test_rules_know_when_xla_compiles_them():
     """The rules' XLA switches read a private TensorFlow check: fail loudly if it stops working."""
-    from per_example_grads.xla_context import in_xla_context
+    from per_example_grads._core.xla_context import in_xla_context
 
     seen = []
     probe = lambda x: (seen.append(in_xla_context()), x)[1]  # noqa: E731

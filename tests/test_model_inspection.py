@@ -2,7 +2,7 @@
 
 import keras
 
-from per_example_grads import model_inspection
+from per_example_grads._core import model_inspection
 
 
 def test_flatten_layers_reaches_nested_and_subclassed_layers():

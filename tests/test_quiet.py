@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import per_example_grads as peg  # noqa: E402
-from per_example_grads import _quiet  # noqa: E402
+from per_example_grads._core import quiet as _quiet  # noqa: E402
 
 PFOR_NOTE = "Conv2DBackpropFilter uses a while_loop"
 ACCOUNTING_NOTE = "_compute_log_a_frac failed to converge"

@@ -59,7 +59,7 @@ CONV_CLIPPED = ["conv2d_strided_valid", "conv2d_dilated_same", "conv2d_same_smal
 @pytest.mark.parametrize("keep, jit", [(False, True), (True, False)])
 @pytest.mark.parametrize("name", CONV_CLIPPED)
 def test_conv_clipped_sum_by_kernel_vjp_or_kept_kernels_with_and_without_xla(name, keep, jit, monkeypatch):
-    from per_example_grads.layers import conv
+    from per_example_grads.rules import conv
 
     monkeypatch.setattr(conv, "KEEP_PER_EXAMPLE_KERNELS", keep)
     monkeypatch.setattr(conv, "NORMS_JIT_COMPILE", jit)
@@ -75,7 +75,7 @@ def test_conv_clipped_sum_by_kernel_vjp_or_kept_kernels_with_and_without_xla(nam
 @pytest.mark.parametrize("name", CONV_CLIPPED)
 def test_conv_norms_in_batch_chunks_equal_the_reference(name, graph, monkeypatch):
     """A chunk of one example (the smallest patch budget) changes nothing, eagerly and in a graph."""
-    from per_example_grads.layers import conv
+    from per_example_grads.rules import conv
 
     monkeypatch.setattr(conv, "PATCH_CHUNK_ELEMENTS", 1)
     model, x, y = layer_case(name)
@@ -88,7 +88,7 @@ def test_conv_norms_in_batch_chunks_equal_the_reference(name, graph, monkeypatch
 
 
 def test_conv_keeps_per_example_kernels_only_when_small():
-    from per_example_grads.layers import conv
+    from per_example_grads.rules import conv
 
     a, g = tf.zeros([2, 9, 9, 2]), tf.zeros([2, 4, 4, 3])  # f k = 54 <= 162 + 48
     spec = conv.ConvSpec(2, (3, 3), (2, 2), (1, 1), "valid")
@@ -109,7 +109,7 @@ def test_conv_keeps_per_example_kernels_only_when_small():
 ])
 def test_conv_sliced_patches_equal_extract_patches(spec, shape):
     """The strided-slice patches the norms use under XLA are extract_patches' exactly, in its feature order."""
-    from per_example_grads.layers import conv
+    from per_example_grads.rules import conv
 
     layer = conv.ConvSpec(*spec)
     a = tf.random.stateless_normal(shape, [1, 2])

@@ -29,9 +29,9 @@ def test_clipped_gradients_match_clipping_materialized(name, clip):
     pytest.param("lstm_fallback", keras.layers.LSTM, False, marks=pytest.mark.slow),  # [B, 3, 16] kernel alone vs [B, 5, 3] + [B, 5, 4]
 ])
 def test_materialized_norms_are_kept_for_the_clipped_sum_only_when_no_larger(name, layer_class, keeps):
-    from per_example_grads.layerwise import engine
-    from per_example_grads.problem import make_problem
-    from per_example_grads.batch import make_batch
+    from per_example_grads.engines import layerwise as engine
+    from per_example_grads._core.problem import make_problem
+    from per_example_grads._core.batch import make_batch
 
     model, x, y = layer_case(name)
     problem = make_problem(model, sparse_ce, None, False, False)

@@ -22,8 +22,8 @@ def test_clipped_gradients_match_clipping_materialized(name, clip):
 
 
 def test_layer_norm_uses_its_closed_form_unless_over_the_batch_axis():
-    from per_example_grads.layers.normalization import LayerNormRule
-    from per_example_grads.layerwise.capture import plan_units
+    from per_example_grads.rules.normalization import LayerNormRule
+    from per_example_grads.engines.capture import plan_units
 
     model, _, _ = layer_case("layer_norm_two_axes_rank4")
     assert [type(u.rule) for u in plan_units(model, model.trainable_variables)][0] is LayerNormRule

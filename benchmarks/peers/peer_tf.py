@@ -55,7 +55,7 @@ def make_tasks(model_name: str, b: int, log):
     import tensorflow as tf
 
     from benchmarks import bench_layerwise as BL
-    from per_example_grads.model_inspection import iter_layers
+    from per_example_grads._core.model_inspection import iter_layers
 
     model, _, _ = BL.build(KERAS_MODEL.get(model_name, model_name), b)
     x_np, y_np = C.make_data(model_name, b)

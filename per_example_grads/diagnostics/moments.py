@@ -36,10 +36,10 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from per_example_grads.batch import Batch
+from per_example_grads._core.batch import Batch
 from per_example_grads.engines import selection
-from per_example_grads.layerwise import engine as layerwise
-from per_example_grads.problem import Problem
+from per_example_grads.engines import layerwise as layerwise
+from per_example_grads._core.problem import Problem
 
 F64 = tf.float64
 

@@ -38,12 +38,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from per_example_grads.batch import make_batch
+from per_example_grads._core.batch import make_batch
 from per_example_grads.diagnostics.moments import outer_factors
 from per_example_grads.engines import selection
-from per_example_grads.layerwise import engine as layerwise
-from per_example_grads.problem import Problem
-from per_example_grads.problem import make_problem
+from per_example_grads.engines import layerwise as layerwise
+from per_example_grads._core.problem import Problem
+from per_example_grads._core.problem import make_problem
 
 F64 = tf.float64
 

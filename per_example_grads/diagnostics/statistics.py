@@ -59,12 +59,12 @@ import numpy as np
 import tensorflow as tf
 from tqdm import tqdm
 
-from per_example_grads.batch import make_batch
+from per_example_grads._core.batch import make_batch
 from per_example_grads.diagnostics.moments import batch_moments
 from per_example_grads.diagnostics.report import GradientReport
 from per_example_grads.diagnostics.streams import iterate_batches, num_batches
 from per_example_grads.engines import selection
-from per_example_grads.problem import make_problem
+from per_example_grads._core.problem import make_problem
 
 COSINE_MODES = ("final", "running", None)
 

@@ -94,7 +94,7 @@ from typing import Any, Callable, Iterable, Mapping
 import dp_accounting
 from dp_accounting import pld, rdp
 
-from per_example_grads._quiet import quiet_accounting
+from per_example_grads._core.quiet import quiet_accounting
 
 ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
 SAMPLINGS: tuple[str, ...] = ("poisson", "shuffle")

@@ -29,7 +29,7 @@ import dataclasses
 
 import tensorflow as tf
 
-from per_example_grads import replicas
+from per_example_grads._core import replicas
 from per_example_grads.dp.noise import NoiseSeed, gaussian_like
 
 

@@ -26,7 +26,7 @@ and ``BackupAndRestore`` wherever the model that owns it is.
 
 Inside ``strategy.run`` each replica clips its own shard and adds its share
 of the noise, ``N(0, (sigma C)^2 / R)``; the optimizer's all-reduce sums the
-shares into one noised gradient (``per_example_grads.replicas``).
+shares into one noised gradient (``per_example_grads._core.replicas``).
 """
 
 from __future__ import annotations
@@ -38,15 +38,15 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
-from per_example_grads import replicas
-from per_example_grads.arguments import check_dp_arguments, total_clip
+from per_example_grads._core import replicas
+from per_example_grads._core.arguments import check_dp_arguments, total_clip
 from per_example_grads.clipping import clipped_gradients, clipped_sums_and_predictions, dense_sums
 from per_example_grads.dp import adaptive as adaptive_clipping
 from per_example_grads.dp.accounting import adaptive_clipping_noise_multiplier
 from per_example_grads.dp.noise import NoiseSeed, gaussian_like, noise_source
-from per_example_grads.example_ops import in_dtype
+from per_example_grads._core.example_ops import in_dtype
 from per_example_grads.dp.sampling import real_rows, split_into_chunks
-from per_example_grads.xla_context import in_xla_context
+from per_example_grads._core.xla_context import in_xla_context
 
 
 @dataclasses.dataclass

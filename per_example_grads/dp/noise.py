@@ -31,7 +31,7 @@ integer or pair seed gives the same noise, and it is the caller's job to vary
 it (for example ``seed=(run_seed, step)``).
 
 Inside ``strategy.run`` every replica must draw independently (see
-``per_example_grads.replicas``): generators already give each replica its
+``per_example_grads._core.replicas``): generators already give each replica its
 own stream, and stateless keys are folded with the replica id here.
 """
 
@@ -43,7 +43,7 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
-from per_example_grads import replicas
+from per_example_grads._core import replicas
 
 NoiseSeed = int | tuple | tf.Tensor | tf.random.Generator | None
 

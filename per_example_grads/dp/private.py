@@ -10,7 +10,7 @@ sampling), not by the realized one, which would itself leak information.
 
 Inside ``strategy.run`` each replica clips its own shard and adds its share
 of the noise, ``N(0, (sigma C)^2 / R)``; the optimizer's all-reduce sums the
-shares into one noised gradient (``per_example_grads.replicas``).
+shares into one noised gradient (``per_example_grads._core.replicas``).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from per_example_grads import replicas
-from per_example_grads.arguments import check_dp_arguments, total_clip
-from per_example_grads.batch import batch_size, make_batch
+from per_example_grads._core import replicas
+from per_example_grads._core.arguments import check_dp_arguments, total_clip
+from per_example_grads._core.batch import batch_size, make_batch
 from per_example_grads.clipping import clipped_gradients
 from per_example_grads.dp.aggregator import noised_average, regularization_gradients
 from per_example_grads.dp.noise import NoiseSeed
-from per_example_grads.problem import resolve_variables
+from per_example_grads._core.problem import resolve_variables
 
 
 def private_gradients(

@@ -70,7 +70,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from per_example_grads.batch import _check_leading_dims, _to_tensors
+from per_example_grads._core.batch import _check_leading_dims, _to_tensors
 from per_example_grads.dp.noise import hashed_key
 
 __all__ = [

@@ -13,9 +13,9 @@ import dataclasses
 import warnings
 from typing import Any
 
-from per_example_grads import model_inspection
-from per_example_grads.layerwise.capture import NotCoverable, plan_units
-from per_example_grads.layers.local import LocalRule
+from per_example_grads._core import model_inspection
+from per_example_grads.engines.capture import NotCoverable, plan_units
+from per_example_grads.rules.local import LocalRule
 
 
 @dataclasses.dataclass

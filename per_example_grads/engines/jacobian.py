@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from per_example_grads._quiet import quiet_vectorization
+from per_example_grads._core.quiet import quiet_vectorization
 from per_example_grads.engines.base import register_engine
-from per_example_grads.tape import dense_or_zeros, watch_variables
+from per_example_grads._core.tape import dense_or_zeros, watch_variables
 
 
 @register_engine(name="jacobian", isolates_examples=False)

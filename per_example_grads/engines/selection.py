@@ -4,7 +4,7 @@ The rule, in order of preference:
 
 1. ``layerwise``, when every requested variable belongs to a layer (closed
    forms per layer, or the exact layer-local fallback); see
-   ``per_example_grads.layerwise``.
+   ``per_example_grads.rules``.
 2. ``vectorized``, unless the model contains a layer known to crash
    ``tf.vectorized_map`` (``model_inspection.VECTORIZATION_CRASHERS``). A
    segfault cannot be caught, so such models never reach it.
@@ -26,10 +26,10 @@ from __future__ import annotations
 import warnings
 from typing import Callable, TypeVar
 
-from per_example_grads.batch import Batch
+from per_example_grads._core.batch import Batch
 from per_example_grads.engines.base import ENGINES, Engine
 from per_example_grads.errors import EngineError, EngineFallbackWarning, InvalidLossError
-from per_example_grads.problem import Problem
+from per_example_grads._core.problem import Problem
 
 AUTO_ORDER = ("layerwise", "vectorized", "weight_copies", "loop")
 METHODS = ("auto",) + tuple(ENGINES)

@@ -4,7 +4,7 @@ Cost: one vectorized forward and backward pass over the batch, about the cost
 of the batch gradient plus the per-example outer products, and memory for
 ``B x P`` gradients. Ops without a vectorization rule run in a while loop
 (TensorFlow warns when that happens; its note to itself about
-Conv2DBackpropFilter is dropped, see ``per_example_grads._quiet``).
+Conv2DBackpropFilter is dropped, see ``per_example_grads._core.quiet``).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import functools
 
 import tensorflow as tf
 
-from per_example_grads import model_inspection
-from per_example_grads._quiet import quiet_vectorization
+from per_example_grads._core import model_inspection
+from per_example_grads._core.quiet import quiet_vectorization
 from per_example_grads.engines.base import example_gradient, register_engine
 
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from per_example_grads import model_inspection
-from per_example_grads.batch import batch_size
+from per_example_grads._core import model_inspection
+from per_example_grads._core.batch import batch_size
 from per_example_grads.engines.base import register_engine
-from per_example_grads.tape import dense_or_zeros
+from per_example_grads._core.tape import dense_or_zeros
 
 
 def why_not(problem) -> str | None:

@@ -9,13 +9,13 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from per_example_grads import replicas
+from per_example_grads._core import replicas
 from per_example_grads.dp import adaptive as adaptive_clipping
 from per_example_grads.dp import validation
 from per_example_grads.dp.accounting import PrivacyAccountant, check_run_delta
 from per_example_grads.dp.aggregator import DPAggregator, regularization_gradients
 from per_example_grads.dp.sampling import PoissonSampling
-from per_example_grads.losses import as_per_example_loss
+from per_example_grads._core.losses import as_per_example_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +98,7 @@ class DPModel(keras.Model):
     adds ``N(0, (sigma C)^2 / R)``; Keras's optimizer all-reduces the ``R``
     shares (``P`` floats each) into one step with noise ``N(0, (sigma C)^2)``,
     divided by ``expected_batch_size`` (default: ``q N``, or the rows of the
-    *global* batch). See ``per_example_grads.replicas``.
+    *global* batch). See ``per_example_grads._core.replicas``.
 
     Args:
       model: the Keras model to train privately.

@@ -27,10 +27,10 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from per_example_grads.example_ops import compute_dtype
-from per_example_grads.layerwise.rule import LayerRule, register_layer_rule, reparametrized
+from per_example_grads._core.example_ops import compute_dtype
+from per_example_grads.rules.rule import LayerRule, register_layer_rule, reparametrized
 from per_example_grads.per_example_slices import PerExampleSlices, grouped_squared_norms, repeated_rows
-from per_example_grads.xla_context import in_xla_context
+from per_example_grads._core.xla_context import in_xla_context
 
 
 def _flat_ids(ids: tf.Tensor) -> tf.Tensor:

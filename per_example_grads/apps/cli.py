@@ -10,7 +10,7 @@ one, write that pair and list the first in ``_SUBCOMMANDS``.
                    (--noise-multiplier S | --target-epsilon EPS) --delta D
                    [--accountant pld|rdp] [--sampling poisson|shuffle]
     pegrad diagnose [MODEL.keras DATA.npz] [--out DIR] [--fast] [--batch-size B]
-    python -m per_example_grads.cli demo --fast
+    python -m per_example_grads.apps.cli demo --fast
 """
 
 from __future__ import annotations
@@ -93,14 +93,14 @@ def _run_demo(args: argparse.Namespace) -> int:
         args.parser.error("--target-epsilon needs --dp")
     _start_tensorflow(report_device=True)
     if args.dp:
-        from per_example_grads.dp_demo import DEFAULT_TARGET_EPSILON, run_dp_demo
+        from per_example_grads.apps.dp_demo import DEFAULT_TARGET_EPSILON, run_dp_demo
 
         target = DEFAULT_TARGET_EPSILON if args.target_epsilon is None else args.target_epsilon
         run_dp_demo(
             args.out, target_epsilon=target, epochs=args.epochs, fast=args.fast, seed=args.seed
         )
         return 0
-    from per_example_grads.demo import run_demo
+    from per_example_grads.apps.demo import run_demo
 
     run_demo(args.out, epochs=args.epochs, fast=args.fast, seed=args.seed)
     return 0
@@ -132,11 +132,11 @@ def _start_tensorflow(*, report_device: bool) -> None:
     hides TensorFlow's C++ INFO and WARNING lines; errors still show. The
     notices absl prints before TensorFlow reads that setting, and the cuInit
     failure of a machine without a usable GPU, are filtered out of the import
-    (``per_example_grads._quiet.import_tensorflow_filtered``) unless the level
+    (``per_example_grads._core.quiet.import_tensorflow_filtered``) unless the level
     is 0; a line naming the device replaces the latter.
     """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from per_example_grads._quiet import STARTUP_NOTICES, import_tensorflow_filtered
+    from per_example_grads._core.quiet import STARTUP_NOTICES, import_tensorflow_filtered
 
     verbose = os.environ["TF_CPP_MIN_LOG_LEVEL"].strip() == "0"
     tf, gpus = import_tensorflow_filtered(() if verbose else STARTUP_NOTICES)
@@ -288,12 +288,12 @@ def _run_diagnose(args: argparse.Namespace) -> int:
     if (args.model is None) != (args.data is None):
         args.parser.error("give both MODEL.keras and DATA.npz, or neither for the demo model")
     # Importing the command loads numpy only: bad paths fail before TensorFlow loads.
-    from per_example_grads.diagnostics.command import DiagnoseInputError, check_paths
+    from per_example_grads.apps.diagnose import DiagnoseInputError, check_paths
 
     try:
         check_paths(args.out, args.model, args.data)
         _start_tensorflow(report_device=True)
-        from per_example_grads.diagnostics.command import run_diagnose
+        from per_example_grads.apps.diagnose import run_diagnose
 
         run_diagnose(
             args.out, args.model, args.data, fast=args.fast, batch_size=args.batch_size,

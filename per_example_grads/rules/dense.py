@@ -12,8 +12,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from per_example_grads.layers import outer_products as op
-from per_example_grads.layerwise.rule import LayerRule, per_example_squared_norms, register_layer_rule, reparametrized
+from per_example_grads.rules import outer_products as op
+from per_example_grads.rules.rule import LayerRule, per_example_squared_norms, register_layer_rule, reparametrized
 
 
 class DenseRule(LayerRule):

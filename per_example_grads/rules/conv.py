@@ -61,16 +61,16 @@ import math
 import keras
 import tensorflow as tf
 
-from per_example_grads.layers import outer_products as op
-from per_example_grads.layers.local import LocalRule, without_activation
-from per_example_grads.layerwise.rule import (
+from per_example_grads.rules import outer_products as op
+from per_example_grads.rules.local import LocalRule, without_activation
+from per_example_grads.rules.rule import (
     LayerRule,
     per_example_squared_norms,
     register_layer_rule,
     reparametrized,
     weighted_example_sum,
 )
-from per_example_grads.xla_context import in_xla_context
+from per_example_grads._core.xla_context import in_xla_context
 
 NORMS_JIT_COMPILE = True
 KEEP_PER_EXAMPLE_KERNELS = True

@@ -15,9 +15,9 @@ from typing import Any, Callable, Sequence
 import keras
 import tensorflow as tf
 
-from per_example_grads import model_inspection
-from per_example_grads.batch import Batch, add_batch_axis
-from per_example_grads.losses import PerExampleLoss, as_per_example_loss
+from per_example_grads._core import model_inspection
+from per_example_grads._core.batch import Batch, add_batch_axis
+from per_example_grads._core.losses import PerExampleLoss, as_per_example_loss
 
 
 @dataclasses.dataclass(frozen=True)

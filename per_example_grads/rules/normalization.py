@@ -26,9 +26,9 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from per_example_grads.example_ops import compute_dtype
-from per_example_grads.layers.local import LOCAL_RULE
-from per_example_grads.layerwise.rule import LayerRule, register_layer_rule
+from per_example_grads._core.example_ops import compute_dtype
+from per_example_grads.rules.local import LOCAL_RULE
+from per_example_grads.rules.rule import LayerRule, register_layer_rule
 
 
 def _axes(layer, rank: int) -> list[int]:

@@ -8,7 +8,7 @@ example's gradient norm with ``peg.per_example_norms``, and reports:
 * how long each engine takes on one batch, against the plain batch gradient;
 * a histogram of the norms, saved as a PNG.
 
-``pegrad demo`` (``per_example_grads.cli``) runs it from the command line.
+``pegrad demo`` (``per_example_grads.apps.cli``) runs it from the command line.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ from tqdm import tqdm
 
 import per_example_grads as peg
 from per_example_grads import plots
+from per_example_grads.apps import zoo
+from per_example_grads.apps.tables import format_table
 from per_example_grads.data import N_CLASSES, N_FEATURES, train_test_split_digits
 
 DEFAULT_EPOCHS = 15
 FAST_TRAIN_SIZE = 600
-HIDDEN_UNITS = 64
 LEARNING_RATE = 3e-3
 FAST_LEARNING_RATE = 1e-2  # bigger steps, so that fast mode's single epoch counts
 TRAIN_BATCH_SIZE = 32
@@ -121,11 +122,10 @@ def run_demo(
         x_train, y_train, train_index = x_train[keep], y_train[keep], train_index[keep]
 
     say(
-        f"Training a {N_FEATURES}-{HIDDEN_UNITS}-{N_CLASSES} MLP on "
+        f"Training a {N_FEATURES}-{zoo.DIGITS_HIDDEN_UNITS}-{N_CLASSES} MLP on "
         f"{len(x_train)} digits for {epochs} epoch(s)..."
     )
-    keras.utils.set_random_seed(seed)
-    model = build_model()
+    model = zoo.build_model("digits_mlp", seed)
     model.compile(
         optimizer=keras.optimizers.Adam(FAST_LEARNING_RATE if fast else LEARNING_RATE),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -189,18 +189,6 @@ def run_demo(
         "png_path": str(png_path),
         "seconds": time.perf_counter() - started,
     }
-
-
-def build_model() -> keras.Model:
-    """The demo's MLP: ``[B, 64]`` pixels -> ``[B, 10]`` logits."""
-    return keras.Sequential(
-        [
-            keras.Input((N_FEATURES,)),
-            keras.layers.Dense(HIDDEN_UNITS, activation="relu"),
-            keras.layers.Dense(N_CLASSES),
-        ],
-        name="digits_mlp",
-    )
 
 
 def predict_labels(model: keras.Model, x: np.ndarray) -> np.ndarray:
@@ -342,20 +330,6 @@ def save_norms_histogram(
     fig = plots.norms_histogram_figure(norms, title=title)
     fig.savefig(path, format="png")
     return path
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A plain-text table: first column left-aligned, the others right-aligned."""
-    cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(row[j]) for row in cells) for j in range(len(headers))]
-
-    def line(row):
-        return "  ".join(
-            c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))
-        )
-
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([line(cells[0]), rule] + [line(row) for row in cells[1:]])
 
 
 def format_norm_stats(

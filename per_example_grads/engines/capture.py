@@ -17,9 +17,9 @@ from typing import Any, Iterator
 import keras
 import tensorflow as tf
 
-from per_example_grads import model_inspection
-from per_example_grads.layers.local import LOCAL_RULE  # the fallback rule
-from per_example_grads.layerwise.rule import LayerRule, rule_for
+from per_example_grads._core import model_inspection
+from per_example_grads.rules.local import LOCAL_RULE  # the fallback rule
+from per_example_grads.rules.rule import LayerRule, rule_for
 
 # Layers that call their sublayers inside a loop or on a reshaped batch: they
 # are treated as one unit (layer-local fallback) instead of being descended.

@@ -2,7 +2,7 @@
 
 import keras
 
-from per_example_grads.layers.local import LOCAL_RULE
-from per_example_grads.layerwise.rule import register_layer_rule
+from per_example_grads.rules.local import LOCAL_RULE
+from per_example_grads.rules.rule import register_layer_rule
 
 register_layer_rule(keras.layers.PReLU, LOCAL_RULE)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from per_example_grads.example_ops import compute_dtype, per_example_squared_norms
+from per_example_grads._core.example_ops import compute_dtype, per_example_squared_norms
 
 
 def as_btf(t: tf.Tensor) -> tf.Tensor:

@@ -13,14 +13,14 @@ from typing import Any
 
 import tensorflow as tf
 
-from per_example_grads import layers as _builtin_rules  # noqa: F401  (registers the rules)
-from per_example_grads.batch import Batch, batch_size
+from per_example_grads import rules as _builtin_rules  # noqa: F401  (registers the rules)
+from per_example_grads._core.batch import Batch, batch_size
 from per_example_grads.engines.base import ClipGroups, register_engine
 from per_example_grads.errors import EngineError
-from per_example_grads.layerwise.capture import NotCoverable, Record, Unit, capturing, check_batch_axis, plan_units
-from per_example_grads.example_ops import compute_dtype, per_example_squared_norms
+from per_example_grads.engines.capture import NotCoverable, Record, Unit, capturing, check_batch_axis, plan_units
+from per_example_grads._core.example_ops import compute_dtype, per_example_squared_norms
 from per_example_grads.per_example_slices import PerExampleSlices
-from per_example_grads.problem import Problem
+from per_example_grads._core.problem import Problem
 
 
 @dataclasses.dataclass

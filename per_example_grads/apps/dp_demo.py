@@ -11,7 +11,7 @@ It prints the test accuracies next to the privacy actually spent, and saves a
 PNG with the test accuracy per epoch of both runs and the fraction of
 clipped examples at every private step.
 
-``pegrad demo --dp`` (``per_example_grads.cli``) runs it from the command line.
+``pegrad demo --dp`` (``per_example_grads.apps.cli``) runs it from the command line.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import tensorflow as tf
 from tqdm import tqdm
 
 from per_example_grads.data import N_CLASSES, N_FEATURES, train_test_split_digits
-from per_example_grads.demo import format_table
+from per_example_grads.apps import zoo
+from per_example_grads.apps.tables import format_table
 from per_example_grads.dp import compute_epsilon, noise_multiplier_for_epsilon, poisson_batches
 from per_example_grads.keras import DPModel
 
@@ -38,7 +39,6 @@ DEFAULT_TARGET_EPSILON = 8.0
 DEFAULT_DELTA = 1e-5
 DEFAULT_EPOCHS = 30
 FAST_EPOCHS = 5
-HIDDEN_UNITS = 64
 LEARNING_RATE = 3e-3
 EXPECTED_BATCH_SIZE = 128
 L2_NORM_CLIP = 1.0
@@ -149,12 +149,11 @@ def run_dp_demo(
     calibration_seconds = time.perf_counter() - t0
 
     say(
-        f"Training a {N_FEATURES}-{HIDDEN_UNITS}-{N_CLASSES} MLP privately "
+        f"Training a {N_FEATURES}-{zoo.DIGITS_HIDDEN_UNITS}-{N_CLASSES} MLP privately "
         f"(sigma = {sigma:.3f}, clip = {L2_NORM_CLIP:g}) for {epochs} epoch(s)..."
     )
     t0 = time.perf_counter()
-    keras.utils.set_random_seed(seed)
-    network = build_dp_demo_model()
+    network = zoo.build_model("digits_dp_mlp", seed)
     dp_model = DPModel(
         network,
         l2_norm_clip=L2_NORM_CLIP,
@@ -182,8 +181,7 @@ def run_dp_demo(
 
     say(f"Training the same MLP without privacy for {epochs} epoch(s)...")
     t0 = time.perf_counter()
-    keras.utils.set_random_seed(seed)  # the same initial weights as the private run
-    model = build_dp_demo_model()
+    model = zoo.build_model("digits_dp_mlp", seed)  # the same initial weights as the private run
     model.compile(
         optimizer=keras.optimizers.Adam(LEARNING_RATE),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -241,7 +239,7 @@ def run_dp_demo(
         "nonprivate_seconds": nonprivate_seconds,
         "calibration_seconds": calibration_seconds,
         "accounting_seconds": accounting_seconds,
-        "model": f"{network.name} ({N_FEATURES}-{HIDDEN_UNITS}-{N_CLASSES} tanh MLP, "
+        "model": f"{network.name} ({N_FEATURES}-{zoo.DIGITS_HIDDEN_UNITS}-{N_CLASSES} tanh MLP, "
         f"{network.count_params():,} parameters)",
         "data": DATA_NAME,
     }
@@ -262,23 +260,6 @@ def run_dp_demo(
     result["seconds"] = time.perf_counter() - started
     say(f"Wall time of the demo: {result['seconds']:.1f} s.")
     return result
-
-
-def build_dp_demo_model() -> keras.Model:
-    """The private demo's MLP: ``[B, 64]`` pixels -> tanh hidden layer -> ``[B, 10]`` logits.
-
-    ``tanh`` rather than ``relu``: its bounded activations suit DP-SGD's
-    clipped, noisy updates better (Papernot et al., "Tempered Sigmoid
-    Activations for Deep Learning with Differential Privacy", AAAI 2021).
-    """
-    return keras.Sequential(
-        [
-            keras.Input((N_FEATURES,)),
-            keras.layers.Dense(HIDDEN_UNITS, activation="tanh"),
-            keras.layers.Dense(N_CLASSES),
-        ],
-        name="digits_dp_mlp",
-    )
 
 
 class TrainingLog(keras.callbacks.Callback):

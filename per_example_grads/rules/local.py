@@ -22,11 +22,11 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from per_example_grads import model_inspection
-from per_example_grads._quiet import quiet_vectorization
-from per_example_grads.tape import dense_or_zeros, watch_variables
-from per_example_grads.layerwise.rule import LayerRule
-from per_example_grads.xla_context import in_xla_context
+from per_example_grads._core import model_inspection
+from per_example_grads._core.quiet import quiet_vectorization
+from per_example_grads._core.tape import dense_or_zeros, watch_variables
+from per_example_grads.rules.rule import LayerRule
+from per_example_grads._core.xla_context import in_xla_context
 
 
 class LocalRule(LayerRule):

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
-from per_example_grads.example_ops import per_example_squared_norms, weighted_example_sum  # noqa: F401  (re-exported)
+from per_example_grads._core.example_ops import per_example_squared_norms, weighted_example_sum  # noqa: F401  (re-exported)
 from per_example_grads.per_example_slices import PerExampleSlices
 
 
@@ -48,7 +48,7 @@ class LayerRule:
 
             def per_example(self, layer, saved, grads):
                 a, (g,) = saved, grads
-                return [peg.layerwise.sum_to_shape(a * g, layer.w.shape)]
+                return [peg.rules.sum_to_shape(a * g, layer.w.shape)]
 
         peg.register_layer_rule(Scale, ScaleRule())
     """

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import numpy as np
 import tensorflow as tf
 
-from per_example_grads import model_inspection
+from per_example_grads._core import model_inspection
 
 Batch = dict
 

@@ -198,7 +198,7 @@ def _demo_model(fast: bool, seed: int, say) -> tuple[Any, Any, np.ndarray, np.nd
     """``(model, loss, x, y, rows)``: the demo MLP trained briefly; ``rows`` index ``load_digits()``."""
     import keras
 
-    from per_example_grads import demo
+    from per_example_grads.apps import demo, zoo
     from per_example_grads.data import train_test_split_digits
 
     split = train_test_split_digits(seed=seed)
@@ -208,8 +208,7 @@ def _demo_model(fast: bool, seed: int, say) -> tuple[Any, Any, np.ndarray, np.nd
         x, y, rows = x[keep], y[keep], rows[keep]
     epochs = 1 if fast else DEMO_EPOCHS
     say(f"Training the demo's digits MLP on {len(x)} examples for {epochs} epoch(s)...")
-    keras.utils.set_random_seed(seed)
-    model = demo.build_model()
+    model = zoo.build_model("digits_mlp", seed)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     model.compile(optimizer=keras.optimizers.Adam(demo.FAST_LEARNING_RATE if fast else demo.LEARNING_RATE), loss=loss)
     model.fit(x, y, epochs=epochs, batch_size=DEFAULT_BATCH_SIZE, verbose=0)
@@ -279,7 +278,7 @@ def run_diagnose(
         if np.issubdtype(x.dtype, np.floating) and x.dtype != np.float32:
             x = x.astype(np.float32)
 
-    from per_example_grads.demo import save_norms_histogram
+    from per_example_grads.apps.demo import save_norms_histogram
     from per_example_grads.diagnostics.statistics import gradient_statistics
 
     report = gradient_statistics(

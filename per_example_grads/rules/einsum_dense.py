@@ -18,8 +18,8 @@ import string
 import keras
 import tensorflow as tf
 
-from per_example_grads.layers import outer_products as op
-from per_example_grads.layerwise.rule import LayerRule, per_example_squared_norms, register_layer_rule, reparametrized, sum_to_shape
+from per_example_grads.rules import outer_products as op
+from per_example_grads.rules.rule import LayerRule, per_example_squared_norms, register_layer_rule, reparametrized, sum_to_shape
 
 
 def _split(equation: str) -> tuple[str, str, str]:
