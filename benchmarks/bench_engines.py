@@ -81,10 +81,8 @@ def _make_data(name: str, b: int):
 def _input_signature(name: str):
     import tensorflow as tf
 
-    from per_example_grads.apps import zoo
-
-    _, shape, kind, _ = zoo.MODELS[name]
-    return [tf.TensorSpec([None, *shape], tf.float32 if kind == "normal" else tf.int32), tf.TensorSpec([None], tf.int32)]
+    x, y = _make_data(name, 1)
+    return [tf.TensorSpec([None, *x.shape[1:]], x.dtype), tf.TensorSpec([None], y.dtype)]
 
 
 def _make_callable(model_name: str, method: str, model, loss_fn):

@@ -20,12 +20,19 @@ The models:
 - ``digits_mlp`` and ``digits_dp_mlp``: the demos' MLPs on the bundled 8x8
   digits (``[B, 64]`` pixels, 64 hidden units, 10 classes; ReLU, and tanh for
   the private demo: its bounded activations suit clipped, noisy updates,
-  Papernot et al., AAAI 2021).
+  Papernot et al., AAAI 2021);
+- ``gpt2_lm``, ``gemma_lm``, ``llama_lm`` (KerasHub causal language models,
+  token embedding tied to the output head) and ``bert_classifier``, built from
+  their classes with tiny configurations (needs ``pip install ".[hub]"``);
+- ``mobilenet_v2``, ``efficientnet_b0``, ``convnext_tiny``, ``resnet50``,
+  ``xception``: ``keras.applications`` on 32x32x3 images, 10 classes,
+  ``weights=None`` (BatchNormalization as shipped).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Any, Callable
 
 import keras
 import numpy as np
@@ -70,34 +77,151 @@ def _digits_mlp(activation: str = "relu", name: str = "digits_mlp") -> keras.Mod
                              keras.layers.Dense(N_CLASSES)], name=name)
 
 
-# name -> (builder, input shape, input kind: "normal" or an exclusive integer bound, classes)
-MODELS: dict[str, tuple[Callable[[], keras.Model], tuple[int, ...], str | int, int]] = {
-    "mlp": (_mlp, (784,), "normal", 10),
-    "cnn": (_cnn, (28, 28, 1), "normal", 10),
-    "transformer": (_transformer, (32,), 1000, 2),
-    "embedding_bag": (_embedding_bag, (64,), 20000, 2),
-    "digits_mlp": (_digits_mlp, (N_FEATURES,), "normal", N_CLASSES),
-    "digits_dp_mlp": (lambda: _digits_mlp("tanh", "digits_dp_mlp"), (N_FEATURES,), "normal", N_CLASSES),
+def _images(shape: tuple[int, ...]) -> Callable:
+    return lambda rng, b: rng.normal(size=(b, *shape)).astype("float32")
+
+
+def _ids(shape: tuple[int, ...], vocabulary: int) -> Callable:
+    return lambda rng, b: rng.integers(0, vocabulary, (b, *shape)).astype("int32")
+
+
+def _labels(classes: int) -> Callable:
+    return lambda rng, b: rng.integers(0, classes, b).astype("int32")
+
+
+@dataclasses.dataclass(frozen=True)
+class ZooModel:
+    """One zoo entry: ``model(**config)`` builds it; ``data(rng, b, **config)`` draws ``(x, y)``."""
+
+    model: Callable[..., keras.Model]
+    data: Callable[..., tuple]
+    needs: str | None = None  # the optional package it needs ("keras_hub"), if any
+
+
+def _plain(builder: Callable[[], keras.Model], x: Callable, classes: int) -> ZooModel:
+    return ZooModel(lambda: builder(), lambda rng, b: (x(rng, b), _labels(classes)(rng, b)))
+
+
+# ---------------------------------------------------------------- KerasHub
+# Tiny configurations by default; ``build(..., num_layers=4, hidden_dim=256,
+# ...)`` gives the benchmarks' sizes. ``lora_rank`` enables LoRA on the backbone.
+
+_HUB_DEFAULTS = dict(vocabulary_size=256, num_layers=2, hidden_dim=32, intermediate_dim=64, seq_len=8, lora_rank=None)
+
+
+def _hub_config(config: dict) -> dict:
+    unknown = set(config) - set(_HUB_DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown KerasHub zoo settings {sorted(unknown)}; choose from {sorted(_HUB_DEFAULTS)}")
+    return {**_HUB_DEFAULTS, **config}
+
+
+def _hub_backbone(family: str, c: dict):
+    import keras_hub
+
+    common = dict(vocabulary_size=c["vocabulary_size"], num_layers=c["num_layers"],
+                  hidden_dim=c["hidden_dim"], intermediate_dim=c["intermediate_dim"])
+    heads = max(2, c["hidden_dim"] // 64)
+    if family == "gpt2":
+        return keras_hub.models.GPT2Backbone(num_heads=heads, max_sequence_length=max(16, c["seq_len"]), **common)
+    if family == "bert":
+        return keras_hub.models.BertBackbone(num_heads=heads, max_sequence_length=max(16, c["seq_len"]), **common)
+    grouped = dict(num_query_heads=heads, num_key_value_heads=1)
+    if family == "gemma":
+        return keras_hub.models.GemmaBackbone(head_dim=c["hidden_dim"] // heads, **grouped, **common)
+    if family == "llama":
+        return keras_hub.models.LlamaBackbone(**grouped, **common)
+    raise ValueError(family)
+
+
+def _hub_model(family: str, **config) -> keras.Model:
+    import keras_hub
+
+    c = _hub_config(config)
+    backbone = _hub_backbone(family, c)
+    if c["lora_rank"]:
+        backbone.enable_lora(rank=c["lora_rank"])
+    if family == "bert":
+        return keras_hub.models.BertTextClassifier(backbone=backbone, num_classes=2, preprocessor=None)
+    head = {"gpt2": keras_hub.models.GPT2CausalLM, "gemma": keras_hub.models.GemmaCausalLM,
+            "llama": keras_hub.models.LlamaCausalLM}[family]
+    return head(backbone=backbone, preprocessor=None)
+
+
+def _hub_data(family: str) -> Callable:
+    def data(rng, b, **config):
+        c = _hub_config(config)
+        ids = _ids((c["seq_len"],), c["vocabulary_size"])(rng, b)
+        x = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
+        if family == "bert":
+            x["segment_ids"] = np.zeros_like(ids)
+            return x, _labels(2)(rng, b)
+        return x, _ids((c["seq_len"],), c["vocabulary_size"])(rng, b)  # next tokens: [B, T]
+
+    return data
+
+
+def _hub(family: str) -> ZooModel:
+    return ZooModel(lambda **config: _hub_model(family, **config), _hub_data(family), needs="keras_hub")
+
+
+# ------------------------------------------------------- keras.applications
+# 32x32x3 inputs, 10 classes, random initialization (weights=None).
+
+def _application(name: str) -> ZooModel:
+    def model(image_size: int = 32, **config) -> keras.Model:
+        make = getattr(keras.applications, name)
+        return make(input_shape=(image_size, image_size, 3), weights=None, classes=10, **config)
+
+    def data(rng, b, image_size: int = 32, **config):
+        return _images((image_size, image_size, 3))(rng, b), _labels(10)(rng, b)
+
+    return ZooModel(model, data)
+
+
+MODELS: dict[str, ZooModel] = {
+    "mlp": _plain(_mlp, _images((784,)), 10),
+    "cnn": _plain(_cnn, _images((28, 28, 1)), 10),
+    "transformer": _plain(_transformer, _ids((32,), 1000), 2),
+    "embedding_bag": _plain(_embedding_bag, _ids((64,), 20000), 2),
+    "digits_mlp": _plain(_digits_mlp, _images((N_FEATURES,)), N_CLASSES),
+    "digits_dp_mlp": _plain(lambda: _digits_mlp("tanh", "digits_dp_mlp"), _images((N_FEATURES,)), N_CLASSES),
+    "gpt2_lm": _hub("gpt2"),
+    "gemma_lm": _hub("gemma"),
+    "llama_lm": _hub("llama"),
+    "bert_classifier": _hub("bert"),
+    "mobilenet_v2": _application("MobileNetV2"),
+    "efficientnet_b0": _application("EfficientNetB0"),
+    "convnext_tiny": _application("ConvNeXtTiny"),
+    "resnet50": _application("ResNet50"),
+    "xception": _application("Xception"),
 }
 
 
-def build_model(name: str, seed: int | None = 0) -> keras.Model:
-    """The zoo's model ``name``, initialized after ``keras.utils.set_random_seed(seed)`` (unless None)."""
+def build_model(name: str, seed: int | None = 0, **config) -> keras.Model:
+    """The zoo's model ``name``, initialized after ``keras.utils.set_random_seed(seed)`` (unless None).
+
+    ``config``: the model's size settings (KerasHub: ``vocabulary_size``,
+    ``num_layers``, ``hidden_dim``, ``intermediate_dim``, ``seq_len``,
+    ``lora_rank``; keras.applications: ``image_size`` and the application's
+    own arguments, such as ``alpha``).
+    """
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose from {sorted(MODELS)}")
     if seed is not None:
         keras.utils.set_random_seed(seed)
-    return MODELS[name][0]()
+    return MODELS[name].model(**config)
 
 
-def build(name: str, batch_size: int, seed: int = 0) -> tuple[keras.Model, np.ndarray, np.ndarray]:
-    """``(model, x, y)``: the model ``name`` and one synthetic batch of ``batch_size`` rows."""
-    model = build_model(name, seed)
-    _, shape, kind, classes = MODELS[name]
-    rng = np.random.default_rng(seed or 0)
-    if kind == "normal":
-        x = rng.normal(size=(batch_size, *shape)).astype("float32")
-    else:
-        x = rng.integers(0, kind, (batch_size, *shape)).astype("int32")
-    y = rng.integers(0, classes, batch_size).astype("int32")
+def build(name: str, batch_size: int, seed: int = 0, **config) -> tuple[keras.Model, Any, np.ndarray]:
+    """``(model, x, y)``: the model ``name`` and one synthetic batch of ``batch_size`` rows.
+
+    ``x`` is an array, or a dict of arrays for the KerasHub models
+    (``token_ids``, ``padding_mask``, and ``segment_ids`` for BERT); ``y`` is
+    ``[batch_size]`` class ids, or ``[batch_size, seq_len]`` next-token ids for
+    the causal language models.
+    """
+    model = build_model(name, seed, **config)
+    data_config = {k: v for k, v in config.items() if k in ("image_size", *_HUB_DEFAULTS)}
+    x, y = MODELS[name].data(np.random.default_rng(seed), batch_size, **data_config)
     return model, x, y
