@@ -15,6 +15,7 @@ from helpers import (
     assert_norms_close,
     reference_gradients,
     reference_norms,
+    rule_against_loop,
     sparse_ce,
 )
 from model_zoo import ZOO
@@ -176,3 +177,34 @@ def test_embedding_clipped_sums_in_a_graph_of_unknown_batch_size_keep_their_stat
     )
     reference = reference_gradients(model, sparse_ce, x, y)
     assert_clipped_sums_close(graph(x, y), reference, 0.05 / np.maximum(reference_norms(reference), 0.05))
+
+
+class _NamedScale(keras.layers.Layer):
+    """A layer whose rule is registered by the class's full name (as for an optional package's class)."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(input_shape[-1],), initializer="ones")
+
+    def call(self, x):
+        return x * self.w
+
+
+class _NamedScaleRule(peg.LayerRule):
+    def forward(self, layer, call, args, kwargs):
+        out = args[0] * layer.w
+        return out, args[0], [out]
+
+    def per_example(self, layer, saved, grads):
+        return [peg.rules.sum_to_shape(saved * grads[0], layer.w.shape)]
+
+
+def test_a_rule_registered_by_full_class_name_applies_and_is_exact(monkeypatch):
+    monkeypatch.setattr(peg.rules.rule, "RULES", dict(peg.rules.rule.RULES))
+    name = f"{_NamedScale.__module__}.{_NamedScale.__qualname__}"
+    peg.register_layer_rule(name, _NamedScaleRule())
+    assert isinstance(peg.rules.rule_for(_NamedScale()), _NamedScaleRule)
+    model = keras.Sequential([keras.Input((3,)), _NamedScale(), keras.layers.Dense(2)])
+    x, y = np.random.default_rng(0).normal(size=(4, 3)).astype("float32"), np.array([0, 1, 1, 0], "int32")
+    rule_against_loop(model, x, y)
+    with pytest.raises(TypeError, match="full name"):
+        peg.register_layer_rule("NamedScale", _NamedScaleRule())

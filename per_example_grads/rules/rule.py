@@ -128,19 +128,25 @@ class LayerRule:
         return None
 
 
-RULES: dict[type, LayerRule] = {}
+RULES: dict[type | str, LayerRule] = {}
 
 
-def register_layer_rule(layer_class: type, rule: LayerRule) -> None:
-    """Teaches the layer-wise engine ``layer_class`` (and its subclasses).
+def register_layer_rule(layer_class: type | str, rule: LayerRule) -> None:
+    """Teaches the layer-wise engine ``layer_class`` (and its subclasses that keep its ``call``).
 
     Args:
-      layer_class: a ``keras.layers.Layer`` subclass.
+      layer_class: a ``keras.layers.Layer`` subclass, or the full name of one
+        (``"keras_hub.src.layers.modeling.reversible_embedding.ReversibleEmbedding"``:
+        its ``__module__`` and ``__qualname__``), which registers a rule for a
+        class of an optional package without importing that package.
       rule: a ``LayerRule`` instance. A rule registered for a more specific
         class wins over one for a base class.
     """
-    if not (isinstance(layer_class, type) and issubclass(layer_class, keras.layers.Layer)):
-        raise TypeError(f"layer_class must be a keras.layers.Layer subclass; got {layer_class!r}.")
+    if isinstance(layer_class, str):
+        if "." not in layer_class:
+            raise TypeError(f"layer_class as a string must be a full name 'module.Class'; got {layer_class!r}.")
+    elif not (isinstance(layer_class, type) and issubclass(layer_class, keras.layers.Layer)):
+        raise TypeError(f"layer_class must be a keras.layers.Layer subclass or its full name; got {layer_class!r}.")
     if not isinstance(rule, LayerRule):
         raise TypeError(f"rule must be a per_example_grads.LayerRule instance; got {type(rule).__name__}.")
     RULES[layer_class] = rule
@@ -156,8 +162,9 @@ def rule_for(layer: keras.layers.Layer) -> LayerRule | None:
     fallback, unless a rule is registered for that subclass itself.
     """
     for cls in type(layer).__mro__:
-        if cls in RULES:
-            return None if _overrides_call(type(layer), cls) else RULES[cls]
+        rule = RULES.get(cls) or RULES.get(f"{cls.__module__}.{cls.__qualname__}")
+        if rule is not None:
+            return None if _overrides_call(type(layer), cls) else rule
     return None
 
 
