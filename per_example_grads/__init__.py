@@ -26,7 +26,7 @@ _EXPORTS = {
     "PerExampleSlices": "per_example_grads.per_example_slices",
     "clip_by_global_norm": "per_example_grads.transforms",
     "clipped_gradients": "per_example_grads.clipping",
-    "compute_gradients": "per_example_grads.transfer",
+    "compute_gradients": "per_example_grads.grads_and_vars",
     "export_gradients": "per_example_grads.transfer",
     "global_norms": "per_example_grads.transforms",
     "import_gradients": "per_example_grads.transfer",
@@ -51,7 +51,8 @@ if _TYPE_CHECKING:  # what static tools and IDEs see; at run time __getattr__ do
     from per_example_grads.gradients import per_example_gradients, per_example_norms  # noqa: F401
     from per_example_grads.rules import LayerRule, register_layer_rule  # noqa: F401
     from per_example_grads.per_example_slices import PerExampleSlices  # noqa: F401
-    from per_example_grads.transfer import compute_gradients, export_gradients, import_gradients  # noqa: F401
+    from per_example_grads.grads_and_vars import compute_gradients  # noqa: F401
+    from per_example_grads.transfer import export_gradients, import_gradients  # noqa: F401
     from per_example_grads.transforms import (  # noqa: F401
         clip_by_global_norm,
         global_norms,
