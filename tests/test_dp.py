@@ -149,7 +149,7 @@ def test_validator_names_offending_and_slow_layers():
     ])
     report = validation.validate(model)
     assert len(report.errors) == 2 and "'bn1'" in report.errors[0] and "'bn2'" in report.errors[1]
-    assert "GroupNormalization" in str(report)
+    assert "GroupNormalization" in str(report) and "peg.dp.fix_model(model)" in str(report)
     assert any("'rnn'" in s for s in report.slow)
     with pytest.raises(ValueError, match="(?s)bn1.*bn2"):
         peg.keras.DPModel(model, l2_norm_clip=1.0, noise_multiplier=1.0)

@@ -24,6 +24,7 @@ _EXPORTS = {
     "DPAggregator": "per_example_grads.dp.aggregator",
     "AppliedSteps": "per_example_grads.dp.applied_steps",
     "private_gradients": "per_example_grads.dp.private",
+    "fix_model": "per_example_grads.dp.model_fixer",
     "PhysicalChunk": "per_example_grads.dp.sampling",
     "PoissonSampling": "per_example_grads.dp.sampling",
     "default_max_batch_size": "per_example_grads.dp.sampling",
@@ -47,6 +48,7 @@ if _TYPE_CHECKING:  # what static tools see; at run time __getattr__ does this
     from per_example_grads.dp.aggregator import ClippedSum  # noqa: F401
     from per_example_grads.dp.aggregator import DPAggregator  # noqa: F401
     from per_example_grads.dp.applied_steps import AppliedSteps  # noqa: F401
+    from per_example_grads.dp.model_fixer import fix_model  # noqa: F401
     from per_example_grads.dp.private import private_gradients  # noqa: F401
     from per_example_grads.dp.sampling import PhysicalChunk  # noqa: F401
     from per_example_grads.dp.sampling import PoissonSampling  # noqa: F401

@@ -41,8 +41,8 @@ def validate(model: Any, *, training: bool = True) -> ValidationReport:
     coupling = model_inspection.batch_coupling_layers(model, training)
     errors = [
         f"'{l.name}' (BatchNormalization) normalizes with batch statistics in training: "
-        "replace it with keras.layers.GroupNormalization (or LayerNormalization), or freeze it "
-        "(layer.trainable = False runs it in inference mode)"
+        "peg.dp.fix_model(model) replaces it with keras.layers.GroupNormalization, and "
+        "peg.dp.fix_model(model, batch_norm='freeze') freezes it (inference mode, for fine-tuning)"
         for l in coupling
     ]
     slow = []
