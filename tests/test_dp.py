@@ -308,3 +308,11 @@ def test_dp_model_with_embedding_takes_sparse_clipped_sums_in_and_out_of_chunks(
     # The step b - lr g rounds relative to the weights, not to g, and numpy's b - v once more: EPS32 |b|.
     moved = [b - v.numpy() for b, v in zip(before, net.trainable_variables)]
     assert_clipped_sums_close(moved, expected, factors, divisor=8, extra_atol=[EPS32 * np.abs(b) for b in before])
+
+
+def test_validator_names_a_layer_called_twice_once():
+    scale = keras.layers.PReLU(name="shared_prelu")  # layer-local fallback
+    inp = keras.Input((4,))
+    out = keras.layers.Dense(2)(scale(keras.layers.Dense(4)(scale(inp))))
+    slow = validation.validate(keras.Model(inp, out)).slow
+    assert sum("'shared_prelu'" in s for s in slow) == 1

@@ -54,8 +54,10 @@ def validate(model: Any, *, training: bool = True) -> ValidationReport:
             "are materialized by a generic engine (B x P memory)"
         )
     else:
+        seen = set()  # a layer called twice (a tied embedding) is one unit per call, named once
         for u in units:
-            if isinstance(u.rule, LocalRule) and u.layer not in coupling:
+            if isinstance(u.rule, LocalRule) and u.layer not in coupling and id(u.layer) not in seen:
+                seen.add(id(u.layer))
                 slow.append(
                     f"'{u.layer.name}' ({type(u.layer).__name__}) has no closed form: exact "
                     "layer-local fallback; register a rule with peg.register_layer_rule to speed it up"
