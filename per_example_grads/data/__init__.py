@@ -1,4 +1,7 @@
-"""The small data set the library ships for demos: handwritten digits.
+"""The small data the library ships or generates for demos: handwritten digits, and text.
+
+``text.py`` generates short reviews as byte-level tokens (for the language
+model examples); the rest of this module reads the bundled digits.
 
 ``digits.npz`` holds the 1,797 8x8 images of the UCI "Optical Recognition of
 Handwritten Digits" test set, as distributed by scikit-learn. See
