@@ -25,8 +25,9 @@ The models:
   token embedding tied to the output head) and ``bert_classifier``, built from
   their classes with tiny configurations (needs ``pip install ".[hub]"``);
 - ``mobilenet_v2``, ``efficientnet_b0``, ``convnext_tiny``, ``resnet50``,
-  ``xception``: ``keras.applications`` on 32x32x3 images, 10 classes,
-  ``weights=None`` (BatchNormalization as shipped).
+  ``xception``: ``keras.applications`` on 32x32x3 images (Xception needs
+  at least 71x71: ``image_size=71``), 10 classes, ``weights=None``,
+  BatchNormalization as shipped. Every model returns logits.
 """
 
 from __future__ import annotations
@@ -171,7 +172,8 @@ def _hub(family: str) -> ZooModel:
 def _application(name: str) -> ZooModel:
     def model(image_size: int = 32, **config) -> keras.Model:
         make = getattr(keras.applications, name)
-        return make(input_shape=(image_size, image_size, 3), weights=None, classes=10, **config)
+        return make(input_shape=(image_size, image_size, 3), weights=None, classes=10,
+                    classifier_activation=None, **config)  # logits, as every zoo model
 
     def data(rng, b, image_size: int = 32, **config):
         return _images((image_size, image_size, 3))(rng, b), _labels(10)(rng, b)
