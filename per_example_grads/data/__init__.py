@@ -89,3 +89,24 @@ def train_test_split_digits(seed: int = 0, test_fraction: float = 0.2) -> Digits
         train_index=train_index,
         test_index=test_index,
     )
+
+
+def digits_as_images(size: int = 32, channels: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    """The digits as ``[1797, size, size, channels]`` float32 images, for vision models.
+
+    Each of the 8x8 pixels becomes a ``size/8 x size/8`` block (nearest
+    neighbour), repeated over ``channels``; values in ``[0, 1]``. Labels as
+    ``load_digits``.
+
+    >>> x, y = digits_as_images(32)
+    >>> x.shape, y.shape
+    ((1797, 32, 32, 3), (1797,))
+    """
+    if isinstance(size, bool) or not isinstance(size, int) or size < 8 or size % 8:
+        raise ValueError(f"size must be a positive multiple of 8; got {size!r}.")
+    if isinstance(channels, bool) or not isinstance(channels, int) or channels < 1:
+        raise ValueError(f"channels must be a positive int; got {channels!r}.")
+    x, y = load_digits()
+    block = size // 8
+    images = x.reshape(-1, 8, 8).repeat(block, axis=1).repeat(block, axis=2)
+    return np.repeat(images[..., None], channels, axis=-1), y
