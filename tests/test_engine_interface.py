@@ -21,6 +21,7 @@ from helpers import (
 from model_zoo import ZOO
 from per_example_grads.engines import capture as capture_module
 from per_example_grads.engines import layerwise as layerwise_engine
+from per_example_grads.engines import selection
 from per_example_grads.engines.capture import capturing
 from per_example_grads._core.problem import make_problem
 from tolerances import EPS64, GRADIENT_RTOL, rounding_rtol
@@ -208,3 +209,19 @@ def test_a_rule_registered_by_full_class_name_applies_and_is_exact(monkeypatch):
     rule_against_loop(model, x, y)
     with pytest.raises(TypeError, match="full name"):
         peg.register_layer_rule("NamedScale", _NamedScaleRule())
+
+
+def test_an_engine_registered_later_is_a_valid_method(monkeypatch):
+    from per_example_grads import engines
+
+    monkeypatch.setattr(engines.base, "ENGINES", dict(engines.base.ENGINES))
+    monkeypatch.setattr(selection, "ENGINES", engines.base.ENGINES)
+    loop = engines.ENGINES["loop"]
+    engines.register_engine(name="my_loop", isolates_examples=True)(loop.compute)
+    case = ZOO["mlp"]()
+    got = peg.per_example_gradients(case.model, case.loss_fn, case.x, case.y, method="my_loop")
+    assert_grads_close(got, reference_gradients(case.model, case.loss_fn, case.x, case.y))
+    norms = peg.per_example_norms(case.model, case.loss_fn, case.x, case.y, method="my_loop")
+    assert_norms_close(norms, reference_gradients(case.model, case.loss_fn, case.x, case.y), by_variable=False)
+    with pytest.raises(ValueError, match="my_loop"):
+        peg.per_example_gradients(case.model, case.loss_fn, case.x, case.y, method="nope")

@@ -32,6 +32,9 @@ from per_example_grads.errors import EngineError, EngineFallbackWarning, Invalid
 from per_example_grads._core.problem import Problem
 
 AUTO_ORDER = ("layerwise", "vectorized", "weight_copies", "loop")
+# The built-in choices of ``method=``. Engines registered later with
+# ``register_engine`` are valid too (``check_method`` reads ``ENGINES``), but
+# ``auto`` tries only ``AUTO_ORDER``.
 METHODS = ("auto",) + tuple(ENGINES)
 T = TypeVar("T")
 
@@ -40,8 +43,8 @@ _warned: set = set()
 
 def check_method(method: str) -> None:
     """Raises ``ValueError`` naming the valid choices for an unknown ``method``."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {list(METHODS)}; got {method!r}.")
+    if method != "auto" and method not in ENGINES:
+        raise ValueError(f"method must be one of {['auto', *ENGINES]}; got {method!r}.")
 
 
 def run(method: str, problem: Problem, use: Callable[[Engine], T]) -> T:
