@@ -16,7 +16,10 @@ Epochs are timed round-robin (one epoch of every configuration, then the
 next round), so machine load hits all alike; the first epoch of each (tracing)
 is not timed. Reported: the median epoch time, its ratio to the plain epoch,
 and the milliseconds the private step adds to a plain step
-(``dp epoch / dp steps - plain epoch / plain steps``).
+(``dp epoch / dp steps - plain epoch / plain steps``). Two more rows time the
+input pipelines alone, one pass each with nothing trained: Keras's own for
+arrays (``ArrayDataAdapter``, what ``fit(x, y)`` uses) and ``poisson_batches``
+(both prefetch, so in ``fit`` this time overlaps the steps).
 """
 
 from __future__ import annotations
@@ -65,7 +68,20 @@ def configurations(name: str, b: int):
         data = peg.dp.poisson_batches(x, y, sampling_probability=q, seed=0)
         label = "dp" if chunk is None else f"dp, chunks of {chunk}"
         out[label] = ((lambda dp, data: lambda: dp.fit(data, epochs=1, verbose=0))(dp, data), data.pegrad_sampling.steps)
+    # The input pipelines alone: one pass over each, nothing trained (what each epoch spends on input
+    # when it is not overlapped with the step).
+    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+
+    keras_input = ArrayDataAdapter(x, y, batch_size=b, shuffle=True).get_tf_dataset()
+    poisson_input = peg.dp.poisson_batches(x, y, sampling_probability=q, seed=1)
+    out["input only: keras arrays"] = ((lambda: _drain(keras_input)), math.ceil(N / b))
+    out["input only: poisson_batches"] = ((lambda: _drain(poisson_input)), poisson_input.pegrad_sampling.steps)
     return out
+
+
+def _drain(dataset) -> None:
+    for batch in dataset:
+        del batch
 
 
 def run(models, sizes, repeats):
@@ -86,7 +102,7 @@ def run(models, sizes, repeats):
             plain_step = plain_epoch / configs["plain"][1]
             for label, (_, steps) in configs.items():
                 epoch = statistics.median(times[label])
-                added = "" if label == "plain" else f"{(epoch / steps - plain_step) * 1e3:+.1f}"
+                added = "" if label == "plain" or label.startswith("input") else f"{(epoch / steps - plain_step) * 1e3:+.1f}"
                 print(f"| {name} | {b} | {label} | {steps} | {epoch:.2f} | {epoch / plain_epoch:.2f} | {added} |", flush=True)
 
 
