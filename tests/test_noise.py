@@ -1,0 +1,52 @@
+"""The standard normal draws behind every DP step's noise: their distribution, from both kinds of source."""
+
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from scipy import stats
+
+from per_example_grads.dp import noise
+
+N = 200_001  # odd: the last Box-Muller pair is cut
+
+
+def _draws(source, jit=False):
+    fn = tf.function(lambda: noise.standard_normal(tf.constant(N), source), jit_compile=jit)
+    return fn().numpy()
+
+
+@pytest.mark.parametrize("kind", ["stateless", "generator", "stateless_xla"])
+def test_standard_normal_draws_are_standard_normal(kind):
+    if kind == "generator":
+        z = _draws(tf.random.Generator.from_seed(7))
+    else:
+        z = _draws(noise.stateless_key(7), jit=kind.endswith("xla"))
+    assert z.shape == (N,) and z.dtype == np.float32
+    # Kolmogorov-Smirnov against N(0, 1): at n = 200,001 a sample from N(0, 1) exceeds
+    # D = 1.95 / sqrt(n) with probability 0.001.
+    assert stats.kstest(z, "norm").statistic < 1.95 / math.sqrt(N)
+    # Mean, variance and the 3-sigma tail within 5 standard errors of their exact values.
+    assert abs(z.mean()) < 5 / math.sqrt(N)
+    assert abs(z.var() - 1) < 5 * math.sqrt(2 / N)
+    p = 2 * stats.norm.sf(3)
+    assert abs(np.mean(np.abs(z) > 3) - p) < 5 * math.sqrt(p * (1 - p) / N)
+
+
+def test_the_cosine_and_sine_halves_are_uncorrelated():
+    z = _draws(noise.stateless_key(11))
+    half = (N + 1) // 2
+    cos_part, sin_part = z[: N - half], z[half:]
+    assert abs(np.corrcoef(cos_part, sin_part)[0, 1]) < 5 / math.sqrt(N - half)
+    # and each with its square (independence, not only no correlation: r^2 is shared)
+    assert abs(np.corrcoef(cos_part**2, sin_part**2)[0, 1]) < 5 / math.sqrt(N - half)
+
+
+def test_gaussian_like_shapes_dtypes_and_scale():
+    tensors = [tf.zeros([300, 200]), tf.zeros([7], tf.float64), tf.zeros([0])]
+    out = noise.gaussian_like(tensors, 2.5, seed=3, step=4)
+    assert [o.shape for o in out] == [t.shape for t in tensors]
+    assert [o.dtype for o in out] == [t.dtype for t in tensors]
+    assert abs(np.std(out[0].numpy()) - 2.5) < 5 * 2.5 / math.sqrt(2 * 60_000)
+    assert noise.gaussian_like([], 1.0, seed=3) == []
