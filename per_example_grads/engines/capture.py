@@ -78,8 +78,15 @@ def plan_units(model: Any, variables) -> list[Unit]:
             f"'{model.name}' owns variables itself (add_weight on the model), outside any layer"
         )
     units: list[Unit] = []
+    seen: set[int] = set()
 
     def visit(layer):
+        # A layer reachable along two paths (KerasHub's CausalLM lists its backbone's token
+        # embedding, which it calls for the logits) is one unit: watched twice, each call
+        # would be recorded twice.
+        if id(layer) in seen:
+            return
+        seen.add(id(layer))
         rule = rule_for(layer)
         if rule is not None and rule.unsupported(layer) is None:
             units.append(Unit(layer, rule))
