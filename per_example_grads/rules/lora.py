@@ -60,7 +60,8 @@ def unsupported_lora(layer) -> str | None:
         return "quantized layers use the layer-local fallback"
     if not all(hasattr(layer, n) for n in ("lora_kernel_a", "lora_kernel_b", "lora_alpha", "lora_rank")):
         return "LoRA without lora_kernel_a/lora_kernel_b"
-    if layer._kernel.trainable:
+    base = getattr(layer, "_kernel", None)
+    if base is None or base.trainable:
         return "LoRA with a trainable base kernel"
     return None
 

@@ -19,6 +19,11 @@ The defaults of the last two materialize ``per_example`` for this one layer,
 which is exact but costs ``B x (layer's parameters)`` memory. The engine
 passes both the same per-call ``cache`` dict when it computes a clipped sum,
 so what the norms built can serve the sum.
+
+A layer called several times gets ``shared_squared_norms`` with every call
+(its gradients add up before the square), and ``for_layer`` lets the rule
+registered for a class hand one instance to another rule (a LoRA-enabled
+Dense to the LoRA rule).
 """
 
 from __future__ import annotations
