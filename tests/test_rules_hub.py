@@ -129,3 +129,22 @@ def test_keras_hub_language_models(name, lora_rank):
     expected = rule_against_loop(model, x, y, norms="global")
     got = _clipped_sums_against_loop(model, x, y, expected, clip=0.5 * float(np.median(reference_norms(expected))))
     assert len(got) == len(model.trainable_variables)
+
+
+def _traced_shapes(fn, *args) -> set:
+    """Static shapes of every tensor in ``tf.function(fn)``'s graph."""
+    graph = tf.function(fn).get_concrete_function(*args).graph
+    return {tuple(t.shape.as_list()) for op in graph.get_operations() for t in op.outputs if t.shape.rank is not None}
+
+
+def test_norms_and_clipped_sums_never_build_per_example_tables():
+    model, x, y = layer_case("reversible_tied")
+    table = _reversible(model)
+    per_example_table = (len(x), table.input_dim, table.output_dim)
+    args = (tf.constant(x), tf.constant(y))
+    # The per-example gradients are that tensor (so the check sees it where it is built)...
+    assert per_example_table in _traced_shapes(lambda x, y: peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise"), *args)
+    # ...and the norms and clipped sums never build it.
+    assert per_example_table not in _traced_shapes(lambda x, y: peg.per_example_norms(model, sparse_ce, x, y, method="layerwise"), *args)
+    assert per_example_table not in _traced_shapes(
+        lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=1.0, method="layerwise"), *args)

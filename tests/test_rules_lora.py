@@ -75,3 +75,24 @@ def test_float64_model():
     units = _rules_by_layer(model)
     assert isinstance(units[id(dense)].rule, DenseLoraRule) and isinstance(units[id(einsum)].rule, EinsumDenseLoraRule)
     rule_against_loop(model, x, y)
+
+
+def test_nothing_of_the_frozen_kernels_size_per_example_is_built():
+    """The base kernel is [6, 7]; the LoRA factors' per-example gradients are [B, 6, 3] and [B, 3, 7]."""
+    import tensorflow as tf
+
+    import per_example_grads as peg
+    from helpers import sparse_ce
+
+    model, x, y = layer_case("dense_lora_sequence_alpha")
+    args = (tf.constant(x), tf.constant(y))
+    calls = {
+        "per_example": lambda x, y: peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise"),
+        "norms": lambda x, y: peg.per_example_norms(model, sparse_ce, x, y, method="layerwise"),
+        "clipped": lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=1.0, method="layerwise"),
+    }
+    for name, fn in calls.items():
+        graph = tf.function(fn).get_concrete_function(*args).graph
+        shapes = {tuple(t.shape.as_list()) for op in graph.get_operations() for t in op.outputs if t.shape.rank is not None}
+        assert (B, 6, 3) in shapes or name != "per_example", name  # the check sees per-example tensors
+        assert (B, 6, 7) not in shapes, name
