@@ -109,7 +109,7 @@ def _zoo_case(name, lora_rank):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lora_rank", [None, 4])
-@pytest.mark.parametrize("name", ["gpt2_lm", "gemma_lm"])
+@pytest.mark.parametrize("name", ["gpt2_lm", "gemma_lm", "llama_lm"])
 def test_keras_hub_language_models(name, lora_rank):
     model, x, y = _zoo_case(name, lora_rank)
     plan = plan_units(model, model.trainable_variables)
@@ -148,3 +148,13 @@ def test_norms_and_clipped_sums_never_build_per_example_tables():
     assert per_example_table not in _traced_shapes(lambda x, y: peg.per_example_norms(model, sparse_ce, x, y, method="layerwise"), *args)
     assert per_example_table not in _traced_shapes(
         lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=1.0, method="layerwise"), *args)
+
+
+@pytest.mark.slow
+def test_keras_hub_bert_classifier_with_lora():
+    model, x, y = _zoo_case("bert_classifier", 4)
+    units = {id(u.layer): u for u in plan_units(model, model.trainable_variables)}
+    lora_layers = [l for l in model._flatten_layers() if getattr(l, "lora_enabled", False)]
+    assert lora_layers and all(isinstance(units[id(l)].rule, EinsumDenseLoraRule) for l in lora_layers)
+    expected = rule_against_loop(model, x, y)
+    _clipped_sums_against_loop(model, x, y, expected, clip=0.5 * float(np.median(reference_norms(expected))))
