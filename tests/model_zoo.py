@@ -311,9 +311,51 @@ def _mha(r):
     return keras.Model(inp, out), r.normal(size=(LAYER_B, 5, 8)).astype("float32"), r.integers(0, 3, LAYER_B).astype("int32")
 
 
-def _lora_model(r):
-    model, x, y = sequential_case(r, [keras.layers.Dense(5, activation="tanh", name="adapted")], (LAYER_B, 6))
-    model.get_layer("adapted").enable_lora(rank=2)
+def randomize_lora(model, r):
+    """Random LoRA ``B`` factors (``lora_kernel_b``, ``lora_embeddings_b``): they start at zero, which makes ``A``'s gradient zero."""
+    for v in model.weights:
+        if v.name.startswith("lora_") and v.name.endswith("_b"):
+            v.assign(r.normal(size=v.shape).astype(v.dtype))
+    return model
+
+
+def _lora_case(r, layer, x_shape, dtype="float32", **lora):
+    """``layer`` with LoRA enabled (rank 2 unless ``lora`` says), B random, between input and head."""
+    model, x, y = sequential_case(r, [layer], x_shape, dtype=dtype)
+    layer.enable_lora(**{"rank": 2, **lora})
+    return randomize_lora(model, r), x, y
+
+
+def _frozen_bias_lora(r):
+    layer = keras.layers.Dense(4, activation="relu")
+    model, x, y = _lora_case(r, layer, (LAYER_B, 3, 5))
+    layer.bias.trainable = False  # LoRA only: the rule's variables follow the layer's trainable ones
+    return model, x, y
+
+
+def _mha_lora(r):
+    model, x, y = _mha(r)
+    attention = next(l for l in model.layers if isinstance(l, keras.layers.MultiHeadAttention))
+    for dense in (attention.query_dense, attention.value_dense):
+        dense.enable_lora(rank=2)
+    return randomize_lora(model, r), x, y
+
+
+def _reversible_lm(r, tie_weights=True, dtype="float32", two_lookups=False, pooled=False, **options):
+    """A ReversibleEmbedding used as lookup (once or twice) and as the output projection; ids repeat."""
+    vocabulary, t, d = 11, 6, 4
+    emb = keras.layers.ReversibleEmbedding(vocabulary, d, tie_weights=tie_weights, dtype=dtype, **options)
+    inp = keras.Input((t,), dtype="int32")
+    h = emb(inp)
+    if two_lookups:
+        h = h + emb(inp[:, ::-1])
+    h = keras.layers.Dense(d, activation="tanh", dtype=dtype)(h)
+    if pooled:
+        h = keras.layers.GlobalAveragePooling1D(dtype=dtype)(h)
+    model = keras.Model(inp, emb(h, reverse=True))
+    x = r.integers(0, vocabulary, (LAYER_B, t)).astype("int32")
+    x[0, :3] = x[0, 3]  # a repeated id
+    y = r.integers(0, vocabulary, (LAYER_B,) if pooled else (LAYER_B, t)).astype("int32")
     return model, x, y
 
 
@@ -363,7 +405,23 @@ RULE_FAMILIES = {
         "prelu": lambda r: sequential_case(r, [keras.layers.Dense(6), keras.layers.PReLU()], (_B, 5)),
         "lstm_fallback": lambda r: sequential_case(r, [keras.layers.LSTM(4, return_sequences=True)], (_B, 5, 3)),
         "custom_layer_fallback": lambda r: sequential_case(r, [Scale()], (_B, 5)),
-        "dense_lora_fallback": _lora_model,
+        "embedding_lora_fallback": lambda r: _lora_case(r, keras.layers.Embedding(12, 3), (_B, 5), dtype="int32"),
+        "einsum_dense_lora_contracted_last_axis_fallback": lambda r: _lora_case(r, keras.layers.EinsumDense("abc,dc->abd", (3, 4)), (_B, 3, 4)),
+    },
+    "lora": {  # LoRA-enabled Dense and EinsumDense (rules/lora.py)
+        "dense_lora": lambda r: _lora_case(r, keras.layers.Dense(5, activation="tanh"), (_B, 6)),
+        "dense_lora_sequence_alpha": lambda r: _lora_case(r, keras.layers.Dense(7), (_B, 3, 6), rank=3, lora_alpha=5),
+        "dense_lora_frozen_bias": _frozen_bias_lora,
+        "einsum_dense_lora_bias_axes": lambda r: _lora_case(r, keras.layers.EinsumDense("abc,cde->abde", (3, 2, 4), bias_axes="de"), (_B, 3, 5)),
+        "einsum_dense_lora_ellipsis": lambda r: _lora_case(r, keras.layers.EinsumDense("...b,bc->...c", 4, bias_axes="c"), (_B, 2, 5)),
+        "multi_head_attention_lora": _mha_lora,
+    },
+    "reversible_embedding": {  # keras(_hub) ReversibleEmbedding: lookup and tied projection (rules/reversible_embedding.py)
+        "reversible_tied": lambda r: _reversible_lm(r),
+        "reversible_untied": lambda r: _reversible_lm(r, tie_weights=False),
+        "reversible_two_lookups": lambda r: _reversible_lm(r, two_lookups=True),
+        "reversible_pooled_soft_cap": lambda r: _reversible_lm(r, pooled=True, logit_soft_cap=2.0, reverse_dtype="float32"),
+        "reversible_float64": lambda r: _reversible_lm(r, dtype="float64"),
     },
 }
 LAYER_CASES = {name: build for family in RULE_FAMILIES.values() for name, build in family.items()}

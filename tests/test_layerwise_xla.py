@@ -24,6 +24,7 @@ def test_rules_know_when_xla_compiles_them():
 @pytest.mark.parametrize("name", layer_case_params([
     "embedding_repeated_ids", "embedding_mask_zero_pooled", "dense_sequence_gram", "conv2d_strided_valid",
     "layer_norm_sequence", "multi_head_attention", "lstm_fallback", "custom_layer_fallback",
+    "reversible_tied", "reversible_two_lookups", "multi_head_attention_lora",
 ]))
 def test_norms_and_clipped_sums_under_xla_match_the_materialized_reference(name):
     """``tf.function(jit_compile=True)`` (what Keras' jit_compile does, the default on GPUs) changes nothing."""

@@ -65,7 +65,8 @@ def plan_units(model: Any, variables) -> list[Unit]:
 
     Descends from ``model`` through layers without own variables; a layer with
     a registered rule becomes a unit, and so does (through the layer-local
-    fallback rule) any other layer that owns variables or is opaque.
+    fallback rule) any other layer that owns variables or is opaque. Units
+    with none of ``variables`` are left out.
 
     Raises:
       NotCoverable: if ``model`` is not a Keras layer, owns variables itself, or
@@ -78,8 +79,15 @@ def plan_units(model: Any, variables) -> list[Unit]:
             f"'{model.name}' owns variables itself (add_weight on the model), outside any layer"
         )
     units: list[Unit] = []
+    seen: set[int] = set()
 
     def visit(layer):
+        # A layer reachable along two paths (KerasHub's CausalLM lists its backbone's token
+        # embedding, which it calls for the logits) is one unit: watched twice, each call
+        # would be recorded twice.
+        if id(layer) in seen:
+            return
+        seen.add(id(layer))
         rule = rule_for(layer)
         if rule is not None and rule.unsupported(layer) is None:
             units.append(Unit(layer, rule))
@@ -101,7 +109,10 @@ def plan_units(model: Any, variables) -> list[Unit]:
             f"{len(missing)} requested variable(s) belong to no watched layer "
             f"(first: {getattr(missing[0], 'path', missing[0].name)})"
         )
-    return units
+    # A unit none of whose variables is requested (a frozen table next to LoRA
+    # layers) needs no watching: its rule's work would be thrown away.
+    requested = {id(v) for v in variables}
+    return [u for u in units if any(id(v) in requested for v in u.variables)]
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from per_example_grads._core.batch import Batch, batch_size
 from per_example_grads.engines.base import ClipGroups, register_engine
 from per_example_grads.errors import EngineError
 from per_example_grads.engines.capture import NotCoverable, Record, Unit, capturing, check_batch_axis, plan_units
-from per_example_grads._core.example_ops import compute_dtype, per_example_squared_norms
+from per_example_grads._core.example_ops import compute_dtype
 from per_example_grads.per_example_slices import PerExampleSlices
 from per_example_grads._core.problem import Problem
 
@@ -141,9 +141,9 @@ def per_variable_squared_norms(problem: Problem, captured: Captured, for_sums: b
                 record, g = calls[0]
                 norms = unit.rule.squared_norms(unit.layer, record.saved, g, record.cache if for_sums else None)
             else:
-                # A shared layer's norm has cross terms between its calls: build its
-                # per-example gradient (this layer only) and take the norm of the sum.
-                norms = [per_example_squared_norms(t) for t in unit_per_example(unit, calls)]
+                # A shared layer's norm has cross terms between its calls: the rule's
+                # closed form, or by default its per-example gradient (this layer only).
+                norms = unit.rule.shared_squared_norms(unit.layer, [(record.saved, g) for record, g in calls])
         previous = norms
         for v, n in zip(unit.variables, norms):
             found[id(v)] = n

@@ -17,6 +17,13 @@ from per_example_grads.rules.rule import LayerRule, per_example_squared_norms, r
 
 
 class DenseRule(LayerRule):
+    def for_layer(self, layer):
+        if getattr(layer, "lora_enabled", False):
+            from per_example_grads.rules.lora import DENSE_LORA_RULE
+
+            return DENSE_LORA_RULE
+        return self
+
     def unsupported(self, layer):
         return reparametrized(layer)
 

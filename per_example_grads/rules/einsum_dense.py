@@ -38,18 +38,56 @@ def _expand(equation: str, a_rank: int) -> tuple[str, str, str]:
     return inp, kern, out
 
 
+def kernel_per_example(inp: str, kern: str, out: str, a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
+    """``[B, *kernel]``: ``einsum("<in>,<out>->b<kernel>", a, g)``, the per-example kernel gradients."""
+    return tf.einsum(f"{inp},{out}->{inp[0]}{kern}", a, g)
+
+
+def kernel_weighted_sum(inp: str, kern: str, out: str, a: tf.Tensor, g: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
+    """``[*kernel]``: ``sum_n weights[n] kernel_per_example(...)[n]``, one contraction."""
+    gw = g * tf.reshape(tf.cast(weights, g.dtype), [-1] + [1] * (g.shape.rank - 1))
+    return tf.einsum(f"{inp},{out}->{kern}", a, gw)
+
+
+def kernel_squared_norms(inp: str, kern: str, out: str, kernel_shape, a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
+    """``[B]``: ``||kernel_per_example(...)[n]||^2``, by Dense's forms when the equation is a Dense in disguise.
+
+    Otherwise (positions that are not shared by input and output) the
+    per-example kernel gradients are built.
+    """
+    b = inp[0]
+    contracted = [c for c in inp if c in kern]
+    positions = [c for c in inp[1:] if c not in kern]
+    outputs = [c for c in kern if c not in inp]
+    if set(out[1:]) != set(positions) | set(outputs) or len(out) != 1 + len(positions) + len(outputs):
+        return per_example_squared_norms(kernel_per_example(inp, kern, out, a, g))
+    dims = dict(zip(kern, kernel_shape))
+    m, c, k = "".join(positions), "".join(contracted), "".join(outputs)
+    a_btf = tf.reshape(tf.einsum(f"{inp}->{b}{m}{c}", a), [tf.shape(a)[0], -1, math.prod(dims[x] for x in c)])
+    g_btf = tf.reshape(tf.einsum(f"{out}->{b}{m}{k}", g), [tf.shape(g)[0], -1, math.prod(dims[x] for x in k)])
+    if a_btf.shape[1] is None and a.shape[1:].is_fully_defined():
+        a_btf = tf.ensure_shape(a_btf, [None, a.shape[1:].num_elements() // a_btf.shape[2], a_btf.shape[2]])
+        g_btf = tf.ensure_shape(g_btf, [None, a_btf.shape[1], g_btf.shape[2]])
+    return op.kernel_squared_norms(a_btf, g_btf)
+
+
+def _cast(a, g):
+    dtype = op.compute_dtype(a.dtype)
+    return tf.cast(a, dtype), tf.cast(g, dtype)
+
+
 class EinsumDenseRule(LayerRule):
+    def for_layer(self, layer):
+        if getattr(layer, "lora_enabled", False):
+            from per_example_grads.rules.lora import EINSUM_DENSE_LORA_RULE
+
+            return EINSUM_DENSE_LORA_RULE
+        return self
+
     def unsupported(self, layer):
         if reparametrized(layer):
             return reparametrized(layer)
-        inp, kern, out = _split(layer.equation)
-        if "..." in kern or inp.startswith("...") != out.startswith("..."):
-            return f"equation {layer.equation!r} has no leading batch axis"
-        if not inp.startswith("...") and (inp[0] != out[0] or inp[0] in kern):
-            return f"equation {layer.equation!r} has no leading batch axis"
-        if not set(kern) <= set(inp) | set(out):
-            return f"equation {layer.equation!r} has kernel-only axes"
-        return None
+        return unsupported_equation(layer.equation)
 
     def variables(self, layer):
         return [layer.kernel] + ([layer.bias] if layer.bias is not None else [])
@@ -62,49 +100,42 @@ class EinsumDenseRule(LayerRule):
         out = layer.activation(z) if layer.activation is not None else z
         return out, a, [z]
 
-    @staticmethod
-    def _cast(a, g):
-        dtype = op.compute_dtype(a.dtype)
-        return tf.cast(a, dtype), tf.cast(g, dtype)
-
     def per_example(self, layer, saved, grads):
-        a, g = self._cast(saved, grads[0])
+        a, g = _cast(saved, grads[0])
         inp, kern, out = _expand(layer.equation, a.shape.rank)
-        result = [tf.einsum(f"{inp},{out}->{inp[0]}{kern}", a, g)]
+        result = [kernel_per_example(inp, kern, out, a, g)]
         if layer.bias is not None:
             result.append(sum_to_shape(g, layer.bias.shape))
         return [tf.cast(t, v.dtype) for t, v in zip(result, self.variables(layer))]
 
     def squared_norms(self, layer, saved, grads, cache=None):
-        a, g = self._cast(saved, grads[0])
+        a, g = _cast(saved, grads[0])
         inp, kern, out = _expand(layer.equation, a.shape.rank)
-        b = inp[0]
-        contracted = [c for c in inp if c in kern]
-        positions = [c for c in inp[1:] if c not in kern]
-        outputs = [c for c in kern if c not in inp]
-        if set(out[1:]) != set(positions) | set(outputs) or len(out) != 1 + len(positions) + len(outputs):
-            return super().squared_norms(layer, saved, grads, cache)
-        dims = dict(zip(kern, layer.kernel.shape))
-        m, c, k = "".join(positions), "".join(contracted), "".join(outputs)
-        a_btf = tf.reshape(tf.einsum(f"{inp}->{b}{m}{c}", a), [tf.shape(a)[0], -1, math.prod(dims[x] for x in c)])
-        g_btf = tf.reshape(tf.einsum(f"{out}->{b}{m}{k}", g), [tf.shape(g)[0], -1, math.prod(dims[x] for x in k)])
-        if a_btf.shape[1] is None and a.shape[1:].is_fully_defined():
-            a_btf = tf.ensure_shape(a_btf, [None, a.shape[1:].num_elements() // a_btf.shape[2], a_btf.shape[2]])
-            g_btf = tf.ensure_shape(g_btf, [None, a_btf.shape[1], g_btf.shape[2]])
-        result = [op.kernel_squared_norms(a_btf, g_btf)]
+        result = [kernel_squared_norms(inp, kern, out, layer.kernel.shape, a, g)]
         if layer.bias is not None:
-            bias_g = sum_to_shape(g, layer.bias.shape)
-            result.append(per_example_squared_norms(bias_g))
+            result.append(per_example_squared_norms(sum_to_shape(g, layer.bias.shape)))
         return result
 
     def weighted_sum(self, layer, saved, grads, weights, cache=None):
-        a, g = self._cast(saved, grads[0])
+        a, g = _cast(saved, grads[0])
         inp, kern, out = _expand(layer.equation, a.shape.rank)
-        gw = g * tf.reshape(tf.cast(weights, g.dtype), [-1] + [1] * (g.shape.rank - 1))
-        result = [tf.einsum(f"{inp},{out}->{kern}", a, gw)]
+        result = [kernel_weighted_sum(inp, kern, out, a, g, weights)]
         if layer.bias is not None:
+            gw = g * tf.reshape(tf.cast(weights, g.dtype), [-1] + [1] * (g.shape.rank - 1))
             result.append(tf.reduce_sum(sum_to_shape(gw, layer.bias.shape), axis=0))
         return [tf.cast(t, v.dtype) for t, v in zip(result, self.variables(layer))]
+
+
+def unsupported_equation(equation: str) -> str | None:
+    """Why ``equation`` has no per-example closed form (no leading batch axis, kernel-only axes), or None."""
+    inp, kern, out = _split(equation)
+    if "..." in kern or inp.startswith("...") != out.startswith("..."):
+        return f"equation {equation!r} has no leading batch axis"
+    if not inp.startswith("...") and (inp[0] != out[0] or inp[0] in kern):
+        return f"equation {equation!r} has no leading batch axis"
+    if not set(kern) <= set(inp) | set(out):
+        return f"equation {equation!r} has kernel-only axes"
+    return None
 
 
 register_layer_rule(keras.layers.EinsumDense, EinsumDenseRule())

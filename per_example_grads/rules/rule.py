@@ -19,6 +19,11 @@ The defaults of the last two materialize ``per_example`` for this one layer,
 which is exact but costs ``B x (layer's parameters)`` memory. The engine
 passes both the same per-call ``cache`` dict when it computes a clipped sum,
 so what the norms built can serve the sum.
+
+A layer called several times gets ``shared_squared_norms`` with every call
+(its gradients add up before the square), and ``for_layer`` lets the rule
+registered for a class hand one instance to another rule (a LoRA-enabled
+Dense to the LoRA rule).
 """
 
 from __future__ import annotations
@@ -116,6 +121,37 @@ class LayerRule:
         ]
 
 
+    def shared_squared_norms(self, layer, calls: Sequence[tuple[Any, Sequence[tf.Tensor]]]) -> list[tf.Tensor]:
+        """``||sum_k grad_i^(k)||^2`` per variable for a layer called several times: list of ``[B]``.
+
+        ``calls`` holds ``(saved, grads)`` of each call, in call order. The
+        calls' gradients add up before the square, so the norm has cross terms
+        between calls. By default each call's ``per_example`` is built and
+        summed (this layer only; rows of a table stay rows when every call
+        gives rows); a rule whose calls have a closed form for the cross terms
+        (a tied embedding: lookup and output projection) overrides this.
+        """
+        total = None
+        for saved, grads in calls:
+            pe = self.per_example(layer, saved, grads)
+            if total is None:
+                total = list(pe)
+                continue
+            total = [
+                a.concat(b) if isinstance(a, PerExampleSlices) and isinstance(b, PerExampleSlices)
+                else tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
+                for a, b in zip(total, pe)
+            ]
+        return [t.squared_norms() if isinstance(t, PerExampleSlices) else per_example_squared_norms(t) for t in total]
+
+    def for_layer(self, layer: keras.layers.Layer) -> "LayerRule":
+        """The rule for this instance of the registered class: ``self`` by default.
+
+        A rule may hand a variant of its layer to another rule (a LoRA-enabled
+        Dense to the LoRA rule), so the registry keeps one rule per class.
+        """
+        return self
+
     def outer_factors(self, layer, saved, grads) -> list | None:
         """Optional, for the diagnostics' closed forms: per variable ``(A, G)`` with ``grad_n = A_n^T G_n``.
 
@@ -164,7 +200,7 @@ def rule_for(layer: keras.layers.Layer) -> LayerRule | None:
     for cls in type(layer).__mro__:
         rule = RULES.get(cls) or RULES.get(f"{cls.__module__}.{cls.__qualname__}")
         if rule is not None:
-            return None if _overrides_call(type(layer), cls) else rule
+            return None if _overrides_call(type(layer), cls) else rule.for_layer(layer)
     return None
 
 
@@ -182,7 +218,8 @@ def reparametrized(layer: keras.layers.Layer) -> str | None:
     """Why a closed form cannot read ``layer.kernel`` directly (LoRA, quantization), or None.
 
     Such layers compute their kernel from other variables; the layer-local
-    fallback handles them exactly.
+    fallback handles them exactly, unless the rule hands LoRA-enabled layers
+    to a LoRA rule (``rules.lora``, through ``LayerRule.for_layer``).
     """
     if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
         return "LoRA or quantized layers use the layer-local fallback"
