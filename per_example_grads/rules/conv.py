@@ -1,8 +1,8 @@
 """Convolutions.
 
 Conv1D and Conv2D (channels_last, ``groups=1``) have closed forms for norms
-and clipped sums; every other convolution (Conv3D, grouped, channels_first,
-depthwise, separable) uses the exact layer-local VJP of the layer's own
+and clipped sums (depthwise and separable ones: ``depthwise_conv.py``); every
+other convolution (Conv3D, grouped, channels_first) uses the exact layer-local VJP of the layer's own
 convolution on each example, tapped before the fused activation.
 
 Notation: ``a`` ``[B, *spatial_in, c_in]`` is the layer input (causal padding
@@ -297,11 +297,4 @@ PATCHES_RULE = ConvPatchesRule()
 
 register_layer_rule(keras.layers.Conv1D, PATCHES_RULE)
 register_layer_rule(keras.layers.Conv2D, PATCHES_RULE)
-for _cls in (
-    keras.layers.Conv3D,
-    keras.layers.DepthwiseConv1D,
-    keras.layers.DepthwiseConv2D,
-    keras.layers.SeparableConv1D,
-    keras.layers.SeparableConv2D,
-):
-    register_layer_rule(_cls, LOCAL_CONV_RULE)
+register_layer_rule(keras.layers.Conv3D, LOCAL_CONV_RULE)  # depthwise and separable: rules/depthwise_conv.py
