@@ -1,4 +1,4 @@
-"""LayerNormalization (closed form); GroupNormalization, BatchNormalization (inference only).
+"""LayerNormalization and BatchNormalization in inference (closed forms); GroupNormalization (layer-local).
 
 LayerNormalization normalizes each example on its own: with the normalized
 input ``xh = (x - mean) / sqrt(var + eps)`` (``x / sqrt(var + eps)`` with
@@ -15,10 +15,20 @@ rule computes ``xh`` once in the forward pass (in at least float32, as Keras
 does) and taps ``y``. A LayerNormalization whose axes include the batch axis
 uses the layer-local fallback.
 
-GroupNormalization and BatchNormalization keep the exact layer-local VJP:
-their weights are small (scale and offset per channel). BatchNormalization in
-training mode couples the examples of a batch and is refused before any
-engine runs.
+BatchNormalization in inference mode (``training`` false, or a frozen layer:
+``trainable=False``, which Keras runs on its moving statistics) is the same
+per-channel affine map of ``xh = (x - moving_mean) / sqrt(moving_variance +
+eps)``, moments fixed, so it has the same closed form with ``axes =
+[layer.axis]``: ``dL_n/dgamma = sum_{other axes} g_n * xh_n``, ``dL_n/dbeta
+= sum_{other axes} g_n``. The rule runs the layer's own call for the output
+(so the model computes exactly what Keras computes) and ``xh`` beside it. In
+training mode with a trainable layer the batch statistics couple the
+examples: that is refused before any engine runs unless
+``allow_batch_coupling=True``, and then the call goes, as before, to the
+layer-local VJP (each example normalized by its own statistics); so does a
+call whose ``training`` is a tensor.
+
+GroupNormalization keeps the exact layer-local VJP.
 """
 
 from __future__ import annotations
@@ -94,6 +104,45 @@ class LayerNormRule(LayerRule):
         return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
 
 
+class BatchNormRule(LayerNormRule):
+    """BatchNormalization: the closed form in inference mode, the layer-local VJP otherwise (module docstring).
+
+    ``saved`` is ``(xh, axes, None)`` for the closed form and
+    ``(None, None, local_saved)`` for the layer-local rule.
+    """
+
+    def unsupported(self, layer):
+        return None
+
+    def forward(self, layer, call, args, kwargs):
+        training = kwargs.get("training")
+        if not (training is None or isinstance(training, bool)) or (training and layer.trainable):
+            outputs, saved, taps = LOCAL_RULE.forward(layer, call, args, kwargs)
+            return outputs, (None, None, saved), taps
+        y = call(*args, **kwargs)
+        x = args[0]
+        dtype = compute_dtype(x.dtype)
+        axes = _axes(layer, x.shape.rank)
+        shape = [x.shape[a] if a in axes else 1 for a in range(x.shape.rank)]
+        mean = tf.reshape(tf.cast(layer.moving_mean, dtype), shape)
+        inv = tf.math.rsqrt(tf.reshape(tf.cast(layer.moving_variance, dtype), shape) + layer.epsilon)
+        xh = (tf.cast(x, dtype) - mean) * inv
+        return y, (xh, axes, None), [y]
+
+    def per_example(self, layer, saved, grads):
+        if saved[2] is not None:
+            return LOCAL_RULE.per_example(layer, saved[2], grads, variables=self.variables(layer))
+        return super().per_example(layer, saved[:2], grads)
+
+    def squared_norms(self, layer, saved, grads, cache=None):
+        return LayerRule.squared_norms(self, layer, saved, grads, cache)  # through per_example (small: [B, channels])
+
+    def weighted_sum(self, layer, saved, grads, weights, cache=None):
+        if saved[2] is not None or (cache and "per_example" in cache):
+            return LayerRule.weighted_sum(self, layer, saved, grads, weights, cache)
+        return super().weighted_sum(layer, saved[:2], grads, weights, cache)
+
+
 register_layer_rule(keras.layers.LayerNormalization, LayerNormRule())
-for _cls in (keras.layers.GroupNormalization, keras.layers.BatchNormalization):
-    register_layer_rule(_cls, LOCAL_RULE)
+register_layer_rule(keras.layers.BatchNormalization, BatchNormRule())
+register_layer_rule(keras.layers.GroupNormalization, LOCAL_RULE)
