@@ -360,6 +360,7 @@ RULE_FAMILIES = {
         "depthwise_conv2d_dilated_same_m3": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D(2, dilation_rate=2, depth_multiplier=3, padding="same")], (_B, 7, 6, 2)),
         "depthwise_conv2d_strided_dilated": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D(2, strides=2, dilation_rate=2, padding="same")], (_B, 9, 9, 2)),
         "depthwise_conv2d_few_positions": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D(3)], (_B, 3, 4, 5)),
+        "depthwise_conv2d_same_input_smaller_than_kernel": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D(3, depth_multiplier=2, padding="same")], (_B, 2, 1, 3)),
         "depthwise_conv2d_channels_first_fallback": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D(2, data_format="channels_first")], (_B, 2, 5, 5)),
         "depthwise_conv1d_same": lambda r: sequential_case(r, [keras.layers.DepthwiseConv1D(3, depth_multiplier=2, padding="same", activation="tanh")], (_B, 9, 3)),
         "depthwise_conv1d_strided_dilated_no_bias": lambda r: sequential_case(r, [keras.layers.DepthwiseConv1D(3, strides=2, dilation_rate=2, use_bias=False)], (_B, 13, 2)),

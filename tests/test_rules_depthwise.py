@@ -58,7 +58,7 @@ def test_clipped_sum_under_xla(name):
     _clipped_against_reference(fn, model, x, y)
 
 
-@pytest.mark.parametrize("name", ["depthwise_conv2d_dilated_same_m3", "depthwise_conv1d_same", "separable_conv2d"])
+@pytest.mark.parametrize("name", ["depthwise_conv2d_dilated_same_m3", "depthwise_conv1d_same", "separable_conv2d", "depthwise_conv2d_same_input_smaller_than_kernel"])
 def test_depthwise_kernels_by_patches_equal_by_groups(name):
     """The two formulations of the per-example kernels agree, on the layer's own a and g."""
     from per_example_grads.rules import depthwise_conv as dc

@@ -17,18 +17,23 @@ and takes norms and the clipped sum ``sum_n w_n dL_n/dW`` from it (the
 engine's cache carries it from the norms to the sum). It is built by one of
 two exact formulations:
 
-- outside XLA, the "groups trick" (Rochette et al., 2019): the batch is
-  folded into the channels, ``a`` -> ``[1, *spatial_in, B C]`` and ``g`` ->
+- the "groups trick" (Rochette et al., 2019): the batch is folded into the
+  channels, ``a`` -> ``[1, *spatial_in, B C]`` and ``g`` ->
   ``[1, *spatial_out, B C m]``, and the kernel gradient of *one* depthwise
   convolution with ``B C`` channels (TensorFlow's depthwise backprop-filter
   op) is every example's kernel at once, ``[*kernel_size, B C, m]``;
-- under XLA (``jit_compile=True``), where that grouped convolution with one
-  example and ``B C`` groups compiled and ran orders of magnitude slower on
-  this project's CPU, and when both strides and dilation exceed 1 (which
-  ``tf.nn.depthwise_conv2d`` does not take), the patches of
-  ``conv.sliced_patches`` ``[B, T, K C]`` reshaped to ``[B, T, K, C, 1]``
-  times ``g`` ``[B, T, 1, C, m]``, summed over ``t``: elementwise work XLA
-  fuses.
+- the patches of ``conv.sliced_patches`` ``[B, T, K C]`` reshaped to
+  ``[B, T, K, C, 1]`` times ``g`` ``[B, T, 1, C, m]``, summed over ``t``
+  (elementwise work that XLA fuses).
+
+The groups trick is used except in three cases, which take the patches:
+under XLA (``jit_compile=True``), where the grouped convolution with one
+example and ``B C`` groups compiled and ran far slower on this project's CPU;
+when both strides and dilation exceed 1 (which ``tf.nn.depthwise_conv2d``
+does not take); and when the input is smaller than the kernel's reach
+``(k - 1) d + 1`` along some axis ("same" padding on the 1x1 and 2x2 maps at
+the end of MobileNetV2 on 32x32 images), where TensorFlow's CPU
+backprop-filter op was far slower than the patches.
 
 The bias gradient is ``sum_t g_n[t]`` ``[B, C m]``.
 
@@ -70,7 +75,9 @@ def depthwise_kernels(spec: ConvSpec, a: tf.Tensor, g: tf.Tensor, multiplier: in
     dtype = op.compute_dtype(a.dtype)
     a, g = tf.cast(a, dtype), tf.cast(g, dtype)
     both = any(s > 1 for s in spec.strides) and any(d > 1 for d in spec.dilation_rate)
-    if in_xla_context() or both or a.shape[0] is None or a.shape[-1] is None:
+    reach = [(k - 1) * d + 1 for k, d in zip(spec.kernel_size, spec.dilation_rate)]
+    smaller = any(n is None or n < r for n, r in zip(a.shape[1:-1], reach))
+    if in_xla_context() or both or smaller or a.shape[0] is None or a.shape[-1] is None:
         return _kernels_by_patches(spec, a, g, multiplier)
     return _kernels_by_groups(spec, a, g, multiplier)
 
