@@ -26,14 +26,17 @@ two exact formulations:
   ``[B, T, K, C, 1]`` times ``g`` ``[B, T, 1, C, m]``, summed over ``t``
   (elementwise work that XLA fuses).
 
-The groups trick is used except in three cases, which take the patches:
-under XLA (``jit_compile=True``), where the grouped convolution with one
-example and ``B C`` groups compiled and ran far slower on this project's CPU;
-when both strides and dilation exceed 1 (which ``tf.nn.depthwise_conv2d``
-does not take); and when the input is smaller than the kernel's reach
-``(k - 1) d + 1`` along some axis ("same" padding on the 1x1 and 2x2 maps at
-the end of MobileNetV2 on 32x32 images), where TensorFlow's CPU
-backprop-filter op was far slower than the patches.
+The groups trick is used only for 3x3 kernels (2-D) on inputs at least as
+large as the kernel's reach ``(k - 1) d + 1``, outside XLA, and not with
+both strides and dilation above 1 (which ``tf.nn.depthwise_conv2d`` does not
+take). Everything else takes the patches: on this project's CPU,
+TensorFlow's depthwise backprop-filter op was far slower than the patches
+for the folded batch (``B C`` channels) with any other kernel size (the 5x5
+kernels of EfficientNetB0, 1-D kernels as 1 x k) and on inputs smaller than
+the kernel ("same" padding on the 1x1 and 2x2 maps at the end of MobileNetV2
+on 32x32 images); and under XLA (``jit_compile=True``) that grouped
+convolution with one example and ``B C`` groups compiled and ran far slower
+still.
 
 The bias gradient is ``sum_t g_n[t]`` ``[B, C m]``.
 
@@ -77,7 +80,8 @@ def depthwise_kernels(spec: ConvSpec, a: tf.Tensor, g: tf.Tensor, multiplier: in
     both = any(s > 1 for s in spec.strides) and any(d > 1 for d in spec.dilation_rate)
     reach = [(k - 1) * d + 1 for k, d in zip(spec.kernel_size, spec.dilation_rate)]
     smaller = any(n is None or n < r for n, r in zip(a.shape[1:-1], reach))
-    if in_xla_context() or both or smaller or a.shape[0] is None or a.shape[-1] is None:
+    three_by_three = tuple(spec.kernel_size) == (3, 3)
+    if in_xla_context() or both or smaller or not three_by_three or a.shape[0] is None or a.shape[-1] is None:
         return _kernels_by_patches(spec, a, g, multiplier)
     return _kernels_by_groups(spec, a, g, multiplier)
 
