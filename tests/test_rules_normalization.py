@@ -44,8 +44,11 @@ def test_layer_norm_uses_its_closed_form_unless_over_the_batch_axis():
 
 
 @pytest.mark.parametrize("clip", [1e-3, 0.3])
-@pytest.mark.parametrize("name", ["batch_norm_inference_conv_stats", "batch_norm_inference_axis1_no_center", "batch_norm_inference_no_scale"])
-def test_batch_norm_inference_clipped_gradients(name, clip):
+@pytest.mark.parametrize("name", [
+    "batch_norm_inference_conv_stats", "batch_norm_inference_axis1_no_center", "batch_norm_inference_no_scale",
+    "group_norm", "group_norm_rank4_eps", "group_norm_axis1_no_center",
+])
+def test_batch_and_group_norm_clipped_gradients(name, clip):
     clipped_against_loop(*layer_case(name), clip, methods=["layerwise", "vectorized"])
 
 
@@ -97,3 +100,24 @@ def test_batch_norm_in_training_mode_keeps_the_layer_local_rule():
             model.layers[0](x)  # build nothing new: only the BN call is captured
             model.layers[1](model.layers[0](x), training=training)
         assert records[0].saved[0] is None and records[0].saved[2] is not None
+
+
+@pytest.mark.parametrize("name", ["group_norm", "group_norm_rank4_eps", "group_norm_axis1_no_center", "group_norm_one_group_no_scale"])
+def test_group_norm_uses_its_closed_form(name):
+    from per_example_grads.engines.capture import plan_units
+    from per_example_grads.rules.normalization import GroupNormRule
+
+    model, _, _ = layer_case(name)
+    units = plan_units(model, model.trainable_variables)
+    assert [type(u.rule) for u in units if isinstance(u.layer, keras.layers.GroupNormalization)] == [GroupNormRule]
+
+
+@pytest.mark.parametrize("name", ["batch_norm_inference_conv_stats", "group_norm_rank4_eps"])
+def test_normalization_clipped_sum_under_xla(name):
+    model, x, y = layer_case(name)
+    expected = reference_gradients(model, sparse_ce, x, y)
+    factors = 0.3 / np.maximum(reference_norms(expected), 0.3)
+    fn = tf.function(lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, return_norms=True, method="layerwise"), jit_compile=True)
+    got, got_norms = fn(x, y)
+    assert_norms_close(got_norms, expected)
+    assert_clipped_sums_close(got, expected, factors)

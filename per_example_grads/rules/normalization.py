@@ -1,4 +1,4 @@
-"""LayerNormalization and BatchNormalization in inference (closed forms); GroupNormalization (layer-local).
+"""LayerNormalization, GroupNormalization and BatchNormalization in inference: closed forms.
 
 LayerNormalization normalizes each example on its own: with the normalized
 input ``xh = (x - mean) / sqrt(var + eps)`` (``x / sqrt(var + eps)`` with
@@ -28,7 +28,13 @@ examples: that is refused before any engine runs unless
 layer-local VJP (each example normalized by its own statistics); so does a
 call whose ``training`` is a tensor.
 
-GroupNormalization keeps the exact layer-local VJP.
+GroupNormalization normalizes each example on its own too: the channels
+(``layer.axis``, ``C`` of them) are split into ``G`` groups of ``C / G``, and
+``xh`` is ``x`` normalized by the mean and variance of each example's group
+(over all its other axes and the group's channels); ``y = xh * gamma +
+beta`` per channel. So it has the same closed form with ``axes =
+[layer.axis]``; the rule runs the layer's own call for ``y`` and computes
+``xh`` beside it.
 """
 
 from __future__ import annotations
@@ -143,6 +149,28 @@ class BatchNormRule(LayerNormRule):
         return super().weighted_sum(layer, saved[:2], grads, weights, cache)
 
 
+class GroupNormRule(LayerNormRule):
+    """GroupNormalization: per-example group statistics, per-channel ``gamma`` and ``beta`` (module docstring)."""
+
+    def unsupported(self, layer):
+        return None
+
+    def forward(self, layer, call, args, kwargs):
+        y = call(*args, **kwargs)
+        x = args[0]
+        rank = x.shape.rank
+        axis = layer.axis % rank
+        channels = x.shape[axis]
+        dtype = compute_dtype(x.dtype)
+        dynamic = tf.shape(x)
+        shape = [dynamic[i] if x.shape[i] is None else x.shape[i] for i in range(rank)]
+        grouped = tf.reshape(tf.cast(x, dtype), shape[:axis] + [layer.groups, channels // layer.groups] + shape[axis + 1 :])
+        reduce = [i for i in range(1, rank + 1) if i != axis]  # all but the batch and group axes
+        mean, variance = tf.nn.moments(grouped, axes=reduce, keepdims=True)
+        xh = tf.reshape((grouped - mean) * tf.math.rsqrt(variance + layer.epsilon), dynamic)
+        return y, (xh, [axis]), [y]
+
+
 register_layer_rule(keras.layers.LayerNormalization, LayerNormRule())
+register_layer_rule(keras.layers.GroupNormalization, GroupNormRule())
 register_layer_rule(keras.layers.BatchNormalization, BatchNormRule())
-register_layer_rule(keras.layers.GroupNormalization, LOCAL_RULE)
