@@ -330,6 +330,15 @@ def _with_random_statistics(r, case):
     return case
 
 
+def _layer_scale_case(r, x_shape):
+    from keras.src.applications.convnext import LayerScale
+
+    scale = LayerScale(0.5, x_shape[-1])
+    case = sequential_case(r, [keras.layers.Dense(x_shape[-1]), scale], x_shape)
+    scale.gamma.assign(r.normal(size=x_shape[-1]).astype("float32"))
+    return case
+
+
 _B = LAYER_B
 RULE_FAMILIES = {
     "dense": {  # Dense and EinsumDense rules (MultiHeadAttention is EinsumDense layers)
@@ -391,6 +400,10 @@ RULE_FAMILIES = {
         "batch_norm_inference_conv_stats": lambda r: _with_random_statistics(r, sequential_case(r, [keras.layers.Conv2D(3, 2), keras.layers.BatchNormalization(epsilon=0.1)], (_B, 5, 4, 2))),
         "batch_norm_inference_axis1_no_center": lambda r: _with_random_statistics(r, sequential_case(r, [keras.layers.BatchNormalization(axis=1, center=False)], (_B, 3, 4))),
         "batch_norm_inference_no_scale": lambda r: _with_random_statistics(r, sequential_case(r, [keras.layers.BatchNormalization(scale=False)], (_B, 3, 4))),
+    },
+    "scale": {  # keras.applications.convnext.LayerScale
+        "layer_scale_sequence": lambda r: _layer_scale_case(r, (_B, 3, 5)),
+        "layer_scale_rank4": lambda r: _layer_scale_case(r, (_B, 2, 3, 4)),
     },
     "local": {  # the layer-local fallback (PReLU is registered to it)
         "prelu": lambda r: sequential_case(r, [keras.layers.Dense(6), keras.layers.PReLU()], (_B, 5)),
