@@ -354,7 +354,6 @@ RULE_FAMILIES = {
     },
     "conv": {
         "conv1d_causal_dilated": lambda r: sequential_case(r, [keras.layers.Conv1D(4, 3, padding="causal", dilation_rate=2, activation="relu")], (_B, 10, 3)),
-        "conv1d_strided_groups": lambda r: sequential_case(r, [keras.layers.Conv1D(4, 3, strides=2, groups=2, padding="same")], (_B, 10, 4)),
         "conv2d_strided_valid": lambda r: sequential_case(r, [keras.layers.Conv2D(3, 3, strides=2, activation="tanh")], (_B, 9, 9, 2)),
         "conv2d_dilated_same": lambda r: sequential_case(r, [keras.layers.Conv2D(3, 2, dilation_rate=2, padding="same")], (_B, 7, 7, 2)),
         "conv2d_few_positions_gram": lambda r: sequential_case(r, [keras.layers.Conv2D(16, 3, strides=2, activation="relu")], (_B, 5, 5, 8)),
@@ -362,7 +361,8 @@ RULE_FAMILIES = {
         "conv1d_strided_same_no_bias": lambda r: sequential_case(r, [keras.layers.Conv1D(5, 4, strides=3, padding="same", use_bias=False)], (_B, 11, 2)),
         "conv3d": lambda r: sequential_case(r, [keras.layers.Conv3D(2, 2, strides=(1, 2, 1))], (_B, 4, 5, 4, 2)),
     },
-    "depthwise": {  # DepthwiseConv1D/2D and SeparableConv1D/2D closed forms (channels_first: the fallback)
+    "depthwise": {  # DepthwiseConv1D/2D, SeparableConv1D/2D and grouped Conv1D/2D closed forms (channels_first: the fallback)
+        "conv1d_strided_groups": lambda r: sequential_case(r, [keras.layers.Conv1D(4, 3, strides=2, groups=2, padding="same")], (_B, 10, 4)),
         "depthwise_conv2d": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D(3, depth_multiplier=2, padding="same")], (_B, 6, 6, 2)),
         "depthwise_conv2d_strided_valid": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D((3, 2), strides=(2, 1), activation="relu")], (_B, 9, 7, 3)),
         "depthwise_conv2d_strided_same_no_bias": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D(3, strides=2, padding="same", use_bias=False)], (_B, 8, 7, 4)),
@@ -376,6 +376,9 @@ RULE_FAMILIES = {
         "separable_conv2d": lambda r: sequential_case(r, [keras.layers.SeparableConv2D(3, 3, activation="relu")], (_B, 6, 6, 2)),
         "separable_conv2d_strided_same_m2_no_bias": lambda r: sequential_case(r, [keras.layers.SeparableConv2D(4, 3, strides=2, depth_multiplier=2, padding="same", use_bias=False)], (_B, 7, 8, 3)),
         "separable_conv2d_dilated_gram": lambda r: sequential_case(r, [keras.layers.SeparableConv2D(12, 2, dilation_rate=2, depth_multiplier=4)], (_B, 5, 5, 3)),
+        "conv2d_groups_strided_same": lambda r: sequential_case(r, [keras.layers.Conv2D(6, 3, strides=2, groups=3, padding="same", activation="relu")], (_B, 7, 6, 6)),
+        "conv2d_groups_dilated_large_kernel_vjp": lambda r: sequential_case(r, [keras.layers.Conv2D(8, 2, dilation_rate=2, groups=2, use_bias=False)], (_B, 3, 3, 4)),
+        "conv1d_groups_causal": lambda r: sequential_case(r, [keras.layers.Conv1D(4, 3, groups=2, padding="causal")], (_B, 8, 4)),
         "separable_conv1d_same": lambda r: sequential_case(r, [keras.layers.SeparableConv1D(3, 4, padding="same", activation="tanh")], (_B, 10, 2)),
     },
     "embedding": {

@@ -1,4 +1,4 @@
-"""Depthwise and separable convolutions: DepthwiseConv1D/2D, SeparableConv1D/2D (channels_last).
+"""Depthwise, separable and grouped convolutions: DepthwiseConv1D/2D, SeparableConv1D/2D, grouped Conv1D/2D (channels_last).
 
 Notation: ``a`` ``[B, *spatial_in, C]`` is the layer input, ``m`` the depth
 multiplier, ``K = prod(kernel_size)``. A depthwise convolution convolves each
@@ -48,6 +48,17 @@ gradients as above, and ``W_p`` is a Dense kernel on the positions of ``d``
 (``outer_products``: Gram-form or materialized norms, the clipped sum as one
 contraction).
 
+Grouped Conv1D/Conv2D (``groups = G > 1``, channels_last): input channel
+``c`` of group ``q`` (``C / G`` channels each) meets only the ``F / G``
+output channels of its group, through the kernel ``W`` ``[*kernel_size,
+C / G, F]`` (output channel ``q F / G + f``). With the patches ``[B, T, K,
+G, C / G]`` and ``g`` ``[B, T, G, F / G]``, example n's kernel gradient is
+``dL_n/dW[k, c, q F/G + f] = sum_t p_n[t, k, q, c] g_n[t, q, f]``: one
+contraction, kept for the clipped sum when it is no larger than the layer's
+input and output gradient together; otherwise the clipped sum is the kernel
+VJP of the layer's own grouped convolution at ``w * g`` (as ``conv.py`` does
+for ``groups = 1``).
+
 channels_first layers use the exact layer-local fallback.
 """
 
@@ -59,7 +70,7 @@ import keras
 import tensorflow as tf
 
 from per_example_grads.rules import outer_products as op
-from per_example_grads.rules.conv import ConvSpec, patches, sliced_patches
+from per_example_grads.rules.conv import PATCHES_RULE, ConvSpec, patches, sliced_patches, weighted_kernel_sum
 from per_example_grads.rules.local import without_activation
 from per_example_grads.rules.rule import LayerRule, per_example_squared_norms, register_layer_rule, reparametrized, weighted_example_sum
 from per_example_grads._core.xla_context import in_xla_context
@@ -230,9 +241,101 @@ class SeparableConvRule(LayerRule):
         return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
 
 
+def grouped_kernels(spec: ConvSpec, a: tf.Tensor, g: tf.Tensor, groups: int) -> tf.Tensor:
+    """``[B, *kernel_size, C / G, F]``: every example's kernel gradient of a grouped convolution (module docstring)."""
+    c, f = a.shape[-1], g.shape[-1]
+    k = math.prod(spec.kernel_size)
+    spatial = tuple(a.shape[1:-1])
+    p = sliced_patches(spec, spatial, a) if None not in spatial else patches(spec, a)  # [B, T, K C]
+    t = p.shape[1] if p.shape[1] is not None else -1
+    p = tf.reshape(p, [-1, t, k, groups, c // groups])
+    g = tf.reshape(op.as_btf(g), [-1, t, groups, f // groups])
+    kernels = tf.einsum("btkqc,btqf->bkcqf", p, g)
+    return tf.reshape(kernels, [-1, *spec.kernel_size, c // groups, f])
+
+
+class GroupedConvRule(LayerRule):
+    """Conv1D/Conv2D with ``groups > 1``: ``z = conv(a, W) + b``, then the fused activation."""
+
+    def unsupported(self, layer):
+        if layer.data_format != "channels_last":
+            return "channels_first grouped convolutions use the layer-local fallback"
+        return reparametrized(layer)
+
+    def variables(self, layer):
+        return [layer.kernel] + ([layer.bias] if layer.use_bias else [])
+
+    def forward(self, layer, call, args, kwargs):
+        with without_activation(layer, True):
+            z = call(*args, **kwargs)
+        out = layer.activation(z) if layer.activation is not None else z
+        return out, args[0], [z]
+
+    def _per_example(self, layer, a, g):
+        out = [grouped_kernels(ConvSpec.of(layer), a, g, layer.groups)]
+        if layer.use_bias:
+            out.append(tf.reduce_sum(op.as_btf(g), axis=1))
+        return out
+
+    def per_example(self, layer, saved, grads):
+        return [tf.cast(t, v.dtype) for t, v in zip(self._per_example(layer, saved, grads[0]), self.variables(layer))]
+
+    def squared_norms(self, layer, saved, grads, cache=None):
+        """Norms of the per-example gradients, which a following clipped sum reads from ``cache`` when small."""
+        a, g = saved, grads[0]
+        per_example = self._per_example(layer, a, g)
+        small = a.shape[1:].is_fully_defined() and g.shape[1:].is_fully_defined() and (
+            per_example[0].shape[1:].num_elements() <= a.shape[1:].num_elements() + g.shape[1:].num_elements()
+        )
+        if cache is not None and small:
+            cache["kept"] = per_example
+        return [per_example_squared_norms(t) for t in per_example]
+
+    def weighted_sum(self, layer, saved, grads, weights, cache=None):
+        kept = (cache or {}).get("kept")
+        if kept is not None:
+            out = [weighted_example_sum(weights, t) for t in kept]
+        else:
+            a, g = saved, grads[0]
+            out = [weighted_kernel_sum(ConvSpec.of(layer), layer.kernel, a, g, weights)]
+            if layer.use_bias:
+                out.append(tf.einsum("btj,b->j", op.as_btf(g), tf.cast(weights, op.compute_dtype(g.dtype))))
+        return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
+
+
+class _ConvRule(LayerRule):
+    """Conv1D/Conv2D: ``conv.PATCHES_RULE`` for ``groups = 1``, ``GroupedConvRule`` for ``groups > 1``."""
+
+    def _rule(self, layer):
+        return GROUPED_RULE if layer.groups > 1 and layer.rank in (1, 2) else PATCHES_RULE
+
+    def unsupported(self, layer):
+        return self._rule(layer).unsupported(layer)
+
+    def variables(self, layer):
+        return self._rule(layer).variables(layer)
+
+    def forward(self, layer, call, args, kwargs):
+        return self._rule(layer).forward(layer, call, args, kwargs)
+
+    def per_example(self, layer, saved, grads):
+        return self._rule(layer).per_example(layer, saved, grads)
+
+    def squared_norms(self, layer, saved, grads, cache=None):
+        return self._rule(layer).squared_norms(layer, saved, grads, cache)
+
+    def weighted_sum(self, layer, saved, grads, weights, cache=None):
+        return self._rule(layer).weighted_sum(layer, saved, grads, weights, cache)
+
+
 DEPTHWISE_RULE = DepthwiseConvRule()
 SEPARABLE_RULE = SeparableConvRule()
 
+GROUPED_RULE = GroupedConvRule()
+CONV_RULE = _ConvRule()
+
+register_layer_rule(keras.layers.Conv1D, CONV_RULE)
+register_layer_rule(keras.layers.Conv2D, CONV_RULE)
 register_layer_rule(keras.layers.DepthwiseConv1D, DEPTHWISE_RULE)
 register_layer_rule(keras.layers.DepthwiseConv2D, DEPTHWISE_RULE)
 register_layer_rule(keras.layers.SeparableConv1D, SEPARABLE_RULE)
