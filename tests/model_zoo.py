@@ -359,6 +359,28 @@ def _reversible_lm(r, tie_weights=True, dtype="float32", two_lookups=False, pool
     return model, x, y
 
 
+def _with_random_statistics(r, case):
+    """``case`` with every BatchNormalization's moving mean, variance, gamma and beta drawn from ``r`` (not 0 and 1)."""
+    model = case[0]
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.BatchNormalization):
+            for v in layer.weights:
+                if "variance" in v.path or "gamma" in v.path:
+                    v.assign(r.uniform(0.5, 2.0, v.shape).astype("float32"))
+                else:
+                    v.assign(r.normal(size=v.shape).astype("float32"))
+    return case
+
+
+def _layer_scale_case(r, x_shape):
+    from keras.src.applications.convnext import LayerScale
+
+    scale = LayerScale(0.5, x_shape[-1])
+    case = sequential_case(r, [keras.layers.Dense(x_shape[-1]), scale], x_shape)
+    scale.gamma.assign(r.normal(size=x_shape[-1]).astype("float32"))
+    return case
+
+
 _B = LAYER_B
 RULE_FAMILIES = {
     "dense": {  # Dense and EinsumDense rules (MultiHeadAttention is EinsumDense layers)
@@ -374,15 +396,32 @@ RULE_FAMILIES = {
     },
     "conv": {
         "conv1d_causal_dilated": lambda r: sequential_case(r, [keras.layers.Conv1D(4, 3, padding="causal", dilation_rate=2, activation="relu")], (_B, 10, 3)),
-        "conv1d_strided_groups": lambda r: sequential_case(r, [keras.layers.Conv1D(4, 3, strides=2, groups=2, padding="same")], (_B, 10, 4)),
         "conv2d_strided_valid": lambda r: sequential_case(r, [keras.layers.Conv2D(3, 3, strides=2, activation="tanh")], (_B, 9, 9, 2)),
         "conv2d_dilated_same": lambda r: sequential_case(r, [keras.layers.Conv2D(3, 2, dilation_rate=2, padding="same")], (_B, 7, 7, 2)),
         "conv2d_few_positions_gram": lambda r: sequential_case(r, [keras.layers.Conv2D(16, 3, strides=2, activation="relu")], (_B, 5, 5, 8)),
         "conv2d_same_small_input": lambda r: sequential_case(r, [keras.layers.Conv2D(8, 3, padding="same")], (_B, 3, 3, 2)),
         "conv1d_strided_same_no_bias": lambda r: sequential_case(r, [keras.layers.Conv1D(5, 4, strides=3, padding="same", use_bias=False)], (_B, 11, 2)),
         "conv3d": lambda r: sequential_case(r, [keras.layers.Conv3D(2, 2, strides=(1, 2, 1))], (_B, 4, 5, 4, 2)),
+    },
+    "depthwise": {  # DepthwiseConv1D/2D, SeparableConv1D/2D and grouped Conv1D/2D closed forms (channels_first: the fallback)
+        "conv1d_strided_groups": lambda r: sequential_case(r, [keras.layers.Conv1D(4, 3, strides=2, groups=2, padding="same")], (_B, 10, 4)),
         "depthwise_conv2d": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D(3, depth_multiplier=2, padding="same")], (_B, 6, 6, 2)),
+        "depthwise_conv2d_strided_valid": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D((3, 2), strides=(2, 1), activation="relu")], (_B, 9, 7, 3)),
+        "depthwise_conv2d_strided_same_no_bias": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D(3, strides=2, padding="same", use_bias=False)], (_B, 8, 7, 4)),
+        "depthwise_conv2d_dilated_same_m3": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D(2, dilation_rate=2, depth_multiplier=3, padding="same")], (_B, 7, 6, 2)),
+        "depthwise_conv2d_strided_dilated": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D(2, strides=2, dilation_rate=2, padding="same")], (_B, 9, 9, 2)),
+        "depthwise_conv2d_few_positions": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D(3)], (_B, 3, 4, 5)),
+        "depthwise_conv2d_same_input_smaller_than_kernel": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D(3, depth_multiplier=2, padding="same")], (_B, 2, 1, 3)),
+        "depthwise_conv2d_channels_first_fallback": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D(2, data_format="channels_first")], (_B, 2, 5, 5)),
+        "depthwise_conv1d_same": lambda r: sequential_case(r, [keras.layers.DepthwiseConv1D(3, depth_multiplier=2, padding="same", activation="tanh")], (_B, 9, 3)),
+        "depthwise_conv1d_strided_dilated_no_bias": lambda r: sequential_case(r, [keras.layers.DepthwiseConv1D(3, strides=2, dilation_rate=2, use_bias=False)], (_B, 13, 2)),
         "separable_conv2d": lambda r: sequential_case(r, [keras.layers.SeparableConv2D(3, 3, activation="relu")], (_B, 6, 6, 2)),
+        "separable_conv2d_strided_same_m2_no_bias": lambda r: sequential_case(r, [keras.layers.SeparableConv2D(4, 3, strides=2, depth_multiplier=2, padding="same", use_bias=False)], (_B, 7, 8, 3)),
+        "separable_conv2d_dilated_gram": lambda r: sequential_case(r, [keras.layers.SeparableConv2D(12, 2, dilation_rate=2, depth_multiplier=4)], (_B, 5, 5, 3)),
+        "conv2d_groups_strided_same": lambda r: sequential_case(r, [keras.layers.Conv2D(6, 3, strides=2, groups=3, padding="same", activation="relu")], (_B, 7, 6, 6)),
+        "conv2d_groups_dilated_large_kernel_vjp": lambda r: sequential_case(r, [keras.layers.Conv2D(8, 2, dilation_rate=2, groups=2, use_bias=False)], (_B, 3, 3, 4)),
+        "conv1d_groups_causal": lambda r: sequential_case(r, [keras.layers.Conv1D(4, 3, groups=2, padding="causal")], (_B, 8, 4)),
+        "separable_conv1d_same": lambda r: sequential_case(r, [keras.layers.SeparableConv1D(3, 4, padding="same", activation="tanh")], (_B, 10, 2)),
     },
     "embedding": {
         "embedding_mask_zero_pooled": lambda r: sequential_case(r, [keras.layers.Embedding(12, 4, mask_zero=True), keras.layers.GlobalAveragePooling1D()], (_B, 6), dtype="int32"),
@@ -399,7 +438,17 @@ RULE_FAMILIES = {
         "layer_norm_rms_scaling": lambda r: sequential_case(r, [keras.layers.Dense(6), keras.layers.LayerNormalization(rms_scaling=True)], (_B, 3, 5)),
         "layer_norm_no_scale": lambda r: sequential_case(r, [keras.layers.LayerNormalization(scale=False)], (_B, 3, 5)),
         "group_norm": lambda r: sequential_case(r, [keras.layers.Conv1D(4, 2), keras.layers.GroupNormalization(groups=2)], (_B, 6, 3)),
+        "group_norm_rank4_eps": lambda r: sequential_case(r, [keras.layers.Conv2D(6, 2), keras.layers.GroupNormalization(groups=3, epsilon=0.1)], (_B, 4, 5, 2)),
+        "group_norm_axis1_no_center": lambda r: sequential_case(r, [keras.layers.GroupNormalization(groups=2, axis=1, center=False)], (_B, 4, 3)),
+        "group_norm_one_group_no_scale": lambda r: sequential_case(r, [keras.layers.Dense(4), keras.layers.GroupNormalization(groups=1, scale=False)], (_B, 3, 4)),
         "batch_norm_inference": lambda r: sequential_case(r, [keras.layers.Dense(6), keras.layers.BatchNormalization()], (_B, 5)),
+        "batch_norm_inference_conv_stats": lambda r: _with_random_statistics(r, sequential_case(r, [keras.layers.Conv2D(3, 2), keras.layers.BatchNormalization(epsilon=0.1)], (_B, 5, 4, 2))),
+        "batch_norm_inference_axis1_no_center": lambda r: _with_random_statistics(r, sequential_case(r, [keras.layers.BatchNormalization(axis=1, center=False)], (_B, 3, 4))),
+        "batch_norm_inference_no_scale": lambda r: _with_random_statistics(r, sequential_case(r, [keras.layers.BatchNormalization(scale=False)], (_B, 3, 4))),
+    },
+    "scale": {  # keras.applications.convnext.LayerScale
+        "layer_scale_sequence": lambda r: _layer_scale_case(r, (_B, 3, 5)),
+        "layer_scale_rank4": lambda r: _layer_scale_case(r, (_B, 2, 3, 4)),
     },
     "local": {  # the layer-local fallback (PReLU is registered to it)
         "prelu": lambda r: sequential_case(r, [keras.layers.Dense(6), keras.layers.PReLU()], (_B, 5)),

@@ -2,10 +2,22 @@
 BatchNormalization in inference) against the one-example loop."""
 
 import keras
+import numpy as np
 import pytest
+import tensorflow as tf
 
-from helpers import clipped_against_loop, rule_against_loop
-from model_zoo import RULE_FAMILIES, layer_case, layer_case_params
+import per_example_grads as peg
+from helpers import (
+    assert_clipped_sums_close,
+    assert_grads_close,
+    assert_norms_close,
+    clipped_against_loop,
+    reference_gradients,
+    reference_norms,
+    rule_against_loop,
+    sparse_ce,
+)
+from model_zoo import RULE_FAMILIES, _with_random_statistics, layer_case, layer_case_params, sequential_case
 
 
 @pytest.mark.parametrize("name", layer_case_params(sorted(RULE_FAMILIES["normalization"])))
@@ -29,3 +41,83 @@ def test_layer_norm_uses_its_closed_form_unless_over_the_batch_axis():
     assert [type(u.rule) for u in plan_units(model, model.trainable_variables)][0] is LayerNormRule
     over_batch = keras.layers.LayerNormalization(axis=[0, 1])
     assert LayerNormRule().unsupported(over_batch) is not None
+
+
+@pytest.mark.parametrize("clip", [1e-3, 0.3])
+@pytest.mark.parametrize("name", [
+    "batch_norm_inference_conv_stats", "batch_norm_inference_axis1_no_center", "batch_norm_inference_no_scale",
+    "group_norm", "group_norm_rank4_eps", "group_norm_axis1_no_center",
+])
+def test_batch_and_group_norm_clipped_gradients(name, clip):
+    clipped_against_loop(*layer_case(name), clip, methods=["layerwise", "vectorized"])
+
+
+@pytest.mark.parametrize("name", ["batch_norm_inference", "batch_norm_inference_conv_stats"])
+def test_batch_norm_inference_uses_its_closed_form(name):
+    from per_example_grads.engines.capture import capturing, plan_units
+    from per_example_grads.rules.normalization import BatchNormRule
+
+    model, x, _ = layer_case(name)
+    units = plan_units(model, model.trainable_variables)
+    bn = [u for u in units if isinstance(u.layer, keras.layers.BatchNormalization)]
+    assert [type(u.rule) for u in bn] == [BatchNormRule]
+    with capturing(bn) as records:
+        model(x, training=False)
+    assert records[0].saved[2] is None  # (xh, axes, None): the closed form, not the layer-local VJP
+
+
+def _frozen_bn_model():
+    r = np.random.default_rng(7)
+    model, x, y = _with_random_statistics(r, sequential_case(r, [keras.layers.Conv2D(3, 2), keras.layers.BatchNormalization()], (4, 5, 4, 2)))
+    return model, x, y
+
+
+def test_frozen_batch_norm_in_training_mode_is_the_inference_closed_form():
+    """``trainable=False`` BatchNormalization runs on moving statistics even with training=True; its own
+    weights are then not trainable, and the Conv2D before it gets gradients through the closed form's tap."""
+    model, x, y = _frozen_bn_model()
+    model.layers[1].trainable = False
+    model.layers[1].gamma.trainable = True  # keep gamma requested while the layer stays frozen
+    variables = [model.layers[0].kernel, model.layers[1].gamma]
+    expected = reference_gradients(model, sparse_ce, x, y, variables=variables, training=True)
+    got = peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise", variables=variables, training=True)
+    assert_grads_close(got, expected)
+    factors = 0.3 / np.maximum(reference_norms(expected), 0.3)
+    clipped, norms = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, return_norms=True, method="layerwise", variables=variables, training=True)
+    assert_norms_close(norms, expected)
+    assert_clipped_sums_close(clipped, expected, factors)
+
+
+def test_batch_norm_in_training_mode_keeps_the_layer_local_rule():
+    """A trainable BatchNormalization called with training=True (allowed only with allow_batch_coupling=True)
+    goes to the layer-local VJP, as before this rule; so does a training flag that is a tensor."""
+    from per_example_grads.engines.capture import capturing, plan_units
+
+    model, x, _ = _frozen_bn_model()
+    bn = [u for u in plan_units(model, model.trainable_variables) if isinstance(u.layer, keras.layers.BatchNormalization)]
+    for training in (True, tf.constant(False)):
+        with capturing(bn) as records:
+            model.layers[0](x)  # build nothing new: only the BN call is captured
+            model.layers[1](model.layers[0](x), training=training)
+        assert records[0].saved[0] is None and records[0].saved[2] is not None
+
+
+@pytest.mark.parametrize("name", ["group_norm", "group_norm_rank4_eps", "group_norm_axis1_no_center", "group_norm_one_group_no_scale"])
+def test_group_norm_uses_its_closed_form(name):
+    from per_example_grads.engines.capture import plan_units
+    from per_example_grads.rules.normalization import GroupNormRule
+
+    model, _, _ = layer_case(name)
+    units = plan_units(model, model.trainable_variables)
+    assert [type(u.rule) for u in units if isinstance(u.layer, keras.layers.GroupNormalization)] == [GroupNormRule]
+
+
+@pytest.mark.parametrize("name", ["batch_norm_inference_conv_stats", "group_norm_rank4_eps"])
+def test_normalization_clipped_sum_under_xla(name):
+    model, x, y = layer_case(name)
+    expected = reference_gradients(model, sparse_ce, x, y)
+    factors = 0.3 / np.maximum(reference_norms(expected), 0.3)
+    fn = tf.function(lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, return_norms=True, method="layerwise"), jit_compile=True)
+    got, got_norms = fn(x, y)
+    assert_norms_close(got_norms, expected)
+    assert_clipped_sums_close(got, expected, factors)

@@ -16,6 +16,18 @@ from per_example_grads.rules.rule import (
     rule_for,
     sum_to_shape,
 )
-from per_example_grads.rules import conv, dense, einsum_dense, embedding, local, lora, normalization, prelu, reversible_embedding  # noqa: F401,E402
+from per_example_grads.rules import (  # noqa: F401,E402  (each registers its rules)
+    conv,
+    dense,
+    depthwise_conv,
+    einsum_dense,
+    embedding,
+    local,
+    lora,
+    normalization,
+    prelu,
+    reversible_embedding,
+    scale,
+)
 
 __all__ = ["LayerRule", "per_example_squared_norms", "register_layer_rule", "rule_for", "sum_to_shape"]

@@ -1,8 +1,9 @@
 """Convolutions.
 
 Conv1D and Conv2D (channels_last, ``groups=1``) have closed forms for norms
-and clipped sums; every other convolution (Conv3D, grouped, channels_first,
-depthwise, separable) uses the exact layer-local VJP of the layer's own
+and clipped sums (depthwise, separable and grouped ones: ``depthwise_conv.py``,
+which registers the Conv1D/Conv2D rule that picks between the two); every
+other convolution (Conv3D, channels_first) uses the exact layer-local VJP of the layer's own
 convolution on each example, tapped before the fused activation.
 
 Notation: ``a`` ``[B, *spatial_in, c_in]`` is the layer input (causal padding
@@ -244,7 +245,7 @@ class ConvPatchesRule(LayerRule):
         if layer.rank not in (1, 2):
             return "only 1-D and 2-D convolutions have the patches closed form"
         if layer.groups != 1 or layer.data_format != "channels_last":
-            return "grouped or channels_first convolutions use the layer-local fallback"
+            return "grouped convolutions have their own rule (depthwise_conv.py); channels_first ones use the layer-local fallback"
         return reparametrized(layer)
 
     def variables(self, layer):
@@ -295,13 +296,4 @@ class ConvPatchesRule(LayerRule):
 LOCAL_CONV_RULE = LocalRule(preactivation=True)
 PATCHES_RULE = ConvPatchesRule()
 
-register_layer_rule(keras.layers.Conv1D, PATCHES_RULE)
-register_layer_rule(keras.layers.Conv2D, PATCHES_RULE)
-for _cls in (
-    keras.layers.Conv3D,
-    keras.layers.DepthwiseConv1D,
-    keras.layers.DepthwiseConv2D,
-    keras.layers.SeparableConv1D,
-    keras.layers.SeparableConv2D,
-):
-    register_layer_rule(_cls, LOCAL_CONV_RULE)
+register_layer_rule(keras.layers.Conv3D, LOCAL_CONV_RULE)  # depthwise and separable: rules/depthwise_conv.py

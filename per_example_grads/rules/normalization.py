@@ -1,4 +1,4 @@
-"""LayerNormalization (closed form); GroupNormalization, BatchNormalization (inference only).
+"""LayerNormalization, GroupNormalization and BatchNormalization in inference: closed forms.
 
 LayerNormalization normalizes each example on its own: with the normalized
 input ``xh = (x - mean) / sqrt(var + eps)`` (``x / sqrt(var + eps)`` with
@@ -15,10 +15,26 @@ rule computes ``xh`` once in the forward pass (in at least float32, as Keras
 does) and taps ``y``. A LayerNormalization whose axes include the batch axis
 uses the layer-local fallback.
 
-GroupNormalization and BatchNormalization keep the exact layer-local VJP:
-their weights are small (scale and offset per channel). BatchNormalization in
-training mode couples the examples of a batch and is refused before any
-engine runs.
+BatchNormalization in inference mode (``training`` false, or a frozen layer:
+``trainable=False``, which Keras runs on its moving statistics) is the same
+per-channel affine map of ``xh = (x - moving_mean) / sqrt(moving_variance +
+eps)``, moments fixed, so it has the same closed form with ``axes =
+[layer.axis]``: ``dL_n/dgamma = sum_{other axes} g_n * xh_n``, ``dL_n/dbeta
+= sum_{other axes} g_n``. The rule runs the layer's own call for the output
+(so the model computes exactly what Keras computes) and ``xh`` beside it. In
+training mode with a trainable layer the batch statistics couple the
+examples: that is refused before any engine runs unless
+``allow_batch_coupling=True``, and then the call goes, as before, to the
+layer-local VJP (each example normalized by its own statistics); so does a
+call whose ``training`` is a tensor.
+
+GroupNormalization normalizes each example on its own too: the channels
+(``layer.axis``, ``C`` of them) are split into ``G`` groups of ``C / G``, and
+``xh`` is ``x`` normalized by the mean and variance of each example's group
+(over all its other axes and the group's channels); ``y = xh * gamma +
+beta`` per channel. So it has the same closed form with ``axes =
+[layer.axis]``; the rule runs the layer's own call for ``y`` and computes
+``xh`` beside it.
 """
 
 from __future__ import annotations
@@ -94,6 +110,67 @@ class LayerNormRule(LayerRule):
         return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
 
 
+class BatchNormRule(LayerNormRule):
+    """BatchNormalization: the closed form in inference mode, the layer-local VJP otherwise (module docstring).
+
+    ``saved`` is ``(xh, axes, None)`` for the closed form and
+    ``(None, None, local_saved)`` for the layer-local rule.
+    """
+
+    def unsupported(self, layer):
+        return None
+
+    def forward(self, layer, call, args, kwargs):
+        training = kwargs.get("training")
+        if not (training is None or isinstance(training, bool)) or (training and layer.trainable):
+            outputs, saved, taps = LOCAL_RULE.forward(layer, call, args, kwargs)
+            return outputs, (None, None, saved), taps
+        y = call(*args, **kwargs)
+        x = args[0]
+        dtype = compute_dtype(x.dtype)
+        axes = _axes(layer, x.shape.rank)
+        shape = [x.shape[a] if a in axes else 1 for a in range(x.shape.rank)]
+        mean = tf.reshape(tf.cast(layer.moving_mean, dtype), shape)
+        inv = tf.math.rsqrt(tf.reshape(tf.cast(layer.moving_variance, dtype), shape) + layer.epsilon)
+        xh = (tf.cast(x, dtype) - mean) * inv
+        return y, (xh, axes, None), [y]
+
+    def per_example(self, layer, saved, grads):
+        if saved[2] is not None:
+            return LOCAL_RULE.per_example(layer, saved[2], grads, variables=self.variables(layer))
+        return super().per_example(layer, saved[:2], grads)
+
+    def squared_norms(self, layer, saved, grads, cache=None):
+        return LayerRule.squared_norms(self, layer, saved, grads, cache)  # through per_example (small: [B, channels])
+
+    def weighted_sum(self, layer, saved, grads, weights, cache=None):
+        if saved[2] is not None or (cache and "per_example" in cache):
+            return LayerRule.weighted_sum(self, layer, saved, grads, weights, cache)
+        return super().weighted_sum(layer, saved[:2], grads, weights, cache)
+
+
+class GroupNormRule(LayerNormRule):
+    """GroupNormalization: per-example group statistics, per-channel ``gamma`` and ``beta`` (module docstring)."""
+
+    def unsupported(self, layer):
+        return None
+
+    def forward(self, layer, call, args, kwargs):
+        y = call(*args, **kwargs)
+        x = args[0]
+        rank = x.shape.rank
+        axis = layer.axis % rank
+        channels = x.shape[axis]
+        dtype = compute_dtype(x.dtype)
+        dynamic = tf.shape(x)
+        shape = [dynamic[i] if x.shape[i] is None else x.shape[i] for i in range(rank)]
+        grouped = tf.reshape(tf.cast(x, dtype), shape[:axis] + [layer.groups, channels // layer.groups] + shape[axis + 1 :])
+        reduce = [i for i in range(1, rank + 1) if i != axis]  # all but the batch and group axes
+        mean, variance = tf.nn.moments(grouped, axes=reduce, keepdims=True)
+        xh = tf.reshape((grouped - mean) * tf.math.rsqrt(variance + layer.epsilon), dynamic)
+        return y, (xh, [axis]), [y]
+
+
 register_layer_rule(keras.layers.LayerNormalization, LayerNormRule())
-for _cls in (keras.layers.GroupNormalization, keras.layers.BatchNormalization):
-    register_layer_rule(_cls, LOCAL_RULE)
+register_layer_rule(keras.layers.GroupNormalization, GroupNormRule())
+register_layer_rule(keras.layers.BatchNormalization, BatchNormRule())

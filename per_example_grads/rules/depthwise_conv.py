@@ -1,0 +1,342 @@
+"""Depthwise, separable and grouped convolutions: DepthwiseConv1D/2D, SeparableConv1D/2D, grouped Conv1D/2D (channels_last).
+
+Notation: ``a`` ``[B, *spatial_in, C]`` is the layer input, ``m`` the depth
+multiplier, ``K = prod(kernel_size)``. A depthwise convolution convolves each
+input channel ``c`` on its own with ``m`` filters: its kernel is
+``W`` ``[*kernel_size, C, m]`` and output channel ``c m + j`` is
+``z[t, c m + j] = sum_k a[pos(t, k), c] W[k, c, j] (+ b[c m + j])``, where
+``pos(t, k)`` is the input position that kernel offset ``k`` meets at output
+position ``t`` (strides, dilation, padding). With ``g = dL/dz``
+``[B, *spatial_out, C m]``, example n's kernel gradient is
+
+    dL_n/dW[k, c, j] = sum_t a_n[pos(t, k), c] g_n[t, c m + j],
+
+only ``K C m`` numbers per example (no more than ``a_n`` whenever the output
+has at least ``K / m`` positions), so the rule builds it for the whole batch
+and takes norms and the clipped sum ``sum_n w_n dL_n/dW`` from it (the
+engine's cache carries it from the norms to the sum). It is built by one of
+two exact formulations:
+
+- the "groups trick" (Rochette et al., 2019): the batch is folded into the
+  channels, ``a`` -> ``[1, *spatial_in, B C]`` and ``g`` ->
+  ``[1, *spatial_out, B C m]``, and the kernel gradient of *one* depthwise
+  convolution with ``B C`` channels (TensorFlow's depthwise backprop-filter
+  op) is every example's kernel at once, ``[*kernel_size, B C, m]``;
+- the patches of ``conv.sliced_patches`` ``[B, T, K C]`` reshaped to
+  ``[B, T, K, C, 1]`` times ``g`` ``[B, T, 1, C, m]``, summed over ``t``
+  (elementwise work that XLA fuses).
+
+The groups trick is used only for 3x3 kernels (2-D) on inputs at least as
+large as the kernel's reach ``(k - 1) d + 1``, outside XLA, and not with
+both strides and dilation above 1 (which ``tf.nn.depthwise_conv2d`` does not
+take). Everything else takes the patches: on this project's CPU,
+TensorFlow's depthwise backprop-filter op was far slower than the patches
+for the folded batch (``B C`` channels) with any other kernel size (the 5x5
+kernels of EfficientNetB0, 1-D kernels as 1 x k) and on inputs smaller than
+the kernel ("same" padding on the 1x1 and 2x2 maps at the end of MobileNetV2
+on 32x32 images); and under XLA (``jit_compile=True``) that grouped
+convolution with one example and ``B C`` groups compiled and ran far slower
+still.
+
+The bias gradient is ``sum_t g_n[t]`` ``[B, C m]``.
+
+SeparableConv: ``d = depthwise(a, W_d)`` ``[B, *spatial_out, C m]``, then
+``z = d @ W_p + b`` at every position (a 1x1 convolution, ``W_p``
+``[*(1,) * rank, C m, F]``). The rule taps both ``d`` and ``z``: the gradient
+at ``d`` (through ``z`` and ``W_p``, ``g_d = g_z W_p^T``) gives ``W_d``'s
+gradients as above, and ``W_p`` is a Dense kernel on the positions of ``d``
+(``outer_products``: Gram-form or materialized norms, the clipped sum as one
+contraction).
+
+Grouped Conv1D/Conv2D (``groups = G > 1``, channels_last): input channel
+``c`` of group ``q`` (``C / G`` channels each) meets only the ``F / G``
+output channels of its group, through the kernel ``W`` ``[*kernel_size,
+C / G, F]`` (output channel ``q F / G + f``). With the patches ``[B, T, K,
+G, C / G]`` and ``g`` ``[B, T, G, F / G]``, example n's kernel gradient is
+``dL_n/dW[k, c, q F/G + f] = sum_t p_n[t, k, q, c] g_n[t, q, f]``: one
+contraction, kept for the clipped sum when it is no larger than the layer's
+input and output gradient together; otherwise the clipped sum is the kernel
+VJP of the layer's own grouped convolution at ``w * g`` (as ``conv.py`` does
+for ``groups = 1``).
+
+channels_first layers use the exact layer-local fallback.
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import tensorflow as tf
+
+from per_example_grads.rules import outer_products as op
+from per_example_grads.rules.conv import PATCHES_RULE, ConvSpec, patches, sliced_patches, weighted_kernel_sum
+from per_example_grads.rules.local import without_activation
+from per_example_grads.rules.rule import LayerRule, per_example_squared_norms, register_layer_rule, reparametrized, weighted_example_sum
+from per_example_grads._core.xla_context import in_xla_context
+
+
+def _spec(layer) -> ConvSpec:
+    return ConvSpec(layer.rank, tuple(layer.kernel_size), tuple(layer.strides), tuple(layer.dilation_rate), layer.padding)
+
+
+def depthwise_kernels(spec: ConvSpec, a: tf.Tensor, g: tf.Tensor, multiplier: int) -> tf.Tensor:
+    """``[B, *kernel_size, C, m]``: every example's depthwise kernel gradient (module docstring).
+
+    ``a`` ``[B, *spatial_in, C]`` the layer input, ``g`` ``[B, *spatial_out, C m]``
+    the loss gradient at the depthwise output (before bias and activation).
+    """
+    dtype = op.compute_dtype(a.dtype)
+    a, g = tf.cast(a, dtype), tf.cast(g, dtype)
+    both = any(s > 1 for s in spec.strides) and any(d > 1 for d in spec.dilation_rate)
+    reach = [(k - 1) * d + 1 for k, d in zip(spec.kernel_size, spec.dilation_rate)]
+    smaller = any(n is None or n < r for n, r in zip(a.shape[1:-1], reach))
+    three_by_three = tuple(spec.kernel_size) == (3, 3)
+    if in_xla_context() or both or smaller or not three_by_three or a.shape[0] is None or a.shape[-1] is None:
+        return _kernels_by_patches(spec, a, g, multiplier)
+    return _kernels_by_groups(spec, a, g, multiplier)
+
+
+def _kernels_by_patches(spec, a, g, m):
+    c = a.shape[-1]
+    k = math.prod(spec.kernel_size)
+    spatial = tuple(a.shape[1:-1])
+    p = sliced_patches(spec, spatial, a) if None not in spatial else patches(spec, a)  # [B, T, K C]
+    t = p.shape[1] if p.shape[1] is not None else -1
+    p = tf.reshape(p, [-1, t, k, c, 1])
+    g = tf.reshape(g, [-1, t, 1, c, m])
+    return tf.reshape(tf.reduce_sum(p * g, axis=1), [-1, *spec.kernel_size, c, m])
+
+
+def _kernels_by_groups(spec, a, g, m):
+    b, c = a.shape[0], a.shape[-1]
+    if spec.rank == 1:  # as a 1 x k 2-D convolution
+        a, g = a[:, None], g[:, None]
+        kernel_size, strides, dilations = (1, *spec.kernel_size), (1, *spec.strides), (1, *spec.dilation_rate)
+    else:
+        kernel_size, strides, dilations = spec.kernel_size, spec.strides, spec.dilation_rate
+    # [B, H, W, C] -> [1, H, W, B C]: example n's channel c becomes channel n C + c.
+    folded_a = tf.reshape(tf.transpose(a, [1, 2, 0, 3]), [1, a.shape[1], a.shape[2], b * c])
+    g = tf.reshape(g, [b, g.shape[1], g.shape[2], c, m])
+    folded_g = tf.reshape(tf.transpose(g, [1, 2, 0, 3, 4]), [1, g.shape[1], g.shape[2], b * c * m])
+    kernel = tf.zeros([*kernel_size, b * c, m], a.dtype)
+    with tf.GradientTape() as tape:
+        tape.watch(kernel)
+        z = tf.nn.depthwise_conv2d(folded_a, kernel, [1, *strides, 1], spec.padding.upper(), dilations=dilations)
+    w = tape.gradient(z, kernel, output_gradients=folded_g)  # [*kernel_size, B C, m]
+    w = tf.reshape(w, [*kernel_size, b, c, m])
+    w = tf.transpose(w, [2, 0, 1, 3, 4])
+    return tf.reshape(w, [b, *spec.kernel_size, c, m])
+
+
+def _weighted(g: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
+    g = tf.cast(g, op.compute_dtype(g.dtype))
+    return g * tf.reshape(tf.cast(weights, g.dtype), [-1] + [1] * (g.shape.rank - 1))
+
+
+class DepthwiseConvRule(LayerRule):
+    """DepthwiseConv1D/2D: ``z = depthwise(a, W) + b``, then the fused activation."""
+
+    def unsupported(self, layer):
+        if layer.data_format != "channels_last":
+            return "channels_first depthwise convolutions use the layer-local fallback"
+        return reparametrized(layer)
+
+    def variables(self, layer):
+        return [layer.kernel] + ([layer.bias] if layer.use_bias else [])
+
+    def forward(self, layer, call, args, kwargs):
+        with without_activation(layer, True):
+            z = call(*args, **kwargs)
+        out = layer.activation(z) if layer.activation is not None else z
+        return out, args[0], [z]
+
+    def per_example(self, layer, saved, grads):
+        return [tf.cast(t, v.dtype) for t, v in zip(self._per_example_compute_dtype(layer, saved, grads), self.variables(layer))]
+
+    def squared_norms(self, layer, saved, grads, cache=None):
+        """Norms of the per-example kernels and biases, which a following clipped sum reads from ``cache``."""
+        per_example = self._per_example_compute_dtype(layer, saved, grads)
+        if cache is not None:
+            cache["kept"] = per_example
+        return [per_example_squared_norms(t) for t in per_example]
+
+    def _per_example_compute_dtype(self, layer, saved, grads):
+        g = grads[0]
+        out = [depthwise_kernels(_spec(layer), saved, g, layer.depth_multiplier)]
+        if layer.use_bias:
+            out.append(tf.reduce_sum(op.as_btf(g), axis=1))
+        return out
+
+    def weighted_sum(self, layer, saved, grads, weights, cache=None):
+        kept = (cache or {}).get("kept")
+        if kept is not None:
+            out = [weighted_example_sum(weights, t) for t in kept]
+        else:  # the kernels of (a, w * g), summed: the examples do not mix
+            g = _weighted(grads[0], weights)
+            out = [tf.reduce_sum(depthwise_kernels(_spec(layer), saved, g, layer.depth_multiplier), axis=0)]
+            if layer.use_bias:
+                out.append(tf.reduce_sum(op.as_btf(g), axis=[0, 1]))
+        return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
+
+
+class SeparableConvRule(LayerRule):
+    """SeparableConv1D/2D: ``d = depthwise(a, W_d)``, ``z = d @ W_p + b``, then the fused activation."""
+
+    def unsupported(self, layer):
+        if layer.data_format != "channels_last":
+            return "channels_first separable convolutions use the layer-local fallback"
+        return reparametrized(layer)
+
+    def variables(self, layer):
+        return [layer.depthwise_kernel, layer.pointwise_kernel] + ([layer.bias] if layer.use_bias else [])
+
+    def forward(self, layer, call, args, kwargs):
+        a = args[0]
+        d = keras.ops.depthwise_conv(
+            a, layer.depthwise_kernel, strides=layer.strides, padding=layer.padding,
+            dilation_rate=layer.dilation_rate, data_format=layer.data_format,
+        )
+        pointwise = layer.pointwise_kernel
+        z = keras.ops.matmul(d, keras.ops.reshape(pointwise, pointwise.shape[-2:]))
+        if layer.use_bias:
+            z = keras.ops.add(z, layer.bias)
+        out = layer.activation(z) if layer.activation is not None else z
+        return out, (a, d), [d, z]
+
+    def _parts(self, layer, saved, grads):
+        (a, d), (g_d, g_z) = saved, grads
+        return a, op.as_btf(d), g_d, op.as_btf(g_z)
+
+    def per_example(self, layer, saved, grads):
+        a, d, g_d, g_z = self._parts(layer, saved, grads)
+        out = [
+            depthwise_kernels(_spec(layer), a, g_d, layer.depth_multiplier),
+            tf.reshape(op.per_example_kernel(d, g_z), [-1, *layer.pointwise_kernel.shape]),
+        ]
+        if layer.use_bias:
+            out.append(tf.reduce_sum(g_z, axis=1))
+        return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
+
+    def squared_norms(self, layer, saved, grads, cache=None):
+        a, d, g_d, g_z = self._parts(layer, saved, grads)
+        kernels = depthwise_kernels(_spec(layer), a, g_d, layer.depth_multiplier)
+        if cache is not None:
+            cache["kept"] = kernels
+        out = [per_example_squared_norms(kernels), op.kernel_squared_norms(d, g_z)]
+        if layer.use_bias:
+            out.append(per_example_squared_norms(tf.reduce_sum(g_z, axis=1)))
+        return out
+
+    def weighted_sum(self, layer, saved, grads, weights, cache=None):
+        a, d, g_d, g_z = self._parts(layer, saved, grads)
+        kept = (cache or {}).get("kept")
+        if kept is not None:
+            depthwise = weighted_example_sum(weights, kept)
+        else:
+            depthwise = tf.reduce_sum(depthwise_kernels(_spec(layer), a, _weighted(g_d, weights), layer.depth_multiplier), axis=0)
+        out = [depthwise, tf.reshape(op.weighted_kernel_sum(d, g_z, weights), layer.pointwise_kernel.shape)]
+        if layer.use_bias:
+            out.append(tf.einsum("btj,b->j", g_z, tf.cast(weights, g_z.dtype)))
+        return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
+
+
+def grouped_kernels(spec: ConvSpec, a: tf.Tensor, g: tf.Tensor, groups: int) -> tf.Tensor:
+    """``[B, *kernel_size, C / G, F]``: every example's kernel gradient of a grouped convolution (module docstring)."""
+    c, f = a.shape[-1], g.shape[-1]
+    k = math.prod(spec.kernel_size)
+    spatial = tuple(a.shape[1:-1])
+    p = sliced_patches(spec, spatial, a) if None not in spatial else patches(spec, a)  # [B, T, K C]
+    t = p.shape[1] if p.shape[1] is not None else -1
+    p = tf.reshape(p, [-1, t, k, groups, c // groups])
+    g = tf.reshape(op.as_btf(g), [-1, t, groups, f // groups])
+    kernels = tf.einsum("btkqc,btqf->bkcqf", p, g)
+    return tf.reshape(kernels, [-1, *spec.kernel_size, c // groups, f])
+
+
+class GroupedConvRule(LayerRule):
+    """Conv1D/Conv2D with ``groups > 1``: ``z = conv(a, W) + b``, then the fused activation."""
+
+    def unsupported(self, layer):
+        if layer.data_format != "channels_last":
+            return "channels_first grouped convolutions use the layer-local fallback"
+        return reparametrized(layer)
+
+    def variables(self, layer):
+        return [layer.kernel] + ([layer.bias] if layer.use_bias else [])
+
+    def forward(self, layer, call, args, kwargs):
+        with without_activation(layer, True):
+            z = call(*args, **kwargs)
+        out = layer.activation(z) if layer.activation is not None else z
+        return out, args[0], [z]
+
+    def _per_example(self, layer, a, g):
+        out = [grouped_kernels(ConvSpec.of(layer), a, g, layer.groups)]
+        if layer.use_bias:
+            out.append(tf.reduce_sum(op.as_btf(g), axis=1))
+        return out
+
+    def per_example(self, layer, saved, grads):
+        return [tf.cast(t, v.dtype) for t, v in zip(self._per_example(layer, saved, grads[0]), self.variables(layer))]
+
+    def squared_norms(self, layer, saved, grads, cache=None):
+        """Norms of the per-example gradients, which a following clipped sum reads from ``cache`` when small."""
+        a, g = saved, grads[0]
+        per_example = self._per_example(layer, a, g)
+        small = a.shape[1:].is_fully_defined() and g.shape[1:].is_fully_defined() and (
+            per_example[0].shape[1:].num_elements() <= a.shape[1:].num_elements() + g.shape[1:].num_elements()
+        )
+        if cache is not None and small:
+            cache["kept"] = per_example
+        return [per_example_squared_norms(t) for t in per_example]
+
+    def weighted_sum(self, layer, saved, grads, weights, cache=None):
+        kept = (cache or {}).get("kept")
+        if kept is not None:
+            out = [weighted_example_sum(weights, t) for t in kept]
+        else:
+            a, g = saved, grads[0]
+            out = [weighted_kernel_sum(ConvSpec.of(layer), layer.kernel, a, g, weights)]
+            if layer.use_bias:
+                out.append(tf.einsum("btj,b->j", op.as_btf(g), tf.cast(weights, op.compute_dtype(g.dtype))))
+        return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
+
+
+class _ConvRule(LayerRule):
+    """Conv1D/Conv2D: ``conv.PATCHES_RULE`` for ``groups = 1``, ``GroupedConvRule`` for ``groups > 1``."""
+
+    def _rule(self, layer):
+        return GROUPED_RULE if layer.groups > 1 and layer.rank in (1, 2) else PATCHES_RULE
+
+    def unsupported(self, layer):
+        return self._rule(layer).unsupported(layer)
+
+    def variables(self, layer):
+        return self._rule(layer).variables(layer)
+
+    def forward(self, layer, call, args, kwargs):
+        return self._rule(layer).forward(layer, call, args, kwargs)
+
+    def per_example(self, layer, saved, grads):
+        return self._rule(layer).per_example(layer, saved, grads)
+
+    def squared_norms(self, layer, saved, grads, cache=None):
+        return self._rule(layer).squared_norms(layer, saved, grads, cache)
+
+    def weighted_sum(self, layer, saved, grads, weights, cache=None):
+        return self._rule(layer).weighted_sum(layer, saved, grads, weights, cache)
+
+
+DEPTHWISE_RULE = DepthwiseConvRule()
+SEPARABLE_RULE = SeparableConvRule()
+
+GROUPED_RULE = GroupedConvRule()
+CONV_RULE = _ConvRule()
+
+register_layer_rule(keras.layers.Conv1D, CONV_RULE)
+register_layer_rule(keras.layers.Conv2D, CONV_RULE)
+register_layer_rule(keras.layers.DepthwiseConv1D, DEPTHWISE_RULE)
+register_layer_rule(keras.layers.DepthwiseConv2D, DEPTHWISE_RULE)
+register_layer_rule(keras.layers.SeparableConv1D, SEPARABLE_RULE)
+register_layer_rule(keras.layers.SeparableConv2D, SEPARABLE_RULE)

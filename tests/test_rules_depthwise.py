@@ -1,0 +1,112 @@
+"""The depthwise and separable convolution rules against the one-example loop, eagerly and under XLA."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import per_example_grads as peg
+from helpers import assert_clipped_sums_close, assert_norms_close, clipped_against_loop, reference_gradients, reference_norms, rule_against_loop, sparse_ce
+from model_zoo import RULE_FAMILIES, layer_case, layer_case_params
+
+CLOSED_FORM = sorted(n for n in RULE_FAMILIES["depthwise"] if not n.endswith("_fallback"))
+
+
+@pytest.mark.parametrize("name", layer_case_params(sorted(RULE_FAMILIES["depthwise"])))
+def test_rule_matches_loop(name):
+    rule_against_loop(*layer_case(name))
+
+
+@pytest.mark.parametrize("clip", [1e-3, 0.3, 1e3])
+@pytest.mark.parametrize("name", layer_case_params([
+    "depthwise_conv2d_strided_valid", "depthwise_conv2d_dilated_same_m3", "depthwise_conv1d_strided_dilated_no_bias",
+    "separable_conv2d_strided_same_m2_no_bias", "separable_conv1d_same",
+    "conv2d_groups_strided_same", "conv2d_groups_dilated_large_kernel_vjp", "conv1d_groups_causal",
+]))
+def test_clipped_gradients_match_clipping_materialized(name, clip):
+    clipped_against_loop(*layer_case(name), clip, methods=["layerwise", "vectorized"])
+
+
+@pytest.mark.parametrize("name", CLOSED_FORM)
+def test_closed_form_is_used_not_the_fallback(name):
+    from per_example_grads.engines.capture import plan_units
+    from per_example_grads.rules import depthwise_conv as dc
+
+    model, _, _ = layer_case(name)
+    unit = plan_units(model, model.trainable_variables)[0]
+    if unit.rule is dc.CONV_RULE:  # a grouped Conv1D/Conv2D
+        assert unit.layer.groups > 1 and unit.rule._rule(unit.layer) is dc.GROUPED_RULE
+    else:
+        assert type(unit.rule) in (dc.DepthwiseConvRule, dc.SeparableConvRule)
+
+
+def test_channels_first_is_declined():
+    from per_example_grads.rules.depthwise_conv import DEPTHWISE_RULE, SEPARABLE_RULE
+
+    assert DEPTHWISE_RULE.unsupported(keras.layers.DepthwiseConv2D(2, data_format="channels_first")) is not None
+    assert SEPARABLE_RULE.unsupported(keras.layers.SeparableConv1D(2, 2, data_format="channels_first")) is not None
+
+
+def _clipped_against_reference(fn, model, x, y, clip=0.3):
+    expected = reference_gradients(model, sparse_ce, x, y)
+    factors = clip / np.maximum(reference_norms(expected), clip)
+    got, got_norms = fn(x, y)
+    assert_norms_close(got_norms, expected)
+    assert_clipped_sums_close(got, expected, factors)
+
+
+# A dilated grouped convolution runs through space-to-batch, whose gradient inside the layer-wise engine's
+# graph does not compile under XLA (it did not before these rules either, with the layer-local fallback).
+XLA_CASES = [n for n in CLOSED_FORM if n != "conv2d_groups_dilated_large_kernel_vjp"]
+
+
+@pytest.mark.parametrize("name", XLA_CASES)
+def test_clipped_sum_under_xla(name):
+    """Under ``jit_compile=True`` the kernels come from the patches, not the grouped convolution."""
+    model, x, y = layer_case(name)
+    fn = tf.function(lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, return_norms=True, method="layerwise"), jit_compile=True)
+    _clipped_against_reference(fn, model, x, y)
+
+
+@pytest.mark.parametrize("name", ["depthwise_conv2d_dilated_same_m3", "depthwise_conv1d_same", "separable_conv2d", "depthwise_conv2d_same_input_smaller_than_kernel"])
+def test_depthwise_kernels_by_patches_equal_by_groups(name):
+    """The two formulations of the per-example kernels agree, on the layer's own a and g."""
+    from per_example_grads.rules import depthwise_conv as dc
+
+    model, _, _ = layer_case(name)
+    layer = model.layers[0]
+    spec = dc._spec(layer)
+    c = model.inputs[0].shape[-1]
+    m = layer.depth_multiplier
+    shape = (3, *model.inputs[0].shape[1:])
+    a = tf.random.stateless_normal(shape, [1, 2])
+    out_shape = keras.layers.DepthwiseConv2D(spec.kernel_size, strides=spec.strides, padding=spec.padding, dilation_rate=spec.dilation_rate, depth_multiplier=m).compute_output_shape(shape) if spec.rank == 2 else keras.layers.DepthwiseConv1D(spec.kernel_size, strides=spec.strides, padding=spec.padding, dilation_rate=spec.dilation_rate, depth_multiplier=m).compute_output_shape(shape)
+    g = tf.random.stateless_normal(out_shape, [3, 4])
+    by_groups = dc._kernels_by_groups(spec, a, g, m).numpy()
+    by_patches = dc._kernels_by_patches(spec, a, g, m).numpy()
+    assert by_groups.shape == (3, *spec.kernel_size, c, m)
+    t = int(np.prod(out_shape[1:-1]))
+    scale = float(np.max(np.abs(a))) * float(np.max(np.abs(g)))
+    from tolerances import rounding_rtol
+    np.testing.assert_allclose(by_groups, by_patches, rtol=0, atol=rounding_rtol(t) * t * scale)  # each entry: a sum of t products of at most scale
+
+
+def test_dynamic_batch_in_a_graph():
+    """An unknown batch size (a ``tf.function`` with a ``None`` batch) takes the patches path."""
+    model, x, y = layer_case("separable_conv2d_strided_same_m2_no_bias")
+    spec = [tf.TensorSpec((None, *x.shape[1:]), tf.float32), tf.TensorSpec((None,), tf.int32)]
+    fn = tf.function(lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, return_norms=True, method="layerwise"), input_signature=spec)
+    _clipped_against_reference(fn, model, x, y)
+
+
+@pytest.mark.parametrize("name, kept", [("conv2d_groups_strided_same", True), ("conv2d_groups_dilated_large_kernel_vjp", False)])
+def test_grouped_conv_keeps_kernels_only_when_small(name, kept):
+    """Small per-example kernels serve the clipped sum from the cache; large ones leave it to the kernel VJP."""
+    from per_example_grads.rules import depthwise_conv as dc
+
+    model, x, _ = layer_case(name)
+    layer = model.layers[0]
+    z = layer(x)
+    cache = {}
+    dc.GROUPED_RULE.squared_norms(layer, tf.constant(x), [tf.ones_like(z)], cache)
+    assert ("kept" in cache) == kept
