@@ -16,6 +16,6 @@ from per_example_grads.rules.rule import (
     rule_for,
     sum_to_shape,
 )
-from per_example_grads.rules import conv, dense, einsum_dense, embedding, local, normalization, prelu  # noqa: F401,E402
+from per_example_grads.rules import conv, dense, einsum_dense, embedding, hub_layers, local, normalization, prelu  # noqa: F401,E402
 
 __all__ = ["LayerRule", "per_example_squared_norms", "register_layer_rule", "rule_for", "sum_to_shape"]
