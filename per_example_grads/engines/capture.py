@@ -78,8 +78,15 @@ def plan_units(model: Any, variables) -> list[Unit]:
             f"'{model.name}' owns variables itself (add_weight on the model), outside any layer"
         )
     units: list[Unit] = []
+    seen: set[int] = set()
 
     def visit(layer):
+        # A layer tracked by two parents (KerasHub's CausalLM and its backbone
+        # both hold the token embedding) is one unit: two would record each
+        # call twice, and the clipped sum would count it twice.
+        if id(layer) in seen:
+            return
+        seen.add(id(layer))
         rule = rule_for(layer)
         if rule is not None and rule.unsupported(layer) is None:
             units.append(Unit(layer, rule))
