@@ -103,3 +103,33 @@ def test_layer_local_fallback_loops_instead_of_vectorizing(monkeypatch):
     monkeypatch.setattr(tf, "vectorized_map", refuse)
     assert_grads_close(peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise"), expected)
     assert not calls
+
+
+@pytest.mark.parametrize(
+    "a, b, hazard",
+    [
+        # Measured on TF 2.21 + oneDNN: [5, 1, 6, 8] @ [8, 8] and @ [1, 8, 8] corrupt the heap; the others run.
+        ([1, 6, 8], [8, 8], True),  # one example's EinsumDense: [B, 1, 6, 8] @ [8, 8] under pfor
+        ([1, 6, 8], [1, 8, 8], True),
+        ([2, 6, 8], [8, 8], False),  # no unit batch axis
+        ([1, 6, 8], [1, 8, 8 + 1], True),
+        ([2, 2, 6, 8], [2, 2, 8, 8], False),
+        ([2, 1, 6, 8], [2, 1, 8, 8], True),  # a unit axis: pfor may batch only one operand
+        ([None, 6, 8], [8, 8], True),  # a batch axis that may be 1
+        ([6, 8], [8, 8], False),  # a plain matmul
+    ],
+)
+def test_broadcast_matmul_hazard(a, b, hazard):
+    assert pfor_limits.broadcast_matmul_hazard(tf.TensorShape(a), tf.TensorShape(b)) == hazard
+
+
+def test_einsum_dense_on_sequences_refuses_vectorized():
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((4, 3))
+    h = keras.layers.EinsumDense("btd,de->bte", output_shape=(4, 5))(inp)
+    model = keras.Model(inp, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
+    x, y = _data((4, 3))
+    with pytest.raises(peg.EngineError, match="BatchMatMulV2 broadcasting"):
+        peg.per_example_gradients(model, sparse_ce, x, y, method="vectorized")
+    expected = reference_gradients(model, sparse_ce, x, y)  # auto: layerwise, exact
+    assert_grads_close(peg.per_example_gradients(model, sparse_ce, x, y), expected)

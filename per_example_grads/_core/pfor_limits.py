@@ -13,7 +13,21 @@ catch. Whether it crashes depends on the CPU, so the decision must not: the
 one-example graph is traced (cheap: no kernel runs) and any op whose rank
 after pfor would exceed its kernel's limit makes the function unvectorizable.
 
-``RANK_LIMITS`` lists the ops with a limit. It was measured on TF 2.21 (x86,
+A second oneDNN fault: ``BatchMatMulV2`` that broadcasts a rank-4 operand
+with a unit batch axis against a smaller one (``[5, 1, 6, 8] @ [8, 8]``, and
+``@ [1, 8, 8]``) corrupts the heap ("free(): invalid pointer", SIGABRT or
+SIGSEGV, sometimes only at exit, so a run that "worked" may have computed on
+corrupted memory); ``[5, 2, 6, 8] @ [8, 8]``, ``[5, 1, 6, 8] @ [5, 1, 8, 8]``,
+``[5, 3, 1, 6, 8] @ [8, 8]`` and oneDNN off (``TF_ENABLE_ONEDNN_OPTS=0``)
+are fine. pfor produces exactly that shape:
+Keras lowers ``EinsumDense`` (every attention projection) on a one-example
+``[1, T, D]`` input to ``BatchMatMulV2([1, T, D], [D, E])``, which pfor turns
+into ``[B, 1, T, D] @ [D, E]``. So a batch matmul whose operands' batch axes
+differ (it broadcasts) and include an axis of size 1 (or unknown size) is a
+hazard too (``broadcast_matmul_hazard``, conservatively: any batch axis of
+size 1 or unknown size).
+
+``RANK_LIMITS`` lists the ops with a rank limit. It was measured on TF 2.21 (x86,
 oneDNN on): every op below ran at rank 6 and 7 in a ``tf.function`` except
 ``Softmax``: LogSoftmax, Transpose, BatchMatMulV2, Einsum, Relu, Gelu, Tanh,
 Sigmoid, Swish, AddV2, Mul, LeakyRelu, Elu, Sum, Mean, SquaredDifference,
@@ -28,6 +42,8 @@ import tensorflow as tf
 
 # op type -> the largest input rank its CPU kernel accepts.
 RANK_LIMITS: dict[str, int] = {"Softmax": 5}
+
+BATCH_MATMULS = ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
 
 # Attributes of control-flow and call ops that name nested function bodies.
 _FUNCTION_ATTRS = ("then_branch", "else_branch", "body", "cond", "f", "branches")
@@ -53,6 +69,9 @@ def over_limit_ops(ops: Iterable[tf.Operation], graph: tf.Graph, added_axes: int
                 if rank is not None and rank + added_axes > limit:
                     found.append(f"{op.type} on rank {rank} ('{op.name}'; rank {rank + added_axes} under "
                                  f"tf.vectorized_map, over the CPU kernel's limit of {limit})")
+            if op.type in BATCH_MATMULS and broadcast_matmul_hazard(op.inputs[0].shape, op.inputs[1].shape):
+                found.append(f"{op.type} broadcasting {op.inputs[0].shape} with {op.inputs[1].shape} ('{op.name}'; "
+                             "a unit batch axis under tf.vectorized_map, which corrupts oneDNN's heap)")
             for name in _nested_function_names(op):
                 if name in seen:
                     continue
@@ -63,6 +82,19 @@ def over_limit_ops(ops: Iterable[tf.Operation], graph: tf.Graph, added_axes: int
 
     visit(list(ops), graph)
     return found
+
+
+def broadcast_matmul_hazard(a: tf.TensorShape, b: tf.TensorShape) -> bool:
+    """Whether a batch matmul of ``a`` and ``b`` (shapes before pfor) has a batch axis of size 1 or unknown size.
+
+    Batch axes are all but the last two. pfor batches only the operands that
+    depend on the example, so even equal batch axes before it broadcast after
+    it (``[1, 6, 8] @ [1, 8, 8]`` becomes ``[B, 1, 6, 8] @ [1, 8, 8]``): any
+    unit axis counts. Operands of unknown rank count too.
+    """
+    if a.rank is None or b.rank is None:
+        return True
+    return any(d is None or d == 1 for d in a.as_list()[:-2] + b.as_list()[:-2])
 
 
 def vectorization_hazards(fn: Callable, specs: Any) -> list[str]:
@@ -96,10 +128,13 @@ def example_specs(batched: Any) -> Any:
     return tf.nest.map_structure(spec, batched)
 
 
-def describe(hazards: list[str], limit: int = 2) -> str:
-    """The first ``limit`` hazards, and how many more, for a message."""
-    more = len(hazards) - limit
-    return "; ".join(hazards[:limit]) + (f"; and {more} more" if more > 0 else "")
+def describe(hazards: list[str]) -> str:
+    """The first hazard of each op type, and how many more, for a message."""
+    firsts: dict[str, str] = {}
+    for h in hazards:
+        firsts.setdefault(h.split()[0], h)
+    more = len(hazards) - len(firsts)
+    return "; ".join(firsts.values()) + (f"; and {more} more" if more > 0 else "")
 
 
 def _nested_function_names(op: tf.Operation) -> list[str]:

@@ -22,14 +22,13 @@ def why_not_batch(problem, batch) -> str | None:
 
     ``tape.jacobian`` vectorizes only the backward pass (over the ``B``
     output directions), so only the ops ``tape.gradient`` adds are checked, at
-    the batch's ranks (batch axis of unknown size); see
+    the batch's shapes (a batch of 1 has the unit axis that makes a
+    broadcasting batch matmul a hazard); see
     ``per_example_grads._core.pfor_limits``.
     """
     key = "jacobian_hazards"
     if key not in problem.cache:
-        specs = tf.nest.map_structure(
-            lambda t: tf.TensorSpec([None, *tf.convert_to_tensor(t).shape[1:]], tf.convert_to_tensor(t).dtype), batch
-        )
+        specs = tf.nest.map_structure(lambda t: tf.TensorSpec.from_tensor(tf.convert_to_tensor(t)), batch)
         found = []
 
         def backward(b):
