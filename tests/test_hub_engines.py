@@ -30,9 +30,12 @@ B = 2
 # Every attention projection (EinsumDense on [1, T, D]) is a broadcasting batch
 # matmul with a unit batch axis under pfor, which corrupts oneDNN's heap; Gemma's
 # grouped-query attention also has rank-5 scores, past oneDNN Softmax's rank 5.
+# (Llama's attention reshapes its single key-value head away; Gemma's keeps it.)
 _MATMUL = "BatchMatMulV2 broadcasting"
 REFUSED = {
     ("gemma_lm", "vectorized"): ["Softmax on rank 5", _MATMUL],
+    # One key-value head: [B, 1, T, S] scores, a unit batch axis in jacobian's backward pass.
+    ("gemma_lm", "jacobian"): [_MATMUL],
     ("llama_lm", "vectorized"): [_MATMUL],
     ("gpt2_lm", "vectorized"): [_MATMUL],
     ("bert_classifier", "vectorized"): [_MATMUL],

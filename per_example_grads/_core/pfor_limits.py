@@ -110,8 +110,14 @@ def vectorization_hazards(fn: Callable, specs: Any) -> list[str]:
     (``tf.vectorized_map`` would trace it the same way), so the caller takes
     its non-vectorized path.
     """
+    def scoped(example):
+        # As inside tf.vectorized_map, the function runs below a name scope:
+        # at the root, a layer named "_x" is not a valid scope name.
+        with tf.name_scope("pfor_check"):
+            return fn(example)
+
     try:
-        concrete = tf.function(fn, autograph=False).get_concrete_function(specs)
+        concrete = tf.function(scoped, autograph=False).get_concrete_function(specs)
     except Exception as err:  # noqa: BLE001 - reported, not raised: the caller avoids vectorizing
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
         return [f"a graph that cannot be traced on its own ({type(err).__name__}: {first})"]

@@ -32,7 +32,7 @@ def why_not_batch(problem, batch) -> str | None:
         found = []
 
         def backward(b):
-            with tf.GradientTape() as tape:
+            with tf.GradientTape() as tape, tf.name_scope("pfor_check"):  # as vectorized_map's
                 watch_variables(tape, problem.variables)
                 losses = problem.losses(b)
             graph = tf.compat.v1.get_default_graph()
