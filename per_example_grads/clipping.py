@@ -122,7 +122,7 @@ def clipped_sums_and_predictions(
     batch = make_batch(model, x, y, sample_weight)
 
     def clipped_sums(batch):
-        sums, norms, predictions = selection.run(method, problem, lambda engine: engine.clipped_sums(problem, batch, clip))
+        sums, norms, predictions = selection.run(method, problem, lambda engine: engine.clipped_sums(problem, batch, clip), batch)
         return sums, norms, () if predictions is None else predictions
 
     def without_nonfinite(batch):  # run only for B > 0

@@ -144,4 +144,4 @@ def per_example_norms(
     if kwargs:
         raise TypeError(f"per_example_norms got unexpected arguments: {sorted(kwargs)}.")
     # Engines with closed forms (layer-wise: ghost norms) never build B x P.
-    return unless_empty(batch, lambda batch: selection.run(method, problem, lambda e: e.norms(problem, batch, by_variable)))
+    return unless_empty(batch, lambda batch: selection.run(method, problem, lambda e: e.norms(problem, batch, by_variable), batch))

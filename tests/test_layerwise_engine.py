@@ -12,6 +12,7 @@ from helpers import (
     assert_clipped_sums_close,
     assert_grads_close,
     assert_norms_close,
+    clipped_against_loop,
     gradient_scale,
     reference_gradients,
     reference_norms,
@@ -188,3 +189,28 @@ def test_layer_called_on_non_batch_tensor_is_refused_and_auto_falls_back():
     with pytest.warns(peg.EngineFallbackWarning, match="not the batch"):
         grads = peg.per_example_gradients(model, sparse_ce, x, y)
     assert_grads_close(grads, reference_gradients(model, sparse_ce, x, y))
+
+
+class _Scale(keras.layers.Layer):
+    """``tanh(x * w)``: no rule, so the layer-local fallback (whose forward runs the layer's own call)."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=input_shape[-1:], initializer="random_normal")
+
+    def call(self, x):
+        return keras.ops.tanh(x * self.w)
+
+
+def test_a_layer_tracked_by_two_parents_is_counted_once_in_clipped_sums():
+    """As KerasHub's CausalLM: the head calls the backbone's own layer again, so the outer model tracks it directly too.
+
+    Planned as two units, each call was recorded twice, and the clipped sum counted it twice.
+    """
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((5,))
+    shared = _Scale(name="shared")
+    backbone = keras.Model(inp, shared(inp), name="backbone")
+    outer_in = keras.Input((5,))
+    model = keras.Model(outer_in, keras.layers.Dense(3)(shared(backbone(outer_in))))
+    x = np.random.default_rng(0).normal(size=(B, 5)).astype("float32")
+    clipped_against_loop(model, x, np.arange(B) % 3, clip=0.5)

@@ -11,12 +11,8 @@ from typing import Any, Iterator
 
 import keras
 
-# Layers with which ``tf.vectorized_map`` is known to take the whole process
-# down (SIGSEGV) on some TF releases: TF 2.21 with Keras 3 MultiHeadAttention was
-# reported to crash even on the forward pass. A segfault cannot be caught, so
-# engines that use ``tf.vectorized_map`` are never tried on these layers by
-# ``method="auto"``, and asking for them explicitly raises an error instead.
-VECTORIZATION_CRASHERS: tuple[type, ...] = (keras.layers.MultiHeadAttention,)
+# Which models tf.vectorized_map must not run is decided from the traced graph,
+# not by layer class: ``per_example_grads._core.pfor_limits``.
 
 # Layers whose output for one example depends on the other examples of the
 # batch when called with ``training=True``.
@@ -39,11 +35,6 @@ def own_variables(layer: keras.layers.Layer) -> list:
     """Variables created by ``layer`` itself, not by one of its sublayers."""
     below = {id(v) for sub in direct_sublayers(layer) for v in sub.weights}
     return [v for v in layer.weights if id(v) not in below]
-
-
-def vectorization_crashers(model: Any) -> list[keras.layers.Layer]:
-    """Layers of ``model`` that can crash ``tf.vectorized_map``."""
-    return [l for l in iter_layers(model) if isinstance(l, VECTORIZATION_CRASHERS)]
 
 
 def batch_coupling_layers(model: Any, training: bool) -> list[keras.layers.Layer]:

@@ -66,6 +66,10 @@ class Engine:
         another example's gradient.
       why_not: ``problem -> str | None``: why the engine must not run on this
         problem (it would crash or be wrong), or None.
+      why_not_batch: ``(problem, batch) -> str | None``: as ``why_not``, for
+        reasons that depend on the batch's shapes (an op whose rank under
+        ``tf.vectorized_map`` exceeds its CPU kernel's limit,
+        ``per_example_grads._core.pfor_limits``), or None for no such check.
       native_squared_norms: the engine's own ``(problem, batch) -> [B]``
         squared norms per variable, or None to materialize the gradients.
       native_clipped_sums: the engine's own ``clipped_sums`` (module
@@ -76,8 +80,16 @@ class Engine:
     compute: EngineFn
     isolates_examples: bool
     why_not: Callable[[Problem], str | None] = lambda problem: None
+    why_not_batch: Callable[[Problem, Batch], str | None] | None = None
     native_squared_norms: Callable[[Problem, Batch], list] | None = None
     native_clipped_sums: Callable[[Problem, Batch, ClipGroups], tuple] | None = None
+
+    def refusal(self, problem: Problem, batch: Batch | None = None) -> str | None:
+        """``why_not(problem)``, else (given the batch) ``why_not_batch(problem, batch)``."""
+        reason = self.why_not(problem)
+        if reason is None and batch is not None and self.why_not_batch is not None:
+            reason = self.why_not_batch(problem, batch)
+        return reason
 
     def norms(self, problem: Problem, batch: Batch, by_variable: bool = False):
         """``[B]`` global norms, or a list of ``[B]`` per variable."""

@@ -82,9 +82,9 @@ def plan_units(model: Any, variables) -> list[Unit]:
     seen: set[int] = set()
 
     def visit(layer):
-        # A layer reachable along two paths (KerasHub's CausalLM lists its backbone's token
-        # embedding, which it calls for the logits) is one unit: watched twice, each call
-        # would be recorded twice.
+        # A layer tracked by two parents (KerasHub's CausalLM and its backbone
+        # both hold the token embedding) is one unit: two would record each
+        # call twice, and the clipped sum would count it twice.
         if id(layer) in seen:
             return
         seen.add(id(layer))

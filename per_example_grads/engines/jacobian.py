@@ -11,12 +11,48 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from per_example_grads._core import pfor_limits
 from per_example_grads._core.quiet import quiet_vectorization
 from per_example_grads.engines.base import register_engine
 from per_example_grads._core.tape import dense_or_zeros, watch_variables
 
 
-@register_engine(name="jacobian", isolates_examples=False)
+def why_not_batch(problem, batch) -> str | None:
+    """Refuses a model whose backward pass has an op that pfor would push past its CPU kernel's rank.
+
+    ``tape.jacobian`` vectorizes only the backward pass (over the ``B``
+    output directions), so only the ops ``tape.gradient`` adds are checked, at
+    the batch's shapes (a batch of 1 has the unit axis that makes a
+    broadcasting batch matmul a hazard); see
+    ``per_example_grads._core.pfor_limits``.
+    """
+    key = "jacobian_hazards"
+    if key not in problem.cache:
+        specs = tf.nest.map_structure(lambda t: tf.TensorSpec.from_tensor(tf.convert_to_tensor(t)), batch)
+        found = []
+
+        def backward(b):
+            with tf.GradientTape() as tape, tf.name_scope("pfor_check"):  # as vectorized_map's
+                watch_variables(tape, problem.variables)
+                losses = problem.losses(b)
+            graph = tf.compat.v1.get_default_graph()
+            start = len(graph.get_operations())
+            tape.gradient(losses, problem.variables, output_gradients=tf.ones_like(losses))
+            found.extend(pfor_limits.over_limit_ops(graph.get_operations()[start:], graph))
+            return losses
+
+        tf.function(backward, autograph=False).get_concrete_function(specs)
+        problem.cache[key] = found
+    hazards = problem.cache[key]
+    if hazards:
+        return (
+            f"its vectorized backward pass would run {pfor_limits.describe(hazards)}, which fails or "
+            "crashes the process (oneDNN) depending on the CPU"
+        )
+    return None
+
+
+@register_engine(name="jacobian", isolates_examples=False, why_not_batch=why_not_batch)
 def jacobian(problem, batch) -> list:
     """``d losses[i] / d var`` for every i -> list of ``[B, *var.shape]``."""
     with tf.GradientTape() as tape:

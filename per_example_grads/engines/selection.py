@@ -5,9 +5,12 @@ The rule, in order of preference:
 1. ``layerwise``, when every requested variable belongs to a layer (closed
    forms per layer, or the exact layer-local fallback); see
    ``per_example_grads.rules``.
-2. ``vectorized``, unless the model contains a layer known to crash
-   ``tf.vectorized_map`` (``model_inspection.VECTORIZATION_CRASHERS``). A
-   segfault cannot be caught, so such models never reach it.
+2. ``vectorized``, unless the one-example graph has an op that, with the
+   axis ``tf.vectorized_map`` adds, would exceed the rank its CPU kernel
+   accepts (``per_example_grads._core.pfor_limits``: oneDNN's Softmax takes
+   rank <= 5, and grouped-query attention's scores are rank 5 before pfor).
+   On some CPUs that is a segfault, which cannot be caught, so such models
+   never reach it, whatever the CPU.
 3. ``weight_copies``, the fallback the design asks for when vectorization is
    impossible, unless a variable is not a Keras variable, or the model has
    active random layers in training mode. (``benchmarks/RESULTS.md`` measures
@@ -47,14 +50,16 @@ def check_method(method: str) -> None:
         raise ValueError(f"method must be one of {['auto', *ENGINES]}; got {method!r}.")
 
 
-def run(method: str, problem: Problem, use: Callable[[Engine], T]) -> T:
+def run(method: str, problem: Problem, use: Callable[[Engine], T], batch: Batch | None = None) -> T:
     """``use(engine)`` with the engine ``method`` names, or the one ``"auto"`` picks.
 
     ``use`` asks for one capability (``engine.compute(problem, batch)``,
     ``engine.squared_norms(...)`` or ``engine.clipped_sums(...)``); ``auto``
     falls back the same way for each: an engine that refuses the problem
     (``why_not``) or raises while building is skipped, with one
-    ``EngineFallbackWarning`` naming it and the reason.
+    ``EngineFallbackWarning`` naming it and the reason. With ``batch``, the
+    engines' batch-dependent refusals (``Engine.why_not_batch``) apply too;
+    every caller that runs an engine on a batch passes it.
 
     Raises:
       EngineError: an explicitly chosen engine refuses or fails, or no engine
@@ -62,7 +67,7 @@ def run(method: str, problem: Problem, use: Callable[[Engine], T]) -> T:
     """
     if method != "auto":
         engine = ENGINES[method]
-        reason = engine.why_not(problem)
+        reason = engine.refusal(problem, batch)
         if reason:
             raise EngineError(f"method={method!r} cannot run on this model: {reason}.")
         try:
@@ -80,7 +85,7 @@ def run(method: str, problem: Problem, use: Callable[[Engine], T]) -> T:
     skipped = []
     for name in AUTO_ORDER:
         engine = ENGINES[name]
-        reason = engine.why_not(problem)
+        reason = engine.refusal(problem, batch)
         if reason is None:
             try:
                 result = use(engine)
@@ -101,7 +106,7 @@ def run(method: str, problem: Problem, use: Callable[[Engine], T]) -> T:
 
 def compute(method: str, problem: Problem, batch: Batch) -> list:
     """Per-example gradients from ``method``: list of ``[B, *var.shape]``."""
-    return run(method, problem, lambda engine: engine.compute(problem, batch))
+    return run(method, problem, lambda engine: engine.compute(problem, batch), batch)
 
 
 def _warn_once(used: str, skipped: list) -> None:

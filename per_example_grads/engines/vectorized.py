@@ -13,23 +13,33 @@ import functools
 
 import tensorflow as tf
 
-from per_example_grads._core import model_inspection
+from per_example_grads._core import pfor_limits
 from per_example_grads._core.quiet import quiet_vectorization
 from per_example_grads.engines.base import example_gradient, register_engine
 
 
-def why_not(problem) -> str | None:
-    """Refuses models with a layer known to crash ``tf.vectorized_map``."""
-    crashers = model_inspection.vectorization_crashers(problem.model)
-    if crashers:
+def why_not_batch(problem, batch) -> str | None:
+    """Refuses a model whose one-example gradient graph has an op that pfor would push past its CPU kernel's rank.
+
+    The graph of ``example_gradient`` (forward and backward of one example,
+    shapes of ``batch`` without its batch axis) is traced once per call; see
+    ``per_example_grads._core.pfor_limits``.
+    """
+    key = "vectorized_hazards"
+    if key not in problem.cache:
+        problem.cache[key] = pfor_limits.vectorization_hazards(
+            functools.partial(example_gradient, problem), pfor_limits.example_specs(batch)
+        )
+    hazards = problem.cache[key]
+    if hazards:
         return (
-            f"the model has {model_inspection.describe(crashers)}, which can "
-            "crash tf.vectorized_map with a segmentation fault"
+            f"tf.vectorized_map would run {pfor_limits.describe(hazards)}, which fails or crashes "
+            "the process (oneDNN) depending on the CPU"
         )
     return None
 
 
-@register_engine(name="vectorized", isolates_examples=True, why_not=why_not)
+@register_engine(name="vectorized", isolates_examples=True, why_not_batch=why_not_batch)
 def vectorized(problem, batch) -> list:
     """``tf.vectorized_map(grad of loss_i)`` -> list of ``[B, *var.shape]``."""
     with quiet_vectorization():

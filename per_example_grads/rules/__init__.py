@@ -22,6 +22,7 @@ from per_example_grads.rules import (  # noqa: F401,E402  (each registers its ru
     depthwise_conv,
     einsum_dense,
     embedding,
+    hub_layers,
     local,
     lora,
     normalization,

@@ -6,8 +6,9 @@ gradient ``g`` at its outputs. Example i's gradient with respect to the
 layer's weights is the vector-Jacobian product
 ``d <layer(args_i), g_i> / d weights``, recomputed on that one example; the
 ``B`` recomputations run under ``tf.vectorized_map`` (or a ``tf.map_fn`` loop
-for layers that must not be vectorized, for recurrent layers under XLA, or
-when vectorization fails). Only this
+for layers whose one-example VJP has an op that pfor would push past its CPU
+kernel's rank, ``per_example_grads._core.pfor_limits``, for recurrent layers
+under XLA, or when vectorization fails). Only this
 layer is recomputed, never the whole model.
 
 With ``preactivation=True`` (used for convolutions) the layer's fused
@@ -22,7 +23,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from per_example_grads._core import model_inspection
+from per_example_grads._core import pfor_limits
 from per_example_grads._core.quiet import quiet_vectorization
 from per_example_grads._core.tape import dense_or_zeros, watch_variables
 from per_example_grads.rules.rule import LayerRule
@@ -75,7 +76,9 @@ class LocalRule(LayerRule):
         def vectorized():
             # XLA cannot compile a vectorized while loop (it raises); a loop of loops it can.
             looping = in_xla_context() and isinstance(layer, (keras.layers.RNN, keras.layers.Bidirectional))
-            if not (looping or model_inspection.vectorization_crashers(layer)):
+            # An op past its kernel's rank under pfor can crash the process
+            # (not raise) on some CPUs: such a layer is never vectorized.
+            if not (looping or pfor_limits.vectorization_hazards(fn, pfor_limits.example_specs(elems))):
                 try:
                     with quiet_vectorization():
                         return tf.vectorized_map(fn, elems)
