@@ -40,6 +40,8 @@ from typing import Any, Callable, Iterable
 
 import tensorflow as tf
 
+from per_example_grads.errors import InvalidLossError
+
 # op type -> the largest input rank its CPU kernel accepts.
 RANK_LIMITS: dict[str, int] = {"Softmax": 5}
 
@@ -118,6 +120,8 @@ def vectorization_hazards(fn: Callable, specs: Any) -> list[str]:
 
     try:
         concrete = tf.function(scoped, autograph=False).get_concrete_function(specs)
+    except InvalidLossError:
+        raise  # the loss itself is wrong: every engine would fail, so say so rather than refuse
     except Exception as err:  # noqa: BLE001 - reported, not raised: the caller avoids vectorizing
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
         return [f"a graph that cannot be traced on its own ({type(err).__name__}: {first})"]
