@@ -240,7 +240,25 @@ def weighted_kernel_sum(layer: ConvSpec, kernel, a: tf.Tensor, g: tf.Tensor, wei
     return tape.gradient(z, kernel, output_gradients=gw)
 
 
-class ConvPatchesRule(LayerRule):
+def pre_activation(layer, call, args, kwargs) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(outputs, z)``: the layer's own call with its fused activation split off, ``z`` taken before it."""
+    with without_activation(layer, True):
+        z = call(*args, **kwargs)
+    return (layer.activation(z) if layer.activation is not None else z), z
+
+
+class KernelBiasRule(LayerRule):
+    """A layer ``z = op(a, kernel) + bias``, then its fused activation: the tap is ``z``, ``saved`` is ``a``."""
+
+    def variables(self, layer):
+        return [layer.kernel] + ([layer.bias] if layer.use_bias else [])
+
+    def forward(self, layer, call, args, kwargs):
+        out, z = pre_activation(layer, call, args, kwargs)
+        return out, args[0], [z]
+
+
+class ConvPatchesRule(KernelBiasRule):
     def unsupported(self, layer):
         if layer.rank not in (1, 2):
             return "only 1-D and 2-D convolutions have the patches closed form"
@@ -248,13 +266,8 @@ class ConvPatchesRule(LayerRule):
             return "grouped convolutions have their own rule (depthwise_conv.py); channels_first ones use the layer-local fallback"
         return reparametrized(layer)
 
-    def variables(self, layer):
-        return [layer.kernel] + ([layer.bias] if layer.use_bias else [])
-
     def forward(self, layer, call, args, kwargs):
-        with without_activation(layer, True):
-            z = call(*args, **kwargs)
-        out = layer.activation(z) if layer.activation is not None else z
+        out, z = pre_activation(layer, call, args, kwargs)
         return out, (args, kwargs), [z]  # the layer-local rule's format, for per_example
 
     def per_example(self, layer, saved, grads):

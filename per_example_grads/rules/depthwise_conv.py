@@ -70,8 +70,7 @@ import keras
 import tensorflow as tf
 
 from per_example_grads.rules import outer_products as op
-from per_example_grads.rules.conv import PATCHES_RULE, ConvSpec, patches, sliced_patches, weighted_kernel_sum
-from per_example_grads.rules.local import without_activation
+from per_example_grads.rules.conv import PATCHES_RULE, ConvSpec, KernelBiasRule, patches, sliced_patches, weighted_kernel_sum
 from per_example_grads.rules.rule import LayerRule, per_example_squared_norms, register_layer_rule, reparametrized, weighted_example_sum
 from per_example_grads._core.xla_context import in_xla_context
 
@@ -134,22 +133,13 @@ def _weighted(g: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
     return g * tf.reshape(tf.cast(weights, g.dtype), [-1] + [1] * (g.shape.rank - 1))
 
 
-class DepthwiseConvRule(LayerRule):
+class DepthwiseConvRule(KernelBiasRule):
     """DepthwiseConv1D/2D: ``z = depthwise(a, W) + b``, then the fused activation."""
 
     def unsupported(self, layer):
         if layer.data_format != "channels_last":
             return "channels_first depthwise convolutions use the layer-local fallback"
         return reparametrized(layer)
-
-    def variables(self, layer):
-        return [layer.kernel] + ([layer.bias] if layer.use_bias else [])
-
-    def forward(self, layer, call, args, kwargs):
-        with without_activation(layer, True):
-            z = call(*args, **kwargs)
-        out = layer.activation(z) if layer.activation is not None else z
-        return out, args[0], [z]
 
     def per_example(self, layer, saved, grads):
         return [tf.cast(t, v.dtype) for t, v in zip(self._per_example_compute_dtype(layer, saved, grads), self.variables(layer))]
@@ -254,22 +244,13 @@ def grouped_kernels(spec: ConvSpec, a: tf.Tensor, g: tf.Tensor, groups: int) -> 
     return tf.reshape(kernels, [-1, *spec.kernel_size, c // groups, f])
 
 
-class GroupedConvRule(LayerRule):
+class GroupedConvRule(KernelBiasRule):
     """Conv1D/Conv2D with ``groups > 1``: ``z = conv(a, W) + b``, then the fused activation."""
 
     def unsupported(self, layer):
         if layer.data_format != "channels_last":
             return "channels_first grouped convolutions use the layer-local fallback"
         return reparametrized(layer)
-
-    def variables(self, layer):
-        return [layer.kernel] + ([layer.bias] if layer.use_bias else [])
-
-    def forward(self, layer, call, args, kwargs):
-        with without_activation(layer, True):
-            z = call(*args, **kwargs)
-        out = layer.activation(z) if layer.activation is not None else z
-        return out, args[0], [z]
 
     def _per_example(self, layer, a, g):
         out = [grouped_kernels(ConvSpec.of(layer), a, g, layer.groups)]
@@ -304,28 +285,10 @@ class GroupedConvRule(LayerRule):
 
 
 class _ConvRule(LayerRule):
-    """Conv1D/Conv2D: ``conv.PATCHES_RULE`` for ``groups = 1``, ``GroupedConvRule`` for ``groups > 1``."""
+    """Conv1D/Conv2D: hands each layer to ``conv.PATCHES_RULE`` (``groups = 1``) or ``GroupedConvRule``."""
 
-    def _rule(self, layer):
+    def for_layer(self, layer):
         return GROUPED_RULE if layer.groups > 1 and layer.rank in (1, 2) else PATCHES_RULE
-
-    def unsupported(self, layer):
-        return self._rule(layer).unsupported(layer)
-
-    def variables(self, layer):
-        return self._rule(layer).variables(layer)
-
-    def forward(self, layer, call, args, kwargs):
-        return self._rule(layer).forward(layer, call, args, kwargs)
-
-    def per_example(self, layer, saved, grads):
-        return self._rule(layer).per_example(layer, saved, grads)
-
-    def squared_norms(self, layer, saved, grads, cache=None):
-        return self._rule(layer).squared_norms(layer, saved, grads, cache)
-
-    def weighted_sum(self, layer, saved, grads, weights, cache=None):
-        return self._rule(layer).weighted_sum(layer, saved, grads, weights, cache)
 
 
 DEPTHWISE_RULE = DepthwiseConvRule()
