@@ -16,7 +16,7 @@ a burst of noise from other processes on the machine hits all methods alike.
 Only one worker computes at any moment; the others wait.
 
 Running each cell in its own process means a crash (``tf.vectorized_map`` has
-been reported to segfault on Keras MultiHeadAttention) only marks that cell
+crashed the process on Keras attention, depending on the CPU) only marks that cell
 "crashed (signal N)". A call that takes longer than ``--max-seconds-per-cell``,
 or a worker whose memory grows beyond ``--max-memory-gb``, is killed and its
 cell marked "> cap". When the library refuses ``method="vectorized"`` for a

@@ -18,8 +18,9 @@ Quantities:
                      per-example gradients as rows (PerExampleSlices), not
                      [B, vocab, dim]; only on the models with a table
   clipped_vectorized tf.vectorized_map per-example gradients, clip, sum
-                     (what a generic vectorized DP-SGD step costs; refused on
-                     MultiHeadAttention, so not run on the transformer)
+                     (what a generic vectorized DP-SGD step costs; refused
+                     where pfor would hit ops oneDNN cannot take, as in the
+                     transformer's attention, so not run there)
 
 Memory (``--memory``): each quantity runs in a fresh subprocess that builds the
 model, traces the quantity and runs it once; then, 3 times: it hands malloc's
@@ -120,7 +121,7 @@ def not_run_because(model_name: str, q: str) -> str | None:
     if q == "grads_layerwise_sparse" and model_name not in ("transformer", "embedding_bag"):
         return "no embedding table"
     if model_name == "transformer" and q == "clipped_vectorized":
-        return "refused (MultiHeadAttention)"
+        return "refused (pfor hazards in attention)"
     return None
 
 

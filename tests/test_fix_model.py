@@ -8,7 +8,7 @@ import tensorflow as tf
 import per_example_grads as peg
 from helpers import assert_grads_close, reference_gradients, sparse_ce
 from per_example_grads.dp import validation
-from tolerances import GRADIENT_RTOL
+from tolerances import ELEMENTWISE_RTOL
 
 
 def _bn_model():
@@ -50,7 +50,7 @@ def test_group_norm_replaces_every_batch_norm_and_keeps_the_weights_it_can():
 
 def test_groups_divide_the_channels():
     model = keras.Sequential([keras.Input((4, 6)), keras.layers.BatchNormalization(), keras.layers.Flatten(), keras.layers.Dense(2)])
-    fixed = peg.dp.fix_model(model)  # 6 channels, at most 32 groups: gcd = 6
+    fixed = peg.dp.fix_model(model)  # 6 channels, at most 32 groups: the largest divisor of 6 up to 32
     assert fixed.layers[0].groups == 6
 
 
@@ -61,8 +61,10 @@ def test_freeze_keeps_every_weight_and_runs_inference_mode():
     for a, b in zip(fixed.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
     assert validation.validate(fixed).errors == []
-    # training=True now computes what the original computes in inference mode (float32 rounding only).
-    np.testing.assert_allclose(fixed(x, training=True), model(x, training=False), rtol=GRADIENT_RTOL, atol=GRADIENT_RTOL)
+    # training=True now runs the original's inference-mode ops: equal up to the rounding of a few
+    # elementwise operations, should a kernel round differently (relative to the outputs' scale).
+    expected = model(x, training=False).numpy()
+    np.testing.assert_allclose(fixed(x, training=True), expected, rtol=ELEMENTWISE_RTOL, atol=ELEMENTWISE_RTOL * np.abs(expected).max())
     assert all(not v.path.endswith(("gamma", "beta")) for v in fixed.trainable_variables)
 
 

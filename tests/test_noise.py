@@ -50,3 +50,20 @@ def test_gaussian_like_shapes_dtypes_and_scale():
     assert [o.dtype for o in out] == [t.dtype for t in tensors]
     assert abs(np.std(out[0].numpy()) - 2.5) < 5 * 2.5 / math.sqrt(2 * 60_000)
     assert noise.gaussian_like([], 1.0, seed=3) == []
+
+
+def test_noise_never_shares_a_key_with_the_batch_sampling_of_the_same_seed_and_step():
+    """poisson_batches draws batch t from the uniforms of fold_in(hashed seed, t); the noise of step t uses another key."""
+    from per_example_grads.dp import sampling
+
+    n, seed, step = 4000, 0, 3
+    sampling_key = tf.random.experimental.stateless_fold_in(sampling._sampling_key(seed), step)
+    z = noise.gaussian_like([tf.zeros([n])], 1.0, seed=seed, step=step)[0].numpy()
+    # What the noise would be if it were drawn from the sampling key (as a single draw from
+    # fold_in(key, t) would): Box-Muller on that key's uniforms.
+    u = tf.random.stateless_uniform([2, n // 2], seed=sampling_key).numpy()
+    from_sampling_key = np.sqrt(-2 * np.log1p(-u[0])) * np.cos(2 * np.pi * u[1])
+    assert not np.allclose(z[: n // 2], from_sampling_key)
+    # and unrelated to the uniforms that decide which examples are sampled
+    sampling_uniforms = tf.random.stateless_uniform([n], seed=sampling_key, dtype=tf.float64).numpy()
+    assert abs(np.corrcoef(z, sampling_uniforms)[0, 1]) < 5 / math.sqrt(n)

@@ -99,6 +99,18 @@ def test_dynamic_batch_in_a_graph():
     _clipped_against_reference(fn, model, x, y)
 
 
+@pytest.mark.parametrize("layer", [keras.layers.DepthwiseConv2D(3), keras.layers.SeparableConv2D(4, 3, padding="same"),
+                                   keras.layers.Conv2D(4, 3, groups=2)], ids=lambda l: type(l).__name__)
+def test_unknown_image_size_in_a_graph(layer):
+    """A fully convolutional model traced for any image size (``[None, None, None, C]``) gets exact clipped sums and norms."""
+    model = keras.Sequential([keras.Input((None, None, 4)), layer, keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(3)])
+    x = np.random.default_rng(0).normal(size=(3, 7, 7, 4)).astype("float32")
+    y = np.array([0, 1, 2], "int32")
+    spec = [tf.TensorSpec((None, None, None, 4), tf.float32), tf.TensorSpec((None,), tf.int32)]
+    fn = tf.function(lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, return_norms=True, method="layerwise"), input_signature=spec)
+    _clipped_against_reference(fn, model, x, y)
+
+
 @pytest.mark.parametrize("name, kept", [("conv2d_groups_strided_same", True), ("conv2d_groups_dilated_large_kernel_vjp", False)])
 def test_grouped_conv_keeps_kernels_only_when_small(name, kept):
     """Small per-example kernels serve the clipped sum from the cache; large ones leave it to the kernel VJP."""

@@ -11,9 +11,6 @@ from typing import Any, Iterator
 
 import keras
 
-# Which models tf.vectorized_map must not run is decided from the traced graph,
-# not by layer class: ``per_example_grads._core.pfor_limits``.
-
 # Layers whose output for one example depends on the other examples of the
 # batch when called with ``training=True``.
 BATCH_COUPLING_LAYERS: tuple[type, ...] = (keras.layers.BatchNormalization,)

@@ -89,12 +89,19 @@ def stateless_key(seed) -> tf.Tensor:
     return seed
 
 
+# Folded into every stateless noise key first, so that noise never shares a key
+# with anything else derived from the same seed (``poisson_batches`` draws batch
+# ``t`` from ``fold_in(key, t)``: the noise of step ``t`` must not reuse it).
+NOISE_TAG = 0x6E6F697365  # "noise"
+
+
 def gaussian_like(tensors: Sequence[tf.Tensor], stddev, seed: NoiseSeed = None, *, step=None) -> list[tf.Tensor]:
     """Independent ``N(0, stddev^2)`` noise shaped like each of ``tensors``.
 
-    All of it comes from one draw of ``sum(sizes)`` standard normals
-    (``standard_normal``), split and reshaped: one random op per step however
-    many variables the model has.
+    Tensor ``i`` gets ``standard_normal`` draws from the key
+    ``fold_in(fold_in(fold_in(key, NOISE_TAG), step), i)`` (or from the
+    generator), one draw per tensor so that only one variable's temporaries
+    exist at a time.
 
     Args:
       tensors: list of tensors of any shapes (the summed clipped gradients).
@@ -106,20 +113,22 @@ def gaussian_like(tensors: Sequence[tf.Tensor], stddev, seed: NoiseSeed = None, 
     Returns:
       list of noise tensors, same shapes and dtypes as ``tensors``.
     """
-    if not tensors:
-        return []
     if seed is None:
         seed = process_generator()
-    if not isinstance(seed, tf.random.Generator):
-        key = stateless_key(seed)
+    if isinstance(seed, tf.random.Generator):
+        sources = [seed] * len(tensors)
+    else:
+        key = tf.random.experimental.stateless_fold_in(stateless_key(seed), NOISE_TAG)
         if step is not None:
             key = tf.random.experimental.stateless_fold_in(key, tf.cast(step, tf.int64))
         if replicas.num_replicas() > 1:
             key = tf.random.experimental.stateless_fold_in(key, replicas.replica_id())
-        seed = key
-    sizes = [tf.size(t) for t in tensors]
-    flat = standard_normal(tf.add_n(sizes), seed) * tf.cast(stddev, tf.float32)
-    return [tf.cast(tf.reshape(d, tf.shape(t)), t.dtype) for d, t in zip(tf.split(flat, sizes), tensors)]
+        sources = [tf.random.experimental.stateless_fold_in(key, i) for i in range(len(tensors))]
+    scale = tf.cast(stddev, tf.float32)
+    return [
+        tf.cast(tf.reshape(standard_normal(tf.size(t, out_type=tf.int64), s) * scale, tf.shape(t)), t.dtype)
+        for t, s in zip(tensors, sources)
+    ]
 
 
 def standard_normal(n: tf.Tensor, source: tf.Tensor | tf.random.Generator) -> tf.Tensor:
@@ -130,11 +139,12 @@ def standard_normal(n: tf.Tensor, source: tf.Tensor | tf.random.Generator) -> tf
     independent standard normals ``r cos(theta)`` and ``r sin(theta)``. It is
     the transform ``tf.random.normal`` applies inside its kernel, with the
     same float32 uniforms (so about the same tails: ``1 - u >= 2^-23`` bounds
-    ``|z|`` by 5.65, where the kernel's floor of 1e-7 bounds it by 5.68), written as vectorized elementwise ops, which measured
-    about twice as fast on CPU as the fused kernel
-    (``benchmarks/RESULTS.md``). Under XLA, which compiles its own, the
-    fused op is used.
+    ``|z|`` by 5.65, where the kernel's floor of 1e-7 bounds it by 5.68),
+    written as vectorized elementwise ops, which are faster on CPU than the
+    fused kernel (``benchmarks/RESULTS.md``). Under XLA, which compiles its
+    own, the fused op is used.
     """
+    n = tf.cast(n, tf.int64)
     if in_xla_context():
         shape = tf.reshape(n, [1])
         if isinstance(source, tf.random.Generator):
@@ -142,9 +152,9 @@ def standard_normal(n: tf.Tensor, source: tf.Tensor | tf.random.Generator) -> tf
         return tf.random.stateless_normal(shape, seed=source, dtype=tf.float32)
     half = (n + 1) // 2
     if isinstance(source, tf.random.Generator):
-        u = source.uniform([2, half], dtype=tf.float32)
+        u = source.uniform(tf.stack([tf.constant(2, tf.int64), half]), dtype=tf.float32)
     else:
-        u = tf.random.stateless_uniform([2, half], seed=source, dtype=tf.float32)
+        u = tf.random.stateless_uniform(tf.stack([tf.constant(2, tf.int64), half]), seed=source, dtype=tf.float32)
     radius = tf.sqrt(-2.0 * tf.math.log1p(-u[0]))
     theta = (2.0 * math.pi) * u[1]
     return tf.concat([radius * tf.cos(theta), radius * tf.sin(theta)], axis=0)[:n]

@@ -54,10 +54,8 @@ def validate(model: Any, *, training: bool = True) -> ValidationReport:
             "are materialized by a generic engine (B x P memory)"
         )
     else:
-        seen = set()  # a layer called twice (a tied embedding) is one unit per call, named once
-        for u in units:
-            if isinstance(u.rule, LocalRule) and u.layer not in coupling and id(u.layer) not in seen:
-                seen.add(id(u.layer))
+        for u in units:  # one unit per layer, however often it is called
+            if isinstance(u.rule, LocalRule) and u.layer not in coupling:
                 slow.append(
                     f"'{u.layer.name}' ({type(u.layer).__name__}) has no closed form: exact "
                     "layer-local fallback; register a rule with peg.register_layer_rule to speed it up"

@@ -153,7 +153,7 @@ def per_variable_squared_norms(problem: Problem, captured: Captured, for_sums: b
 def weighted_sums(problem: Problem, captured: Captured, weights_for) -> list[tf.Tensor]:
     """``sum_i w_i grad_i`` per variable, ``[*var.shape]``, aligned with ``problem.variables``.
 
-    Embedding tables' sums are ``tf.IndexedSlices`` (see ``layers.embedding``).
+    Embedding tables' sums are ``tf.IndexedSlices`` (see ``rules.embedding``).
 
     Args:
       weights_for: ``variable -> [B]`` weights (the same tensor object for

@@ -101,9 +101,9 @@ def _kernels_by_patches(spec, a, g, m):
     k = math.prod(spec.kernel_size)
     spatial = tuple(a.shape[1:-1])
     p = sliced_patches(spec, spatial, a) if None not in spatial else patches(spec, a)  # [B, T, K C]
-    t = p.shape[1] if p.shape[1] is not None else -1
-    p = tf.reshape(p, [-1, t, k, c, 1])
-    g = tf.reshape(g, [-1, t, 1, c, m])
+    b, t = tf.shape(p)[0], tf.shape(p)[1]  # unknown batch and spatial sizes alike
+    p = tf.reshape(p, [b, t, k, c, 1])
+    g = tf.reshape(g, [b, t, 1, c, m])
     return tf.reshape(tf.reduce_sum(p * g, axis=1), [-1, *spec.kernel_size, c, m])
 
 
@@ -237,9 +237,9 @@ def grouped_kernels(spec: ConvSpec, a: tf.Tensor, g: tf.Tensor, groups: int) -> 
     k = math.prod(spec.kernel_size)
     spatial = tuple(a.shape[1:-1])
     p = sliced_patches(spec, spatial, a) if None not in spatial else patches(spec, a)  # [B, T, K C]
-    t = p.shape[1] if p.shape[1] is not None else -1
-    p = tf.reshape(p, [-1, t, k, groups, c // groups])
-    g = tf.reshape(op.as_btf(g), [-1, t, groups, f // groups])
+    b, t = tf.shape(p)[0], tf.shape(p)[1]  # unknown batch and spatial sizes alike
+    p = tf.reshape(p, [b, t, k, groups, c // groups])
+    g = tf.reshape(op.as_btf(g), [b, t, groups, f // groups])
     kernels = tf.einsum("btkqc,btqf->bkcqf", p, g)
     return tf.reshape(kernels, [-1, *spec.kernel_size, c // groups, f])
 

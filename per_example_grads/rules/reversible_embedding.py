@@ -41,6 +41,7 @@ from per_example_grads._core.example_ops import compute_dtype
 from per_example_grads._core.xla_context import in_xla_context
 from per_example_grads.per_example_slices import PerExampleSlices, grouped_squared_norms, repeated_rows
 from per_example_grads.rules import outer_products as op
+from per_example_grads.errors import EngineError
 from per_example_grads.rules.embedding import _flat_ids
 from per_example_grads.rules.rule import LayerRule, register_layer_rule, reparametrized
 
@@ -48,9 +49,16 @@ _LOOKUP, _REVERSE = "lookup", "reverse"
 
 
 def _is_reverse(args: tuple, kwargs: dict) -> bool:
+    """The call's ``reverse`` flag; a tensor whose value is unknown while tracing is refused, not guessed."""
     reverse = kwargs.get("reverse", args[1] if len(args) > 1 else False)
     if tf.is_tensor(reverse):
-        reverse = tf.get_static_value(reverse)
+        value = tf.get_static_value(reverse)
+        if value is None:
+            raise EngineError(
+                "the layer-wise engine cannot follow a ReversibleEmbedding whose `reverse` flag is known only "
+                "at run time; method='auto' falls back to another engine"
+            )
+        reverse = value
     return bool(reverse)
 
 
