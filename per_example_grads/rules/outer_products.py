@@ -47,5 +47,11 @@ def kernel_squared_norms(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
 
 
 def weighted_kernel_sum(a: tf.Tensor, g: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
-    """``[i, j]``: ``sum_n weights[n] * per_example_kernel(a, g)[n]``."""
+    """``[i, j]``: ``sum_n weights[n] * per_example_kernel(a, g)[n]``.
+
+    The weights scale the smaller of ``a`` and ``g`` (a vocabulary projection's
+    ``g`` is ``[B, T, V]`` against ``a``'s ``[B, T, D]``).
+    """
+    if a.shape[-1] is not None and g.shape[-1] is not None and a.shape[-1] < g.shape[-1]:
+        return tf.einsum("bti,btj->ij", a * tf.cast(weights, a.dtype)[:, None, None], g)
     return tf.einsum("bti,btj->ij", a, g * tf.cast(weights, g.dtype)[:, None, None])
