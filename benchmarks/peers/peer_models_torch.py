@@ -326,17 +326,35 @@ def vision_preflight(fixed, x, y, inplace):
     import torch.nn.functional as F
     from opacus import GradSampleModule
 
-    try:
-        gsm = GradSampleModule(copy.deepcopy(fixed), batch_first=True, loss_reduction="sum").train()
-        F.cross_entropy(gsm(x), y, reduction="sum").backward()
-        verdict = "Opacus hooks accepted the fixed model with its in-place activations"
-    except Exception as e:  # noqa: BLE001 - reported
-        verdict = f"Opacus hooks refused the fixed model: `{first_line(e)[:200]}`"
+    def attempt():
+        try:
+            gsm = GradSampleModule(copy.deepcopy(fixed), batch_first=True, loss_reduction="sum").train()
+            F.cross_entropy(gsm(x), y, reduction="sum").backward()
+            return None
+        except Exception as e:  # noqa: BLE001 - reported
+            return f"`{first_line(e)[:200]}` at {where(e)}"
+
+    before = attempt()
     kinds = sorted({type(m).__name__ for m in inplace})
     for m in inplace:
         m.inplace = False
-    return (f"{verdict}. The script then set inplace=False on its {len(inplace)} in-place modules "
-            f"({', '.join(kinds)}), for every method")
+    after = attempt()
+    return ((f"Opacus hooks refused the fixed model: {before}. " if before else
+             "Opacus hooks accepted the fixed model with its in-place activations. ")
+            + f"The script set inplace=False on its {len(inplace)} in-place modules ({', '.join(kinds)}), "
+            "for every method; " + (f"Opacus still refused it: {after}" if after else "then Opacus ran"))
+
+
+def where(e: BaseException) -> str:
+    """``file:line `code``` of the innermost frame of ``e``'s traceback outside torch itself."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if f"{os.sep}torch{os.sep}" not in f.filename]
+    if not frames:
+        return "?"
+    f = frames[-1]
+    path = f.filename.split(f"site-packages{os.sep}")[-1]
+    return f"{path}:{f.lineno} `{(f.line or '').strip()}`"
 
 
 def build_cell(spec: str, t_or_size: int, b: int) -> Cell:
@@ -424,7 +442,7 @@ def guarded(fn, errors: dict, key):
 
 
 def refused(exc: BaseException):
-    def fn():
+    def fn(*_args, **_kwargs):
         raise exc
 
     return fn
@@ -507,13 +525,25 @@ def make_tasks(cell: Cell, methods, norms_for, log):
                 loss.backward()
                 return [p.grad_sample for p in o_params]
 
-            def op_norms():
-                return global_norms(op_grads())
+            def release():
+                # grad_sample stays on the parameters after a call; drop it inside the timed
+                # call (as every result is freed before the clock stops), so that it does not
+                # sit in memory while the other methods run.
+                gsm.zero_grad(set_to_none=True)
 
-            def op_both():
+            def op_norms():
+                n = global_norms(op_grads())
+                release()
+                return n
+
+            def op_both(keep=False):
                 g = op_grads()
                 n = global_norms(g)
-                return n, clip_and_sum(g, n)
+                out = n, clip_and_sum(g, n)
+                del g
+                if not keep:
+                    release()
+                return out
 
         except Exception as e:  # noqa: BLE001 - a refusal is a result
             op_norms = op_both = refused(e)
@@ -585,7 +615,7 @@ def make_tasks(cell: Cell, methods, norms_for, log):
                  f"min {min(ref_norms):.3g}, median {statistics.median(ref_norms):.3g}, max {max(ref_norms):.3g}"]
         for peer, fn_both in results.items():
             try:
-                nrm, cs = fn_both()
+                nrm, cs = fn_both(keep=True) if peer == "opacus" else fn_both()
                 nrm = nrm.detach().reshape(-1)
                 dn = float(((nrm - ref_norms_t).abs() / ref_norms_t).max())
                 cs = [x.detach() for x in cs]
@@ -598,6 +628,8 @@ def make_tasks(cell: Cell, methods, norms_for, log):
                     if peer == "opacus":
                         lines.append(f"{cell.spec} B={cell.b} opacus: parameters whose grad_sample differs from "
                                      f"the loop's on examples 0-1: {wrong_grad_samples(o_params, names, ref_first)}")
+                if peer == "opacus":
+                    release()
             except Exception as e:  # noqa: BLE001
                 lines.append(f"{cell.spec} B={cell.b} {peer}: not checked ({first_line(e)})")
         return lines
@@ -638,6 +670,9 @@ class ModelsReport:
             by[(t.peer, t.quantity)] = (med_s, ratio, t.status)
         self.sections.append((f"{cell.spec} {shape} B={cell.b}", rows, cell_notes))
 
+        wrong = {p for p in METHODS for line in cell_notes
+                 if line.startswith(f"{cell.spec} B={cell.b} {p}: norms") and "MISMATCH" in line}
+
         def short(peer, q):
             if (peer, q) not in by:
                 return "—"
@@ -645,12 +680,15 @@ class ModelsReport:
             if status.startswith("error"):
                 return "refused"
             if status and ratio != "—":
-                return f"{ratio} ({status.split(' (')[0]})"
-            return ratio if ratio != "—" else status.split(";")[0]
+                ratio = f"{ratio} ({status.split(' (')[0]})"
+            elif ratio == "—":
+                ratio = status.split(";")[0]
+            return ratio + (" **wrong**" if peer in wrong else "")
 
         plain_ms = by.get(("torch", "plain"), ("—",))[0]
         self.summary.append([cell.spec, shape, str(cell.b), plain_ms]
-                            + [short(p, "clipped") for p in METHODS] + [short(p, "norms") for p in METHODS])
+                            + [short(p, "clipped") for p in self.args.methods]
+                            + [short(p, "norms") for p in self.args.norms if p in self.args.methods])
 
     def render(self) -> str:
         import platform
@@ -680,8 +718,11 @@ class ModelsReport:
             "",
         ]
         lines += C.markdown_table(
-            ["model", "shape", "B", "plain ms"] + [f"{m} clipped sum" for m in METHODS]
-            + [f"{m} norms" for m in METHODS], self.summary)
+            ["model", "shape", "B", "plain ms"] + [f"{m} clipped sum" for m in a.methods]
+            + [f"{m} norms" for m in a.norms if m in a.methods], self.summary)
+        lines += ["", "refused: the method raised (the cell's table gives the first line of the error); "
+                  "**wrong**: it ran, but its norms or clipped sum differ from a loop over single "
+                  "examples (the cell's notes say by how much and where)."]
         for title, rows, cell_notes in self.sections:
             lines += ["", f"## {title}", ""]
             lines += C.markdown_table(["method", "quantity", "median ms", "ratio to plain", "IQR ms", "status"], rows)
