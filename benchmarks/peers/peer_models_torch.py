@@ -424,6 +424,25 @@ def wrong_grad_samples(o_params, names, ref_first) -> str:
     return ", ".join(bad) if bad else "none"
 
 
+def opacus_coverage(model) -> str:
+    """Which of the model's trainable layer types Opacus 1.6 has a grad sampler / ghost norm sampler for."""
+    from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
+
+    counts = {}
+    for m in model.modules():
+        if any(p.requires_grad for p in m.parameters(recurse=False)):
+            counts[type(m)] = counts.get(type(m), 0) + 1
+
+    def fmt(types):
+        return ", ".join(f"{t.__name__} x{counts[t]}" for t in sorted(types, key=lambda t: t.__name__)) or "none"
+
+    native = [t for t in counts if t in GradSampleModule.GRAD_SAMPLERS]
+    fallback = [t for t in counts if t not in GradSampleModule.GRAD_SAMPLERS]
+    ghost = [t for t in counts if t in GradSampleModuleFastGradientClipping.NORM_SAMPLERS]
+    return (f"layers with trainable parameters: Opacus grad sampler for {fmt(native)}; functorch fallback "
+            f"for {fmt(fallback)}; ghost-clipped (norm sampler) {fmt(ghost)}")
+
+
 def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
 
@@ -460,6 +479,8 @@ def make_tasks(cell: Cell, methods, norms_for, log):
     n_all = sum(p.numel() for p in model.parameters())
     notes = list(cell.notes)
     notes.append(f"{cell.name}: {n_all:,} parameters, {n_train:,} trainable")
+    if "opacus" in methods or "opacus ghost" in methods:
+        notes.append(f"{cell.name}: {opacus_coverage(model)}")
     tasks, results, errors = [], {}, {}
 
     def add(peer, q, fn):
@@ -509,7 +530,7 @@ def make_tasks(cell: Cell, methods, norms_for, log):
 
         add("torch.func", "norms", func_norms)
         add("torch.func", "clipped", lambda: func_both()[1])
-        results["torch.func"] = func_both
+        results["torch.func"] = (func_both, func_norms)
 
     if "opacus" in methods:
         try:
@@ -549,7 +570,7 @@ def make_tasks(cell: Cell, methods, norms_for, log):
             op_norms = op_both = refused(e)
         add("opacus", "norms", op_norms)
         add("opacus", "clipped", lambda: op_both()[1])
-        results["opacus"] = op_both
+        results["opacus"] = (op_both, op_norms)
 
     if "opacus ghost" in methods:
         try:
@@ -594,7 +615,7 @@ def make_tasks(cell: Cell, methods, norms_for, log):
             ghost_norms = ghost_clipped = ghost_both = refused(e)
         add("opacus ghost", "norms", ghost_norms)
         add("opacus ghost", "clipped", ghost_clipped)
-        results["opacus ghost"] = ghost_both
+        results["opacus ghost"] = (ghost_both, ghost_norms)
 
     def check():
         """Each method's norms and clipped sum against a loop of single-example gradients."""
@@ -613,11 +634,19 @@ def make_tasks(cell: Cell, methods, norms_for, log):
         scale = max(float(s.abs().max()) for s in ref_sum)
         lines = [f"{cell.spec} B={cell.b}: per-example gradient norms (loop over examples) "
                  f"min {min(ref_norms):.3g}, median {statistics.median(ref_norms):.3g}, max {max(ref_norms):.3g}"]
-        for peer, fn_both in results.items():
+        for peer, (fn_both, fn_norms) in results.items():
             try:
                 nrm, cs = fn_both(keep=True) if peer == "opacus" else fn_both()
                 nrm = nrm.detach().reshape(-1)
                 dn = float(((nrm - ref_norms_t).abs() / ref_norms_t).max())
+                if peer in norms_for:  # the norms-alone task too, when it was timed
+                    if peer == "opacus":
+                        o_sample = [None if p.grad_sample is None else p.grad_sample.clone() for p in o_params]
+                    nrm2 = fn_norms().detach().reshape(-1)
+                    dn = max(dn, float(((nrm2 - ref_norms_t).abs() / ref_norms_t).max()))
+                    if peer == "opacus":  # keep the grad_sample of fn_both for the diagnosis below
+                        for p, gs in zip(o_params, o_sample):
+                            p.grad_sample = gs
                 cs = [x.detach() for x in cs]
                 ds = max(float((u - v).abs().max()) for u, v in zip(cs, ref_sum)) / scale
                 ok = dn < 1e-3 and ds < 1e-3
@@ -847,10 +876,11 @@ def main() -> int:
         "loss_reduction='mean' with DPLossFastGradientClipping (for GPT-2 given shape=(B, T-1, V), "
         "so that its per-example loss is the mean over positions, as here). The ghost clipped sum "
         "is p.grad after the wrapped loss's backward(), before the optimizer's step.",
-        "A layer type without an Opacus grad sampler (e.g. transformers' Conv1D in GPT-2, "
-        "torchvision's LayerNorm2d in ConvNeXt, a module holding a bare nn.Parameter) falls back "
-        "to Opacus's functorch per-layer path; under ghost clipping only nn.Linear and "
-        "nn.Embedding (Opacus 1.6's NORM_SAMPLERS) are ghost-clipped, other layers get "
+        "Each cell lists its layer types with trainable parameters by how Opacus handles them: a "
+        "type without an Opacus grad sampler (transformers' Conv1D in GPT-2, torchvision's "
+        "LayerNorm2d and CNBlock, which holds a bare layer_scale parameter, in ConvNeXt) goes "
+        "through Opacus's functorch per-layer fallback; under ghost clipping only the types with a "
+        "norm sampler (nn.Linear, nn.Embedding in Opacus 1.6) are ghost-clipped, the others get "
         "per-example gradients then norms (its 'fast gradient clipping').",
     ]
     if shim_note:
