@@ -81,6 +81,17 @@ BERT_CFG = dict(vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_atten
 LORA_RANK = 8
 N_CLASSES_VISION = 10
 
+# Check tolerances against the float32 loop over single examples: the norms relative
+# to each example's norm, the clipped sum relative to its largest entry. The sum's is
+# looser because float32 is: on the randomly initialised MobileNetV2 at 224x224 (B=2)
+# torch.func's clipped sum differed from the loop's by 2.2e-3 of its largest entry,
+# and against a float64 loop some parameters' per-example gradients were off by up to
+# 2e-2 (torch.func) and 5e-3 (the float32 loop itself) of that parameter's largest
+# entry, with norms within 5e-5. Wrong per-example gradients (ConvNeXt's downsampling
+# convolutions under Opacus hooks) put the norms off by ~1e-2 and the sum by ~0.2.
+NORMS_TOL, SUM_TOL = 1e-3, 1e-2
+GRAD_SAMPLE_TOL = 5e-2  # per parameter, for naming the wrong grad_sample
+
 QUANTITY_LABELS = {"plain": "plain step", "norms": "norms", "clipped": "clipped sum"}
 
 # Shapes per model when --batch-sizes / --seq-lens are not given.
@@ -408,7 +419,7 @@ def clip_and_sum(per_example, norms):
 
 
 def wrong_grad_samples(o_params, names, ref_first) -> str:
-    """Parameters whose Opacus grad_sample (examples 0 and 1) is off the loop's by > 1e-3 relative."""
+    """Parameters whose Opacus grad_sample (examples 0-1) is off the loop's by > GRAD_SAMPLE_TOL relative."""
     import torch
 
     bad = []
@@ -419,7 +430,7 @@ def wrong_grad_samples(o_params, names, ref_first) -> str:
             bad.append(f"`{n}` (grad_sample {None if gs is None else tuple(gs.shape)})")
             continue
         d = float((gs[:2] - r).abs().max() / r.abs().max().clamp(min=1e-30))
-        if d > 1e-3:
+        if d > GRAD_SAMPLE_TOL:
             bad.append(f"`{n}` ({d:.2g})")
     return ", ".join(bad) if bad else "none"
 
@@ -649,7 +660,7 @@ def make_tasks(cell: Cell, methods, norms_for, log):
                             p.grad_sample = gs
                 cs = [x.detach() for x in cs]
                 ds = max(float((u - v).abs().max()) for u, v in zip(cs, ref_sum)) / scale
-                ok = dn < 1e-3 and ds < 1e-3
+                ok = dn < NORMS_TOL and ds < SUM_TOL
                 lines.append(f"{cell.spec} B={cell.b} {peer}: norms max rel diff {dn:.1e}, clipped sum "
                              f"max abs diff / max abs {ds:.1e} vs the loop ({'ok' if ok else 'MISMATCH'})")
                 if not ok:
@@ -876,6 +887,9 @@ def main() -> int:
         "loss_reduction='mean' with DPLossFastGradientClipping (for GPT-2 given shape=(B, T-1, V), "
         "so that its per-example loss is the mean over positions, as here). The ghost clipped sum "
         "is p.grad after the wrapped loss's backward(), before the optimizer's step.",
+        f"Check: after timing, each method's norms and clipped sum are compared with a loop of "
+        f"single-example gradients (float32); 'ok' means norms within {NORMS_TOL:g} relative and the "
+        f"clipped sum within {SUM_TOL:g} of its largest entry, else MISMATCH.",
         "Each cell lists its layer types with trainable parameters by how Opacus handles them: a "
         "type without an Opacus grad sampler (transformers' Conv1D in GPT-2, torchvision's "
         "LayerNorm2d and CNBlock, which holds a bare layer_scale parameter, in ConvNeXt) goes "
