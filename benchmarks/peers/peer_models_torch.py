@@ -249,7 +249,9 @@ def build_text(name: str, t: int, b: int, rng):
                                    target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True)
             model = peft.get_peft_model(model, lcfg)
             notes.append(f"{name}: peft {peft.__version__} LoRA r={LORA_RANK} on c_attn, c_proj, c_fc "
-                         "(GPT-2's transformers Conv1D, fan_in_fan_out=True); only the adapters train")
+                         "(GPT-2's transformers Conv1D, fan_in_fan_out=True); only the adapters train. As peft "
+                         "initialises lora_B to zero, the lora_A gradients are zero at this point; "
+                         "the computation is the same as later in training")
     else:  # bert
         cfg = transformers.BertConfig(**BERT_CFG, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         model = transformers.BertForSequenceClassification(cfg)
