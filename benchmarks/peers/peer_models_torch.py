@@ -133,7 +133,8 @@ def torchvision_cpu_shim() -> str | None:
         torch.ops.load_library(libs[0])
         return None
     except (OSError, RuntimeError) as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0].replace(
+            os.path.dirname(os.path.dirname(spec.origin)) + os.sep, "")
     lib = torch.library.Library("torchvision", "FRAGMENT")
     lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
     lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
@@ -772,14 +773,22 @@ class ModelsReport:
                 lines += [""] + [f"- {n}" for n in cell_notes]
         return C.with_notes(lines, self.notes)
 
-    def emit(self):
+    def save(self, final: bool = False) -> str:
+        """Write the report so far to --out (after every cell, so a crash keeps the finished cells)."""
         text = self.render()
-        sys.stdout.write("\n" + text)
-        sys.stdout.flush()
+        if not final:
+            text = text.replace("\n## Summary", "\n**Partial: the run is still going or stopped early.**\n\n## Summary", 1)
         if self.args.out:
             os.makedirs(os.path.dirname(os.path.abspath(self.args.out)), exist_ok=True)
             with open(self.args.out, "w") as f:
                 f.write(text)
+        return text
+
+    def emit(self):
+        text = self.save(final=True)
+        sys.stdout.write("\n" + text)
+        sys.stdout.flush()
+        if self.args.out:
             C.log(f"[written to {self.args.out}]")
 
 
@@ -920,6 +929,7 @@ def main() -> int:
         for (peer, q), msg in errors.items():
             C.log(f"  {peer} {q}: {msg}")
         report.add(cell, shape, tasks, cell_notes, errors)
+        report.save()
         del tasks, check, cell
         gc.collect()
     report.emit()
