@@ -12,7 +12,8 @@
 # smoke run never overwrites the full results.
 #
 # PEERS=models runs peer_models_torch.py (HF GPT-2 and BERT, torchvision
-# classifiers; ~15 min on 2 CPUs) from the torch venv -> results_models.md.
+# classifiers; ~6 min on 2 CPUs at --repeats 3, ~9 at the default 5) from the
+# torch venv -> results_models.md.
 # It is not in the default list because of its length.
 set -uo pipefail
 
