@@ -10,6 +10,11 @@
 # Set PEERS="jax" (or "torch") to run only some of them. With --quick (or any
 # extra arguments) the results go to results_<peer>.partial.md instead, so a
 # smoke run never overwrites the full results.
+#
+# PEERS=models runs peer_models_torch.py (HF GPT-2 and BERT, torchvision
+# classifiers; ~6 min on 2 CPUs at --repeats 3, ~9 at the default 5) from the
+# torch venv -> results_models.md.
+# It is not in the default list because of its length.
 set -uo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -23,6 +28,10 @@ for peer in $PEERS; do
   venv="$HERE/.venv-$peer"
   script="$HERE/peer_$peer.py"
   out="$HERE/results_$peer$suffix.md"
+  if [ "$peer" = models ]; then  # the model families (GPT-2, BERT, torchvision) in the torch venv
+    venv="$HERE/.venv-torch"
+    script="$HERE/peer_models_torch.py"
+  fi
   if [ ! -x "$venv/bin/python" ]; then
     echo "[run_peers] skipping $peer: no virtualenv at $venv (run: bash benchmarks/peers/setup_peers.sh $peer)"
     continue
