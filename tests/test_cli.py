@@ -146,6 +146,8 @@ def test_every_package_folder_is_a_regular_package():
     """setup.cfg's ``packages = find:`` installs only folders with an ``__init__.py``; one without is left out of the wheel."""
     import pathlib
 
-    root = pathlib.Path(peg.__file__).parent
+    import per_example_grads
+
+    root = pathlib.Path(per_example_grads.__file__).parent
     folders = [d for d in [root, *root.rglob("*")] if d.is_dir() and d.name != "__pycache__" and any(d.glob("*.py"))]
     assert [str(d.relative_to(root)) for d in folders if not (d / "__init__.py").exists()] == []
