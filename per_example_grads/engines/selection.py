@@ -7,10 +7,12 @@ The rule, in order of preference:
    ``per_example_grads.rules``.
 2. ``vectorized``, unless the one-example graph has an op that, with the
    axis ``tf.vectorized_map`` adds, would exceed the rank its CPU kernel
-   accepts (``per_example_grads._core.pfor_limits``: oneDNN's Softmax takes
-   rank <= 5, and grouped-query attention's scores are rank 5 before pfor).
-   On some CPUs that is a segfault, which cannot be caught, so such models
-   never reach it, whatever the CPU.
+   accepts, or that oneDNN mishandles (``per_example_grads._core.pfor_limits``:
+   its Softmax takes rank <= 5, and grouped-query attention's scores are rank
+   5 before pfor; batch matmuls with a unit batch axis, which every
+   EinsumDense on one sequence example becomes, corrupt its heap). On some
+   CPUs that is a segfault, which cannot be caught, so such models never
+   reach it, whatever the CPU.
 3. ``weight_copies``, the fallback the design asks for when vectorization is
    impossible, unless a variable is not a Keras variable, or the model has
    active random layers in training mode. (``benchmarks/RESULTS.md`` measures
