@@ -68,7 +68,7 @@ def test_clipped_sum_under_xla(name):
     _clipped_against_reference(fn, model, x, y)
 
 
-@pytest.mark.parametrize("name", ["depthwise_conv2d_dilated_same_m3", "depthwise_conv1d_same", "separable_conv2d", "depthwise_conv2d_same_input_smaller_than_kernel"])
+@pytest.mark.parametrize("name", ["depthwise_conv2d_dilated_same_m3", "separable_conv2d", "depthwise_conv2d_same_input_smaller_than_kernel"])
 def test_depthwise_kernels_by_patches_equal_by_groups(name):
     """The two formulations of the per-example kernels agree, on the layer's own a and g."""
     from per_example_grads.rules import depthwise_conv as dc
@@ -80,7 +80,7 @@ def test_depthwise_kernels_by_patches_equal_by_groups(name):
     m = layer.depth_multiplier
     shape = (3, *model.inputs[0].shape[1:])
     a = tf.random.stateless_normal(shape, [1, 2])
-    out_shape = keras.layers.DepthwiseConv2D(spec.kernel_size, strides=spec.strides, padding=spec.padding, dilation_rate=spec.dilation_rate, depth_multiplier=m).compute_output_shape(shape) if spec.rank == 2 else keras.layers.DepthwiseConv1D(spec.kernel_size, strides=spec.strides, padding=spec.padding, dilation_rate=spec.dilation_rate, depth_multiplier=m).compute_output_shape(shape)
+    out_shape = keras.layers.DepthwiseConv2D(spec.kernel_size, strides=spec.strides, padding=spec.padding, dilation_rate=spec.dilation_rate, depth_multiplier=m).compute_output_shape(shape)
     g = tf.random.stateless_normal(out_shape, [3, 4])
     by_groups = dc._kernels_by_groups(spec, a, g, m).numpy()
     by_patches = dc._kernels_by_patches(spec, a, g, m).numpy()

@@ -108,12 +108,9 @@ def _kernels_by_patches(spec, a, g, m):
 
 
 def _kernels_by_groups(spec, a, g, m):
+    """2-D only: ``depthwise_kernels`` takes this path for 3x3 kernels."""
     b, c = a.shape[0], a.shape[-1]
-    if spec.rank == 1:  # as a 1 x k 2-D convolution
-        a, g = a[:, None], g[:, None]
-        kernel_size, strides, dilations = (1, *spec.kernel_size), (1, *spec.strides), (1, *spec.dilation_rate)
-    else:
-        kernel_size, strides, dilations = spec.kernel_size, spec.strides, spec.dilation_rate
+    kernel_size, strides, dilations = spec.kernel_size, spec.strides, spec.dilation_rate
     # [B, H, W, C] -> [1, H, W, B C]: example n's channel c becomes channel n C + c.
     folded_a = tf.reshape(tf.transpose(a, [1, 2, 0, 3]), [1, a.shape[1], a.shape[2], b * c])
     g = tf.reshape(g, [b, g.shape[1], g.shape[2], c, m])
