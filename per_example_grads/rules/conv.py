@@ -302,7 +302,7 @@ class ConvPatchesRule(KernelBiasRule):
             a, g = saved[0][0], grads[0]
             out = [weighted_kernel_sum(ConvSpec.of(layer), layer.kernel, a, g, weights)]
             if layer.use_bias:
-                out.append(tf.einsum("btj,b->j", op.as_btf(g), tf.cast(weights, op.compute_dtype(g.dtype))))
+                out.append(op.weighted_bias_sum(op.as_btf(g), weights))
         return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
 
 

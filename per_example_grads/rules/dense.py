@@ -56,7 +56,7 @@ class DenseRule(LayerRule):
         a, g = op.as_btf(saved), op.as_btf(grads[0])
         out = [op.weighted_kernel_sum(a, g, weights)]
         if layer.bias is not None:
-            out.append(tf.einsum("btj,b->j", g, tf.cast(weights, g.dtype)))
+            out.append(op.weighted_bias_sum(g, weights))
         return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
 
 

@@ -224,7 +224,7 @@ class SeparableConvRule(LayerRule):
             depthwise = tf.reduce_sum(depthwise_kernels(_spec(layer), a, _weighted(g_d, weights), layer.depth_multiplier), axis=0)
         out = [depthwise, tf.reshape(op.weighted_kernel_sum(d, g_z, weights), layer.pointwise_kernel.shape)]
         if layer.use_bias:
-            out.append(tf.einsum("btj,b->j", g_z, tf.cast(weights, g_z.dtype)))
+            out.append(op.weighted_bias_sum(g_z, weights))
         return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
 
 
@@ -277,7 +277,7 @@ class GroupedConvRule(KernelBiasRule):
             a, g = saved, grads[0]
             out = [weighted_kernel_sum(ConvSpec.of(layer), layer.kernel, a, g, weights)]
             if layer.use_bias:
-                out.append(tf.einsum("btj,b->j", op.as_btf(g), tf.cast(weights, op.compute_dtype(g.dtype))))
+                out.append(op.weighted_bias_sum(op.as_btf(g), weights))
         return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
 
 

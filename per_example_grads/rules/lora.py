@@ -116,7 +116,7 @@ class DenseLoraRule(DenseRule):
         pairs, g = self._pairs(layer, saved, grads)
         out = [op.weighted_kernel_sum(x, y, weights) for x, y in pairs]
         if self._has_bias(layer):
-            out.append(tf.einsum("btj,b->j", g, tf.cast(weights, g.dtype)))
+            out.append(op.weighted_bias_sum(g, weights))
         return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
 
     def outer_factors(self, layer, saved, grads):

@@ -183,12 +183,11 @@ class ReversibleEmbeddingRule(LayerRule):
                 out.append(tf.zeros(layer.reverse_embeddings.shape, layer.reverse_embeddings.dtype))
             return out
         h, g = self._projection(layer, saved, grads)
-        # The weights scale h ([B, T, D]), not g ([B, T, V], V >> D): sum_b c_b g_b^T h_b = sum_b g_b^T (c_b h_b).
-        hw = h * tf.cast(weights, h.dtype)[:, None, None]
+        # weighted_kernel_sum scales h ([B, T, D]), not g ([B, T, V], V >> D).
         if layer.tie_weights:
-            return [tf.cast(tf.einsum("bsv,bsd->vd", g, hw), layer.embeddings.dtype)]
+            return [tf.cast(op.weighted_kernel_sum(g, h, weights), layer.embeddings.dtype)]
         v = layer.reverse_embeddings
-        return [self._no_rows(layer, tf.shape(h)[0]).sum_examples(), tf.cast(tf.einsum("bsd,bsv->dv", hw, g), v.dtype)]
+        return [self._no_rows(layer, tf.shape(h)[0]).sum_examples(), tf.cast(op.weighted_kernel_sum(h, g, weights), v.dtype)]
 
 
 REVERSIBLE_EMBEDDING_RULE = ReversibleEmbeddingRule()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from per_example_grads.rules import outer_products as op
-from per_example_grads.rules.rule import LayerRule, register_layer_rule
+from per_example_grads.rules.rule import LayerRule, register_layer_rule, weighted_example_sum
 
 
 class LayerScaleRule(LayerRule):
@@ -35,7 +35,7 @@ class LayerScaleRule(LayerRule):
 
     def weighted_sum(self, layer, saved, grads, weights, cache=None):
         x, g = op.as_btf(saved), op.as_btf(grads[0])
-        return [tf.cast(tf.einsum("btd,btd,b->d", x, g, tf.cast(weights, g.dtype)), layer.gamma.dtype)]
+        return [tf.cast(weighted_example_sum(weights, tf.reduce_sum(x * g, axis=1)), layer.gamma.dtype)]
 
 
 register_layer_rule("keras.src.applications.convnext.LayerScale", LayerScaleRule())
