@@ -330,11 +330,13 @@ def test_dp_model_epsilon_warns_for_a_large_delta_and_empty_steps_do_not_count_a
 
 
 @pytest.mark.slow
-def test_dp_model_reports_loss_and_accuracy_over_real_rows_only():
+@pytest.mark.parametrize("physical_batch_size", [None, 3])
+def test_dp_model_reports_loss_and_accuracy_over_real_rows_only(physical_batch_size):
+    """From the clipped pass's predictions, in one piece or gathered from physical chunks."""
     x, y = _data(60)
     net = _net()
     net.compile(loss=sparse_ce, metrics=["accuracy"])
-    dp = peg.keras.DPModel(net, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0)
+    dp = peg.keras.DPModel(net, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0, physical_batch_size=physical_batch_size)
     dp.compile(optimizer=keras.optimizers.SGD(0.0), loss=sparse_ce, metrics=["accuracy"])
     history = dp.fit(peg.dp.poisson_batches(x, y, sampling_probability=0.1, seed=4), epochs=1, verbose=0)
     losses, hits = [], []

@@ -40,7 +40,7 @@ import tensorflow as tf
 
 from per_example_grads._core import replicas
 from per_example_grads._core.arguments import check_dp_arguments, total_clip
-from per_example_grads.clipping import clipped_gradients, clipped_sums_and_predictions, dense_sums
+from per_example_grads.clipping import clipped_sums_and_predictions, dense_sums
 from per_example_grads.dp import adaptive as adaptive_clipping
 from per_example_grads.dp.accounting import adaptive_clipping_noise_multiplier
 from per_example_grads.dp.noise import NoiseSeed, gaussian_like, noise_source
@@ -60,8 +60,8 @@ class ClippedSum:
       real: ``[B]`` float, 1 for rows with a non-zero sample weight.
       predictions: the model's outputs from the pass that computed
         ``sums``, on the rows ``rows`` of the batch (all rows when ``rows``
-        is None); ``()`` when that pass gave none (another engine, physical
-        chunks).
+        is None); ``()`` when that pass gave none (an engine that runs no
+        forward pass of the batch).
       rows: ``[b]`` int64 indices of the rows that were computed, or None.
     """
 
@@ -214,13 +214,12 @@ class DPAggregator(keras.layers.Layer):
             keep = None if in_xla_context() else _bucketed_real_rows(real, self.physical_batch_size)
         if keep is not None:
             data = tf.nest.map_structure(lambda t: tf.gather(t, keep), data)
-        predictions = ()
         if self.physical_batch_size is None:
             sums, norms, predictions = clipped_sums_and_predictions(
                 model, loss_fn, data["x"], data.get("y"), sample_weight=data.get("sample_weight"), **args
             )
         else:
-            sums, norms = self._chunked(model, loss_fn, data, args)
+            sums, norms, predictions = self._chunked(model, loss_fn, data, args)
         if isinstance(norms, dict):
             norms = tf.sqrt(tf.add_n([tf.square(tf.cast(n, tf.float32)) for n in norms.values()]))
         norms = tf.cast(norms, tf.float32)
@@ -229,25 +228,45 @@ class DPAggregator(keras.layers.Layer):
         return ClippedSum(sums, norms, real, predictions, keep)
 
     def _chunked(self, model, loss_fn, data, args):
-        """Clipped sums and norms of ``data``'s rows, ``physical_batch_size`` at a time, in a loop."""
+        """Clipped sums, norms and predictions of ``data``'s rows, ``physical_batch_size`` at a time, in a loop.
+
+        The predictions of every chunk's pass are kept (``()`` when its engine
+        gives none), so a training step needs no extra forward pass for its
+        loss and metrics. One chunk's step is traced once, as a function, so
+        that the loop knows the structure of its predictions before it starts.
+        """
         n = tf.shape(tf.nest.flatten(data)[0])[0]
         # Every row weighs 1 unless weighted; the zero padding of the last chunk then weighs 0.
         chunks, count = split_into_chunks({"sample_weight": tf.ones([n])} | data, self.physical_batch_size)
-        variables = args["variables"] if args["variables"] is not None else model.trainable_variables
 
-        def body(i, sums, norms):
-            part = tf.nest.map_structure(lambda t: t[i], chunks)
-            s, m = clipped_gradients(
-                model, loss_fn, part["x"], part.get("y"), sample_weight=part["sample_weight"], return_norms=True, **args
+        def one_chunk(part):
+            s, m, p = clipped_sums_and_predictions(
+                model, loss_fn, part["x"], part.get("y"), sample_weight=part["sample_weight"], **args
             )
-            return i + 1, [a + b for a, b in zip(sums, dense_sums(s))], norms.write(i, tf.cast(m, tf.float32))
+            return dense_sums(s), tf.cast(m, tf.float32), p
 
-        _, sums, norms = tf.while_loop(
-            lambda i, *_: i < count,
-            body,
-            (tf.constant(0), [tf.zeros(v.shape, v.dtype) for v in variables], tf.TensorArray(tf.float32, size=count)),
+        spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), chunks)
+        step = tf.function(one_chunk, autograph=False).get_concrete_function(spec)
+        sums_spec, _, predictions_spec = step.structured_outputs
+        arrays = lambda structure: tf.nest.map_structure(
+            lambda t: tf.TensorArray(t.dtype, size=count, element_shape=t.shape), structure
         )
-        return sums, tf.reshape(norms.stack(), [-1])[:n]
+
+        def body(i, sums, norms, predictions):
+            s, m, p = step(tf.nest.map_structure(lambda t: t[i], chunks))
+            written = tf.nest.map_structure(lambda array, t: array.write(i, t), predictions, p)
+            return i + 1, [a + b for a, b in zip(sums, s)], norms.write(i, m), written
+
+        zeros = [tf.zeros(t.shape, t.dtype) for t in sums_spec]
+        _, sums, norms, predictions = tf.while_loop(
+            lambda i, *_: i < count, body, (tf.constant(0), zeros, arrays(tf.TensorSpec([None])), arrays(predictions_spec))
+        )
+
+        def rows_of(array):  # [C, P, ...] -> the first n of the C P rows
+            stacked = array.stack()
+            return tf.reshape(stacked, tf.concat([[-1], tf.shape(stacked)[2:]], 0))[:n]
+
+        return sums, rows_of(norms), tf.nest.map_structure(rows_of, predictions)
 
     def divisor(self, rows):
         """``expected_batch_size``, else the rows of the (global) batch (a constant of the pipeline), at least 1."""

@@ -72,8 +72,8 @@ class DPModel(keras.Model):
     ``sample_weight`` (padded rows then contribute nothing). The reported
     ``loss`` and metrics come from the forward pass that computed the
     clipped gradients (training mode, before the update, as Keras's own
-    ``fit`` reports them; an engine that runs no such pass, or physical
-    chunks, costs one more inference-mode pass), weighted by
+    ``fit`` reports them; an engine that runs no such pass costs one more
+    inference-mode pass), weighted by
     ``sample_weight`` (``compile`` makes ``metrics`` weighted ones), so
     padding never counts; the loss includes the regularization penalty, as
     Keras reports it. ``clipped_fraction`` (epoch running mean) and
