@@ -185,8 +185,12 @@ def _materialized_norms(first: tf.Tensor, second: tf.Tensor) -> tuple[tf.Tensor,
     return per_example_squared_norms(kernels), kernels
 
 
-def sliced_patches(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor) -> tf.Tensor:
-    """``patches(layer, a)`` built from strided slices (module docstring); ``spatial`` is ``a``'s static spatial shape."""
+def shifted_inputs(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor) -> tuple[list[tf.Tensor], list[int]]:
+    """The input each kernel offset meets: ``K`` strided slices ``[B, *out, C]`` (offsets row-major), and ``out``.
+
+    ``spatial`` is ``a``'s static spatial shape; the slices follow the
+    layer's padding, strides and dilation.
+    """
     a = _causal_pad(layer, tf.cast(a, op.compute_dtype(a.dtype)))
     n_in = list(spatial)
     if layer.padding == "causal":
@@ -202,6 +206,12 @@ def sliced_patches(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor) -> t
     for offset in itertools.product(*[range(kk) for kk in layer.kernel_size]):
         index = tuple(slice(i * d, i * d + (o - 1) * s + 1, s) for i, d, o, s in zip(offset, layer.dilation_rate, out, layer.strides))
         pieces.append(a[(slice(None), *index, slice(None))])
+    return pieces, out
+
+
+def sliced_patches(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor) -> tf.Tensor:
+    """``patches(layer, a)`` built from strided slices (module docstring); ``spatial`` is ``a``'s static spatial shape."""
+    pieces, out = shifted_inputs(layer, spatial, a)
     p = tf.concat(pieces, axis=-1) if len(pieces) > 1 else pieces[0]
     return tf.reshape(p, [-1, math.prod(out), p.shape[-1]])
 

@@ -15,13 +15,17 @@ only ``K C m`` numbers per example (no more than ``a_n`` whenever the output
 has at least ``K / m`` positions), so the rule builds it for the whole batch
 and takes norms and the clipped sum ``sum_n w_n dL_n/dW`` from it (the
 engine's cache carries it from the norms to the sum). It is built by one of
-two exact formulations:
+three exact formulations:
 
 - the "groups trick" (Rochette et al., 2019): the batch is folded into the
   channels, ``a`` -> ``[1, *spatial_in, B C]`` and ``g`` ->
   ``[1, *spatial_out, B C m]``, and the kernel gradient of *one* depthwise
   convolution with ``B C`` channels (TensorFlow's depthwise backprop-filter
   op) is every example's kernel at once, ``[*kernel_size, B C, m]``;
+- shifts: for each kernel offset ``k``, the input it meets (a strided slice
+  of the padded input, ``conv.shifted_inputs``, ``[B, T, C]``) times ``g``,
+  summed over ``t``: ``K`` products no larger than the input, never the
+  ``[B, T, K C]`` patches;
 - the patches of ``conv.sliced_patches`` ``[B, T, K C]`` reshaped to
   ``[B, T, K, C, 1]`` times ``g`` ``[B, T, 1, C, m]``, summed over ``t``
   (elementwise work that XLA fuses).
@@ -29,12 +33,15 @@ two exact formulations:
 The groups trick is used only for 3x3 kernels (2-D) on inputs at least as
 large as the kernel's reach ``(k - 1) d + 1``, outside XLA, and not with
 both strides and dilation above 1 (which ``tf.nn.depthwise_conv2d`` does not
-take). Everything else takes the patches: on this project's CPU,
-TensorFlow's depthwise backprop-filter op was far slower than the patches
-for the folded batch (``B C`` channels) with any other kernel size (the 5x5
-kernels of EfficientNetB0, 1-D kernels as 1 x k) and on inputs smaller than
-the kernel ("same" padding on the 1x1 and 2x2 maps at the end of MobileNetV2
-on 32x32 images); and under XLA (``jit_compile=True``) that grouped
+take): on this project's CPU, TensorFlow's depthwise backprop-filter op was
+far slower than the alternatives for the folded batch (``B C`` channels)
+with any other kernel size (the 5x5 kernels of EfficientNetB0, 1-D kernels
+as 1 x k) and on inputs smaller than the kernel ("same" padding on the 1x1
+and 2x2 maps at the end of MobileNetV2 on 32x32 images). The other cases
+with static spatial sizes take the shifts outside XLA (on EfficientNetB0
+they cut the patches' peak memory and time, ``benchmarks/RESULTS.md``);
+under XLA (``jit_compile=True``), which fuses the patches' product and sum,
+and with unknown spatial sizes, the patches. Under XLA the grouped
 convolution with one example and ``B C`` groups compiled and ran far slower
 still.
 
@@ -70,7 +77,7 @@ import keras
 import tensorflow as tf
 
 from per_example_grads.rules import outer_products as op
-from per_example_grads.rules.conv import PATCHES_RULE, ConvSpec, KernelBiasRule, patches, sliced_patches, weighted_kernel_sum
+from per_example_grads.rules.conv import PATCHES_RULE, ConvSpec, KernelBiasRule, patches, shifted_inputs, sliced_patches, weighted_kernel_sum
 from per_example_grads.rules.rule import LayerRule, per_example_squared_norms, register_layer_rule, reparametrized, weighted_example_sum
 from per_example_grads._core.xla_context import in_xla_context
 
@@ -91,8 +98,10 @@ def depthwise_kernels(spec: ConvSpec, a: tf.Tensor, g: tf.Tensor, multiplier: in
     reach = [(k - 1) * d + 1 for k, d in zip(spec.kernel_size, spec.dilation_rate)]
     smaller = any(n is None or n < r for n, r in zip(a.shape[1:-1], reach))
     three_by_three = tuple(spec.kernel_size) == (3, 3)
-    if in_xla_context() or both or smaller or not three_by_three or a.shape[0] is None or a.shape[-1] is None:
+    if in_xla_context() or None in a.shape[1:-1]:
         return _kernels_by_patches(spec, a, g, multiplier)
+    if both or smaller or not three_by_three or a.shape[0] is None or a.shape[-1] is None:
+        return _kernels_by_shifts(spec, a, g, multiplier)
     return _kernels_by_groups(spec, a, g, multiplier)
 
 
@@ -105,6 +114,16 @@ def _kernels_by_patches(spec, a, g, m):
     p = tf.reshape(p, [b, t, k, c, 1])
     g = tf.reshape(g, [b, t, 1, c, m])
     return tf.reshape(tf.reduce_sum(p * g, axis=1), [-1, *spec.kernel_size, c, m])
+
+
+def _kernels_by_shifts(spec, a, g, m):
+    """Static spatial sizes: one product and sum over positions per kernel offset, never the ``[B, T, K C]`` patches."""
+    c = a.shape[-1]
+    pieces, out = shifted_inputs(spec, tuple(a.shape[1:-1]), a)
+    t = math.prod(out)
+    g = tf.reshape(g, [-1, t, c, m])
+    per_offset = [tf.reduce_sum(tf.reshape(piece, [-1, t, c, 1]) * g, axis=1) for piece in pieces]  # K x [B, C, m]
+    return tf.reshape(tf.stack(per_offset, axis=1), [-1, *spec.kernel_size, c, m])
 
 
 def _kernels_by_groups(spec, a, g, m):
