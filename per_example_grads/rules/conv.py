@@ -202,11 +202,21 @@ def shifted_inputs(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor) -> t
         a = tf.pad(a, [[0, 0]] + [[p // 2, p - p // 2] for p in pads] + [[0, 0]])
     else:
         out = [(n - r) // s + 1 for n, r, s in zip(n_in, reach, layer.strides)]
-    pieces = []
-    for offset in itertools.product(*[range(kk) for kk in layer.kernel_size]):
-        index = tuple(slice(i * d, i * d + (o - 1) * s + 1, s) for i, d, o, s in zip(offset, layer.dilation_rate, out, layer.strides))
-        pieces.append(a[(slice(None), *index, slice(None))])
-    return pieces, out
+    offsets = list(itertools.product(*[range(kk) for kk in layer.kernel_size]))
+    if all(s == 1 for s in layer.strides):
+        index = lambda offset: [slice(i * d, i * d + o) for i, d, o in zip(offset, layer.dilation_rate, out)]
+    else:
+        # Strided slices copy element by element (10x slower here than a contiguous slice). Instead each
+        # axis of size s m becomes [m, s]: position j s + r is (j, r), so offset i, at i d, meets (j + i d // s, i d % s).
+        blocks = [o + (kk - 1) * d // s for o, kk, d, s in zip(out, layer.kernel_size, layer.dilation_rate, layer.strides)]
+        a = a[(slice(None), *[slice(0, m * s) for m, s in zip(blocks, layer.strides)], slice(None))]
+        short = [m * s - n for m, s, n in zip(blocks, layer.strides, a.shape[1:-1])]
+        a = tf.pad(a, [[0, 0]] + [[0, max(e, 0)] for e in short] + [[0, 0]])
+        a = tf.reshape(a, [-1, *[x for m, s in zip(blocks, layer.strides) for x in (m, s)], a.shape[-1]])
+        index = lambda offset: [
+            x for i, d, o, s in zip(offset, layer.dilation_rate, out, layer.strides) for x in (slice(i * d // s, i * d // s + o), i * d % s)
+        ]
+    return [a[(slice(None), *index(offset), slice(None))] for offset in offsets], out
 
 
 def sliced_patches(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor) -> tf.Tensor:
