@@ -17,10 +17,10 @@ def _draws(source, jit=False):
     return fn().numpy()
 
 
-@pytest.mark.parametrize("kind", ["stateless", "generator", "stateless_xla"])
+@pytest.mark.parametrize("kind", ["stateless", "generator", "stateless_xla", "generator_xla"])
 def test_standard_normal_draws_are_standard_normal(kind):
-    if kind == "generator":
-        z = _draws(tf.random.Generator.from_seed(7))
+    if kind.startswith("generator"):
+        z = _draws(tf.random.Generator.from_seed(7), jit=kind.endswith("xla"))
     else:
         z = _draws(noise.stateless_key(7), jit=kind.endswith("xla"))
     assert z.shape == (N,) and z.dtype == np.float32
@@ -32,6 +32,14 @@ def test_standard_normal_draws_are_standard_normal(kind):
     assert abs(z.var() - 1) < 5 * math.sqrt(2 / N)
     p = 2 * stats.norm.sf(3)
     assert abs(np.mean(np.abs(z) > 3) - p) < 5 * math.sqrt(p * (1 - p) / N)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_generator_gives_fresh_draws_at_every_call(jit):
+    generator = tf.random.Generator.from_seed(3)
+    fn = tf.function(lambda: noise.standard_normal(tf.constant(1000), generator), jit_compile=jit)
+    first, second = fn().numpy(), fn().numpy()
+    assert abs(np.corrcoef(first, second)[0, 1]) < 5 / math.sqrt(1000)
 
 
 def test_the_cosine_and_sine_halves_are_uncorrelated():
