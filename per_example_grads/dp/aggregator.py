@@ -232,40 +232,60 @@ class DPAggregator(keras.layers.Layer):
 
         The predictions of every chunk's pass are kept (``()`` when its engine
         gives none), so a training step needs no extra forward pass for its
-        loss and metrics. One chunk's step is traced once, as a function, so
-        that the loop knows the structure of its predictions before it starts.
+        loss and metrics, and so are an embedding table's ``tf.IndexedSlices``
+        sums (their rows, made dense once, with the noise, not per chunk). One
+        chunk's step is traced once, as a function, so that the loop knows
+        the structure of its outputs before it starts.
         """
         n = tf.shape(tf.nest.flatten(data)[0])[0]
         # Every row weighs 1 unless weighted; the zero padding of the last chunk then weighs 0.
         chunks, count = split_into_chunks({"sample_weight": tf.ones([n])} | data, self.physical_batch_size)
+        variables = args["variables"] if args["variables"] is not None else model.trainable_variables
 
         def one_chunk(part):
             s, m, p = clipped_sums_and_predictions(
                 model, loss_fn, part["x"], part.get("y"), sample_weight=part["sample_weight"], **args
             )
-            return dense_sums(s), tf.cast(m, tf.float32), p
+            return s, tf.cast(m, tf.float32), p
 
         spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), chunks)
         step = tf.function(one_chunk, autograph=False).get_concrete_function(spec)
         sums_spec, _, predictions_spec = step.structured_outputs
-        arrays = lambda structure: tf.nest.map_structure(
-            lambda t: tf.TensorArray(t.dtype, size=count, element_shape=t.shape), structure
-        )
+        sliced = [isinstance(t, tf.IndexedSlices) for t in sums_spec]
+
+        def array(t, rows_vary=False):
+            return tf.TensorArray(t.dtype, size=count, element_shape=None if rows_vary else t.shape, infer_shape=not rows_vary)
+
+        def start(t, is_sliced):  # a dense running sum, or the rows (values, indices) of every chunk
+            return (array(t.values, True), array(t.indices, True)) if is_sliced else tf.zeros(t.shape, t.dtype)
+
+        def add(i, total, t, is_sliced):
+            return (total[0].write(i, t.values), total[1].write(i, t.indices)) if is_sliced else total + t
 
         def body(i, sums, norms, predictions):
             s, m, p = step(tf.nest.map_structure(lambda t: t[i], chunks))
-            written = tf.nest.map_structure(lambda array, t: array.write(i, t), predictions, p)
-            return i + 1, [a + b for a, b in zip(sums, s)], norms.write(i, m), written
+            written = tf.nest.map_structure(lambda a, t: a.write(i, t), predictions, p)
+            return i + 1, [add(i, a, b, k) for a, b, k in zip(sums, s, sliced)], norms.write(i, m), written
 
-        zeros = [tf.zeros(t.shape, t.dtype) for t in sums_spec]
         _, sums, norms, predictions = tf.while_loop(
-            lambda i, *_: i < count, body, (tf.constant(0), zeros, arrays(tf.TensorSpec([None])), arrays(predictions_spec))
+            lambda i, *_: i < count,
+            body,
+            (
+                tf.constant(0),
+                [start(t, k) for t, k in zip(sums_spec, sliced)],
+                array(tf.TensorSpec([None])),
+                tf.nest.map_structure(array, predictions_spec),
+            ),
         )
 
-        def rows_of(array):  # [C, P, ...] -> the first n of the C P rows
-            stacked = array.stack()
+        def rows_of(a):  # [C, P, ...] -> the first n of the C P rows
+            stacked = a.stack()
             return tf.reshape(stacked, tf.concat([[-1], tf.shape(stacked)[2:]], 0))[:n]
 
+        sums = [
+            tf.IndexedSlices(total[0].concat(), total[1].concat(), tf.constant([int(d) for d in v.shape], tf.int64)) if k else total
+            for total, k, v in zip(sums, sliced, variables)
+        ]
         return sums, rows_of(norms), tf.nest.map_structure(rows_of, predictions)
 
     def divisor(self, rows):
