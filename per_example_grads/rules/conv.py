@@ -186,7 +186,7 @@ def _materialized_norms(first: tf.Tensor, second: tf.Tensor) -> tuple[tf.Tensor,
 
 
 def shifted_inputs(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor) -> tuple[list[tf.Tensor], list[int]]:
-    """The input each kernel offset meets: ``K`` strided slices ``[B, *out, C]`` (offsets row-major), and ``out``.
+    """The input each kernel offset meets: ``K`` slices ``[B, *out, C]`` (offsets row-major), and ``out``.
 
     ``spatial`` is ``a``'s static spatial shape; the slices follow the
     layer's padding, strides and dilation.
@@ -220,7 +220,7 @@ def shifted_inputs(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor) -> t
 
 
 def sliced_patches(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor) -> tf.Tensor:
-    """``patches(layer, a)`` built from strided slices (module docstring); ``spatial`` is ``a``'s static spatial shape."""
+    """``patches(layer, a)`` from the slices of ``shifted_inputs`` (module docstring); ``spatial`` is ``a``'s static spatial shape."""
     pieces, out = shifted_inputs(layer, spatial, a)
     p = tf.concat(pieces, axis=-1) if len(pieces) > 1 else pieces[0]
     return tf.reshape(p, [-1, math.prod(out), p.shape[-1]])

@@ -22,7 +22,7 @@ three exact formulations:
   ``[1, *spatial_out, B C m]``, and the kernel gradient of *one* depthwise
   convolution with ``B C`` channels (TensorFlow's depthwise backprop-filter
   op) is every example's kernel at once, ``[*kernel_size, B C, m]``;
-- shifts: for each kernel offset ``k``, the input it meets (a strided slice
+- shifts: for each kernel offset ``k``, the input it meets (a slice
   of the padded input, ``conv.shifted_inputs``, ``[B, T, C]``) times ``g``,
   summed over ``t``: ``K`` products no larger than the input, never the
   ``[B, T, K C]`` patches;
