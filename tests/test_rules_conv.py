@@ -92,7 +92,7 @@ def test_conv_keeps_per_example_kernels_only_when_small():
 
     a, g = tf.zeros([2, 9, 9, 2]), tf.zeros([2, 4, 4, 3])  # f k = 54 <= 162 + 48
     spec = conv.ConvSpec(2, (3, 3), (2, 2), (1, 1), "valid")
-    assert conv.kernel_squared_norms(spec, a, g, keep=True)[1].shape == (2, 3, 18)  # [B, k, f]: the smaller axis first
+    assert conv.kernel_squared_norms(spec, a, g, keep=True)[1].shape == (2, 18, 3)  # [B, f, k] (offsets' products)
     assert conv.kernel_squared_norms(spec, a, g, keep=False)[1] is None
     a, g = tf.zeros([2, 3, 3, 2]), tf.zeros([2, 3, 3, 8])  # f k = 144 > 18 + 72
     assert conv.kernel_squared_norms(conv.ConvSpec(2, (3, 3), (1, 1), (1, 1), "same"), a, g, keep=True)[1] is None

@@ -15,23 +15,21 @@ Norms. A convolution is a Dense layer applied to every input patch: with
 n's kernel gradient is ``G_n = sum_t p_nt^T g_nt``. ``||G_n||^2`` is the Gram
 form ``sum_{t,s} (p_nt . p_ns)(g_nt . g_ns)`` when
 ``positions (f + c_out) < f c_out``; otherwise ``G_n`` is built, one layer at a
-time, by batched matrix products with the smaller of ``f`` and ``c_out`` first
-(the faster order); patches built outside XLA are built in batch chunks of at
-most ``PATCH_CHUNK_ELEMENTS`` elements, so the patches of all ``B`` examples
-never exist at once (lower peak memory for norms and clipped sum). When ``f <= c_out`` the patches
-and those products run as one XLA function (``jit_compile=True``), with the
-patches built as the concatenation over the kernel offsets ``(i, j)`` of the
-strided slices
-``a[:, i d_h : i d_h + (oh - 1) s_h + 1 : s_h, j d_w : ... : s_w, :]`` of the
-(explicitly padded) input, in the ``(i, j, c_in)`` order of
-``tf.image.extract_patches``: XLA fuses these slices into the product's
-operand, which on this project's CPU was faster than ``extract_patches``
-outside XLA for the first convolution of the benchmark CNN (``c_in = 1``,
-``f = 9 <= c_out``). When ``f > c_out`` (the CNN's second convolution,
-``f = 144``) the fused slices were faster at small batches but slower at
-large ones, so there the patches are extracted outside XLA and only the
-products run under it; ``extract_patches`` *inside* XLA was slower in both
-cases. ``NORMS_JIT_COMPILE = False`` runs the same without XLA.
+time. With static image sizes outside XLA (``jit_compile``), it is built
+without patches: for each kernel offset ``(i, j)`` the input that offset
+meets, the slice ``a[:, i d_h : i d_h + (oh - 1) s_h + 1 : s_h, j d_w : ...
+: s_w, :]`` of the (explicitly padded) input, gives the rows ``(i, j, :)`` of
+``G_n`` by one batched product with ``g`` (``over_offsets``: one slice at a
+time, each a contiguous copy; a strided axis is first reshaped to ``[o,
+s]``). On this project's CPU that was 1.5-1.7x faster than the patches for
+both convolutions of the benchmark CNN. Otherwise the patches are used:
+built in batch chunks of at most ``PATCH_CHUNK_ELEMENTS`` elements outside
+XLA (the patches of all ``B`` examples never exist at once), and under XLA,
+when ``f <= c_out``, as the concatenation of those slices (``sliced_patches``,
+in the ``(i, j, c_in)`` order of ``tf.image.extract_patches``), which XLA
+fuses into the product's operand (``extract_patches`` inside XLA was slower);
+the product takes the smaller of ``f`` and ``c_out`` first.
+``NORMS_JIT_COMPILE = False`` runs the XLA-compiled pieces without XLA.
 ``"same"`` padding pads ``pad = max((o - 1) s + (k - 1) d + 1 - n, 0)``,
 ``pad // 2`` before, as TensorFlow does (``o = ceil(n / s)``).
 
@@ -137,7 +135,11 @@ def kernel_squared_norms(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, keep: bool
     t = g.shape[1:-1].num_elements() if g.shape[1:-1].is_fully_defined() else None
     if t is not None and f is not None and t * (f + k) < f * k:
         return op.kernel_squared_norms(patches(layer, a), op.as_btf(g)), None  # the Gram form
-    if None in spatial or f is None or f > k:  # slices need static sizes; measured slower when f > k
+    if None in spatial or f is None:  # slices need static sizes
+        norms, kernels = _patch_norms(layer, a, g, t, f)
+    elif not in_xla_context():
+        norms, kernels = _shifted_norms(layer, spatial, a, g)
+    elif f > k:  # under XLA, measured slower than the patches
         norms, kernels = _patch_norms(layer, a, g, t, f)
     else:
         fn = _sliced_norms_xla if NORMS_JIT_COMPILE else _sliced_norms
@@ -185,11 +187,13 @@ def _materialized_norms(first: tf.Tensor, second: tf.Tensor) -> tuple[tf.Tensor,
     return per_example_squared_norms(kernels), kernels
 
 
-def shifted_inputs(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor) -> tuple[list[tf.Tensor], list[int]]:
-    """The input each kernel offset meets: ``K`` slices ``[B, *out, C]`` (offsets row-major), and ``out``.
+def over_offsets(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor, fn) -> tuple[list, list[int]]:
+    """``[fn(piece) for each kernel offset]`` (offsets row-major) and the output's spatial shape ``out``.
 
-    ``spatial`` is ``a``'s static spatial shape; the slices follow the
-    layer's padding, strides and dilation.
+    ``piece`` ``[B, *out, C]`` is the input that offset meets, following the
+    layer's padding, strides and dilation; ``spatial`` is ``a``'s static
+    spatial shape. Each piece is sliced after the previous ``fn`` result is
+    computed, so one piece exists at a time.
     """
     a = _causal_pad(layer, tf.cast(a, op.compute_dtype(a.dtype)))
     n_in = list(spatial)
@@ -202,7 +206,6 @@ def shifted_inputs(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor) -> t
         a = tf.pad(a, [[0, 0]] + [[p // 2, p - p // 2] for p in pads] + [[0, 0]])
     else:
         out = [(n - r) // s + 1 for n, r, s in zip(n_in, reach, layer.strides)]
-    offsets = list(itertools.product(*[range(kk) for kk in layer.kernel_size]))
     if all(s == 1 for s in layer.strides):
         index = lambda offset: [slice(i * d, i * d + o) for i, d, o in zip(offset, layer.dilation_rate, out)]
     else:
@@ -216,14 +219,27 @@ def shifted_inputs(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor) -> t
         index = lambda offset: [
             x for i, d, o, s in zip(offset, layer.dilation_rate, out, layer.strides) for x in (slice(i * d // s, i * d // s + o), i * d % s)
         ]
-    return [a[(slice(None), *index(offset), slice(None))] for offset in offsets], out
+    results: list = []
+    for offset in itertools.product(*[range(kk) for kk in layer.kernel_size]):
+        with tf.control_dependencies(tf.nest.flatten(results[-1:])):
+            results.append(fn(a[(slice(None), *index(offset), slice(None))]))
+    return results, out
 
 
 def sliced_patches(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor) -> tf.Tensor:
-    """``patches(layer, a)`` from the slices of ``shifted_inputs`` (module docstring); ``spatial`` is ``a``'s static spatial shape."""
-    pieces, out = shifted_inputs(layer, spatial, a)
+    """``patches(layer, a)`` from the slices of ``over_offsets`` (module docstring); ``spatial`` is ``a``'s static spatial shape."""
+    pieces, out = over_offsets(layer, spatial, a, tf.identity)
     p = tf.concat(pieces, axis=-1) if len(pieces) > 1 else pieces[0]
     return tf.reshape(p, [-1, math.prod(out), p.shape[-1]])
+
+
+def _shifted_norms(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor, g: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """``[B]`` norms and the per-example kernels ``[B, f, k]``: one batched product per kernel offset, no patches."""
+    c = a.shape[-1]
+    g = op.as_btf(g)
+    per_offset, _ = over_offsets(layer, spatial, a, lambda piece: tf.matmul(tf.reshape(piece, [tf.shape(piece)[0], -1, c]), g, transpose_a=True))
+    kernels = tf.concat(per_offset, axis=1)  # [B, K c_in, k], rows in the patches' (offset, c_in) order
+    return per_example_squared_norms(kernels), kernels
 
 
 def _sliced_norms(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor, g: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:

@@ -23,7 +23,7 @@ three exact formulations:
   convolution with ``B C`` channels (TensorFlow's depthwise backprop-filter
   op) is every example's kernel at once, ``[*kernel_size, B C, m]``;
 - shifts: for each kernel offset ``k``, the input it meets (a slice
-  of the padded input, ``conv.shifted_inputs``, ``[B, T, C]``) times ``g``,
+  of the padded input, ``conv.over_offsets``, ``[B, T, C]``) times ``g``,
   summed over ``t``: ``K`` products no larger than the input, never the
   ``[B, T, K C]`` patches;
 - the patches of ``conv.sliced_patches`` ``[B, T, K C]`` reshaped to
@@ -77,7 +77,7 @@ import keras
 import tensorflow as tf
 
 from per_example_grads.rules import outer_products as op
-from per_example_grads.rules.conv import PATCHES_RULE, ConvSpec, KernelBiasRule, patches, shifted_inputs, sliced_patches, weighted_kernel_sum
+from per_example_grads.rules.conv import PATCHES_RULE, ConvSpec, KernelBiasRule, over_offsets, patches, sliced_patches, weighted_kernel_sum
 from per_example_grads.rules.rule import LayerRule, per_example_squared_norms, register_layer_rule, reparametrized, weighted_example_sum
 from per_example_grads._core.xla_context import in_xla_context
 
@@ -119,10 +119,9 @@ def _kernels_by_patches(spec, a, g, m):
 def _kernels_by_shifts(spec, a, g, m):
     """Static spatial sizes: one product and sum over positions per kernel offset, never the ``[B, T, K C]`` patches."""
     c = a.shape[-1]
-    pieces, out = shifted_inputs(spec, tuple(a.shape[1:-1]), a)
-    t = math.prod(out)
+    t = g.shape[1:-1].num_elements()
     g = tf.reshape(g, [-1, t, c, m])
-    per_offset = [tf.reduce_sum(tf.reshape(piece, [-1, t, c, 1]) * g, axis=1) for piece in pieces]  # K x [B, C, m]
+    per_offset, _ = over_offsets(spec, tuple(a.shape[1:-1]), a, lambda piece: tf.reduce_sum(tf.reshape(piece, [-1, t, c, 1]) * g, axis=1))
     return tf.reshape(tf.stack(per_offset, axis=1), [-1, *spec.kernel_size, c, m])
 
 
