@@ -400,6 +400,9 @@ RULE_FAMILIES = {
         "conv2d_same_small_input": lambda r: sequential_case(r, [keras.layers.Conv2D(8, 3, padding="same")], (_B, 3, 3, 2)),
         "conv1d_strided_same_no_bias": lambda r: sequential_case(r, [keras.layers.Conv1D(5, 4, strides=3, padding="same", use_bias=False)], (_B, 11, 2)),
         "conv3d": lambda r: sequential_case(r, [keras.layers.Conv3D(2, 2, strides=(1, 2, 1))], (_B, 4, 5, 4, 2)),
+        "conv3d_strided_same": lambda r: sequential_case(r, [keras.layers.Conv3D(3, 3, strides=2, padding="same", activation="tanh")], (_B, 5, 6, 4, 2)),
+        "conv3d_few_positions_gram": lambda r: sequential_case(r, [keras.layers.Conv3D(16, 2, strides=2)], (_B, 4, 4, 4, 4)),
+        "conv3d_dilated_fallback": lambda r: sequential_case(r, [keras.layers.Conv3D(2, 2, dilation_rate=2, use_bias=False)], (_B, 5, 5, 5, 1)),
     },
     "depthwise": {  # DepthwiseConv1D/2D, SeparableConv1D/2D and grouped Conv1D/2D closed forms (channels_first: the fallback)
         "conv1d_strided_groups": lambda r: sequential_case(r, [keras.layers.Conv1D(4, 3, strides=2, groups=2, padding="same")], (_B, 10, 4)),

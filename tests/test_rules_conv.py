@@ -28,7 +28,7 @@ def test_rule_matches_loop(name):
 @pytest.mark.parametrize("clip", [1e-3, 0.3, 1e3])
 @pytest.mark.parametrize("name", layer_case_params([
     "conv2d_strided_valid", "conv2d_dilated_same", "conv2d_few_positions_gram", "conv2d_same_small_input",
-    "conv1d_causal_dilated", "conv1d_strided_same_no_bias",
+    "conv1d_causal_dilated", "conv1d_strided_same_no_bias", "conv3d_strided_same",
 ]))
 def test_clipped_gradients_match_clipping_materialized(name, clip):
     clipped_against_loop(*layer_case(name), clip, methods=["layerwise", "vectorized"])
@@ -117,3 +117,17 @@ def test_conv_sliced_patches_equal_extract_patches(spec, shape):
     got = conv.sliced_patches(layer, tuple(shape[1:-1]), a).numpy()
     assert got.shape == want.shape
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("spec, shape", [
+    ((3, (2, 2, 2), (1, 2, 1), (1, 1, 1), "valid"), (2, 4, 5, 4, 2)),
+    ((3, (3, 2, 3), (2, 1, 2), (1, 1, 1), "same"), (2, 5, 6, 4, 3)),
+])
+def test_conv3d_patches_of_unknown_sizes_equal_the_sliced_ones(spec, shape):
+    """extract_volume_patches (sizes known only at run time) orders a patch's features as the kernel's rows."""
+    from per_example_grads.rules import conv
+
+    layer = conv.ConvSpec(*spec)
+    a = tf.random.stateless_normal(shape, [3, 4])
+    unknown = tf.function(lambda a: conv.patches(layer, a), input_signature=[tf.TensorSpec([None, None, None, None, shape[-1]])])
+    np.testing.assert_array_equal(unknown(a).numpy(), conv.sliced_patches(layer, tuple(shape[1:-1]), a).numpy())

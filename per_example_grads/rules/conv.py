@@ -1,10 +1,11 @@
 """Convolutions.
 
-Conv1D and Conv2D (channels_last, ``groups=1``) have closed forms for norms
-and clipped sums (depthwise, separable and grouped ones: ``depthwise_conv.py``,
-which registers the Conv1D/Conv2D rule that picks between the two); every
-other convolution (Conv3D, channels_first) uses the exact layer-local VJP of the layer's own
-convolution on each example, tapped before the fused activation.
+Conv1D, Conv2D and Conv3D (channels_last, ``groups=1``; Conv3D without
+dilation) have closed forms for norms and clipped sums (depthwise, separable
+and grouped ones: ``depthwise_conv.py``, which registers the convolution rule
+that picks between the two); every other convolution (channels_first, dilated
+Conv3D) uses the exact layer-local VJP of the layer's own convolution on each
+example, tapped before the fused activation.
 
 Notation: ``a`` ``[B, *spatial_in, c_in]`` is the layer input (causal padding
 applied), ``g`` ``[B, *spatial_out, c_out]`` the loss gradient at the
@@ -108,6 +109,16 @@ def patches(layer: ConvSpec, a: tf.Tensor) -> tf.Tensor:
 
     ``a`` is the layer input ``[B, *spatial_in, c_in]`` before causal padding.
     """
+    if layer.rank == 3:
+        spatial = tuple(a.shape[1:-1])
+        if None not in spatial:
+            return sliced_patches(layer, spatial, a)
+        # Unknown sizes: extract_volume_patches, which has no dilation (ConvPatchesRule refuses it for 3-D)
+        # and orders a patch's features (depth, row, column, channel), as the kernel's rows.
+        p = tf.extract_volume_patches(
+            tf.cast(a, op.compute_dtype(a.dtype)), ksizes=[1, *layer.kernel_size, 1], strides=[1, *layer.strides, 1], padding=_padding(layer)
+        )
+        return op.as_btf(p)
     a = _causal_pad(layer, tf.cast(a, op.compute_dtype(a.dtype)))
     if layer.rank == 1:
         a = a[:, None]  # [B, 1, T, C]: a 1 x k 2-D patch
@@ -296,8 +307,8 @@ class KernelBiasRule(LayerRule):
 
 class ConvPatchesRule(KernelBiasRule):
     def unsupported(self, layer):
-        if layer.rank not in (1, 2):
-            return "only 1-D and 2-D convolutions have the patches closed form"
+        if layer.rank == 3 and any(d > 1 for d in layer.dilation_rate):
+            return "dilated Conv3D uses the layer-local fallback"
         if layer.groups != 1 or layer.data_format != "channels_last":
             return "grouped convolutions have their own rule (depthwise_conv.py); channels_first ones use the layer-local fallback"
         return reparametrized(layer)
@@ -345,4 +356,3 @@ class ConvPatchesRule(KernelBiasRule):
 LOCAL_CONV_RULE = LocalRule(preactivation=True)
 PATCHES_RULE = ConvPatchesRule()
 
-register_layer_rule(keras.layers.Conv3D, LOCAL_CONV_RULE)  # depthwise and separable: rules/depthwise_conv.py

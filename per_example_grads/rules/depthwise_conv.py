@@ -300,7 +300,7 @@ class GroupedConvRule(KernelBiasRule):
 
 
 class _ConvRule(LayerRule):
-    """Conv1D/Conv2D: hands each layer to ``conv.PATCHES_RULE`` (``groups = 1``) or ``GroupedConvRule``."""
+    """Conv1D/2D/3D: hands each layer to ``conv.PATCHES_RULE`` (``groups = 1``) or ``GroupedConvRule`` (1-D, 2-D)."""
 
     def for_layer(self, layer):
         return GROUPED_RULE if layer.groups > 1 and layer.rank in (1, 2) else PATCHES_RULE
@@ -314,6 +314,7 @@ CONV_RULE = _ConvRule()
 
 register_layer_rule(keras.layers.Conv1D, CONV_RULE)
 register_layer_rule(keras.layers.Conv2D, CONV_RULE)
+register_layer_rule(keras.layers.Conv3D, CONV_RULE)
 register_layer_rule(keras.layers.DepthwiseConv1D, DEPTHWISE_RULE)
 register_layer_rule(keras.layers.DepthwiseConv2D, DEPTHWISE_RULE)
 register_layer_rule(keras.layers.SeparableConv1D, SEPARABLE_RULE)
