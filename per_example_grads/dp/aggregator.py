@@ -232,7 +232,8 @@ class DPAggregator(keras.layers.Layer):
 
         The predictions of every chunk's pass are kept (``()`` when its engine
         gives none), so a training step needs no extra forward pass for its
-        loss and metrics, and so are an embedding table's ``tf.IndexedSlices``
+        loss and metrics (they hold the logical batch's outputs, as that pass
+        did: for a language model its ``[B, T, V]`` logits), and so are an embedding table's ``tf.IndexedSlices``
         sums (their rows, made dense once, with the noise, not per chunk). One
         chunk's step is traced once, as a function, so that the loop knows
         the structure of its outputs before it starts.
