@@ -230,13 +230,14 @@ class DPAggregator(keras.layers.Layer):
     def _chunked(self, model, loss_fn, data, args):
         """Clipped sums, norms and predictions of ``data``'s rows, ``physical_batch_size`` at a time, in a loop.
 
-        The predictions of every chunk's pass are kept (``()`` when its engine
-        gives none), so a training step needs no extra forward pass for its
-        loss and metrics (they hold the logical batch's outputs, as that pass
-        did: for a language model its ``[B, T, V]`` logits), and so are an embedding table's ``tf.IndexedSlices``
-        sums (their rows, made dense once, with the noise, not per chunk). One
-        chunk's step is traced once, as a function, so that the loop knows
-        the structure of its outputs before it starts.
+        The predictions of every chunk's pass are kept (``()`` when its
+        engine gives none), so a training step needs no extra forward pass
+        for its loss and metrics (they hold the logical batch's outputs, as
+        that pass did: for a language model its ``[B, T, V]`` logits). An
+        embedding table's ``tf.IndexedSlices`` sums are kept as rows, made
+        dense once (with the noise), not per chunk. One chunk's step is
+        traced once, as a function, so that the loop knows the structure of
+        its outputs before it starts.
         """
         n = tf.shape(tf.nest.flatten(data)[0])[0]
         # Every row weighs 1 unless weighted; the zero padding of the last chunk then weighs 0.

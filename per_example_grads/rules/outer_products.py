@@ -58,7 +58,8 @@ def weighted_kernel_sum(a: tf.Tensor, g: tf.Tensor, weights: tf.Tensor) -> tf.Te
         a = a * tf.cast(weights, a.dtype)[:, None, None]
     else:
         g = g * tf.cast(weights, g.dtype)[:, None, None]
-    return tf.linalg.matmul(tf.reshape(a, [-1, tf.shape(a)[-1]]), tf.reshape(g, [-1, tf.shape(g)[-1]]), transpose_a=True)
+    rows = lambda t, n: tf.reshape(t, [-1, n if n is not None else tf.shape(t)[-1]])  # [B T, n], n static when known
+    return tf.linalg.matmul(rows(a, i), rows(g, j), transpose_a=True)
 
 
 def weighted_bias_sum(g: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
