@@ -92,7 +92,7 @@ def test_depthwise_kernels_by_patches_equal_by_groups(name):
 
 
 def test_dynamic_batch_in_a_graph():
-    """An unknown batch size (a ``tf.function`` with a ``None`` batch) takes the patches path."""
+    """An unknown batch size (a ``tf.function`` with a ``None`` batch) takes the per-offset path, which needs only static image sizes."""
     model, x, y = layer_case("separable_conv2d_strided_same_m2_no_bias")
     spec = [tf.TensorSpec((None, *x.shape[1:]), tf.float32), tf.TensorSpec((None,), tf.int32)]
     fn = tf.function(lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, return_norms=True, method="layerwise"), input_signature=spec)

@@ -94,12 +94,12 @@ def depthwise_kernels(spec: ConvSpec, a: tf.Tensor, g: tf.Tensor, multiplier: in
     """
     dtype = op.compute_dtype(a.dtype)
     a, g = tf.cast(a, dtype), tf.cast(g, dtype)
-    both = any(s > 1 for s in spec.strides) and any(d > 1 for d in spec.dilation_rate)
-    reach = [(k - 1) * d + 1 for k, d in zip(spec.kernel_size, spec.dilation_rate)]
-    smaller = any(n is None or n < r for n, r in zip(a.shape[1:-1], reach))
-    three_by_three = tuple(spec.kernel_size) == (3, 3)
     if in_xla_context() or None in a.shape[1:-1]:
         return _kernels_by_patches(spec, a, g, multiplier)
+    both = any(s > 1 for s in spec.strides) and any(d > 1 for d in spec.dilation_rate)
+    reach = [(k - 1) * d + 1 for k, d in zip(spec.kernel_size, spec.dilation_rate)]
+    smaller = any(n < r for n, r in zip(a.shape[1:-1], reach))
+    three_by_three = tuple(spec.kernel_size) == (3, 3)
     if both or smaller or not three_by_three or a.shape[0] is None or a.shape[-1] is None:
         return _kernels_by_shifts(spec, a, g, multiplier)
     return _kernels_by_groups(spec, a, g, multiplier)
@@ -143,6 +143,13 @@ def _kernels_by_groups(spec, a, g, m):
     return tf.reshape(w, [b, *spec.kernel_size, c, m])
 
 
+def _channels_last_only(layer, kind: str) -> str | None:
+    """Why the rule declines ``layer`` (channels_first, or a reparametrized kernel), or None."""
+    if layer.data_format != "channels_last":
+        return f"channels_first {kind} convolutions use the layer-local fallback"
+    return reparametrized(layer)
+
+
 def _weighted(g: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
     g = tf.cast(g, op.compute_dtype(g.dtype))
     return g * tf.reshape(tf.cast(weights, g.dtype), [-1] + [1] * (g.shape.rank - 1))
@@ -152,9 +159,7 @@ class DepthwiseConvRule(KernelBiasRule):
     """DepthwiseConv1D/2D: ``z = depthwise(a, W) + b``, then the fused activation."""
 
     def unsupported(self, layer):
-        if layer.data_format != "channels_last":
-            return "channels_first depthwise convolutions use the layer-local fallback"
-        return reparametrized(layer)
+        return _channels_last_only(layer, "depthwise")
 
     def per_example(self, layer, saved, grads):
         return [tf.cast(t, v.dtype) for t, v in zip(self._per_example_compute_dtype(layer, saved, grads), self.variables(layer))]
@@ -189,9 +194,7 @@ class SeparableConvRule(LayerRule):
     """SeparableConv1D/2D: ``d = depthwise(a, W_d)``, ``z = d @ W_p + b``, then the fused activation."""
 
     def unsupported(self, layer):
-        if layer.data_format != "channels_last":
-            return "channels_first separable convolutions use the layer-local fallback"
-        return reparametrized(layer)
+        return _channels_last_only(layer, "separable")
 
     def variables(self, layer):
         return [layer.depthwise_kernel, layer.pointwise_kernel] + ([layer.bias] if layer.use_bias else [])
@@ -263,9 +266,7 @@ class GroupedConvRule(KernelBiasRule):
     """Conv1D/Conv2D with ``groups > 1``: ``z = conv(a, W) + b``, then the fused activation."""
 
     def unsupported(self, layer):
-        if layer.data_format != "channels_last":
-            return "channels_first grouped convolutions use the layer-local fallback"
-        return reparametrized(layer)
+        return _channels_last_only(layer, "grouped")
 
     def _per_example(self, layer, a, g):
         out = [grouped_kernels(ConvSpec.of(layer), a, g, layer.groups)]
