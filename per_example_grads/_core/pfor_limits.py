@@ -138,6 +138,19 @@ def example_specs(batched: Any) -> Any:
     return tf.nest.map_structure(spec, batched)
 
 
+def refusal(cache: dict, key: str, find: Callable[[], list[str]], what: str) -> str | None:
+    """An engine's reason to refuse: ``find()``'s hazards (worked out once, kept in ``cache[key]``), or None.
+
+    ``what`` names what would run them (``"tf.vectorized_map"``).
+    """
+    if key not in cache:
+        cache[key] = find()
+    hazards = cache[key]
+    if not hazards:
+        return None
+    return f"{what} would run {describe(hazards)}, which fails or crashes the process (oneDNN) depending on the CPU"
+
+
 def describe(hazards: list[str]) -> str:
     """The first hazard of each op type, and how many more, for a message."""
     firsts: dict[str, str] = {}

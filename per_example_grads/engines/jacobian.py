@@ -26,8 +26,8 @@ def why_not_batch(problem, batch) -> str | None:
     broadcasting batch matmul a hazard); see
     ``per_example_grads._core.pfor_limits``.
     """
-    key = "jacobian_hazards"
-    if key not in problem.cache:
+
+    def find() -> list[str]:
         specs = tf.nest.map_structure(lambda t: tf.TensorSpec.from_tensor(tf.convert_to_tensor(t)), batch)
         found = []
 
@@ -42,14 +42,9 @@ def why_not_batch(problem, batch) -> str | None:
             return losses
 
         tf.function(backward, autograph=False).get_concrete_function(specs)
-        problem.cache[key] = found
-    hazards = problem.cache[key]
-    if hazards:
-        return (
-            f"its vectorized backward pass would run {pfor_limits.describe(hazards)}, which fails or "
-            "crashes the process (oneDNN) depending on the CPU"
-        )
-    return None
+        return found
+
+    return pfor_limits.refusal(problem.cache, "jacobian_hazards", find, "its vectorized backward pass")
 
 
 @register_engine(name="jacobian", isolates_examples=False, why_not_batch=why_not_batch)

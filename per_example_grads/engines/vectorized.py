@@ -25,18 +25,8 @@ def why_not_batch(problem, batch) -> str | None:
     shapes of ``batch`` without its batch axis) is traced once per call; see
     ``per_example_grads._core.pfor_limits``.
     """
-    key = "vectorized_hazards"
-    if key not in problem.cache:
-        problem.cache[key] = pfor_limits.vectorization_hazards(
-            functools.partial(example_gradient, problem), pfor_limits.example_specs(batch)
-        )
-    hazards = problem.cache[key]
-    if hazards:
-        return (
-            f"tf.vectorized_map would run {pfor_limits.describe(hazards)}, which fails or crashes "
-            "the process (oneDNN) depending on the CPU"
-        )
-    return None
+    find = lambda: pfor_limits.vectorization_hazards(functools.partial(example_gradient, problem), pfor_limits.example_specs(batch))
+    return pfor_limits.refusal(problem.cache, "vectorized_hazards", find, "tf.vectorized_map")
 
 
 @register_engine(name="vectorized", isolates_examples=True, why_not_batch=why_not_batch)
