@@ -402,9 +402,18 @@ RULE_FAMILIES = {
         "conv3d": lambda r: sequential_case(r, [keras.layers.Conv3D(2, 2, strides=(1, 2, 1))], (_B, 4, 5, 4, 2)),
         "conv3d_strided_same": lambda r: sequential_case(r, [keras.layers.Conv3D(3, 3, strides=2, padding="same", activation="tanh")], (_B, 5, 6, 4, 2)),
         "conv3d_few_positions_gram": lambda r: sequential_case(r, [keras.layers.Conv3D(16, 2, strides=2)], (_B, 4, 4, 4, 4)),
-        "conv3d_dilated_fallback": lambda r: sequential_case(r, [keras.layers.Conv3D(2, 2, dilation_rate=2, use_bias=False)], (_B, 5, 5, 5, 1)),
+        "conv3d_dilated": lambda r: sequential_case(r, [keras.layers.Conv3D(2, 2, dilation_rate=2, use_bias=False)], (_B, 5, 5, 5, 1)),
+        # Transposed convolutions: conv.py's forms with the input and output gradient swapped (conv_transpose.py).
+        "conv1d_transpose_strided": lambda r: sequential_case(r, [keras.layers.Conv1DTranspose(3, 3, strides=2, activation="tanh")], (_B, 6, 2)),
+        "conv1d_transpose_dilated_same": lambda r: sequential_case(r, [keras.layers.Conv1DTranspose(2, 3, dilation_rate=2, padding="same")], (_B, 7, 3)),
+        "conv2d_transpose_same_output_padding": lambda r: sequential_case(r, [keras.layers.Conv2DTranspose(3, 3, strides=2, padding="same", output_padding=1, activation="relu")], (_B, 4, 5, 2)),
+        "conv2d_transpose_valid_output_padding": lambda r: sequential_case(r, [keras.layers.Conv2DTranspose(2, (2, 3), strides=(3, 2), output_padding=(2, 1), use_bias=False)], (_B, 3, 4, 3)),
+        "conv2d_transpose_gram": lambda r: sequential_case(r, [keras.layers.Conv2DTranspose(8, 2, strides=2)], (_B, 2, 2, 16)),
+        "conv3d_transpose_strided_same": lambda r: sequential_case(r, [keras.layers.Conv3DTranspose(2, 3, strides=2, padding="same")], (_B, 3, 2, 3, 2)),
+        "conv3d_transpose_dilated": lambda r: sequential_case(r, [keras.layers.Conv3DTranspose(2, 2, dilation_rate=2)], (_B, 3, 3, 2, 2)),
+        "conv2d_transpose_channels_first_fallback": lambda r: sequential_case(r, [keras.layers.Conv2DTranspose(2, 2, data_format="channels_first")], (_B, 2, 4, 4)),
     },
-    "depthwise": {  # DepthwiseConv1D/2D, SeparableConv1D/2D and grouped Conv1D/2D closed forms (channels_first: the fallback)
+    "depthwise": {  # DepthwiseConv1D/2D, SeparableConv1D/2D and grouped Conv1D/2D/3D closed forms (channels_first: the fallback)
         "conv1d_strided_groups": lambda r: sequential_case(r, [keras.layers.Conv1D(4, 3, strides=2, groups=2, padding="same")], (_B, 10, 4)),
         "depthwise_conv2d": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D(3, depth_multiplier=2, padding="same")], (_B, 6, 6, 2)),
         "depthwise_conv2d_strided_valid": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D((3, 2), strides=(2, 1), activation="relu")], (_B, 9, 7, 3)),
@@ -422,6 +431,8 @@ RULE_FAMILIES = {
         "conv2d_groups_strided_same": lambda r: sequential_case(r, [keras.layers.Conv2D(6, 3, strides=2, groups=3, padding="same", activation="relu")], (_B, 7, 6, 6)),
         "conv2d_groups_dilated_large_kernel_vjp": lambda r: sequential_case(r, [keras.layers.Conv2D(8, 2, dilation_rate=2, groups=2, use_bias=False)], (_B, 3, 3, 4)),
         "conv1d_groups_causal": lambda r: sequential_case(r, [keras.layers.Conv1D(4, 3, groups=2, padding="causal")], (_B, 8, 4)),
+        "conv3d_groups_strided_same": lambda r: sequential_case(r, [keras.layers.Conv3D(4, 2, strides=(2, 1, 1), groups=2, padding="same", activation="relu")], (_B, 4, 3, 3, 4)),
+        "conv3d_groups_dilated": lambda r: sequential_case(r, [keras.layers.Conv3D(6, 2, dilation_rate=2, groups=3, use_bias=False)], (_B, 4, 4, 3, 3)),
         "separable_conv1d_same": lambda r: sequential_case(r, [keras.layers.SeparableConv1D(3, 4, padding="same", activation="tanh")], (_B, 10, 2)),
     },
     "embedding": {

@@ -131,3 +131,85 @@ def test_conv3d_patches_of_unknown_sizes_equal_the_sliced_ones(spec, shape):
     a = tf.random.stateless_normal(shape, [3, 4])
     unknown = tf.function(lambda a: conv.patches(layer, a), input_signature=[tf.TensorSpec([None, None, None, None, shape[-1]])])
     np.testing.assert_array_equal(unknown(a).numpy(), conv.sliced_patches(layer, tuple(shape[1:-1]), a).numpy())
+
+
+CONV_CLOSED_FORM = sorted(n for n in RULE_FAMILIES["conv"] if not n.endswith("_fallback"))
+
+
+@pytest.mark.parametrize("name", CONV_CLOSED_FORM)
+def test_closed_form_is_used_not_the_fallback(name):
+    from per_example_grads.engines.capture import plan_units
+    from per_example_grads.rules import conv, conv_transpose
+
+    model, _, _ = layer_case(name)
+    unit = plan_units(model, model.trainable_variables)[0]
+    transposed = "transpose" in name
+    assert unit.rule is (conv_transpose.CONV_TRANSPOSE_RULE if transposed else conv.PATCHES_RULE)
+    assert unit.rule.unsupported(unit.layer) is None
+
+
+def test_transposed_channels_first_is_declined():
+    from per_example_grads.rules.conv_transpose import CONV_TRANSPOSE_RULE
+
+    assert CONV_TRANSPOSE_RULE.unsupported(keras.layers.Conv2DTranspose(2, 2, data_format="channels_first")) is not None
+
+
+@pytest.mark.parametrize("name", [
+    "conv1d_transpose_strided", "conv2d_transpose_same_output_padding", "conv2d_transpose_valid_output_padding",
+    "conv3d_transpose_strided_same", "conv3d_dilated",
+])
+def test_clipped_sum_under_xla(name):
+    model, x, y = layer_case(name)
+    expected = reference_gradients(model, sparse_ce, x, y)
+    factors = 0.3 / np.maximum(reference_norms(expected), 0.3)
+    fn = tf.function(lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, return_norms=True, method="layerwise"), jit_compile=True)
+    got, got_norms = fn(x, y)
+    assert_norms_close(got_norms, expected)
+    assert_clipped_sums_close(got, expected, factors)
+
+
+@pytest.mark.parametrize("layer, shape", [
+    (keras.layers.Conv3D(3, 2, dilation_rate=2), (6, 5, 5, 2)),
+    (keras.layers.Conv3D(4, 2, dilation_rate=(1, 2, 2), groups=2, padding="same"), (4, 5, 5, 2)),
+    (keras.layers.Conv1DTranspose(3, 3, strides=2, padding="same"), (7, 2)),
+    (keras.layers.Conv2DTranspose(3, 3, strides=2, output_padding=1), (4, 5, 2)),
+    (keras.layers.Conv3DTranspose(2, 2, dilation_rate=2, padding="same"), (3, 3, 4, 2)),
+], ids=lambda v: type(v).__name__ if isinstance(v, keras.layers.Layer) else None)
+def test_unknown_sizes_in_a_graph(layer, shape):
+    """A fully convolutional model traced for any size (``[None, None, ..., C]``) gets exact clipped sums and norms.
+
+    A dilated Conv3D of unknown size takes its patches from a convolution with a one-hot kernel.
+    """
+    rank = len(shape) - 1
+    pooling = {1: keras.layers.GlobalAveragePooling1D, 2: keras.layers.GlobalAveragePooling2D, 3: keras.layers.GlobalAveragePooling3D}[rank]
+    c = shape[-1]
+    if isinstance(layer, keras.layers.Conv3D) and layer.groups > 1:
+        shape = (*shape[:-1], 2 * c)
+        c = 2 * c
+    model = keras.Sequential([keras.Input((*[None] * rank, c)), layer, pooling(), keras.layers.Dense(3)])
+    x = np.random.default_rng(0).normal(size=(3, *shape)).astype("float32")
+    y = np.array([0, 1, 2], "int32")
+    expected = reference_gradients(model, sparse_ce, x, y)
+    factors = 0.3 / np.maximum(reference_norms(expected), 0.3)
+    spec = [tf.TensorSpec((None, *[None] * rank, c), tf.float32), tf.TensorSpec((None,), tf.int32)]
+    fn = tf.function(lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, return_norms=True, method="layerwise"), input_signature=spec)
+    got, got_norms = fn(x, y)
+    assert_norms_close(got_norms, expected)
+    assert_clipped_sums_close(got, expected, factors)
+
+
+@pytest.mark.parametrize("spec, shape", [
+    ((3, (2, 2, 2), (1, 1, 1), (2, 1, 2), "valid"), (2, 5, 4, 5, 2)),
+    ((3, (3, 2, 2), (1, 1, 1), (1, 2, 1), "same"), (2, 5, 6, 4, 3)),
+    ((2, (3, 3), (2, 2), (1, 1), "same"), (2, 7, 6, 2)),
+])
+def test_patches_by_one_hot_convolution_equal_the_sliced_ones(spec, shape):
+    """The one-hot convolution copies each input value into its (offset, channel) feature: no rounding."""
+    from per_example_grads.rules import conv
+
+    layer = conv.ConvSpec(*spec)
+    a = tf.random.stateless_normal(shape, [5, 6])
+    got = conv._patches_by_convolution(layer, a).numpy()
+    want = conv.sliced_patches(layer, tuple(shape[1:-1]), a).numpy()
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got, want)

@@ -18,6 +18,7 @@ from per_example_grads.rules.rule import (
 )
 from per_example_grads.rules import (  # noqa: F401,E402  (each registers its rules)
     conv,
+    conv_transpose,
     dense,
     depthwise_conv,
     einsum_dense,

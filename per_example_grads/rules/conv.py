@@ -1,11 +1,11 @@
 """Convolutions.
 
-Conv1D, Conv2D and Conv3D (channels_last, ``groups=1``; Conv3D without
-dilation) have closed forms for norms and clipped sums (depthwise, separable
-and grouped ones: ``depthwise_conv.py``, which registers the convolution rule
-that picks between the two); every other convolution (channels_first, dilated
-Conv3D) uses the exact layer-local VJP of the layer's own convolution on each
-example, tapped before the fused activation.
+Conv1D, Conv2D and Conv3D (channels_last, ``groups=1``) have closed forms for
+norms and clipped sums (depthwise, separable and grouped ones:
+``depthwise_conv.py``, which registers the convolution rule that picks
+between the two; transposed ones: ``conv_transpose.py``, which reuses these
+forms); channels_first convolutions use the exact layer-local VJP of the
+layer's own convolution on each example, tapped before the fused activation.
 
 Notation: ``a`` ``[B, *spatial_in, c_in]`` is the layer input (causal padding
 applied), ``g`` ``[B, *spatial_out, c_out]`` the loss gradient at the
@@ -113,11 +113,12 @@ def patches(layer: ConvSpec, a: tf.Tensor) -> tf.Tensor:
         spatial = tuple(a.shape[1:-1])
         if None not in spatial:
             return sliced_patches(layer, spatial, a)
-        # Unknown sizes: extract_volume_patches, which has no dilation (ConvPatchesRule refuses it for 3-D)
-        # and orders a patch's features (depth, row, column, channel), as the kernel's rows.
-        p = tf.extract_volume_patches(
-            tf.cast(a, op.compute_dtype(a.dtype)), ksizes=[1, *layer.kernel_size, 1], strides=[1, *layer.strides, 1], padding=_padding(layer)
-        )
+        a = tf.cast(a, op.compute_dtype(a.dtype))
+        if any(d > 1 for d in layer.dilation_rate):
+            return _patches_by_convolution(layer, a)
+        # Unknown sizes: extract_volume_patches (no dilation), which orders a patch's features
+        # (depth, row, column, channel), as the kernel's rows.
+        p = tf.extract_volume_patches(a, ksizes=[1, *layer.kernel_size, 1], strides=[1, *layer.strides, 1], padding=_padding(layer))
         return op.as_btf(p)
     a = _causal_pad(layer, tf.cast(a, op.compute_dtype(a.dtype)))
     if layer.rank == 1:
@@ -128,6 +129,21 @@ def patches(layer: ConvSpec, a: tf.Tensor) -> tf.Tensor:
         strides = [1, *layer.strides, 1]
         rates = [1, *layer.dilation_rate, 1]
     p = tf.image.extract_patches(a, sizes=sizes, strides=strides, rates=rates, padding=_padding(layer))
+    return op.as_btf(p)
+
+
+def _patches_by_convolution(layer: ConvSpec, a: tf.Tensor) -> tf.Tensor:
+    """``patches(layer, a)`` as the layer's convolution with a one-hot kernel ``[*kernel_size, c, K c]``.
+
+    Output channel ``(offset, channel)`` copies the input that offset meets:
+    exact, any rank, strides and dilation, sizes known only at run time, at
+    ``K c`` times the cost of a ``c``-to-``c`` convolution (used for dilated
+    Conv3D of unknown sizes, which ``extract_volume_patches`` cannot take).
+    """
+    c = a.shape[-1]
+    f = math.prod(layer.kernel_size) * c
+    one_hot = tf.reshape(tf.eye(f, dtype=a.dtype), [*layer.kernel_size, c, f])
+    p = tf.nn.convolution(a, one_hot, strides=list(layer.strides), padding=_padding(layer), dilations=list(layer.dilation_rate))
     return op.as_btf(p)
 
 
@@ -275,16 +291,26 @@ def weighted_kernel_sum(layer: ConvSpec, kernel, a: tf.Tensor, g: tf.Tensor, wei
     """``[*kernel.shape]``: ``sum_n weights[n] dL_n/dW``, the kernel VJP of the layer's convolution at ``weights * g``.
 
     In a graph the forward convolution recorded for the VJP feeds nothing and
-    is pruned; run eagerly it is computed once and discarded.
+    is pruned; run eagerly it is computed once and discarded. A grouped 3-D
+    convolution's VJP is XLA-compiled, as Keras compiles its forward:
+    TensorFlow's CPU kernels refuse it.
     """
     dtype = op.compute_dtype(a.dtype)
     a = _causal_pad(layer, tf.cast(a, dtype))
     gw = tf.cast(g, dtype) * tf.reshape(tf.cast(weights, dtype), [-1] + [1] * (g.shape.rank - 1))
     kernel = tf.cast(tf.convert_to_tensor(kernel), dtype)
+    grouped_3d = layer.rank == 3 and kernel.shape[-2] != a.shape[-1]
+    return (_kernel_vjp_xla if grouped_3d else _kernel_vjp)(layer, kernel, a, gw)
+
+
+def _kernel_vjp(layer: ConvSpec, kernel: tf.Tensor, a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
     with tf.GradientTape() as tape:
         tape.watch(kernel)
         z = tf.nn.convolution(a, kernel, strides=list(layer.strides), padding=_padding(layer), dilations=list(layer.dilation_rate))
-    return tape.gradient(z, kernel, output_gradients=gw)
+    return tape.gradient(z, kernel, output_gradients=g)
+
+
+_kernel_vjp_xla = tf.function(_kernel_vjp, jit_compile=True, reduce_retracing=True)
 
 
 def pre_activation(layer, call, args, kwargs) -> tuple[tf.Tensor, tf.Tensor]:
@@ -292,6 +318,13 @@ def pre_activation(layer, call, args, kwargs) -> tuple[tf.Tensor, tf.Tensor]:
     with without_activation(layer, True):
         z = call(*args, **kwargs)
     return (layer.activation(z) if layer.activation is not None else z), z
+
+
+def channels_last_only(layer, kind: str) -> str | None:
+    """Why a rule declines ``layer`` (channels_first, or a reparametrized kernel), or None."""
+    if layer.data_format != "channels_last":
+        return f"channels_first {kind} convolutions use the layer-local fallback"
+    return reparametrized(layer)
 
 
 class KernelBiasRule(LayerRule):
@@ -307,8 +340,6 @@ class KernelBiasRule(LayerRule):
 
 class ConvPatchesRule(KernelBiasRule):
     def unsupported(self, layer):
-        if layer.rank == 3 and any(d > 1 for d in layer.dilation_rate):
-            return "dilated Conv3D uses the layer-local fallback"
         if layer.groups != 1 or layer.data_format != "channels_last":
             return "grouped convolutions have their own rule (depthwise_conv.py); channels_first ones use the layer-local fallback"
         return reparametrized(layer)
@@ -320,6 +351,10 @@ class ConvPatchesRule(KernelBiasRule):
     def per_example(self, layer, saved, grads):
         return LOCAL_CONV_RULE.per_example(layer, saved, grads, variables=self.variables(layer))
 
+    def convolution_operands(self, saved, grads) -> tuple[tf.Tensor, tf.Tensor]:
+        """``(a, g)``: the input and output gradient of the convolution whose kernel gradient is the layer's."""
+        return saved[0][0], grads[0]
+
     def squared_norms(self, layer, saved, grads, cache=None):
         """Norms; with a ``cache`` (a clipped sum follows), the per-example ``(kernels, biases)`` when small.
 
@@ -327,12 +362,11 @@ class ConvPatchesRule(KernelBiasRule):
         kernels, so that nothing in the clipped sum reads ``g`` and it can be
         freed before every norm is known.
         """
-        a, g = saved[0][0], grads[0]
-        kernel_norms, kernels = kernel_squared_norms(ConvSpec.of(layer), a, g, cache is not None)
+        kernel_norms, kernels = kernel_squared_norms(ConvSpec.of(layer), *self.convolution_operands(saved, grads), cache is not None)
         out = [kernel_norms]
         biases = None
         if layer.use_bias:
-            biases = tf.reduce_sum(op.as_btf(g), axis=1)  # [B, c_out]
+            biases = tf.reduce_sum(op.as_btf(grads[0]), axis=1)  # [B, c_out]
             out.append(per_example_squared_norms(biases))
         if kernels is not None:
             cache["kept"] = (kernels, biases)
@@ -346,10 +380,9 @@ class ConvPatchesRule(KernelBiasRule):
             if layer.use_bias:
                 out.append(weighted_example_sum(weights, biases))
         else:
-            a, g = saved[0][0], grads[0]
-            out = [weighted_kernel_sum(ConvSpec.of(layer), layer.kernel, a, g, weights)]
+            out = [weighted_kernel_sum(ConvSpec.of(layer), layer.kernel, *self.convolution_operands(saved, grads), weights)]
             if layer.use_bias:
-                out.append(op.weighted_bias_sum(op.as_btf(g), weights))
+                out.append(op.weighted_bias_sum(op.as_btf(grads[0]), weights))
         return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
 
 

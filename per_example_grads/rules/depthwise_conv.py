@@ -1,4 +1,4 @@
-"""Depthwise, separable and grouped convolutions: DepthwiseConv1D/2D, SeparableConv1D/2D, grouped Conv1D/2D (channels_last).
+"""Depthwise, separable and grouped convolutions: DepthwiseConv1D/2D, SeparableConv1D/2D, grouped Conv1D/2D/3D (channels_last).
 
 Notation: ``a`` ``[B, *spatial_in, C]`` is the layer input, ``m`` the depth
 multiplier, ``K = prod(kernel_size)``. A depthwise convolution convolves each
@@ -55,7 +55,7 @@ gradients as above, and ``W_p`` is a Dense kernel on the positions of ``d``
 (``outer_products``: Gram-form or materialized norms, the clipped sum as one
 contraction).
 
-Grouped Conv1D/Conv2D (``groups = G > 1``, channels_last): input channel
+Grouped Conv1D/2D/3D (``groups = G > 1``, channels_last): input channel
 ``c`` of group ``q`` (``C / G`` channels each) meets only the ``F / G``
 output channels of its group, through the kernel ``W`` ``[*kernel_size,
 C / G, F]`` (output channel ``q F / G + f``). With the patches ``[B, T, K,
@@ -77,8 +77,17 @@ import keras
 import tensorflow as tf
 
 from per_example_grads.rules import outer_products as op
-from per_example_grads.rules.conv import PATCHES_RULE, ConvSpec, KernelBiasRule, over_offsets, patches, sliced_patches, weighted_kernel_sum
-from per_example_grads.rules.rule import LayerRule, per_example_squared_norms, register_layer_rule, reparametrized, weighted_example_sum
+from per_example_grads.rules.conv import (
+    PATCHES_RULE,
+    ConvSpec,
+    KernelBiasRule,
+    channels_last_only,
+    over_offsets,
+    patches,
+    sliced_patches,
+    weighted_kernel_sum,
+)
+from per_example_grads.rules.rule import LayerRule, per_example_squared_norms, register_layer_rule, weighted_example_sum
 from per_example_grads._core.xla_context import in_xla_context
 
 
@@ -143,13 +152,6 @@ def _kernels_by_groups(spec, a, g, m):
     return tf.reshape(w, [b, *spec.kernel_size, c, m])
 
 
-def _channels_last_only(layer, kind: str) -> str | None:
-    """Why the rule declines ``layer`` (channels_first, or a reparametrized kernel), or None."""
-    if layer.data_format != "channels_last":
-        return f"channels_first {kind} convolutions use the layer-local fallback"
-    return reparametrized(layer)
-
-
 def _weighted(g: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
     g = tf.cast(g, op.compute_dtype(g.dtype))
     return g * tf.reshape(tf.cast(weights, g.dtype), [-1] + [1] * (g.shape.rank - 1))
@@ -159,7 +161,7 @@ class DepthwiseConvRule(KernelBiasRule):
     """DepthwiseConv1D/2D: ``z = depthwise(a, W) + b``, then the fused activation."""
 
     def unsupported(self, layer):
-        return _channels_last_only(layer, "depthwise")
+        return channels_last_only(layer, "depthwise")
 
     def per_example(self, layer, saved, grads):
         return [tf.cast(t, v.dtype) for t, v in zip(self._per_example_compute_dtype(layer, saved, grads), self.variables(layer))]
@@ -194,7 +196,7 @@ class SeparableConvRule(LayerRule):
     """SeparableConv1D/2D: ``d = depthwise(a, W_d)``, ``z = d @ W_p + b``, then the fused activation."""
 
     def unsupported(self, layer):
-        return _channels_last_only(layer, "separable")
+        return channels_last_only(layer, "separable")
 
     def variables(self, layer):
         return [layer.depthwise_kernel, layer.pointwise_kernel] + ([layer.bias] if layer.use_bias else [])
@@ -263,10 +265,10 @@ def grouped_kernels(spec: ConvSpec, a: tf.Tensor, g: tf.Tensor, groups: int) -> 
 
 
 class GroupedConvRule(KernelBiasRule):
-    """Conv1D/Conv2D with ``groups > 1``: ``z = conv(a, W) + b``, then the fused activation."""
+    """Conv1D/2D/3D with ``groups > 1``: ``z = conv(a, W) + b``, then the fused activation."""
 
     def unsupported(self, layer):
-        return _channels_last_only(layer, "grouped")
+        return channels_last_only(layer, "grouped")
 
     def _per_example(self, layer, a, g):
         out = [grouped_kernels(ConvSpec.of(layer), a, g, layer.groups)]
@@ -301,10 +303,10 @@ class GroupedConvRule(KernelBiasRule):
 
 
 class _ConvRule(LayerRule):
-    """Conv1D/2D/3D: hands each layer to ``conv.PATCHES_RULE`` (``groups = 1``) or ``GroupedConvRule`` (1-D, 2-D)."""
+    """Conv1D/2D/3D: hands each layer to ``conv.PATCHES_RULE`` (``groups = 1``) or ``GroupedConvRule``."""
 
     def for_layer(self, layer):
-        return GROUPED_RULE if layer.groups > 1 and layer.rank in (1, 2) else PATCHES_RULE
+        return GROUPED_RULE if layer.groups > 1 else PATCHES_RULE
 
 
 DEPTHWISE_RULE = DepthwiseConvRule()
