@@ -18,6 +18,7 @@ from per_example_grads._core.batch import Batch, batch_size
 from per_example_grads.engines.base import ClipGroups, register_engine
 from per_example_grads.errors import EngineError
 from per_example_grads.engines.capture import NotCoverable, Record, Unit, capturing, check_batch_axis, plan_units
+from per_example_grads.rules.rule import LayerRule
 from per_example_grads._core.example_ops import compute_dtype
 from per_example_grads.per_example_slices import PerExampleSlices
 from per_example_grads._core.problem import Problem
@@ -122,10 +123,14 @@ def add_per_example(a, b):
 def per_variable_squared_norms(problem: Problem, captured: Captured, for_sums: bool = False) -> list[tf.Tensor]:
     """``[B]`` squared norms aligned with ``problem.variables`` (zeros if unreached).
 
-    Units are processed one after another (control dependencies), so at most
-    one layer's per-example tensor exists at a time, last layer first: the
-    order in which the backward pass produces their gradients, so the norms
-    of the last layers overlap with the backward pass of the first.
+    Units whose norms build the layer's per-example gradients (the rules'
+    defaults: the layer-local fallback) are processed one after another
+    (control dependencies), last layer first, so at most one such tensor
+    exists at a time. The closed forms are not chained: each runs as soon as
+    its layer's gradient exists, during the backward pass, so the inputs and
+    gradients it reads are freed early. Chained, they lagged behind the
+    backward pass and held them: MobileNetV2's clipped sum peaked at 1.46x
+    the batch gradient's memory, 1.21x unchained (B=32, this project's CPU).
 
     Args:
       for_sums: a clipped sum follows: each call's rule gets its record's
@@ -136,18 +141,26 @@ def per_variable_squared_norms(problem: Problem, captured: Captured, for_sums: b
     for unit, calls in reversed(list(captured.by_unit().items())):
         if not calls:
             continue
-        with tf.control_dependencies(previous):
-            if len(calls) == 1:
+        shared = len(calls) > 1
+        materializes = _default(unit.rule, "shared_squared_norms" if shared else "squared_norms")
+        with tf.control_dependencies(previous if materializes else []):
+            if not shared:
                 record, g = calls[0]
                 norms = unit.rule.squared_norms(unit.layer, record.saved, g, record.cache if for_sums else None)
             else:
                 # A shared layer's norm has cross terms between its calls: the rule's
                 # closed form, or by default its per-example gradient (this layer only).
                 norms = unit.rule.shared_squared_norms(unit.layer, [(record.saved, g) for record, g in calls])
-        previous = norms
+        if materializes:
+            previous = norms
         for v, n in zip(unit.variables, norms):
             found[id(v)] = n
     return [found.get(id(v), tf.zeros([captured.batch_size], compute_dtype(v.dtype))) for v in problem.variables]
+
+
+def _default(rule: LayerRule, method: str) -> bool:
+    """Whether ``rule`` inherits ``LayerRule``'s ``method`` (which builds per-example gradients)."""
+    return getattr(type(rule), method) is getattr(LayerRule, method)
 
 
 def weighted_sums(problem: Problem, captured: Captured, weights_for) -> list[tf.Tensor]:
