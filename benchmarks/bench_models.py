@@ -50,6 +50,7 @@ PRESETS = {
     "convnext_tiny": ("convnext_tiny", {}, (32,)),
     "resnet50": ("resnet50", {}, (32,)),
     "xception": ("xception", {"image_size": 71}, (32,)),
+    "conv_decoder": ("conv_decoder", {}, (32,)),
     "mobilenet_v2_224": ("mobilenet_v2", {"image_size": 224}, (8,)),
     "efficientnet_b0_224": ("efficientnet_b0", {"image_size": 224}, (8,)),
 }

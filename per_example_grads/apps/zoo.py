@@ -17,6 +17,9 @@ The models:
   T=32, d=64), one block of 4-head attention and a 128-unit feed-forward,
   average pooling, 2 classes;
 - ``embedding_bag``: a 20,000 x 32 embedding averaged over 64 tokens, 2 classes;
+- ``conv_decoder``: an encoder-decoder on 32x32x3 images (two stride-2
+  convolutions down, two stride-2 transposed convolutions up, a 1x1
+  convolution to 10 channels, average pooling);
 - ``digits_mlp`` and ``digits_dp_mlp``: the demos' MLPs on the bundled 8x8
   digits (``[B, 64]`` pixels, 64 hidden units, 10 classes; ReLU, and tanh for
   the private demo: its bounded activations suit clipped, noisy updates,
@@ -71,6 +74,17 @@ def _transformer(t: int = 32, d: int = 64, vocabulary: int = 1000) -> keras.Mode
 def _embedding_bag() -> keras.Model:
     return keras.Sequential([keras.Input((64,), dtype="int32"), keras.layers.Embedding(20000, 32),
                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)], name="embedding_bag")
+
+
+def _conv_decoder() -> keras.Model:
+    """An encoder-decoder on 32x32x3 images: two strided convolutions down, two transposed convolutions up."""
+    L = keras.layers
+    return keras.Sequential([
+        keras.Input((32, 32, 3)),
+        L.Conv2D(32, 3, strides=2, padding="same", activation="relu"), L.Conv2D(64, 3, strides=2, padding="same", activation="relu"),
+        L.Conv2DTranspose(32, 3, strides=2, padding="same", activation="relu"),
+        L.Conv2DTranspose(16, 3, strides=2, padding="same", activation="relu"),
+        L.Conv2D(10, 1), L.GlobalAveragePooling2D()], name="conv_decoder")
 
 
 def _digits_mlp(activation: str = "relu", name: str = "digits_mlp") -> keras.Model:
@@ -186,6 +200,7 @@ MODELS: dict[str, ZooModel] = {
     "cnn": _plain(_cnn, _images((28, 28, 1)), 10),
     "transformer": _plain(_transformer, _ids((32,), 1000), 2),
     "embedding_bag": _plain(_embedding_bag, _ids((64,), 20000), 2),
+    "conv_decoder": _plain(_conv_decoder, _images((32, 32, 3)), 10),
     "digits_mlp": _plain(_digits_mlp, _images((N_FEATURES,)), N_CLASSES),
     "digits_dp_mlp": _plain(lambda: _digits_mlp("tanh", "digits_dp_mlp"), _images((N_FEATURES,)), N_CLASSES),
     "gpt2_lm": _hub("gpt2"),
