@@ -2,9 +2,12 @@
 
     .venv/bin/python benchmarks/bench_dp_fit.py                      # all models, expected batch 256 and 1024
     .venv/bin/python benchmarks/bench_dp_fit.py --models mlp --expected-batch-sizes 256 --repeats 3
+    .venv/bin/python benchmarks/bench_dp_fit.py --models mobilenet_v2,gpt2_lm --expected-batch-sizes 256 --repeats 3
 
-For each model of ``bench_layerwise.build`` and each expected batch size ``b``
-(``N = 12,000`` synthetic examples, SGD, sparse categorical cross-entropy):
+For each model of the shared zoo (``per_example_grads.apps.zoo``; the
+larger ones at the sizes of ``LARGER``) and each expected batch size ``b``
+(``N = 12,000`` synthetic examples, fewer for the larger models, SGD, sparse
+categorical cross-entropy):
 
 - ``plain``: ``keras.Model.fit(x, y, batch_size=b)``, one epoch of ``ceil(N / b)`` steps;
 - ``dp``: ``peg.keras.DPModel.fit`` on ``peg.dp.poisson_batches(x, y, q=b/N)``,
@@ -40,6 +43,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 N = 12_000
+# Models of the KerasHub and vision issues: (examples per epoch, zoo settings). MobileNetV2 on 32x32
+# images; a small GPT-2 (2 layers, d=128, T=32, vocabulary 4096) trained on next-token prediction.
+LARGER = {
+    "mobilenet_v2": (4096, {}),
+    "gpt2_lm": (4096, dict(num_layers=2, hidden_dim=128, intermediate_dim=512, vocabulary_size=4096, seq_len=32)),
+}
 
 
 def configurations(name: str, b: int):
@@ -48,12 +57,13 @@ def configurations(name: str, b: int):
     import numpy as np
 
     import per_example_grads as peg
-    from bench_layerwise import build
+    from per_example_grads.apps import zoo
 
-    template, x, y = build(name, N)
+    n, config = LARGER.get(name, (N, {}))
+    template, x, y = zoo.build(name, n, **config)
     weights = template.get_weights()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    q = b / N
+    q = b / n
     out = {}
 
     def copy():
@@ -63,7 +73,7 @@ def configurations(name: str, b: int):
 
     plain = copy()
     plain.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
-    out["plain"] = (lambda: _timed_epoch(plain, x, y, batch_size=b), math.ceil(N / b))
+    out["plain"] = (lambda: _timed_epoch(plain, x, y, batch_size=b), math.ceil(n / b))
     for chunk in (None, 64, 128):
         if chunk is not None and chunk >= b:
             continue
@@ -78,7 +88,7 @@ def configurations(name: str, b: int):
 
     keras_input = ArrayDataAdapter(x, y, batch_size=b, shuffle=True).get_tf_dataset()
     poisson_input = peg.dp.poisson_batches(x, y, sampling_probability=q, seed=1)
-    out["input only: keras arrays"] = ((lambda: _drain(keras_input)), math.ceil(N / b))
+    out["input only: keras arrays"] = ((lambda: _drain(keras_input)), math.ceil(n / b))
     out["input only: poisson_batches"] = ((lambda: _drain(poisson_input)), poisson_input.pegrad_sampling.steps)
     return out
 
@@ -108,7 +118,7 @@ def _drain(dataset) -> float:
 
 
 def run(models, sizes, repeats):
-    print(f"N = {N}; median of {repeats} epochs after one untimed epoch; `python {' '.join(sys.argv)}`\n")
+    print(f"N = {N} ({', '.join(f'{k} {v[0]}' for k, v in LARGER.items())}); median of {repeats} epochs after one untimed epoch; `python {' '.join(sys.argv)}`\n")
     print("| model | expected batch | configuration | steps/epoch | epoch s | / plain epoch | ms added per step |")
     print("|---|---|---|---|---|---|---|", flush=True)
     for name in models:

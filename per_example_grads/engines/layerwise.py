@@ -120,30 +120,39 @@ def add_per_example(a, b):
     return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
 
 
+CHAIN_WINDOW = 3  # how many units' norms may run at once (per_variable_squared_norms)
+
+
 def per_variable_squared_norms(problem: Problem, captured: Captured, for_sums: bool = False) -> list[tf.Tensor]:
     """``[B]`` squared norms aligned with ``problem.variables`` (zeros if unreached).
 
-    Units whose norms build the layer's per-example gradients (the rules'
-    defaults: the layer-local fallback) are processed one after another
-    (control dependencies), last layer first, so at most one such tensor
-    exists at a time. The closed forms are not chained: each runs as soon as
-    its layer's gradient exists, during the backward pass, so the inputs and
-    gradients it reads are freed early. Chained, they lagged behind the
-    backward pass and held them: MobileNetV2's clipped sum peaked at 1.46x
-    the batch gradient's memory, 1.21x unchained (B=32, this project's CPU).
+    Units are processed last layer first, the order in which the backward
+    pass produces their gradients, so the norms of the last layers overlap
+    with the backward pass of the first. Control dependencies bound how many
+    run at once: a unit's norms wait for those of the unit ``CHAIN_WINDOW``
+    places before it, and a unit whose norms build its per-example gradients
+    (the rules' defaults: the layer-local fallback) also for the previous
+    such unit, so at most one of those tensors exists at a time. With a
+    window of one (every unit after the previous) the norms lagged behind the
+    backward pass and held its tensors: MobileNetV2's clipped sum peaked at
+    1.46x the batch gradient's memory; with none, ConvNeXt-Tiny's at 1.66x
+    (0.94x with one). A window of three gave 1.05x and 0.93x (B=32,
+    ``benchmarks/RESULTS.md``).
 
     Args:
       for_sums: a clipped sum follows: each call's rule gets its record's
         ``cache`` to leave what the sum can reuse.
     """
     found: dict[int, tf.Tensor] = {}
-    previous: list = []
+    done: list = []  # each unit's norms, in processing order
+    materialized: list = []  # the last unit's norms that built per-example gradients
     for unit, calls in reversed(list(captured.by_unit().items())):
         if not calls:
             continue
         shared = len(calls) > 1
         materializes = _default(unit.rule, "shared_squared_norms" if shared else "squared_norms")
-        with tf.control_dependencies(previous if materializes else []):
+        waits_for = done[-CHAIN_WINDOW] if len(done) >= CHAIN_WINDOW else []
+        with tf.control_dependencies(list(waits_for) + (materialized if materializes else [])):
             if not shared:
                 record, g = calls[0]
                 norms = unit.rule.squared_norms(unit.layer, record.saved, g, record.cache if for_sums else None)
@@ -151,8 +160,9 @@ def per_variable_squared_norms(problem: Problem, captured: Captured, for_sums: b
                 # A shared layer's norm has cross terms between its calls: the rule's
                 # closed form, or by default its per-example gradient (this layer only).
                 norms = unit.rule.shared_squared_norms(unit.layer, [(record.saved, g) for record, g in calls])
+        done.append(norms)
         if materializes:
-            previous = norms
+            materialized = list(norms)
         for v, n in zip(unit.variables, norms):
             found[id(v)] = n
     return [found.get(id(v), tf.zeros([captured.batch_size], compute_dtype(v.dtype))) for v in problem.variables]
