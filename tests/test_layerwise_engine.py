@@ -214,3 +214,51 @@ def test_a_layer_tracked_by_two_parents_is_counted_once_in_clipped_sums():
     model = keras.Model(outer_in, keras.layers.Dense(3)(shared(backbone(outer_in))))
     x = np.random.default_rng(0).normal(size=(B, 5)).astype("float32")
     clipped_against_loop(model, x, np.arange(B) % 3, clip=0.5)
+
+
+def test_norms_run_in_a_window_of_units_and_fallback_units_one_at_a_time():
+    """The control dependencies of ``per_variable_squared_norms``, read from the traced graph.
+
+    Last layer first, a unit's norms wait for those of the unit
+    ``CHAIN_WINDOW`` places before it, not for the one just before; a unit
+    whose norms build per-example gradients (``_Scale``: the layer-local
+    fallback) also waits for the previous such unit.
+    """
+    from per_example_grads.engines import layerwise
+    from per_example_grads.rules.dense import DenseRule
+    from per_example_grads.rules.rule import LayerRule
+
+    kinds = "dssdddsd"  # d: Dense (closed form), s: _Scale (fallback)
+    layers = [keras.layers.Dense(4, name=f"d{i}") if k == "d" else _Scale(name=f"s{i}") for i, k in enumerate(kinds)]
+    model = keras.Sequential([keras.Input((4,)), *layers])
+    created: dict[str, set] = {}  # layer name -> the ops its norms created
+
+    def named(squared_norms):
+        def wrapper(self, layer, *args, **kwargs):
+            graph = tf.compat.v1.get_default_graph()
+            start = len(graph.get_operations())
+            out = squared_norms(self, layer, *args, **kwargs)
+            created[layer.name] = set(graph.get_operations()[start:])
+            return out
+        return wrapper
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DenseRule, "squared_norms", named(DenseRule.squared_norms))
+        mp.setattr(LayerRule, "squared_norms", named(LayerRule.squared_norms))
+        x = np.random.default_rng(0).normal(size=(3, 4)).astype("float32")
+        tf.function(lambda x, y: peg.per_example_norms(model, sparse_ce, x, y, method="layerwise"))(x, np.array([0, 1, 2], "int32"))
+
+    def waits(later: str, earlier: str) -> bool:
+        return any(c in created[earlier] for op in created[later] for c in op.control_inputs)
+
+    order = [l.name for l in reversed(layers)]
+    assert sorted(created) == sorted(order)
+    window = layerwise.CHAIN_WINDOW
+    assert window > 1
+    fallbacks = [n for n in order if n.startswith("s")]
+    for i, name in enumerate(order):
+        assert waits(name, order[i - window]) == (i >= window), name
+        if i and name.startswith("d"):
+            assert not waits(name, order[i - 1]), name
+    for later, earlier in zip(fallbacks[1:], fallbacks):
+        assert waits(later, earlier), (later, earlier)
