@@ -44,7 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 N = 12_000
 # Models of the KerasHub and vision issues: (examples per epoch, zoo settings). MobileNetV2 on 32x32
-# images; a small GPT-2 (2 layers, d=128, T=32, vocabulary 4096) trained on next-token prediction.
+# images, its BatchNormalization replaced by GroupNormalization (peg.dp.fix_model, for both the plain
+# and the private runs); a small GPT-2 (2 layers, d=128, T=32, vocabulary 4096), next-token prediction.
 LARGER = {
     "mobilenet_v2": (4096, {}),
     "gpt2_lm": (4096, dict(num_layers=2, hidden_dim=128, intermediate_dim=512, vocabulary_size=4096, seq_len=32)),
@@ -54,22 +55,19 @@ LARGER = {
 def configurations(name: str, b: int):
     """``{label: (fit_one_epoch, steps per epoch)}``, each on its own copy of the model."""
     import keras
-    import numpy as np
 
     import per_example_grads as peg
     from per_example_grads.apps import zoo
 
     n, config = LARGER.get(name, (N, {}))
-    template, x, y = zoo.build(name, n, **config)
-    weights = template.get_weights()
+    _, x, y = zoo.build(name, n, **config)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     q = b / n
     out = {}
 
-    def copy():
-        m = keras.models.clone_model(template)
-        m.set_weights(weights)
-        return m
+    def copy():  # the same initial weights (the zoo seeds them), built anew: KerasHub models do not clone
+        m = zoo.build_model(name, **config)
+        return peg.dp.fix_model(m) if name == "mobilenet_v2" else m  # BatchNormalization -> GroupNormalization
 
     plain = copy()
     plain.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
