@@ -211,7 +211,7 @@ class DPAggregator(keras.layers.Layer):
         else:
             real = tf.cast(tf.not_equal(sample_weight, 0), tf.float32)
             data["sample_weight"] = sample_weight
-            keep = None if in_xla_context() else _bucketed_real_rows(real, self.physical_batch_size)
+            keep = None if in_xla_context() else _bucketed_real_rows(real)
         if keep is not None:
             data = tf.nest.map_structure(lambda t: tf.gather(t, keep), data)
         if self.physical_batch_size is None:
@@ -230,6 +230,15 @@ class DPAggregator(keras.layers.Layer):
     def _chunked(self, model, loss_fn, data, args):
         """Clipped sums, norms and predictions of ``data``'s rows, ``physical_batch_size`` at a time, in a loop.
 
+        Outside XLA the chunks are the rows ``[i P, (i + 1) P)``, the last
+        one shorter: no padding is computed beyond the bucket that
+        ``clipped_sum`` rounded the real rows up to, so the last chunk takes
+        one of a few sizes (multiples of that bucket) and TensorFlow's
+        per-shape kernel set-up is reused (``_bucketed_real_rows``). Padded
+        to whole chunks, the last chunk computed ``P / 2`` padding rows per
+        step on average. Under XLA, which needs static shapes, every chunk
+        has ``P`` rows, the last zero-padded (weight 0).
+
         The predictions of every chunk's pass are kept (``()`` when its
         engine gives none), so a training step needs no extra forward pass
         for its loss and metrics (they hold the logical batch's outputs, as
@@ -240,22 +249,31 @@ class DPAggregator(keras.layers.Layer):
         its outputs before it starts.
         """
         n = tf.shape(tf.nest.flatten(data)[0])[0]
-        # Every row weighs 1 unless weighted; the zero padding of the last chunk then weighs 0.
-        chunks, count = split_into_chunks({"sample_weight": tf.ones([n])} | data, self.physical_batch_size)
+        p = self.physical_batch_size
+        # Every row weighs 1 unless weighted; zero padding then weighs 0.
+        rows = {"sample_weight": tf.ones([n])} | data
+        fixed = in_xla_context()
+        if fixed:
+            chunks, count = split_into_chunks(rows, p)
+            spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), chunks)
+            take = lambda i: tf.nest.map_structure(lambda t: t[i], chunks)  # noqa: E731
+        else:
+            count = tf.maximum(1, (n + p - 1) // p)
+            spec = tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), rows)
+            take = lambda i: tf.nest.map_structure(lambda t: t[i * p : (i + 1) * p], rows)  # noqa: E731
         variables = args["variables"] if args["variables"] is not None else model.trainable_variables
 
         def one_chunk(part):
-            s, m, p = clipped_sums_and_predictions(
+            s, m, pred = clipped_sums_and_predictions(
                 model, loss_fn, part["x"], part.get("y"), sample_weight=part["sample_weight"], **args
             )
-            return s, tf.cast(m, tf.float32), p
+            return s, tf.cast(m, tf.float32), pred
 
-        spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), chunks)
         step = tf.function(one_chunk, autograph=False).get_concrete_function(spec)
         sums_spec, _, predictions_spec = step.structured_outputs
         sliced = [isinstance(t, tf.IndexedSlices) for t in sums_spec]
 
-        def array(t, rows_vary=False):
+        def array(t, rows_vary=not fixed):
             return tf.TensorArray(t.dtype, size=count, element_shape=None if rows_vary else t.shape, infer_shape=not rows_vary)
 
         def start(t, is_sliced):  # a dense running sum, or the rows (values, indices) of every chunk
@@ -265,8 +283,8 @@ class DPAggregator(keras.layers.Layer):
             return (total[0].write(i, t.values), total[1].write(i, t.indices)) if is_sliced else total + t
 
         def body(i, sums, norms, predictions):
-            s, m, p = step(tf.nest.map_structure(lambda t: t[i], chunks))
-            written = tf.nest.map_structure(lambda a, t: a.write(i, t), predictions, p)
+            s, m, pred = step(take(i))
+            written = tf.nest.map_structure(lambda a, t: a.write(i, t), predictions, pred)
             return i + 1, [add(i, a, b, k) for a, b, k in zip(sums, s, sliced)], norms.write(i, m), written
 
         _, sums, norms, predictions = tf.while_loop(
@@ -280,15 +298,19 @@ class DPAggregator(keras.layers.Layer):
             ),
         )
 
-        def rows_of(a):  # [C, P, ...] -> the first n of the C P rows
-            stacked = a.stack()
-            return tf.reshape(stacked, tf.concat([[-1], tf.shape(stacked)[2:]], 0))[:n]
+        def rows_of(a, t):  # the n rows: chunks concatenated, or [C, P, ...] stacked and the padding cut
+            if fixed:
+                stacked = a.stack()
+                return tf.reshape(stacked, tf.concat([[-1], tf.shape(stacked)[2:]], 0))[:n]
+            out = a.concat()
+            out.set_shape(t.shape)  # [None, ...] as one chunk's
+            return out
 
         sums = [
             tf.IndexedSlices(total[0].concat(), total[1].concat(), tf.constant([int(d) for d in v.shape], tf.int64)) if k else total
             for total, k, v in zip(sums, sliced, variables)
         ]
-        return sums, rows_of(norms), tf.nest.map_structure(rows_of, predictions)
+        return sums, rows_of(norms, tf.TensorSpec([None])), tf.nest.map_structure(rows_of, predictions, predictions_spec)
 
     def divisor(self, rows):
         """``expected_batch_size``, else the rows of the (global) batch (a constant of the pipeline), at least 1."""
@@ -357,22 +379,21 @@ def _count_source(source):
     return tf.random.experimental.stateless_fold_in(source, 0x636F756E74)
 
 
-def _bucketed_real_rows(real: tf.Tensor, chunk: int | None) -> tf.Tensor:
+def _bucketed_real_rows(real: tf.Tensor) -> tf.Tensor:
     """Indices of the real rows, then of zero-weight rows up to a multiple of a bucket size: ``[b']``.
 
     The row count of the computed batch then takes only a few values (one
     per bucket) instead of a new one at every step. TensorFlow's CPU kernels
     (oneDNN) set up each convolution and matrix product per input shape and
     cache that; a new shape at every step measured 7x slower on the CNN of
-    ``benchmarks/`` than a repeated one. The bucket is the physical chunk
-    size when there is one, else the power of two nearest ``sqrt(rows)``
-    (16 for 375 rows: about 8 extra rows on average).
+    ``benchmarks/`` than a repeated one. The bucket is the power of two
+    nearest ``sqrt(rows)`` (16 for 375 rows: about 8 extra rows on average);
+    physical chunks then have ``P`` rows but the last, a multiple of it (or
+    a few sizes more when ``P`` is not).
     """
     rows = tf.size(real)
-    bucket = chunk
-    if bucket is None:
-        static = real.shape[0]
-        bucket = 2 ** round(math.log2(math.sqrt(static))) if static else 16
+    static = real.shape[0]
+    bucket = 2 ** round(math.log2(math.sqrt(static))) if static else 16
     keep = tf.concat([real_rows(real), tf.where(tf.equal(real, 0))[:, 0]], axis=0)
     b = tf.cast(tf.reduce_sum(real), tf.int32)
     target = tf.minimum(rows, (b + bucket - 1) // bucket * bucket)
