@@ -170,3 +170,12 @@ def clipped_against_loop(model, x, y, clip, methods=("layerwise",)):
     # Every clipped example's norm is at most C, up to numpy's two float64 roundings in C / n * n.
     assert np.all(norms * factors <= clip * (1 + rounding_rtol(2, EPS64)))
     return expected
+
+
+def clipped_fn_against_loop(fn, model, x, y, clip=0.3):
+    """``fn(x, y) -> (clipped sums, [B] norms)`` (a ``tf.function``, compiled or not) against the loop's, at clip ``clip``."""
+    expected = reference_gradients(model, sparse_ce, x, y)
+    factors = clip / np.maximum(reference_norms(expected), clip)
+    got, got_norms = fn(x, y)
+    assert_norms_close(got_norms, expected)
+    assert_clipped_sums_close(got, expected, factors)

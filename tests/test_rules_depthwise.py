@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import per_example_grads as peg
-from helpers import assert_clipped_sums_close, assert_norms_close, clipped_against_loop, reference_gradients, reference_norms, rule_against_loop, sparse_ce
+from helpers import clipped_against_loop, clipped_fn_against_loop, rule_against_loop, sparse_ce
 from model_zoo import RULE_FAMILIES, layer_case, layer_case_params
 
 CLOSED_FORM = sorted(n for n in RULE_FAMILIES["depthwise"] if not n.endswith("_fallback"))
@@ -47,14 +47,6 @@ def test_channels_first_is_declined():
     assert SEPARABLE_RULE.unsupported(keras.layers.SeparableConv1D(2, 2, data_format="channels_first")) is not None
 
 
-def _clipped_against_reference(fn, model, x, y, clip=0.3):
-    expected = reference_gradients(model, sparse_ce, x, y)
-    factors = clip / np.maximum(reference_norms(expected), clip)
-    got, got_norms = fn(x, y)
-    assert_norms_close(got_norms, expected)
-    assert_clipped_sums_close(got, expected, factors)
-
-
 # A dilated grouped convolution does not compile under XLA inside the layer-wise engine's graph: Keras runs
 # it as an XLA-compiled function, and the backward graph TensorFlow builds for that call (the engine's tape
 # watches the kernel) has a space-to-batch gradient whose sizes XLA cannot fold. The fallback failed too.
@@ -66,7 +58,7 @@ def test_clipped_sum_under_xla(name):
     """Under ``jit_compile=True`` the kernels come from the patches, not the grouped convolution."""
     model, x, y = layer_case(name)
     fn = tf.function(lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, return_norms=True, method="layerwise"), jit_compile=True)
-    _clipped_against_reference(fn, model, x, y)
+    clipped_fn_against_loop(fn, model, x, y)
 
 
 @pytest.mark.parametrize("name", ["depthwise_conv2d_dilated_same_m3", "separable_conv2d", "depthwise_conv2d_same_input_smaller_than_kernel"])
@@ -97,7 +89,7 @@ def test_dynamic_batch_in_a_graph():
     model, x, y = layer_case("separable_conv2d_strided_same_m2_no_bias")
     spec = [tf.TensorSpec((None, *x.shape[1:]), tf.float32), tf.TensorSpec((None,), tf.int32)]
     fn = tf.function(lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, return_norms=True, method="layerwise"), input_signature=spec)
-    _clipped_against_reference(fn, model, x, y)
+    clipped_fn_against_loop(fn, model, x, y)
 
 
 @pytest.mark.parametrize("layer", [keras.layers.DepthwiseConv2D(3), keras.layers.SeparableConv2D(4, 3, padding="same"),
@@ -109,7 +101,7 @@ def test_unknown_image_size_in_a_graph(layer):
     y = np.array([0, 1, 2], "int32")
     spec = [tf.TensorSpec((None, None, None, 4), tf.float32), tf.TensorSpec((None,), tf.int32)]
     fn = tf.function(lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, return_norms=True, method="layerwise"), input_signature=spec)
-    _clipped_against_reference(fn, model, x, y)
+    clipped_fn_against_loop(fn, model, x, y)
 
 
 @pytest.mark.parametrize("name, kept", [("conv2d_groups_strided_same", True), ("conv2d_groups_dilated_large_kernel_vjp", False)])
