@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import per_example_grads as peg
-from helpers import assert_clipped_sums_close, assert_close, reference_gradients, reference_norms, sparse_ce
+from helpers import assert_clipped_sums_close, assert_close, assert_norms_close, reference_gradients, reference_norms, sparse_ce
 from tolerances import (
     ACCOUNTING_COMPOSED_RTOL,
     ACCOUNTING_SAME_RTOL,
@@ -276,6 +276,32 @@ def test_dp_model_physical_chunks_equal_one_big_batch():
         assert_close(a, b, rtol=rtol, atol=rtol * scale + 2 * EPS32 * np.abs(w))
     with pytest.raises(ValueError, match="physical_batch_size"):
         peg.keras.DPModel(_mlp(), l2_norm_clip=1.0, noise_multiplier=1.0, physical_batch_size=0)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("real", [0, 5, 8])
+def test_physical_chunks_of_a_padded_batch_equal_the_loop(real, graph):
+    """Chunks of 3 over a Poisson-style batch (``real`` rows of 10 weigh 1, the rest 0: none, a short last chunk,
+    whole chunks) give the loop's clipped sum and norms; padding rows get norm 0, eagerly and in a graph."""
+    from per_example_grads.dp.aggregator import DPAggregator
+
+    keras.utils.set_random_seed(0)
+    net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(3)])
+    x = np.random.default_rng(1).normal(size=(10, 4)).astype("float32")
+    y = np.random.default_rng(2).integers(0, 3, 10).astype("int32")
+    weights = (np.arange(10) < real).astype("float32")
+    aggregator = DPAggregator(l2_norm_clip=0.3, noise_multiplier=0.0, physical_batch_size=3)
+    clipped = lambda x, y, w: (lambda c: (c.sums, c.norms))(aggregator.clipped_sum(net, sparse_ce, x, y, sample_weight=w))  # noqa: E731
+    sums, norms = (tf.function(clipped) if graph else clipped)(x, y, weights)
+    expected = reference_gradients(net, sparse_ce, x[:real], y[:real]) if real else [np.zeros((0, *v.shape)) for v in net.trainable_variables]
+    want_norms = reference_norms(expected) if real else np.zeros(0)
+    np.testing.assert_array_equal(norms.numpy()[real:], 0.0)
+    if real:
+        assert_clipped_sums_close(sums, expected, 0.3 / np.maximum(want_norms, 0.3))
+        assert_norms_close(norms.numpy()[:real], expected)
+    else:
+        for s in sums:
+            np.testing.assert_array_equal(tf.convert_to_tensor(s).numpy(), 0.0)
 
 
 @pytest.mark.slow
