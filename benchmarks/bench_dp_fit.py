@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 N = 12_000
 # Models of the KerasHub and vision issues: (examples per epoch, zoo settings). MobileNetV2 on 32x32
-# images, its BatchNormalization replaced by GroupNormalization (peg.dp.fix_model, for both the plain
+# images (a model's BatchNormalization becomes GroupNormalization, peg.dp.fix_model, for both the plain
 # and the private runs); a small GPT-2 (2 layers, d=128, T=32, vocabulary 4096), next-token prediction.
 LARGER = {
     "mobilenet_v2": (4096, {}),
@@ -67,7 +67,8 @@ def configurations(name: str, b: int):
 
     def copy():  # the same initial weights (the zoo seeds them), built anew: KerasHub models do not clone
         m = zoo.build_model(name, **config)
-        return peg.dp.fix_model(m) if name == "mobilenet_v2" else m  # BatchNormalization -> GroupNormalization
+        batch_norm = any(isinstance(layer, keras.layers.BatchNormalization) for layer in m.layers)
+        return peg.dp.fix_model(m) if batch_norm else m  # BatchNormalization -> GroupNormalization, as DP needs
 
     plain = copy()
     plain.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
