@@ -340,9 +340,9 @@ class KernelBiasRule(LayerRule):
 
 class ConvPatchesRule(KernelBiasRule):
     def unsupported(self, layer):
-        if layer.groups != 1 or layer.data_format != "channels_last":
-            return "grouped convolutions have their own rule (depthwise_conv.py); channels_first ones use the layer-local fallback"
-        return reparametrized(layer)
+        if layer.groups != 1:
+            return "grouped convolutions have their own rule (depthwise_conv.py)"
+        return channels_last_only(layer, "ungrouped")
 
     def forward(self, layer, call, args, kwargs):
         out, z = pre_activation(layer, call, args, kwargs)
