@@ -172,8 +172,14 @@ def clipped_against_loop(model, x, y, clip, methods=("layerwise",)):
     return expected
 
 
-def clipped_fn_against_loop(fn, model, x, y, clip=0.3):
-    """``fn(x, y) -> (clipped sums, [B] norms)`` (a ``tf.function``, compiled or not) against the loop's, at clip ``clip``."""
+def layerwise_clipped_against_loop(model, x, y, tf_function=None, clip=0.3):
+    """The layer-wise engine's clipped sums and norms against the loop's, at clip ``clip``.
+
+    ``tf_function``: None runs eagerly; a dict runs it in ``tf.function(**tf_function)``
+    (``{}``, ``{"jit_compile": True}``, ``{"input_signature": [...]}``).
+    """
+    clipped = lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=clip, return_norms=True, method="layerwise")  # noqa: E731
+    fn = clipped if tf_function is None else tf.function(clipped, **tf_function)
     expected = reference_gradients(model, sparse_ce, x, y)
     factors = clip / np.maximum(reference_norms(expected), clip)
     got, got_norms = fn(x, y)

@@ -7,8 +7,7 @@ import tensorflow as tf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import per_example_grads as peg
-from helpers import clipped_against_loop, clipped_fn_against_loop, rule_against_loop, sparse_ce
+from helpers import clipped_against_loop, layerwise_clipped_against_loop, rule_against_loop
 from model_zoo import RULE_FAMILIES, layer_case, layer_case_params
 
 
@@ -56,8 +55,7 @@ def test_conv_clipped_sum_by_kernel_vjp_or_kept_kernels_with_and_without_xla(nam
     monkeypatch.setattr(conv, "KEEP_PER_EXAMPLE_KERNELS", keep)
     monkeypatch.setattr(conv, "NORMS_JIT_COMPILE", jit)
     model, x, y = layer_case(name)
-    clipped_fn_against_loop(
-        lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, return_norms=True, method="layerwise"), model, x, y)
+    layerwise_clipped_against_loop(model, x, y)
 
 
 @pytest.mark.parametrize("graph", [False, True])
@@ -68,8 +66,7 @@ def test_conv_norms_in_batch_chunks_equal_the_reference(name, graph, monkeypatch
 
     monkeypatch.setattr(conv, "PATCH_CHUNK_ELEMENTS", 1)
     model, x, y = layer_case(name)
-    clipped = lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, return_norms=True, method="layerwise")  # noqa: E731
-    clipped_fn_against_loop(tf.function(clipped) if graph else clipped, model, x, y)
+    layerwise_clipped_against_loop(model, x, y, tf_function={} if graph else None)
 
 
 def test_conv_keeps_per_example_kernels_only_when_small():
@@ -96,10 +93,17 @@ def test_conv_sliced_patches_equal_extract_patches(spec, shape):
     """The strided-slice patches the norms use under XLA are extract_patches' exactly, in its feature order."""
     from per_example_grads.rules import conv
 
+    _assert_equal_to_sliced_patches(conv.patches, spec, shape)
+
+
+def _assert_equal_to_sliced_patches(patches_of, spec, shape):
+    """``patches_of(ConvSpec(*spec), a)`` is ``conv.sliced_patches`` exactly (no rounding), for ``a`` of ``shape``."""
+    from per_example_grads.rules import conv
+
     layer = conv.ConvSpec(*spec)
     a = tf.random.stateless_normal(shape, [1, 2])
-    want = conv.patches(layer, a).numpy()
-    got = conv.sliced_patches(layer, tuple(shape[1:-1]), a).numpy()
+    got = np.asarray(patches_of(layer, a))
+    want = conv.sliced_patches(layer, tuple(shape[1:-1]), a).numpy()
     assert got.shape == want.shape
     np.testing.assert_array_equal(got, want)
 
@@ -112,10 +116,9 @@ def test_conv3d_patches_of_unknown_sizes_equal_the_sliced_ones(spec, shape):
     """extract_volume_patches (sizes known only at run time) orders a patch's features as the kernel's rows."""
     from per_example_grads.rules import conv
 
-    layer = conv.ConvSpec(*spec)
-    a = tf.random.stateless_normal(shape, [3, 4])
-    unknown = tf.function(lambda a: conv.patches(layer, a), input_signature=[tf.TensorSpec([None, None, None, None, shape[-1]])])
-    np.testing.assert_array_equal(unknown(a).numpy(), conv.sliced_patches(layer, tuple(shape[1:-1]), a).numpy())
+    unknown = lambda layer, a: tf.function(  # noqa: E731
+        lambda a: conv.patches(layer, a), input_signature=[tf.TensorSpec([None, None, None, None, shape[-1]])])(a)
+    _assert_equal_to_sliced_patches(unknown, spec, shape)
 
 
 CONV_CLOSED_FORM = sorted(n for n in RULE_FAMILIES["conv"] if not n.endswith("_fallback"))
@@ -145,8 +148,7 @@ def test_transposed_channels_first_is_declined():
 ])
 def test_clipped_sum_under_xla(name):
     model, x, y = layer_case(name)
-    fn = tf.function(lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, return_norms=True, method="layerwise"), jit_compile=True)
-    clipped_fn_against_loop(fn, model, x, y)
+    layerwise_clipped_against_loop(model, x, y, tf_function={"jit_compile": True})
 
 
 @pytest.mark.parametrize("layer, shape", [
@@ -171,8 +173,7 @@ def test_unknown_sizes_in_a_graph(layer, shape):
     x = np.random.default_rng(0).normal(size=(3, *shape)).astype("float32")
     y = np.array([0, 1, 2], "int32")
     spec = [tf.TensorSpec((None, *[None] * rank, c), tf.float32), tf.TensorSpec((None,), tf.int32)]
-    fn = tf.function(lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, return_norms=True, method="layerwise"), input_signature=spec)
-    clipped_fn_against_loop(fn, model, x, y)
+    layerwise_clipped_against_loop(model, x, y, tf_function={"input_signature": spec})
 
 
 @pytest.mark.parametrize("spec, shape", [
@@ -184,9 +185,4 @@ def test_patches_by_one_hot_convolution_equal_the_sliced_ones(spec, shape):
     """The one-hot convolution copies each input value into its (offset, channel) feature: no rounding."""
     from per_example_grads.rules import conv
 
-    layer = conv.ConvSpec(*spec)
-    a = tf.random.stateless_normal(shape, [5, 6])
-    got = conv._patches_by_convolution(layer, a).numpy()
-    want = conv.sliced_patches(layer, tuple(shape[1:-1]), a).numpy()
-    assert got.shape == want.shape
-    np.testing.assert_array_equal(got, want)
+    _assert_equal_to_sliced_patches(conv._patches_by_convolution, spec, shape)

@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import per_example_grads as peg
-from helpers import clipped_against_loop, clipped_fn_against_loop, rule_against_loop, sparse_ce
+from helpers import clipped_against_loop, layerwise_clipped_against_loop, rule_against_loop
 from model_zoo import RULE_FAMILIES, layer_case, layer_case_params
 
 CLOSED_FORM = sorted(n for n in RULE_FAMILIES["depthwise"] if not n.endswith("_fallback"))
@@ -57,8 +56,7 @@ XLA_CASES = [n for n in CLOSED_FORM if n not in ("conv2d_groups_dilated_large_ke
 def test_clipped_sum_under_xla(name):
     """Under ``jit_compile=True`` the kernels come from the patches, not the grouped convolution."""
     model, x, y = layer_case(name)
-    fn = tf.function(lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, return_norms=True, method="layerwise"), jit_compile=True)
-    clipped_fn_against_loop(fn, model, x, y)
+    layerwise_clipped_against_loop(model, x, y, tf_function={"jit_compile": True})
 
 
 @pytest.mark.parametrize("name", ["depthwise_conv2d_dilated_same_m3", "separable_conv2d", "depthwise_conv2d_same_input_smaller_than_kernel"])
@@ -88,8 +86,7 @@ def test_dynamic_batch_in_a_graph():
     """An unknown batch size (a ``tf.function`` with a ``None`` batch) takes the per-offset path, which needs only static image sizes."""
     model, x, y = layer_case("separable_conv2d_strided_same_m2_no_bias")
     spec = [tf.TensorSpec((None, *x.shape[1:]), tf.float32), tf.TensorSpec((None,), tf.int32)]
-    fn = tf.function(lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, return_norms=True, method="layerwise"), input_signature=spec)
-    clipped_fn_against_loop(fn, model, x, y)
+    layerwise_clipped_against_loop(model, x, y, tf_function={"input_signature": spec})
 
 
 @pytest.mark.parametrize("layer", [keras.layers.DepthwiseConv2D(3), keras.layers.SeparableConv2D(4, 3, padding="same"),
@@ -100,8 +97,7 @@ def test_unknown_image_size_in_a_graph(layer):
     x = np.random.default_rng(0).normal(size=(3, 7, 7, 4)).astype("float32")
     y = np.array([0, 1, 2], "int32")
     spec = [tf.TensorSpec((None, None, None, 4), tf.float32), tf.TensorSpec((None,), tf.int32)]
-    fn = tf.function(lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, return_norms=True, method="layerwise"), input_signature=spec)
-    clipped_fn_against_loop(fn, model, x, y)
+    layerwise_clipped_against_loop(model, x, y, tf_function={"input_signature": spec})
 
 
 @pytest.mark.parametrize("name, kept", [("conv2d_groups_strided_same", True), ("conv2d_groups_dilated_large_kernel_vjp", False)])

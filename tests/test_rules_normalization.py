@@ -12,7 +12,7 @@ from helpers import (
     assert_grads_close,
     assert_norms_close,
     clipped_against_loop,
-    clipped_fn_against_loop,
+    layerwise_clipped_against_loop,
     reference_gradients,
     reference_norms,
     rule_against_loop,
@@ -116,5 +116,4 @@ def test_group_norm_uses_its_closed_form(name):
 @pytest.mark.parametrize("name", ["batch_norm_inference_conv_stats", "group_norm_rank4_eps"])
 def test_normalization_clipped_sum_under_xla(name):
     model, x, y = layer_case(name)
-    fn = tf.function(lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, return_norms=True, method="layerwise"), jit_compile=True)
-    clipped_fn_against_loop(fn, model, x, y)
+    layerwise_clipped_against_loop(model, x, y, tf_function={"jit_compile": True})
