@@ -185,3 +185,13 @@ def layerwise_clipped_against_loop(model, x, y, tf_function=None, clip=0.3):
     got, got_norms = fn(x, y)
     assert_norms_close(got_norms, expected)
     assert_clipped_sums_close(got, expected, factors)
+
+
+def layerwise_per_example_against_loop(model, x, y, tf_function=None):
+    """The layer-wise engine's materialized per-example gradients against the loop's.
+
+    ``tf_function`` as for ``layerwise_clipped_against_loop``.
+    """
+    grads = lambda x, y: peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise")  # noqa: E731
+    fn = grads if tf_function is None else tf.function(grads, **tf_function)
+    assert_grads_close(fn(x, y), reference_gradients(model, sparse_ce, x, y))

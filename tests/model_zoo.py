@@ -395,6 +395,7 @@ RULE_FAMILIES = {
     "conv": {
         "conv1d_causal_dilated": lambda r: sequential_case(r, [keras.layers.Conv1D(4, 3, padding="causal", dilation_rate=2, activation="relu")], (_B, 10, 3)),
         "conv2d_strided_valid": lambda r: sequential_case(r, [keras.layers.Conv2D(3, 3, strides=2, activation="tanh")], (_B, 9, 9, 2)),
+        "conv2d_pointwise": lambda r: sequential_case(r, [keras.layers.Conv2D(5, 1, activation="relu")], (_B, 4, 3, 6)),
         "conv2d_dilated_same": lambda r: sequential_case(r, [keras.layers.Conv2D(3, 2, dilation_rate=2, padding="same")], (_B, 7, 7, 2)),
         "conv2d_few_positions_gram": lambda r: sequential_case(r, [keras.layers.Conv2D(16, 3, strides=2, activation="relu")], (_B, 5, 5, 8)),
         "conv2d_same_small_input": lambda r: sequential_case(r, [keras.layers.Conv2D(8, 3, padding="same")], (_B, 3, 3, 2)),

@@ -7,7 +7,7 @@ import tensorflow as tf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import clipped_against_loop, layerwise_clipped_against_loop, rule_against_loop
+from helpers import clipped_against_loop, layerwise_clipped_against_loop, layerwise_per_example_against_loop, rule_against_loop
 from model_zoo import RULE_FAMILIES, layer_case, layer_case_params
 
 
@@ -174,6 +174,21 @@ def test_unknown_sizes_in_a_graph(layer, shape):
     y = np.array([0, 1, 2], "int32")
     spec = [tf.TensorSpec((None, *[None] * rank, c), tf.float32), tf.TensorSpec((None,), tf.int32)]
     layerwise_clipped_against_loop(model, x, y, tf_function={"input_signature": spec})
+    layerwise_per_example_against_loop(model, x, y, tf_function={"input_signature": spec})
+
+
+@pytest.mark.parametrize("mode", ["chunks", "xla"])
+@pytest.mark.parametrize("name", [
+    "conv2d_strided_valid", "conv2d_pointwise", "conv1d_causal_dilated", "conv3d_dilated", "conv2d_transpose_same_output_padding",
+])
+def test_per_example_kernels_in_batch_chunks_and_under_xla(name, mode, monkeypatch):
+    """Materialized kernels from the patches, one example per chunk (every case has more positions than filters) or under XLA."""
+    from per_example_grads.rules import conv
+
+    if mode == "chunks":
+        monkeypatch.setattr(conv, "PATCH_CHUNK_ELEMENTS", 1)
+    model, x, y = layer_case(name)
+    layerwise_per_example_against_loop(model, x, y, tf_function={"jit_compile": mode == "xla"})
 
 
 @pytest.mark.parametrize("spec, shape", [

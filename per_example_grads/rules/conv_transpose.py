@@ -21,8 +21,8 @@ sum as one weight-gradient op at ``(g, c * x)``, or from the kept kernels).
 (TensorFlow checks the sizes agree), so they drop out. The bias gradient is
 ``sum_t g_n[t]``, as for a convolution.
 
-Per-example gradients come from the exact layer-local VJP, as for ``conv.py``;
-channels_first layers use it for everything.
+Per-example gradients are the same kernels, ``conv.per_example_kernels`` at
+``(g, x)``; channels_first layers use the exact layer-local VJP for everything.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class ConvTransposeRule(ConvPatchesRule):
         return channels_last_only(layer, "transposed")
 
     def convolution_operands(self, saved, grads):
-        return grads[0], saved[0][0]
+        return grads[0], saved
 
 
 CONV_TRANSPOSE_RULE = ConvTransposeRule()
