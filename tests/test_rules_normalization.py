@@ -117,3 +117,27 @@ def test_group_norm_uses_its_closed_form(name):
 def test_normalization_clipped_sum_under_xla(name):
     model, x, y = layer_case(name)
     layerwise_clipped_against_loop(model, x, y, tf_function={"jit_compile": True})
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+@pytest.mark.parametrize("shape, settings", [
+    ((3, 5, 6, 8), dict(groups=4)),
+    ((3, 6, 7), dict(groups=2, axis=1)),
+    ((2, 4, 4, 4, 6), dict(groups=3, center=False, epsilon=1e-2)),
+    ((3, 5, 6), dict(groups=6, scale=False)),
+], ids=str)
+def test_group_norm_output_is_the_layers_own_bit_for_bit(shape, settings, policy):
+    """The rule builds ``y`` from its one set of moments by the layer's formula: the same values as ``layer(x)``, eager and in a graph."""
+    from per_example_grads.rules.normalization import GroupNormRule
+
+    layer = keras.layers.GroupNormalization(dtype=policy, **settings)
+    layer.build(shape)
+    for v in layer.weights:
+        v.assign(tf.random.stateless_normal(v.shape, [len(v.name), 1]))
+    x = tf.cast(tf.random.stateless_normal(shape, [5, 6]) * 3 + 1, layer.compute_dtype)
+    expected = layer(x).numpy()
+    forward = lambda x: GroupNormRule().forward(layer, layer.call, (x,), {})[0]  # noqa: E731
+    graph = tf.function(forward, input_signature=[tf.TensorSpec([None, *shape[1:]], x.dtype)])
+    for got in (forward(x), graph(x)):
+        assert got.dtype == expected.dtype
+        np.testing.assert_array_equal(got.numpy(), expected)

@@ -33,8 +33,8 @@ GroupNormalization normalizes each example on its own too: the channels
 ``xh`` is ``x`` normalized by the mean and variance of each example's group
 (over all its other axes and the group's channels); ``y = xh * gamma +
 beta`` per channel. So it has the same closed form with ``axes =
-[layer.axis]``; the rule runs the layer's own call for ``y`` and computes
-``xh`` beside it.
+[layer.axis]``; the rule computes the moments once, ``y`` from them by the
+layer's own formula and ops (the same values as its call), and ``xh`` beside it.
 """
 
 from __future__ import annotations
@@ -156,7 +156,12 @@ class GroupNormRule(LayerNormRule):
         return None
 
     def forward(self, layer, call, args, kwargs):
-        y = call(*args, **kwargs)
+        """``y`` by Keras's own formula (``x * s + (beta - mean * s)``, ``s = gamma / sqrt(var + eps)``) and ``xh``, from one set of moments.
+
+        Running the layer's call for ``y`` and computing the moments again for
+        ``xh`` cost MobileNetV2 (GroupNormalization, B=256) a fifth of its
+        clipped step.
+        """
         x = args[0]
         rank = x.shape.rank
         axis = layer.axis % rank
@@ -166,8 +171,16 @@ class GroupNormRule(LayerNormRule):
         shape = [dynamic[i] if x.shape[i] is None else x.shape[i] for i in range(rank)]
         grouped = tf.reshape(tf.cast(x, dtype), shape[:axis] + [layer.groups, channels // layer.groups] + shape[axis + 1 :])
         reduce = [i for i in range(1, rank + 1) if i != axis]  # all but the batch and group axes
-        mean, variance = tf.nn.moments(grouped, axes=reduce, keepdims=True)
-        xh = tf.reshape((grouped - mean) * tf.math.rsqrt(variance + layer.epsilon), dynamic)
+        mean, variance = keras.ops.moments(grouped, axes=reduce, keepdims=True)
+        inv = tf.math.rsqrt(variance + layer.epsilon)
+        per_channel = [1] * (rank + 1)
+        per_channel[axis : axis + 2] = [layer.groups, channels // layer.groups]
+        scale = inv * tf.reshape(tf.cast(layer.gamma, dtype), per_channel) if layer.scale else inv
+        shift = -mean * scale
+        if layer.center:
+            shift = shift + tf.reshape(tf.cast(layer.beta, dtype), per_channel)
+        y = tf.cast(tf.reshape(grouped * scale + shift, dynamic), layer.compute_dtype)
+        xh = tf.reshape((grouped - mean) * inv, dynamic)
         return y, (xh, [axis]), [y]
 
 
