@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import clipped_against_loop, layerwise_clipped_against_loop, rule_against_loop
+from helpers import clipped_against_loop, layerwise_clipped_against_loop, layerwise_per_example_against_loop, rule_against_loop
 from model_zoo import RULE_FAMILIES, layer_case, layer_case_params
 
 CLOSED_FORM = sorted(n for n in RULE_FAMILIES["depthwise"] if not n.endswith("_fallback"))
@@ -82,11 +82,29 @@ def test_depthwise_kernels_by_patches_equal_by_groups(name):
     np.testing.assert_allclose(by_groups, by_patches, rtol=0, atol=rounding_rtol(t) * t * scale)  # each entry: a sum of t products of at most scale
 
 
-def test_dynamic_batch_in_a_graph():
-    """An unknown batch size (a ``tf.function`` with a ``None`` batch) takes the per-offset path, which needs only static image sizes."""
-    model, x, y = layer_case("separable_conv2d_strided_same_m2_no_bias")
+@pytest.mark.parametrize("name, path", [
+    ("separable_conv2d_strided_same_m2_no_bias", "_kernels_by_groups"),
+    ("depthwise_conv2d", "_kernels_by_groups"),
+    ("depthwise_conv2d_same_input_smaller_than_kernel", "_kernels_by_shifts"),
+    ("depthwise_conv2d_strided_valid", "_kernels_by_shifts"),
+])
+def test_dynamic_batch_in_a_graph(name, path, monkeypatch):
+    """An unknown batch size (a ``tf.function`` with a ``None`` batch, as a DP step's realized rows) keeps the paths of static image sizes.
+
+    The groups trick for 3x3 kernels on inputs at least as large as the
+    kernel, the per-offset products otherwise; sums, norms and per-example
+    gradients against the loop.
+    """
+    from per_example_grads.rules import depthwise_conv as dc
+
+    taken = []
+    original = getattr(dc, path)
+    monkeypatch.setattr(dc, path, lambda *args: taken.append(path) or original(*args))
+    model, x, y = layer_case(name)
     spec = [tf.TensorSpec((None, *x.shape[1:]), tf.float32), tf.TensorSpec((None,), tf.int32)]
     layerwise_clipped_against_loop(model, x, y, tf_function={"input_signature": spec})
+    layerwise_per_example_against_loop(model, x, y, tf_function={"input_signature": spec})
+    assert taken
 
 
 @pytest.mark.parametrize("layer", [keras.layers.DepthwiseConv2D(3), keras.layers.SeparableConv2D(4, 3, padding="same"),
