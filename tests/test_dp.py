@@ -85,6 +85,25 @@ def test_noise_statistics_and_seeding():
     assert not np.allclose(c[0], d[0])
 
 
+def test_noised_average_noises_every_embedding_row_at_the_divided_scale():
+    """An IndexedSlices sum (a row repeated) gets the noise of its dense form; every row is noised with std sigma C / D.
+
+    (test_noise_statistics_and_seeding divides by 1: it cannot see the noise left undivided.)
+    """
+    from per_example_grads.dp.aggregator import noised_average
+
+    rows = tf.constant([[1.0, -2.0], [3.0, 4.0], [5.0, 6.0]])
+    sliced = tf.IndexedSlices(rows, tf.constant([7, 2, 7], tf.int64), tf.constant([6000, 2], tf.int64))
+    dense = tf.convert_to_tensor(sliced)
+    got = noised_average([sliced], 3.0, 4.0, seed=(1, 2), step=0)[0].numpy()
+    want = noised_average([dense], 3.0, 4.0, seed=(1, 2), step=0)[0].numpy()
+    # Each side: a few roundings (the two repeated rows' sum, the division, the addition), relative to the terms.
+    np.testing.assert_allclose(got, want, rtol=0, atol=rounding_rtol(4) * (np.abs(want).max() + 12 / 4))
+    sample, sd = np.ravel(got - dense.numpy() / 4), 3.0 / 4
+    assert abs(sample.mean()) < Z * sd / np.sqrt(sample.size)
+    assert abs(sample.std() - sd) < Z * sd / np.sqrt(2 * sample.size)
+
+
 def test_private_gradients_in_tf_function_apply():
     model = _mlp()
     opt = keras.optimizers.SGD(0.1)
