@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import clipped_against_loop, layerwise_clipped_against_loop, layerwise_per_example_against_loop, rule_against_loop
+import per_example_grads as peg
+from helpers import clipped_against_loop, layerwise_clipped_against_loop, layerwise_per_example_against_loop, rule_against_loop, sparse_ce
 from model_zoo import RULE_FAMILIES, layer_case, layer_case_params
 
 CLOSED_FORM = sorted(n for n in RULE_FAMILIES["depthwise"] if not n.endswith("_fallback"))
@@ -129,3 +130,19 @@ def test_grouped_conv_keeps_kernels_only_when_small(name, kept):
     cache = {}
     dc.GROUPED_RULE.squared_norms(layer, tf.constant(x), [tf.ones_like(z)], cache)
     assert ("kept" in cache) == kept
+
+
+@pytest.mark.parametrize("name", ["depthwise_conv2d", "separable_conv2d_strided_same_m2_no_bias"])
+def test_a_batch_of_no_rows_through_the_groups_trick(name):
+    """A Poisson step that drew no example runs the model on no rows: zero sums and no norms, not an error."""
+    model, x, y = layer_case(name)
+    spec = [tf.TensorSpec((None, *x.shape[1:]), tf.float32), tf.TensorSpec((None,), tf.int32)]
+    clipped = tf.function(
+        lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=1.0, return_norms=True, method="layerwise"),
+        input_signature=spec,
+    )
+    sums, norms = clipped(x[:0], y[:0])
+    assert norms.shape == (0,)
+    for s, v in zip(sums, model.trainable_variables):
+        assert s.shape == v.shape
+        np.testing.assert_array_equal(tf.convert_to_tensor(s).numpy(), 0.0)

@@ -48,8 +48,8 @@ always uses the convolution VJP. The bias part is ``sum_{n,t} c_n g_nt``.
 
 Materialized per-example kernels are ``G_n`` from the patches, one batched
 product (``per_example_kernels``); a 1x1 kernel with unit strides takes ``a``
-as its patches. On the 2-CPU AVX-512 machine of ``benchmarks/RESULTS.md`` that
-was 0.2-0.8x the time of the layer-local VJP under ``tf.vectorized_map`` on
+as its patches. On a 2-CPU AVX-512 Intel Xeon (2026-12-01) that was
+0.2-0.8x the time of the layer-local VJP under ``tf.vectorized_map`` on
 every convolution of MobileNetV2 and ResNet50, and faster than the products
 per offset for kernels larger than 1x1.
 

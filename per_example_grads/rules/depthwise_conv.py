@@ -40,7 +40,7 @@ as 1 x k) and on inputs smaller than the kernel ("same" padding on the 1x1
 and 2x2 maps at the end of MobileNetV2 on 32x32 images). It takes batches
 of any size, known or not when traced (a DP step's realized batch is not):
 on the seven 3x3 layers of MobileNetV2 (32x32 images, B=256) that take it,
-29.8 ms against 74.2 ms for the shifts. The other cases
+29.8 ms against 74.2 ms for the shifts (a 2-CPU AVX-512 Intel Xeon). The other cases
 with static spatial sizes take the shifts outside XLA (on EfficientNetB0
 they cut the patches' peak memory and time, ``benchmarks/RESULTS.md``);
 under XLA (``jit_compile=True``), which fuses the patches' product and sum,
