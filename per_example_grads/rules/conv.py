@@ -196,23 +196,32 @@ def _patch_norms(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, t: int | None, f: 
         p, g2 = patches(layer, a_chunk), op.as_btf(g_chunk)
         return materialized(p, g2) if p.shape[-1] is not None and p.shape[-1] <= g2.shape[-1] else materialized(g2, p)
 
+    k = g.shape[-1]
     chunk = max(1, PATCH_CHUNK_ELEMENTS // (t * f)) if t and f else None
+    # Element shapes let an empty batch (no chunk) concatenate to [0] and [0, *kernel].
+    shapes = [[None], [None, f, k] if f is not None and f <= k else [None, k, f]]
+    return _in_batch_chunks(chunk_norms, a, g, chunk, shapes)
+
+
+def _in_batch_chunks(fn, a: tf.Tensor, g: tf.Tensor, chunk: int | None, element_shapes: list) -> tuple:
+    """``fn(a, g)``, a tuple of ``[B, ...]`` tensors, computed ``chunk`` examples at a time (a loop) and concatenated.
+
+    One piece when ``chunk`` is None, the batch is known to fit in one chunk,
+    or under XLA (static shapes). ``element_shapes``: each output's shape
+    ``[None, ...]``, so that an empty batch concatenates to ``[0, ...]``.
+    """
     b = a.shape[0]
     if chunk is None or (b is not None and b <= chunk) or in_xla_context():
-        return chunk_norms(a, g)
-    b = tf.shape(a)[0]
-    count = (b + chunk - 1) // chunk
+        return fn(a, g)
+    count = (tf.shape(a)[0] + chunk - 1) // chunk
 
-    def body(i, norms, kernels):
-        n, kk = chunk_norms(a[i * chunk : (i + 1) * chunk], g[i * chunk : (i + 1) * chunk])
-        return i + 1, norms.write(i, n), kernels.write(i, kk)
+    def body(i, *arrays):
+        parts = fn(a[i * chunk : (i + 1) * chunk], g[i * chunk : (i + 1) * chunk])
+        return (i + 1, *[array.write(i, part) for array, part in zip(arrays, parts)])
 
-    k = g.shape[-1]
-    # Element shapes let an empty batch (no chunk) concatenate to [0] and [0, *kernel].
-    shapes = [tf.TensorShape([None]), tf.TensorShape([None, f, k] if f <= k else [None, k, f])]
-    arrays = [tf.TensorArray(op.compute_dtype(g.dtype), size=count, infer_shape=False, element_shape=shape) for shape in shapes]
-    _, norms, kernels = tf.while_loop(lambda i, *_: i < count, body, [tf.constant(0), *arrays])
-    return norms.concat(), kernels.concat()
+    arrays = [tf.TensorArray(op.compute_dtype(g.dtype), size=count, infer_shape=False, element_shape=shape) for shape in element_shapes]
+    _, *arrays = tf.while_loop(lambda i, *_: i < count, body, [tf.constant(0), *arrays])
+    return tuple(array.concat() for array in arrays)
 
 
 def per_example_kernels(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
@@ -229,19 +238,10 @@ def per_example_kernels(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor) -> tf.Tenso
     k = g.shape[-1]
 
     def product(a_chunk, g_chunk):
-        return tf.matmul(patches(layer, a_chunk), op.as_btf(g_chunk), transpose_a=True)
+        return (tf.matmul(patches(layer, a_chunk), op.as_btf(g_chunk), transpose_a=True),)
 
     chunk = max(1, PATCH_CHUNK_ELEMENTS // (t * f)) if t and f and t > k else None
-    if chunk is None or (a.shape[0] is not None and a.shape[0] <= chunk) or in_xla_context():
-        return product(a, g)
-    count = (tf.shape(a)[0] + chunk - 1) // chunk
-    kernels = tf.TensorArray(op.compute_dtype(g.dtype), size=count, infer_shape=False, element_shape=[None, f, k])
-    _, kernels = tf.while_loop(
-        lambda i, _: i < count,
-        lambda i, arr: (i + 1, arr.write(i, product(a[i * chunk : (i + 1) * chunk], g[i * chunk : (i + 1) * chunk]))),
-        [tf.constant(0), kernels],
-    )
-    return kernels.concat()
+    return _in_batch_chunks(product, a, g, chunk, [[None, f, k]])[0]
 
 
 def _materialized_norms(first: tf.Tensor, second: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
