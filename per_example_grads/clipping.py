@@ -125,6 +125,15 @@ def clipped_sums_and_predictions(
         sums, norms, predictions = selection.run(method, problem, lambda engine: engine.clipped_sums(problem, batch, clip), batch)
         return sums, norms, () if predictions is None else predictions
 
+    if not tf.executing_eagerly():
+        # Traced once for the pass and its recomputation below (the same signature when the batch has
+        # sample weights, as a DP step's has), instead of the model and its rules traced twice.
+        traced = tf.function(clipped_sums, autograph=False)
+
+        def clipped_sums(batch):
+            sums, norms, predictions = traced(batch)
+            return _static_dense_shapes(sums, problem.variables), norms, predictions
+
     def without_nonfinite(batch):  # run only for B > 0
         sums, norms, predictions = clipped_sums(batch)
         recompute = lambda batch: clipped_sums(batch)[:2]
@@ -197,11 +206,15 @@ def _without_nonfinite_examples(clipped_sums, batch, sums, norms, variables) -> 
             lambda: flat,
             lambda: tf.cond(tf.reduce_any(finite), recomputed, zeros),
         )
-    packed = tf.nest.pack_sequence_as(sums, out, expand_composites=True)
-    # A table's dense shape is the variable's, a constant: keep it static (tf.cond returns it as a tensor).
+    return _static_dense_shapes(tf.nest.pack_sequence_as(sums, out, expand_composites=True), variables)
+
+
+def _static_dense_shapes(sums: Sequence, variables: Sequence) -> list:
+    """``sums`` with each ``tf.IndexedSlices``' dense shape its variable's, a constant (``tf.cond`` and ``tf.function`` return it as a tensor)."""
     return [
-        tf.IndexedSlices(p.values, p.indices, s.dense_shape) if isinstance(s, tf.IndexedSlices) else p
-        for p, s in zip(packed, sums)
+        tf.IndexedSlices(s.values, s.indices, tf.constant(v.shape.as_list(), s.dense_shape.dtype))
+        if isinstance(s, tf.IndexedSlices) else s
+        for s, v in zip(sums, variables)
     ]
 
 

@@ -260,6 +260,19 @@ def test_a_dp_step_with_a_nan_example_keeps_the_weights_finite_and_reports_it():
     assert all(np.isfinite(w).all() for w in dp.model.get_weights())
 
 
+def test_a_weighted_batch_with_a_nan_example_in_a_graph_sums_the_others():
+    """In a graph the pass and its recomputation without the NaN example share one traced function."""
+    x, y = _data(8)
+    bad = x.copy()
+    bad[3, 0] = np.nan
+    weights = np.array([1, 1, 0, 1, 1, 1, 0, 1], "float32")
+    keep = (np.arange(8) != 3) & (weights > 0)
+    model = _net()
+    graph = tf.function(lambda a, b, w: peg.clipped_gradients(model, sparse_ce, a, b, l2_norm_clip=0.5, sample_weight=w))
+    want = peg.clipped_gradients(model, sparse_ce, x[keep], y[keep], l2_norm_clip=0.5)
+    _assert_sums_close(graph(bad, y, weights), want, n=int(keep.sum()), scale=0.5)
+
+
 def test_numbers_of_every_kind_are_accepted_and_bad_ones_refused():
     x, y = _data(8)
     model = _net()
