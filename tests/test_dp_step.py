@@ -2,6 +2,7 @@
 sampling bound to accounting, mixed precision, saving, loss shapes, non-finite
 examples, argument checks, regularization (issue: "One DP step, correct in every path")."""
 
+import dataclasses
 import warnings
 
 import keras
@@ -271,6 +272,36 @@ def test_a_weighted_batch_with_a_nan_example_in_a_graph_sums_the_others():
     graph = tf.function(lambda a, b, w: peg.clipped_gradients(model, sparse_ce, a, b, l2_norm_clip=0.5, sample_weight=w))
     want = peg.clipped_gradients(model, sparse_ce, x[keep], y[keep], l2_norm_clip=0.5)
     _assert_sums_close(graph(bad, y, weights), want, n=int(keep.sum()), scale=0.5)
+
+
+def test_a_dp_fit_traces_its_step_and_its_clipped_pass_once(monkeypatch):
+    """Twice, before: Keras made the optimizer's slots and the compiled metrics while tracing, so
+    TensorFlow traced the step again, and the recomputation without non-finite examples traced the
+    model and its rules a second time. A row of Inf in every step runs that recomputation."""
+    from per_example_grads.engines.base import ENGINES
+
+    steps, passes = [], []
+    engine = ENGINES["layerwise"]
+    monkeypatch.setitem(ENGINES, "layerwise", dataclasses.replace(
+        engine, native_clipped_sums=lambda *args: passes.append(1) or engine.native_clipped_sums(*args)
+    ))
+
+    class Counting(peg.keras.DPModel):
+        def train_step(self, data):
+            steps.append(1)
+            return super().train_step(data)
+
+    x, y = _data(16)
+    x[5, :] = np.inf
+    dp = Counting(_net(), l2_norm_clip=1.0, noise_multiplier=0.1, seed=0, method="layerwise")
+    dp.compile(optimizer=keras.optimizers.Adam(1e-3), loss=sparse_ce, metrics=["accuracy"])
+    data = peg.dp.poisson_batches(x, y, sampling_probability=1.0, seed=0)  # every row in every step
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        history = dp.fit(data, epochs=2, verbose=0)
+    assert (len(steps), len(passes)) == (1, 1)
+    assert history.history["nonfinite_examples"] == [1.0, 1.0]
+    assert all(np.isfinite(w).all() for w in dp.model.get_weights())
 
 
 def test_numbers_of_every_kind_are_accepted_and_bad_ones_refused():

@@ -204,6 +204,7 @@ class DPModel(keras.Model):
         source = self._fit_sampling.source
         if source is not None:
             kwargs["callbacks"] = list(kwargs.get("callbacks") or []) + [_ResumeSampling(source, self.dp_steps)]
+        self._build_before_tracing(x, y)
         history = super().fit(x, y, batch_size, *args, **kwargs)
         bad = history.history.get("nonfinite_examples", [])
         if bad and max(bad) > 0:
@@ -213,6 +214,31 @@ class DPModel(keras.Model):
                 RuntimeWarning, stacklevel=2,
             )
         return history
+
+    def _build_before_tracing(self, x, y) -> None:
+        """Creates the optimizer's and the compiled metrics' variables before the train step is traced.
+
+        Keras does so only under a distribution strategy; otherwise they are
+        created while the step is traced, and TensorFlow then traces the
+        step a second time, without creating variables: a DP step's first
+        call (the model, its layer rules and the noise traced) took twice as
+        long. Built from a dataset's element spec or the arrays, on symbolic
+        inputs: nothing is drawn from the data. Other inputs, and a model
+        that cannot run on symbolic inputs, keep Keras's default; only the
+        tracing time differs.
+        """
+        if self._distribute_strategy is not None:
+            return
+        if isinstance(x, tf.data.Dataset):
+            batch = x.element_spec
+        elif all(hasattr(leaf, "shape") and hasattr(leaf, "dtype") for leaf in tf.nest.flatten((x, y))):
+            batch = (x, y)
+        else:
+            return
+        try:
+            self._symbolic_build(data_batch=batch)
+        except Exception:  # noqa: BLE001 - an optimization only; the step builds what is left
+            pass
 
     def _sampling_of(self, x, batch_size) -> _FitSampling:
         source = getattr(x, "pegrad_sampling", None) if isinstance(x, tf.data.Dataset) else None
