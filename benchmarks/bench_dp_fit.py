@@ -23,7 +23,9 @@ teardown took 0.1-0.3 s at random (more with ``DPModel``), after the last
 step, as long as a whole epoch here, and a user pays it once per ``fit``
 call, not per epoch. Reported: the median epoch time, its ratio to the plain epoch,
 and the milliseconds the private step adds to a plain step
-(``dp epoch / dp steps - plain epoch / plain steps``). Two more rows time the
+(``dp epoch / dp steps - plain epoch / plain steps``), and the first step of
+the untimed first epoch, which traces the train step (a user pays it at the
+first ``fit`` call of a model, and again whenever a ``fit`` retraces). Two more rows time the
 input pipelines alone, one pass each with nothing trained: Keras's own for
 arrays (``ArrayDataAdapter``, what ``fit(x, y)`` uses) and ``poisson_batches``
 (both prefetch, so in ``fit`` this time overlaps the steps).
@@ -92,8 +94,8 @@ def configurations(name: str, b: int):
     return out
 
 
-def _timed_epoch(model, x, y=None, **kwargs) -> float:
-    """Seconds from the start to the end of one epoch of ``model.fit`` (callbacks ``on_epoch_begin/end``)."""
+def _timed_epoch(model, x, y=None, **kwargs) -> tuple[float, float]:
+    """Seconds of one epoch of ``model.fit`` (``on_epoch_begin`` to ``on_epoch_end``) and of its first step."""
     import keras
 
     marks = {}
@@ -102,39 +104,48 @@ def _timed_epoch(model, x, y=None, **kwargs) -> float:
         def on_epoch_begin(self, epoch, logs=None):
             marks["begin"] = time.perf_counter()
 
+        def on_train_batch_begin(self, batch, logs=None):
+            marks.setdefault("first begin", time.perf_counter())
+
+        def on_train_batch_end(self, batch, logs=None):
+            marks.setdefault("first end", time.perf_counter())
+
         def on_epoch_end(self, epoch, logs=None):
             marks["end"] = time.perf_counter()
 
     model.fit(x, y, epochs=1, verbose=0, callbacks=[Clock()], **kwargs)
-    return marks["end"] - marks["begin"]
+    return marks["end"] - marks["begin"], marks["first end"] - marks["first begin"]
 
 
-def _drain(dataset) -> float:
+def _drain(dataset) -> tuple[float, None]:
     start = time.perf_counter()
     for batch in dataset:
         del batch
-    return time.perf_counter() - start
+    return time.perf_counter() - start, None
 
 
 def run(models, sizes, repeats):
     print(f"N = {N} ({', '.join(f'{k} {v[0]}' for k, v in LARGER.items())}); median of {repeats} epochs after one untimed epoch; `python {' '.join(sys.argv)}`\n")
-    print("| model | expected batch | configuration | steps/epoch | epoch s | / plain epoch | ms added per step |")
-    print("|---|---|---|---|---|---|---|", flush=True)
+    print("| model | expected batch | configuration | steps/epoch | epoch s | / plain epoch | ms added per step | first step s (tracing) |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
     for name in models:
         for b in sizes:
             configs = configurations(name, b)
             times = {k: [] for k in configs}
+            first_step = {}
             for round_ in range(repeats + 1):
                 for label, (fit, _) in configs.items():
-                    seconds = fit()
+                    seconds, first = fit()
                     if round_:
                         times[label].append(seconds)
+                    else:
+                        first_step[label] = "" if first is None else f"{first:.2f}"
             plain_epoch = statistics.median(times["plain"])
             plain_step = plain_epoch / configs["plain"][1]
             for label, (_, steps) in configs.items():
                 epoch = statistics.median(times[label])
                 added = "" if label == "plain" or label.startswith("input") else f"{(epoch / steps - plain_step) * 1e3:+.1f}"
-                print(f"| {name} | {b} | {label} | {steps} | {epoch:.2f} | {epoch / plain_epoch:.2f} | {added} |", flush=True)
+                print(f"| {name} | {b} | {label} | {steps} | {epoch:.2f} | {epoch / plain_epoch:.2f} | {added} | {first_step[label]} |", flush=True)
 
 
 def main():
