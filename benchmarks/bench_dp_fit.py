@@ -6,7 +6,7 @@
 
 For each model of the shared zoo (``per_example_grads.apps.zoo``; the
 larger ones at the sizes of ``LARGER``) and each expected batch size ``b``
-(``N = 12,000`` synthetic examples, fewer for the larger models, SGD, sparse
+(``N = 12,000`` synthetic examples, fewer for the larger models, SGD (``--optimizer adam``: Adam), sparse
 categorical cross-entropy):
 
 - ``plain``: ``keras.Model.fit(x, y, batch_size=b)``, one epoch of ``ceil(N / b)`` steps;
@@ -54,7 +54,7 @@ LARGER = {
 }
 
 
-def configurations(name: str, b: int):
+def configurations(name: str, b: int, optimizer: str = "sgd"):
     """``{label: (fit_one_epoch, steps per epoch)}``, each on its own copy of the model."""
     import keras
 
@@ -73,13 +73,14 @@ def configurations(name: str, b: int):
         return peg.dp.fix_model(m) if batch_norm else m  # BatchNormalization -> GroupNormalization, as DP needs
 
     plain = copy()
-    plain.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
+    make_optimizer = {"sgd": lambda: keras.optimizers.SGD(0.01), "adam": lambda: keras.optimizers.Adam(1e-3)}[optimizer]
+    plain.compile(optimizer=make_optimizer(), loss=loss)
     out["plain"] = (lambda: _timed_epoch(plain, x, y, batch_size=b), math.ceil(n / b))
     for chunk in (None, 64, 128):
         if chunk is not None and chunk >= b:
             continue
         dp = peg.keras.DPModel(copy(), l2_norm_clip=1.0, noise_multiplier=1.0, physical_batch_size=chunk)
-        dp.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
+        dp.compile(optimizer=make_optimizer(), loss=loss)
         data = peg.dp.poisson_batches(x, y, sampling_probability=q, seed=0)
         label = "dp" if chunk is None else f"dp, chunks of {chunk}"
         out[label] = ((lambda dp, data: lambda: _timed_epoch(dp, data))(dp, data), data.pegrad_sampling.steps)
@@ -124,13 +125,13 @@ def _drain(dataset) -> tuple[float, None]:
     return time.perf_counter() - start, None
 
 
-def run(models, sizes, repeats):
+def run(models, sizes, repeats, optimizer="sgd"):
     print(f"N = {N} ({', '.join(f'{k} {v[0]}' for k, v in LARGER.items())}); median of {repeats} epochs after one untimed epoch; `python {' '.join(sys.argv)}`\n")
     print("| model | expected batch | configuration | steps/epoch | epoch s | / plain epoch | ms added per step | first step s (tracing) |")
     print("|---|---|---|---|---|---|---|---|", flush=True)
     for name in models:
         for b in sizes:
-            configs = configurations(name, b)
+            configs = configurations(name, b, optimizer)
             times = {k: [] for k in configs}
             first_step = {}
             for round_ in range(repeats + 1):
@@ -153,9 +154,11 @@ def main():
     parser.add_argument("--models", default="mlp,cnn,transformer,embedding_bag")
     parser.add_argument("--expected-batch-sizes", default="256,1024")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
+                        help="adam has slot variables: their creation while tracing made Keras trace a step twice")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
-    run(args.models.split(","), [int(s) for s in args.expected_batch_sizes.split(",")], args.repeats)
+    run(args.models.split(","), [int(s) for s in args.expected_batch_sizes.split(",")], args.repeats, args.optimizer)
 
 
 if __name__ == "__main__":
