@@ -60,6 +60,21 @@ def test_gaussian_like_shapes_dtypes_and_scale():
     assert noise.gaussian_like([], 1.0, seed=3) == []
 
 
+@pytest.mark.parametrize("graph", [False, True])
+def test_a_generator_gives_every_tensor_and_every_call_its_own_noise(graph):
+    """From a generator, each tensor's noise comes from its own fresh key (one make_seeds call per draw)."""
+    generator = tf.random.Generator.from_seed(5)
+    tensors = [tf.zeros([4000]), tf.zeros([40, 100]), tf.zeros([3999])]
+    draw = lambda: noise.gaussian_like(tensors, 2.0, generator)  # noqa: E731
+    draw = tf.function(draw) if graph else draw
+    first, second = [[z.numpy().ravel() for z in draw()] for _ in range(2)]
+    bound = 5 / math.sqrt(3999)
+    pairs = [(first[0], first[1]), (first[0], first[2][:4000]), (first[0], second[0]), (first[2], second[2])]
+    assert all(abs(np.corrcoef(a[:3999], b[:3999])[0, 1]) < bound for a, b in pairs)
+    z = np.concatenate(first)
+    assert abs(z.std() - 2.0) < 5 * 2.0 / math.sqrt(2 * z.size)
+
+
 def test_noise_never_shares_a_key_with_the_batch_sampling_of_the_same_seed_and_step():
     """poisson_batches draws batch t from the uniforms of fold_in(hashed seed, t); the noise of step t uses another key."""
     from per_example_grads.dp import sampling

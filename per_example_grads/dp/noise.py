@@ -99,9 +99,12 @@ def gaussian_like(tensors: Sequence[tf.Tensor], stddev, seed: NoiseSeed = None, 
     """Independent ``N(0, stddev^2)`` noise shaped like each of ``tensors``.
 
     Tensor ``i`` gets ``standard_normal`` draws from the key
-    ``fold_in(fold_in(fold_in(key, NOISE_TAG), step), i)`` (or from the
-    generator), one draw per tensor so that only one variable's temporaries
-    exist at a time.
+    ``fold_in(fold_in(fold_in(key, NOISE_TAG), step), i)``, or, from a
+    generator, from the ``i``-th of ``len(tensors)`` fresh keys that one
+    ``make_seeds`` call draws from its stream (a few ops per tensor instead
+    of a generator call's score, for models of hundreds of variables). One
+    draw per tensor, so that only one variable's temporaries exist at a
+    time; sizes are Python numbers where shapes are static.
 
     Args:
       tensors: list of tensors of any shapes (the summed clipped gradients).
@@ -113,25 +116,30 @@ def gaussian_like(tensors: Sequence[tf.Tensor], stddev, seed: NoiseSeed = None, 
     Returns:
       list of noise tensors, same shapes and dtypes as ``tensors``.
     """
+    if not tensors:
+        return []
     if seed is None:
         seed = process_generator()
     if isinstance(seed, tf.random.Generator):
-        sources = [seed] * len(tensors)
+        keys = tf.unstack(seed.make_seeds(len(tensors)), axis=1)
     else:
         key = tf.random.experimental.stateless_fold_in(stateless_key(seed), NOISE_TAG)
         if step is not None:
             key = tf.random.experimental.stateless_fold_in(key, tf.cast(step, tf.int64))
         if replicas.num_replicas() > 1:
             key = tf.random.experimental.stateless_fold_in(key, replicas.replica_id())
-        sources = [tf.random.experimental.stateless_fold_in(key, i) for i in range(len(tensors))]
+        keys = [tf.random.experimental.stateless_fold_in(key, i) for i in range(len(tensors))]
     scale = tf.cast(stddev, tf.float32)
-    return [
-        tf.cast(tf.reshape(standard_normal(tf.size(t, out_type=tf.int64), s) * scale, tf.shape(t)), t.dtype)
-        for t, s in zip(tensors, sources)
-    ]
+    out = []
+    for t, k in zip(tensors, keys):
+        static = t.shape.is_fully_defined()
+        n = t.shape.num_elements() if static else tf.size(t, out_type=tf.int64)
+        z = tf.reshape(standard_normal(n, k) * scale, t.shape if static else tf.shape(t))
+        out.append(tf.cast(z, t.dtype))
+    return out
 
 
-def standard_normal(n: tf.Tensor, source: tf.Tensor | tf.random.Generator) -> tf.Tensor:
+def standard_normal(n: int | tf.Tensor, source: tf.Tensor | tf.random.Generator) -> tf.Tensor:
     """``[n]`` independent float32 ``N(0, 1)`` draws from a stateless ``[2]`` key or a generator.
 
     Box-Muller on TensorFlow's Philox uniforms: for ``u, v`` uniform on
@@ -144,21 +152,26 @@ def standard_normal(n: tf.Tensor, source: tf.Tensor | tf.random.Generator) -> tf
     fused kernel (``benchmarks/RESULTS.md``). Under XLA, which compiles and
     fuses its own, the stateless normal op with the Threefry algorithm is
     used (XLA's Philox on CPU drew 670k numbers in 177 ms against Threefry's
-    1.2 ms); a generator then only supplies its key.
+    1.2 ms). A generator supplies a fresh key from its stream.
+
+    Args:
+      n: a Python int (static sizes make no shape arithmetic in the graph)
+        or a scalar integer tensor.
     """
-    n = tf.cast(n, tf.int64)
-    if in_xla_context():
-        if isinstance(source, tf.random.Generator):
-            source = source.make_seeds(1)[:, 0]  # a fresh key from the generator's stream
-        return tf.random.stateless_normal(tf.reshape(n, [1]), seed=source, dtype=tf.float32, alg="threefry")
-    half = (n + 1) // 2
     if isinstance(source, tf.random.Generator):
-        u = source.uniform(tf.stack([tf.constant(2, tf.int64), half]), dtype=tf.float32)
+        source = source.make_seeds(1)[:, 0]
+    if in_xla_context():
+        return tf.random.stateless_normal(tf.reshape(tf.cast(n, tf.int64), [1]), seed=source, dtype=tf.float32, alg="threefry")
+    if isinstance(n, int):
+        shape, exact = [2, (n + 1) // 2], n % 2 == 0
     else:
-        u = tf.random.stateless_uniform(tf.stack([tf.constant(2, tf.int64), half]), seed=source, dtype=tf.float32)
-    radius = tf.sqrt(-2.0 * tf.math.log1p(-u[0]))
-    theta = (2.0 * math.pi) * u[1]
-    return tf.concat([radius * tf.cos(theta), radius * tf.sin(theta)], axis=0)[:n]
+        n = tf.cast(n, tf.int64)
+        shape, exact = tf.stack([tf.constant(2, tf.int64), (n + 1) // 2]), False
+    u, v = tf.unstack(tf.random.stateless_uniform(shape, seed=source, dtype=tf.float32))
+    radius = tf.sqrt(-2.0 * tf.math.log1p(-u))
+    theta = (2.0 * math.pi) * v
+    z = tf.concat([radius * tf.cos(theta), radius * tf.sin(theta)], axis=0)
+    return z if exact else z[:n]
 
 
 def noise_source(seed: NoiseSeed):
