@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from per_example_grads import transforms
 from per_example_grads._core.arguments import check_clip
-from per_example_grads._core.batch import make_batch, unless_empty
+from per_example_grads._core.batch import batch_size, make_batch, unless_empty
 from per_example_grads.engines import selection
 from per_example_grads.engines.base import ClipGroups
 from per_example_grads._core.problem import make_problem
@@ -135,6 +135,9 @@ def clipped_sums_and_predictions(
             return _static_dense_shapes(sums, problem.variables), norms, predictions
 
     def without_nonfinite(batch):  # run only for B > 0
+        if not tf.executing_eagerly() and "sample_weight" not in batch:
+            # Weights of 1 (exact): the recomputation passes weights, so it then shares this pass's trace.
+            batch = batch | {"sample_weight": tf.ones([batch_size(batch)])}
         sums, norms, predictions = clipped_sums(batch)
         recompute = lambda batch: clipped_sums(batch)[:2]
         return _without_nonfinite_examples(recompute, batch, sums, norms, problem.variables), norms, predictions

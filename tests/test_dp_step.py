@@ -261,30 +261,43 @@ def test_a_dp_step_with_a_nan_example_keeps_the_weights_finite_and_reports_it():
     assert all(np.isfinite(w).all() for w in dp.model.get_weights())
 
 
-def test_a_weighted_batch_with_a_nan_example_in_a_graph_sums_the_others():
-    """In a graph the pass and its recomputation without the NaN example share one traced function."""
+def _count_layerwise_passes(monkeypatch) -> list:
+    """A list that grows by one at every trace (or eager call) of the layer-wise engine's clipped pass."""
+    from per_example_grads.engines.base import ENGINES
+
+    passes = []
+    engine = ENGINES["layerwise"]
+    monkeypatch.setitem(ENGINES, "layerwise", dataclasses.replace(
+        engine, native_clipped_sums=lambda *args: passes.append(1) or engine.native_clipped_sums(*args)
+    ))
+    return passes
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_clipped_gradients_in_a_graph_trace_the_pass_once_and_leave_out_a_nan_example(monkeypatch, weighted):
+    passes = _count_layerwise_passes(monkeypatch)
     x, y = _data(8)
     bad = x.copy()
     bad[3, 0] = np.nan
-    weights = np.array([1, 1, 0, 1, 1, 1, 0, 1], "float32")
+    weights = np.array([1, 1, 0, 1, 1, 1, 0, 1], "float32") if weighted else np.ones(8, "float32")
     keep = (np.arange(8) != 3) & (weights > 0)
     model = _net()
-    graph = tf.function(lambda a, b, w: peg.clipped_gradients(model, sparse_ce, a, b, l2_norm_clip=0.5, sample_weight=w))
+    args = dict(l2_norm_clip=0.5, method="layerwise")
+    if weighted:
+        graph = tf.function(lambda a, b, w: peg.clipped_gradients(model, sparse_ce, a, b, sample_weight=w, **args))
+        got = graph(bad, y, weights)
+    else:
+        got = tf.function(lambda a, b: peg.clipped_gradients(model, sparse_ce, a, b, **args))(bad, y)
+    assert len(passes) == 1
     want = peg.clipped_gradients(model, sparse_ce, x[keep], y[keep], l2_norm_clip=0.5)
-    _assert_sums_close(graph(bad, y, weights), want, n=int(keep.sum()), scale=0.5)
+    _assert_sums_close(got, want, n=int(keep.sum()), scale=0.5)
 
 
 def test_a_dp_fit_traces_its_step_and_its_clipped_pass_once(monkeypatch):
     """Twice, before: Keras made the optimizer's slots and the compiled metrics while tracing, so
     TensorFlow traced the step again, and the recomputation without non-finite examples traced the
     model and its rules a second time. A row of Inf in every step runs that recomputation."""
-    from per_example_grads.engines.base import ENGINES
-
-    steps, passes = [], []
-    engine = ENGINES["layerwise"]
-    monkeypatch.setitem(ENGINES, "layerwise", dataclasses.replace(
-        engine, native_clipped_sums=lambda *args: passes.append(1) or engine.native_clipped_sums(*args)
-    ))
+    steps, passes = [], _count_layerwise_passes(monkeypatch)
 
     class Counting(peg.keras.DPModel):
         def train_step(self, data):
