@@ -126,8 +126,8 @@ def clipped_sums_and_predictions(
         return sums, norms, () if predictions is None else predictions
 
     if not tf.executing_eagerly():
-        # Traced once for the pass and its recomputation below (the same signature when the batch has
-        # sample weights, as a DP step's has), instead of the model and its rules traced twice.
+        # Traced once for the pass and its recomputation below (both weighted: one signature),
+        # instead of the model and its rules traced twice.
         traced = tf.function(clipped_sums, autograph=False)
 
         def clipped_sums(batch):
