@@ -126,18 +126,17 @@ def clipped_sums_and_predictions(
         return sums, norms, () if predictions is None else predictions
 
     if not tf.executing_eagerly():
-        # Traced once for the pass and its recomputation below (both weighted: one signature),
-        # instead of the model and its rules traced twice.
+        # Traced once for the pass and its recomputation below, instead of the model and its rules
+        # traced twice: both calls are weighted (weights of 1 are exact), so they share one signature.
         traced = tf.function(clipped_sums, autograph=False)
 
         def clipped_sums(batch):
+            if "sample_weight" not in batch:
+                batch = batch | {"sample_weight": tf.ones([batch_size(batch)])}
             sums, norms, predictions = traced(batch)
             return _static_dense_shapes(sums, problem.variables), norms, predictions
 
     def without_nonfinite(batch):  # run only for B > 0
-        if not tf.executing_eagerly() and "sample_weight" not in batch:
-            # Weights of 1 (exact): the recomputation passes weights, so it then shares this pass's trace.
-            batch = batch | {"sample_weight": tf.ones([batch_size(batch)])}
         sums, norms, predictions = clipped_sums(batch)
         recompute = lambda batch: clipped_sums(batch)[:2]
         return _without_nonfinite_examples(recompute, batch, sums, norms, problem.variables), norms, predictions
