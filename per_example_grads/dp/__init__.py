@@ -25,6 +25,8 @@ _EXPORTS = {
     "AppliedSteps": "per_example_grads.dp.applied_steps",
     "private_gradients": "per_example_grads.dp.private",
     "fix_model": "per_example_grads.dp.model_fixer",
+    "RepeatedNoiseWarning": "per_example_grads.dp.noise",
+    "PrivacyBudget": "per_example_grads.dp.budget",
     "PhysicalChunk": "per_example_grads.dp.sampling",
     "PoissonSampling": "per_example_grads.dp.sampling",
     "default_max_batch_size": "per_example_grads.dp.sampling",
@@ -50,6 +52,8 @@ if _TYPE_CHECKING:  # what static tools see; at run time __getattr__ does this
     from per_example_grads.dp.applied_steps import AppliedSteps  # noqa: F401
     from per_example_grads.dp.model_fixer import fix_model  # noqa: F401
     from per_example_grads.dp.private import private_gradients  # noqa: F401
+    from per_example_grads.dp.budget import PrivacyBudget  # noqa: F401
+    from per_example_grads.dp.noise import RepeatedNoiseWarning  # noqa: F401
     from per_example_grads.dp.sampling import PhysicalChunk  # noqa: F401
     from per_example_grads.dp.sampling import PoissonSampling  # noqa: F401
     from per_example_grads.dp.sampling import default_max_batch_size  # noqa: F401

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import warnings
 from typing import Any
 
@@ -14,8 +15,11 @@ from per_example_grads.dp import adaptive as adaptive_clipping
 from per_example_grads.dp import validation
 from per_example_grads.dp.accounting import PrivacyAccountant, check_run_delta
 from per_example_grads.dp.aggregator import DPAggregator, regularization_gradients
+from per_example_grads.dp.budget import PrivacyBudget
 from per_example_grads.dp.sampling import PoissonSampling
 from per_example_grads._core.losses import as_per_example_loss
+from per_example_grads.keras import network_guard
+from per_example_grads.keras.training_data import rows_of_fit_data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +30,7 @@ class _FitSampling:
     sampling_probability: float | None  # None: per step, rows / num_examples (fixed-size batches)
     divisor: float | None  # None: the aggregator's (expected_batch_size, else the rows of each batch)
     source: PoissonSampling | None = None
+    largest_batch: int | None = None  # fixed-size batches: the most rows a step takes, when known
 
     def traced_as(self) -> tuple:
         """What the traced train step depends on (the dataset object itself is not)."""
@@ -61,6 +66,32 @@ class DPModel(keras.Model):
     fixed-size batches: ``fit`` warns once that the Poisson analysis is then
     only an approximation, and the ledger records it, so ``epsilon()`` warns
     too.
+
+    **N comes from the data.** ``epsilon()`` is computed for ``N =
+    num_examples``; a larger ``N`` than the data has would under-report it.
+    So wherever the data says how many examples it has, ``fit`` takes ``N``
+    from it, or refuses a ``num_examples`` that disagrees, naming both: a
+    ``poisson_batches`` dataset (its ``N``), arrays (their rows, less those
+    ``validation_split`` holds out), a ``tf.data`` dataset of known
+    cardinality (the rows of one pass, counted by running the pipeline once
+    unless every batch has a static size). Data of unknown size (a dataset
+    of unknown or infinite cardinality, a generator) needs ``num_examples``.
+    Every ``fit`` of one ``DPModel`` must see the same ``N``.
+
+    **One ledger per network.** ``epsilon()`` covers the steps this
+    ``DPModel`` took. After its first step, ``fit`` and ``epsilon()`` raise
+    if the wrapped network's trainable weights were changed by anything else
+    (``dp.model.fit``, a custom loop), and a second ``DPModel`` cannot wrap a
+    network the first has trained (``per_example_grads.keras.network_guard``).
+    ``accept_current_weights()`` declares a change you made on purpose
+    without private data (for example public weights set by hand).
+
+    **A budget that holds.** With ``budget=peg.dp.PrivacyBudget(epsilon=...,
+    delta=...)`` (or ``steps=...``), ``fit`` never takes a step that would
+    take the ledger past it: it stops before that step and warns, saying how
+    many steps were taken. The limit counts the ledger's steps, so a run
+    restored from a checkpoint stops at the same total as an uninterrupted
+    one. ``dp.max_steps()`` gives the limit (see ``per_example_grads.dp.budget``).
 
     ``compile``, ``fit``, ``evaluate``, ``predict``, callbacks and metrics work
     as usual. Supported losses: one loss (a ``keras.losses.Loss`` with any
@@ -117,6 +148,7 @@ class DPModel(keras.Model):
         rows, summing their clipped gradients in a loop before the single
         noise draw, so ``fit`` can use logical batches far larger than fit in
         memory (e.g. Poisson batches of 4096 in chunks of 64). Flat clipping only.
+      budget: a ``peg.dp.PrivacyBudget``, or None for no limit.
 
     Example:
       >>> import keras, numpy as np
@@ -144,9 +176,13 @@ class DPModel(keras.Model):
         adaptive_clipping: adaptive_clipping.AdaptiveClipping | None = None,
         method: str = "auto",
         physical_batch_size: int | None = None,
+        budget: PrivacyBudget | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        if budget is not None and not isinstance(budget, PrivacyBudget):
+            raise TypeError(f"budget must be a peg.dp.PrivacyBudget or None; got {type(budget).__name__} {budget!r}.")
+        self.budget = budget
         self.aggregator = DPAggregator(
             l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
             expected_batch_size=expected_batch_size, seed=seed, adaptive_clipping=adaptive_clipping,
@@ -161,6 +197,13 @@ class DPModel(keras.Model):
         self._nonfinite = keras.metrics.Sum(name="nonfinite_examples")
         self._fit_sampling = _FitSampling(poisson=False, sampling_probability=None, divisor=None)
         self._warned_fixed_batches = False
+        network_guard.claim(model, self, lambda other: int(other.dp_steps.numpy()))
+        self._network_fingerprint = keras.Variable(
+            [0.0, 0.0], dtype="float64", trainable=False, name="network_fingerprint",
+            aggregation="only_first_replica",
+        )
+        self._guard = network_guard.NetworkGuard(model, self._network_fingerprint)
+        self._guard.refresh()
         # Built on construction: save_weights / checkpoints work before and right after fit.
         self.built = True
 
@@ -186,7 +229,21 @@ class DPModel(keras.Model):
         Keras's plain metrics ignore ``sample_weight``; here it is the
         Poisson mask, so they would count the padded rows. Weighted by it,
         padding (weight 0) never counts, under XLA too.
+
+        Raises:
+          ValueError: ``loss`` is a list or dict, or ``loss_weights`` is
+            given: the DP step clips one per-example loss.
         """
+        if isinstance(loss, (list, tuple, dict)):
+            raise ValueError(
+                "DPModel supports one loss for one output; got a "
+                f"{type(loss).__name__} of losses. Combine them into one per-example loss function."
+            )
+        if loss_weights is not None:
+            raise ValueError(
+                f"DPModel.compile does not take loss_weights (got {loss_weights!r}): the DP step clips "
+                "one per-example loss. Scale the loss inside it instead."
+            )
         if isinstance(metrics, (list, tuple)):
             weighted_metrics = list(weighted_metrics or []) + list(metrics)
             metrics = None
@@ -194,18 +251,41 @@ class DPModel(keras.Model):
                         weighted_metrics=weighted_metrics, **kwargs)
 
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
-        """``keras.Model.fit``, with the sampling of ``x`` checked against the accounting (class docstring)."""
-        sampling = self._sampling_of(x, batch_size)
+        """``keras.Model.fit``, with the sampling of ``x`` checked against the accounting (class docstring).
+
+        Raises:
+          ValueError: ``num_examples`` disagrees with the data, the data's
+            size is unknown and ``num_examples`` was not given, the network
+            was trained outside this ``DPModel``, or a Poisson dataset's
+            ``q`` disagrees with ``expected_batch_size / num_examples``.
+        """
+        self._check_ledger_covers_network()
+        if args:  # Keras's positional order (epochs, verbose, callbacks, validation_split, ...), as keywords
+            names = list(inspect.signature(keras.Model.fit).parameters)[4:]
+            kwargs.update(zip(names, args))
+        sampling = self._sampling_of(x, batch_size, kwargs.get("validation_split") or 0.0)
         if sampling.traced_as() != self._fit_sampling.traced_as():
             self.train_function = None  # retrace: the step uses this fit's sampling
         self._fit_sampling = sampling
-        if isinstance(x, tf.data.Dataset) and not args:
+        if isinstance(x, tf.data.Dataset):
             kwargs.setdefault("shuffle", False)  # a dataset is never shuffled by fit; say nothing about it
         source = self._fit_sampling.source
+        # First, so that the fingerprint is fresh for the user's epoch-end callbacks (checkpoints).
+        callbacks = [_GuardNetwork(self._guard)] + list(kwargs.get("callbacks") or [])
         if source is not None:
-            kwargs["callbacks"] = list(kwargs.get("callbacks") or []) + [_ResumeSampling(source, self.dp_steps)]
+            callbacks.append(_ResumeSampling(source, self.dp_steps))
+        if self.budget is not None:
+            limit = self.max_steps()
+            if int(self.dp_steps.numpy()) + self._steps_per_call() > limit:
+                _warn_budget(self, limit, stopped=False)
+                return keras.callbacks.History()
+            callbacks.append(_StopAtBudget(limit, self._steps_per_call()))
+        kwargs["callbacks"] = callbacks
         self._build_before_tracing(x, y)
-        history = super().fit(x, y, batch_size, *args, **kwargs)
+        try:
+            history = super().fit(x, y, batch_size, **kwargs)
+        finally:
+            self._guard.refresh()
         bad = history.history.get("nonfinite_examples", [])
         if bad and max(bad) > 0:
             warnings.warn(
@@ -240,9 +320,11 @@ class DPModel(keras.Model):
         except Exception:  # noqa: BLE001 - an optimization only; the step builds what is left
             pass
 
-    def _sampling_of(self, x, batch_size) -> _FitSampling:
+    def _sampling_of(self, x, batch_size, validation_split: float) -> _FitSampling:
         source = getattr(x, "pegrad_sampling", None) if isinstance(x, tf.data.Dataset) else None
         if source is None:
+            rows = rows_of_fit_data(x, batch_size, validation_split)
+            self._check_num_examples(rows.total, rows.what)
             if not self._warned_fixed_batches:
                 self._warned_fixed_batches = True
                 what = "a dataset not made by peg.dp.poisson_batches" if isinstance(x, tf.data.Dataset) else "fixed-size batches"
@@ -253,14 +335,8 @@ class DPModel(keras.Model):
                     "fit on peg.dp.poisson_batches(x, y, sampling_probability=q).",
                     UserWarning, stacklevel=3,
                 )
-            return _FitSampling(poisson=False, sampling_probability=None, divisor=None)
-        if self.num_examples is None:
-            self.num_examples = source.num_examples
-        elif self.num_examples != source.num_examples:
-            raise ValueError(
-                f"the poisson_batches dataset samples from N={source.num_examples} examples, but "
-                f"DPModel has num_examples={self.num_examples}; build them from the same data."
-            )
+            return _FitSampling(poisson=False, sampling_probability=None, divisor=None, largest_batch=rows.largest_batch)
+        self._check_num_examples(source.num_examples, "the poisson_batches dataset samples from")
         q = source.sampling_probability
         if self.expected_batch_size is not None and abs(self.expected_batch_size / self.num_examples - q) > 1e-9 * q:
             raise ValueError(
@@ -272,10 +348,94 @@ class DPModel(keras.Model):
         divisor = self.expected_batch_size if self.expected_batch_size is not None else q * self.num_examples
         return _FitSampling(poisson=True, sampling_probability=q, divisor=divisor, source=source)
 
+    def _check_num_examples(self, rows: int | None, what: str) -> None:
+        """``num_examples`` from the data's ``rows``, or a ``ValueError`` where they disagree or neither is known."""
+        if rows is None:
+            if self.num_examples is None:
+                raise ValueError(
+                    f"DPModel.fit was given {what}, whose number of examples is unknown, and DPModel has no "
+                    "num_examples: epsilon() needs N. Give DPModel(num_examples=N), or fit on "
+                    "peg.dp.poisson_batches(x, y, sampling_probability=q), which knows it."
+                )
+            return
+        if self.num_examples is None:
+            self.num_examples = int(rows)
+        elif self.num_examples != rows:
+            raise ValueError(
+                f"DPModel has num_examples={self.num_examples}, but {what} {rows} examples: epsilon() "
+                "would be computed for the wrong N (under-reported when num_examples is the larger). "
+                f"Leave num_examples out (it is taken from the data) or give num_examples={rows}."
+            )
+
+    def _check_ledger_covers_network(self) -> None:
+        """Raises if another DPModel took the network over, or (after a DP step) something else changed its weights."""
+        if not network_guard.owned_by(self.model, self):
+            raise ValueError(
+                f"the network {self.model.name!r} is now wrapped by another DPModel; this one's ledger no "
+                "longer covers its training."
+            )
+        if not self._guard.changed():
+            return
+        if int(self.dp_steps.numpy()) == 0:
+            self._guard.refresh()  # before any private step: loading or pre-training public weights
+            return
+        raise ValueError(
+            f"the network {self.model.name!r} was changed outside this DPModel after its "
+            f"{int(self.dp_steps.numpy())} DP step(s) (e.g. dp.model.fit, a custom training loop or "
+            "set_weights): epsilon() counts only DPModel's own steps and would not cover that training. "
+            "If the change used no private data, call dp.accept_current_weights() first."
+        )
+
+    def accept_current_weights(self) -> None:
+        """Declares the wrapped network's current weights covered: a change made on purpose, without private data.
+
+        After this, ``fit`` and ``epsilon()`` no longer refuse a change made
+        to the weights outside this ``DPModel`` before now. Do not call it
+        after training on private data without privacy: ``epsilon()`` would
+        then under-report.
+        """
+        self._guard.refresh()
+
+    def _steps_per_call(self) -> int:
+        """DP steps one call of the train function takes (Keras's ``steps_per_execution``)."""
+        return int(getattr(self, "steps_per_execution", 1) or 1)
+
+    def max_steps(self) -> int | None:
+        """The most DP steps ``budget`` allows this ledger, or None without a budget.
+
+        For an ``(epsilon, delta)`` budget: at the smallest noise multiplier
+        and the largest sampling probability this run has used or will use
+        (those ``epsilon()`` accounts), so the ledger's epsilon at that many
+        steps is within the budget.
+
+        Raises:
+          ValueError: the sampling probability is not known yet (no
+            ``num_examples``, or fixed-size batches of unknown size).
+        """
+        if self.budget is None:
+            return None
+        if self.budget.steps is not None:
+            return int(self.budget.steps)
+        steps = int(self.dp_steps.numpy())
+        sigma = self.noise_multiplier
+        q = self._fit_sampling.sampling_probability
+        if q is None and self.num_examples is not None and self._fit_sampling.largest_batch is not None:
+            q = min(1.0, self._fit_sampling.largest_batch / self.num_examples)
+        if q is None:
+            q = self.sampling_probability
+        if q is None:
+            raise ValueError(
+                "a budget in epsilon needs the sampling probability before training: give DPModel "
+                "num_examples and expected_batch_size, or fit on peg.dp.poisson_batches or on arrays "
+                "with batch_size (a dataset's batches must then have a static size)."
+            )
+        if steps:
+            sigma = min(sigma, float(self.dp_min_noise_multiplier.numpy()))
+            q = max(q, float(self.dp_max_sampling_probability.numpy()))
+        return self.budget.max_steps(noise_multiplier=sigma, sampling_probability=q)
+
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        if isinstance(self.loss, (list, tuple, dict)):
-            raise ValueError("DPModel supports one loss for one output; got a list or dict of losses.")
         loss_fn = as_per_example_loss(self.loss)
         sampling = self._fit_sampling
         aggregator = self.aggregator
@@ -342,6 +502,7 @@ class DPModel(keras.Model):
         was not Poisson sampled, the accountant is a ``sampling="shuffle"``
         one, which warns that the number is a heuristic.
         """
+        self._check_ledger_covers_network()
         steps = int(self.dp_steps.numpy())
         q = float(self.dp_max_sampling_probability.numpy()) if steps else self.sampling_probability
         if q is None:
@@ -362,6 +523,50 @@ class DPModel(keras.Model):
         if self.num_examples is not None:
             check_run_delta(delta, self.num_examples)
         return self.accountant(accountant=accountant).epsilon(delta)
+
+    def save_weights(self, filepath, *args, **kwargs):
+        """``keras.Model.save_weights``, with the network's fingerprint as saved (``network_guard``)."""
+        self._guard.refresh()
+        return super().save_weights(filepath, *args, **kwargs)
+
+    def save(self, filepath, *args, **kwargs):
+        """``keras.Model.save``, with the network's fingerprint as saved (``network_guard``)."""
+        self._guard.refresh()
+        return super().save(filepath, *args, **kwargs)
+
+
+class _GuardNetwork(keras.callbacks.Callback):
+    """Records the network's fingerprint after every epoch of a ``fit``, before the user's epoch-end callbacks."""
+
+    def __init__(self, guard: network_guard.NetworkGuard):
+        super().__init__()
+        self._guard = guard
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._guard.refresh()
+
+
+class _StopAtBudget(keras.callbacks.Callback):
+    """Stops ``fit`` before the call of the train function that would take the ledger past ``limit`` steps."""
+
+    def __init__(self, limit: int, steps_per_call: int):
+        super().__init__()
+        self._limit, self._per_call = limit, steps_per_call
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.dp_steps.numpy()) + self._per_call > self._limit and not self.model.stop_training:
+            self.model.stop_training = True
+            _warn_budget(self.model, self._limit, stopped=True)
+
+
+def _warn_budget(model: DPModel, limit: int, *, stopped: bool) -> None:
+    steps = int(model.dp_steps.numpy())
+    what = f"stopped after DP step {steps}" if stopped else f"took no step ({steps} taken before)"
+    warnings.warn(
+        f"DPModel.fit {what}: the privacy budget ({model.budget.describe()}) allows {limit} steps, and "
+        "the next would exceed it.",
+        UserWarning, stacklevel=2,
+    )
 
 
 class _ResumeSampling(keras.callbacks.Callback):
