@@ -47,6 +47,7 @@ from per_example_grads.dp.aggregator import ClippedSum, DPAggregator, regulariza
 from per_example_grads.dp.applied_steps import AppliedSteps
 from per_example_grads.dp.noise import NoiseSeed
 from per_example_grads._core.problem import make_problem
+from per_example_grads.engines.selection import check_method
 
 
 class GradientAccumulator(tf.Module):
@@ -63,6 +64,10 @@ class GradientAccumulator(tf.Module):
       expected_batch_size: DP mode's divisor (``q N`` for Poisson sampling);
         required in DP mode.
       method: per-example engine for DP mode.
+
+    ``noise_multiplier``, ``expected_batch_size``, ``seed`` and ``method``
+    apply in DP mode only: without ``l2_norm_clip`` they raise ``ValueError``
+    rather than being ignored.
       training: passed to the model (``True`` runs Dropout as ``fit`` does).
 
     Attributes:
@@ -115,9 +120,16 @@ class GradientAccumulator(tf.Module):
                 l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
                 expected_batch_size=expected_batch_size, seed=seed, method=method, training=training,
             )
-        elif noise_multiplier is not None:
-            raise ValueError("noise_multiplier needs l2_norm_clip: noise without clipping gives no privacy.")
         else:
+            dp_only = dict(noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size, seed=seed)
+            given = [name for name, value in dp_only.items() if value is not None] + (["method"] if method != "auto" else [])
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} in DP mode, which l2_norm_clip enables; without it they "
+                    "would be ignored (no clipping, no noise, the plain mean). Give l2_norm_clip, or leave "
+                    f"{', '.join(given)} out."
+                )
+            check_method(method)
             self.applied = AppliedSteps(name="steps")
         self._regularization = lambda: regularization_gradients(model, self.variables_)
         local = dict(
@@ -192,6 +204,12 @@ class GradientAccumulator(tf.Module):
         only over-count what an accountant reads from ``steps``.
         """
         _check_replica_context(self, "apply")
+        if not hasattr(optimizer, "apply_gradients"):
+            raise TypeError(
+                f"optimizer must be an optimizer object such as keras.optimizers.SGD(0.1); got "
+                f"{type(optimizer).__name__} {optimizer!r}. (A name would make a new optimizer, and lose "
+                "its state, at every call: keras.optimizers.get(name) once, then pass that.)"
+            )
         if self.private:
             optimizer.apply_gradients(zip(self.result(), self.variables_))
         else:

@@ -38,6 +38,8 @@ def compute_gradients(
       mode: ``"mean"`` (gradient of the mean loss, ``[*var.shape]``),
         ``"sum"`` (of the summed loss), ``"per_example"`` (``[B, *var.shape]``)
         or ``"clipped_sum"`` (needs ``l2_norm_clip``; see ``clipped_gradients``).
+      l2_norm_clip: the clip norm of ``mode="clipped_sum"``; refused with
+        any other mode (``ValueError``), which would not clip.
       Others: as in ``per_example_gradients``.
 
     Returns:
@@ -46,6 +48,11 @@ def compute_gradients(
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)}; got {mode!r}.")
+    if l2_norm_clip is not None and mode != "clipped_sum":
+        raise ValueError(
+            f"l2_norm_clip is used only with mode='clipped_sum'; mode={mode!r} would return unclipped "
+            "gradients. Pass mode='clipped_sum', or leave l2_norm_clip out."
+        )
     variables = list(resolve_variables(model, variables))
     common = dict(sample_weight=sample_weight, variables=variables, method=method, training=training)
     if mode == "clipped_sum":

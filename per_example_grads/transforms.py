@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from per_example_grads._core.arguments import check_number
@@ -34,7 +35,7 @@ def per_variable_norms(grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
       >>> per_variable_norms(g)[0].numpy()
       array([5., 1.], dtype=float32)
     """
-    return [tf.sqrt(s) for s in _per_variable_squared_norms(grads)]
+    return [tf.sqrt(s) for s in _per_variable_squared_norms(gradient_list(grads))]
 
 
 def global_norms(grads: Sequence[tf.Tensor]) -> tf.Tensor:
@@ -53,7 +54,7 @@ def global_norms(grads: Sequence[tf.Tensor]) -> tf.Tensor:
       >>> global_norms(g).numpy()
       array([5., 2.], dtype=float32)
     """
-    if not grads:
+    if not gradient_list(grads):
         raise ValueError("grads is empty: expected a list of [B, *var.shape] tensors.")
     # Scaling by the largest entry keeps squares of huge gradients (1e20 and
     # up in float32) from overflowing to inf.
@@ -86,7 +87,7 @@ def clip_by_global_norm(
              [0.3, 0.4]], dtype=float32)
     """
     l2_norm_clip = check_number("l2_norm_clip", l2_norm_clip)
-    norms = global_norms(grads)
+    norms = global_norms(gradient_list(grads))
     factors = clip_factors(norms, l2_norm_clip)
     clipped = [scale_examples(g, factors) for g in grads]
     return clipped, norms
@@ -118,7 +119,7 @@ def sum_examples(grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     A ``PerExampleSlices`` entry sums to ``tf.IndexedSlices``, as
     ``tape.gradient`` returns for an embedding table.
     """
-    return [g.sum_examples() if isinstance(g, PerExampleSlices) else tf.reduce_sum(g, axis=0) for g in grads]
+    return [g.sum_examples() if isinstance(g, PerExampleSlices) else tf.reduce_sum(g, axis=0) for g in gradient_list(grads)]
 
 
 def mean_examples(grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
@@ -136,6 +137,21 @@ def divide_no_nan(total, count):
         values = tf.math.divide_no_nan(total.values, tf.cast(count, total.dtype))
         return tf.IndexedSlices(values, total.indices, total.dense_shape)
     return tf.math.divide_no_nan(total, tf.cast(count, total.dtype))
+
+
+def gradient_list(grads) -> list:
+    """``grads`` as a list, or a ``TypeError`` for one tensor, which would be read as a list of its rows.
+
+    Every transform takes one ``[B, *var.shape]`` entry per variable; given a
+    single tensor, iterating it would treat each example as a variable.
+    """
+    if tf.is_tensor(grads) or isinstance(grads, (PerExampleSlices, np.ndarray, tf.Variable)):
+        raise TypeError(
+            f"grads must be a list with one [B, *var.shape] entry per variable (as per_example_gradients "
+            f"returns); got one {type(grads).__name__} of shape {tuple(grads.shape)}. For a single "
+            "variable, pass [grads]."
+        )
+    return list(grads)
 
 
 def _per_variable_squared_norms(grads: Sequence[tf.Tensor], scale=None) -> list[tf.Tensor]:

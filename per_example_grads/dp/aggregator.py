@@ -47,6 +47,7 @@ from per_example_grads.dp.noise import NoiseSeed, gaussian_like, noise_source
 from per_example_grads._core.example_ops import in_dtype
 from per_example_grads.dp.sampling import real_rows, split_into_chunks
 from per_example_grads._core.xla_context import in_xla_context
+from per_example_grads.engines.selection import check_method
 
 
 @dataclasses.dataclass
@@ -161,6 +162,7 @@ class DPAggregator(keras.layers.Layer):
             l2_norm_clip = adaptive_clipping.initial_l2_norm_clip
         clip, sigma, self.expected_batch_size = check_dp_arguments(l2_norm_clip, noise_multiplier, expected_batch_size)
         self.noise_multiplier = sigma
+        check_method(method)
         self.method, self.training = method, training
         if physical_batch_size is not None:
             if isinstance(physical_batch_size, bool) or not isinstance(physical_batch_size, int) or physical_batch_size < 1:

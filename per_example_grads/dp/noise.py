@@ -50,6 +50,10 @@ from per_example_grads._core.xla_context import in_xla_context
 NoiseSeed = int | tuple | tf.Tensor | tf.random.Generator | None
 
 
+class RepeatedNoiseWarning(UserWarning):
+    """A fixed seed would give a release the same noise as another (``private_gradients``)."""
+
+
 def entropy_generator() -> tf.random.Generator:
     """A new generator seeded from the operating system's entropy (made outside any ``tf.function``)."""
     with tf.init_scope():
@@ -75,17 +79,19 @@ def hashed_key(seed: int) -> np.ndarray:
 
 def stateless_key(seed) -> tf.Tensor:
     """``[2]`` int64 key: an int is hashed (``hashed_key``), a pair or ``[2]`` tensor is used as given."""
+    expected = "seed must be None, an int, a pair of ints or a tf.random.Generator"
     if isinstance(seed, (bool, np.bool_)):
-        raise TypeError(f"seed must be None, an int, a pair of ints or a tf.random.Generator; got {seed!r}.")
+        raise TypeError(f"{expected}; got {seed!r}.")
     if isinstance(seed, numbers.Integral):
         if seed < 0:
             raise ValueError(f"seed must be a non-negative integer; got {seed}.")
         return tf.constant(hashed_key(seed), tf.int64)
+    integer = seed.dtype.is_integer if tf.is_tensor(seed) else np.asarray(seed).dtype.kind in "iu"
+    if not integer:
+        raise TypeError(f"{expected}; got {seed!r}.")
     seed = tf.cast(tf.convert_to_tensor(seed), tf.int64)
     if seed.shape != (2,):
-        raise ValueError(
-            f"seed must be None, an int, a pair of ints or a tf.random.Generator; got shape {seed.shape}."
-        )
+        raise ValueError(f"{expected}; got shape {seed.shape}.")
     return seed
 
 

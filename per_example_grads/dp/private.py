@@ -15,8 +15,10 @@ shares into one noised gradient (``per_example_grads._core.replicas``).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from per_example_grads._core import replicas
@@ -24,7 +26,7 @@ from per_example_grads._core.arguments import check_dp_arguments, total_clip
 from per_example_grads._core.batch import batch_size, make_batch
 from per_example_grads.clipping import clipped_gradients
 from per_example_grads.dp.aggregator import noised_average, regularization_gradients
-from per_example_grads.dp.noise import NoiseSeed
+from per_example_grads.dp.noise import NoiseSeed, RepeatedNoiseWarning
 from per_example_grads._core.problem import resolve_variables
 
 
@@ -55,7 +57,11 @@ def private_gradients(
         ``None`` seeds from the operating system's entropy. This function
         has no step counter: the same int or pair gives the same noise, so
         vary it every step (``seed=(run_seed, step)``), or use a
-        ``tf.random.Generator``.
+        ``tf.random.Generator``. Two releases with the same noise cancel it
+        in their difference, so a ``RepeatedNoiseWarning`` fires (once per
+        seed) when an int or pair seed is used a second time in one process,
+        and when one is used inside a ``tf.function`` (each call of the
+        traced function would draw the same noise).
       expected_batch_size: the divisor; pass ``q * N`` with Poisson sampling.
         Defaults to the number of rows ``B`` (of the global batch, inside
         ``strategy.run``): the padded size of a Poisson batch, never the
@@ -83,6 +89,7 @@ def private_gradients(
     l2_norm_clip, noise_multiplier, expected_batch_size = check_dp_arguments(
         l2_norm_clip, noise_multiplier, expected_batch_size
     )
+    _warn_if_noise_repeats(seed)
     sums = clipped_gradients(
         model, loss_fn, x, y, l2_norm_clip=l2_norm_clip, sample_weight=sample_weight,
         method=method, variables=variables, training=training,
@@ -94,3 +101,41 @@ def private_gradients(
     if regularization is not None:
         grads = [g + r for g, r in zip(grads, regularization)]
     return grads
+
+
+_seeds_used: set = set()
+_seeds_warned: set = set()
+
+
+def _warn_if_noise_repeats(seed: NoiseSeed) -> None:
+    """A ``RepeatedNoiseWarning`` when a fixed ``seed`` gives noise that a release already had (once per seed)."""
+    key = _fixed_seed(seed)
+    if key is None or replicas.num_replicas() > 1:  # fresh draws; replicas fold their id into the key
+        return
+    inside_function = not tf.executing_eagerly()
+    if key in _seeds_warned or not (inside_function or key in _seeds_used):
+        _seeds_used.add(key)
+        return
+    _seeds_warned.add(key)
+    why = (
+        "inside a tf.function: every call of the traced function draws the same noise"
+        if inside_function else "a second time in this process: both releases have the same noise"
+    )
+    warnings.warn(
+        f"private_gradients got seed={seed!r} {why}, and the difference of two such releases "
+        "cancels it, revealing the difference of the clipped sums. Vary the seed at every step "
+        "(seed=(run_seed, step) with step a tensor inside tf.function), pass a tf.random.Generator, "
+        "or use seed=None.",
+        RepeatedNoiseWarning, stacklevel=3,
+    )
+
+
+def _fixed_seed(seed: NoiseSeed) -> tuple | None:
+    """An int or pair seed as a tuple of ints; None for seeds that give fresh noise or change at run time."""
+    if seed is None or isinstance(seed, (tf.random.Generator, tf.Variable)):
+        return None
+    if tf.is_tensor(seed):
+        seed = tf.get_static_value(seed)
+        if seed is None:
+            return None
+    return tuple(int(k) for k in np.ravel(seed))
