@@ -3,8 +3,8 @@
 To carry ``(gradient, variable)`` pairs (from ``compute_gradients``) to a
 parameter-server-style worker, a file or a queue, ``export_gradients`` turns
 them into ``{variable.path: numpy array}``, and ``import_gradients`` checks
-such a dict against a model's variables by name, shape and dtype before
-pairing them up again. Real multi-machine training should go through
+such a dict against a model's variables by name (or by position, between two
+copies of one model), shape and dtype before pairing them up again. Real multi-machine training should go through
 ``tf.distribute``; this is for the simple cases.
 """
 
@@ -27,35 +27,79 @@ def export_gradients(grads_and_vars: Sequence[tuple[Any, Any]]) -> dict[str, np.
     return out
 
 
-def import_gradients(arrays: Mapping[str, np.ndarray], variables: Sequence) -> list[tuple[tf.Tensor, Any]]:
-    """Pairs exported arrays with ``variables``, checking names, shapes and dtypes.
+def import_gradients(
+    arrays: Mapping[str, np.ndarray] | Sequence[np.ndarray],
+    variables: Sequence,
+    *,
+    match: str = "path",
+) -> list[tuple[tf.Tensor, Any]]:
+    """Pairs exported arrays with ``variables``, checking names (or positions), shapes and dtypes.
 
     Args:
-      arrays: ``{variable.path: array}`` from ``export_gradients``.
+      arrays: ``{variable.path: array}`` from ``export_gradients``, or a
+        list of arrays in the order of ``variables``.
       variables: the receiving model's variables (e.g.
         ``model.trainable_variables``).
+      match: ``"path"`` (default for a dict): array ``k`` goes to the variable
+        of the same path, which fails between two copies of one architecture
+        built in one process (Keras numbers their layers: ``dense`` and
+        ``dense_1``); ``"position"`` (the only choice for a list): the k-th
+        array goes to the k-th variable, in the dict's order for a dict
+        (``export_gradients`` keeps its variables' order), so a server can
+        import what a worker with its own copy of the model exported.
 
     Raises:
-      ValueError: listing missing or unexpected names, or mismatched shapes
-        or dtypes.
+      TypeError: ``arrays`` is neither a dict nor a list, or ``match`` is not
+        one of the two.
+      ValueError: listing every missing or unexpected name (or a count that
+        differs), and every mismatched shape or dtype.
+
+    Example:
+      >>> import keras
+      >>> worker = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+      >>> server = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+      >>> pairs = [(tf.ones(v.shape), v) for v in worker.trainable_variables]
+      >>> exported = export_gradients(pairs)
+      >>> received = import_gradients(exported, server.trainable_variables, match="position")
+      >>> [tuple(g.shape) for g, _ in received]
+      [(3, 2), (2,)]
     """
+    if match not in ("path", "position"):
+        raise TypeError(f"match must be 'path' or 'position'; got {match!r}.")
+    variables = list(variables)
     names = [_name(v) for v in variables]
     problems = []
-    missing = [n for n in names if n not in arrays]
-    extra = [n for n in arrays if n not in names]
-    if missing:
-        problems.append(f"missing gradients for {missing}")
-    if extra:
-        problems.append(f"gradients for unknown variables {extra}")
+    if isinstance(arrays, Mapping):
+        if match == "path":
+            missing = [n for n in names if n not in arrays]
+            extra = [n for n in arrays if n not in names]
+            if missing:
+                problems.append(f"missing gradients for {missing}")
+            if extra:
+                problems.append(f"gradients for unknown variables {extra}")
+            if missing or extra:
+                problems.append("(between two copies of a model, import with match='position')")
+            given = [(arrays[n], v, repr(n)) for n, v in zip(names, variables) if n in arrays]
+        else:
+            given = list(zip(arrays.values(), variables, (f"{k!r} -> {n!r}" for k, n in zip(arrays, names))))
+    elif isinstance(arrays, (list, tuple)):
+        if match == "path":
+            match = "position"  # a list has no names
+        given = list(zip(arrays, variables, (f"#{k} ({n!r})" for k, n in enumerate(names))))
+    else:
+        raise TypeError(
+            "arrays must be a dict {variable.path: array} from export_gradients, or a list of arrays "
+            f"in the order of the variables; got {type(arrays).__name__}."
+        )
+    if match == "position" and len(arrays) != len(variables):
+        problems.append(f"{len(arrays)} gradients for {len(variables)} variables")
     pairs = []
-    for n, v in zip(names, variables):
-        if n not in arrays:
-            continue
-        a = np.asarray(arrays[n])
+    for a, v, where in given:
+        a = np.asarray(a)
         if tuple(a.shape) != tuple(v.shape):
-            problems.append(f"{n!r}: gradient shape {tuple(a.shape)} != variable shape {tuple(v.shape)}")
+            problems.append(f"{where}: gradient shape {tuple(a.shape)} != variable shape {tuple(v.shape)}")
         elif a.dtype != np.dtype(tf.as_dtype(v.dtype).as_numpy_dtype):
-            problems.append(f"{n!r}: gradient dtype {a.dtype} != variable dtype {tf.as_dtype(v.dtype).name}")
+            problems.append(f"{where}: gradient dtype {a.dtype} != variable dtype {tf.as_dtype(v.dtype).name}")
         else:
             pairs.append((tf.convert_to_tensor(a), v))
     if problems:
