@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import weakref
 
-import keras
 import numpy as np
 
 _OWNER = "_pegrad_dp_owner"
@@ -63,7 +62,7 @@ def fingerprint(variables) -> np.ndarray:
     """``[2]`` float64: ``(sum w, sum w^2)`` over every entry of ``variables``."""
     total = np.zeros(2, np.float64)
     for v in variables:
-        w = np.asarray(keras.ops.convert_to_numpy(v), np.float64)
+        w = np.asarray(v.numpy(), np.float64)
         total += (w.sum(), np.square(w).sum())
     return total
 

@@ -1,0 +1,333 @@
+"""Privacy settings that cannot silently disagree with what ran: N from the data, one ledger per
+network, a budget that holds, and no privacy argument accepted only to be ignored."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import per_example_grads as peg
+from per_example_grads.dp.budget import PrivacyBudget
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+X = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+Y = np.arange(64) % 3
+
+
+def _net():
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+
+
+def _dp(net=None, **kwargs):
+    kwargs.setdefault("noise_multiplier", 1.0)
+    dp = peg.keras.DPModel(net or _net(), **kwargs)
+    dp.compile(optimizer="sgd", loss=LOSS)
+    return dp
+
+
+def _fit(dp, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the fixed-size-batches approximation note
+        return dp.fit(*args, verbose=0, **kwargs)
+
+
+# -- N comes from the data ---------------------------------------------------------
+
+
+def test_arrays_refuse_a_larger_num_examples():
+    # The issue's case: 60,000 claimed, 64 rows trained on; epsilon was 0.0057 instead of 8.08.
+    dp = _dp(num_examples=60_000, expected_batch_size=16)
+    with pytest.raises(ValueError, match=r"num_examples=60000, but the arrays have 64 examples"):
+        _fit(dp, X, Y, batch_size=16, epochs=1)
+    assert int(dp.dp_steps.numpy()) == 0
+
+
+def test_arrays_give_n_and_epsilon_matches_the_accountant():
+    dp = _dp(expected_batch_size=16)
+    _fit(dp, X, Y, batch_size=16, epochs=5)
+    assert dp.num_examples == 64
+    # 20 fixed-size batches of 16 of 64 rows, accounted (as a heuristic) at q = 16 / 64.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        expected = peg.dp.compute_epsilon(64, 16, None, 1.0, 1e-5, steps=20)
+        assert dp.epsilon(1e-5) == pytest.approx(expected, rel=1e-9)
+    assert expected > 5  # not the 0.0057 that N = 60,000 gave
+
+
+def test_validation_split_counts_only_the_training_rows():
+    dp = _dp(expected_batch_size=16)
+    _fit(dp, X, Y, batch_size=16, epochs=1, validation_split=0.5)
+    assert dp.num_examples == 32  # Keras trains on the first floor(64 * 0.5) rows
+    dp = _dp(num_examples=64, expected_batch_size=16)
+    with pytest.raises(ValueError, match=r"num_examples=64, but the arrays train on \(validation_split=0.5"):
+        _fit(dp, X, Y, batch_size=16, epochs=1, validation_split=0.5)
+
+
+@pytest.mark.parametrize("drop_remainder", [False, True])
+def test_dataset_of_known_cardinality_gives_n(drop_remainder):
+    data = tf.data.Dataset.from_tensor_slices((X[:60], Y[:60])).batch(16, drop_remainder=drop_remainder)
+    rows = 48 if drop_remainder else 60
+    dp = _dp(num_examples=60_000, expected_batch_size=16)
+    with pytest.raises(ValueError, match=rf"one pass of the dataset has {rows} examples"):
+        _fit(dp, data, epochs=1)
+    dp = _dp(expected_batch_size=16)
+    _fit(dp, data, epochs=1)
+    assert dp.num_examples == rows
+
+
+def test_dataset_of_unknown_size_needs_num_examples():
+    data = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16).repeat()
+    with pytest.raises(ValueError, match="repeats forever, whose number of examples is unknown"):
+        _fit(_dp(expected_batch_size=16), data, epochs=1, steps_per_epoch=2)
+    dp = _dp(expected_batch_size=16, num_examples=64)
+    _fit(dp, data, epochs=1, steps_per_epoch=2)
+    assert int(dp.dp_steps.numpy()) == 2
+
+
+def test_every_fit_sees_the_same_n():
+    dp = _dp(expected_batch_size=16)
+    _fit(dp, X, Y, batch_size=16, epochs=1)
+    with pytest.raises(ValueError, match="num_examples=64, but the arrays have 32"):
+        _fit(dp, X[:32], Y[:32], batch_size=16, epochs=1)
+
+
+def test_fit_takes_keras_positional_arguments():
+    dp = _dp(expected_batch_size=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dp.fit(X, Y, 16, 2, 0)  # batch_size, epochs, verbose
+    assert int(dp.dp_steps.numpy()) == 8
+
+
+# -- One ledger per network ----------------------------------------------------------
+
+
+def test_training_the_network_outside_is_refused():
+    net = _net()
+    dp = _dp(net, expected_batch_size=16)
+    _fit(dp, X, Y, batch_size=16, epochs=1)
+    before = dp.epsilon(1e-3)
+    net.compile(optimizer="sgd", loss=LOSS)
+    net.fit(X, Y, verbose=0)  # the issue's case: epsilon() was unchanged
+    with pytest.raises(ValueError, match=r"changed outside this DPModel after its 4 DP step"):
+        dp.epsilon(1e-3)
+    with pytest.raises(ValueError, match="changed outside this DPModel"):
+        _fit(dp, X, Y, batch_size=16, epochs=1)
+    dp.accept_current_weights()
+    assert dp.epsilon(1e-3) == before
+
+
+def test_changes_before_the_first_step_are_accepted():
+    net = _net()
+    dp = _dp(net, expected_batch_size=16)
+    net.set_weights([w + 1.0 for w in net.get_weights()])  # e.g. public weights loaded by hand
+    _fit(dp, X, Y, batch_size=16, epochs=1)
+    assert int(dp.dp_steps.numpy()) == 4
+
+
+def test_a_second_dp_model_cannot_take_over_a_trained_network():
+    net = _net()
+    first = _dp(net, expected_batch_size=16)
+    _fit(first, X, Y, batch_size=16, epochs=1)
+    with pytest.raises(ValueError, match="already wrapped by another DPModel, which has taken 4 DP step"):
+        peg.keras.DPModel(net, noise_multiplier=1.0)
+
+
+def test_an_untrained_owner_hands_over_and_then_refuses_to_train():
+    net = _net()
+    first = _dp(net, expected_batch_size=16)
+    second = _dp(net, expected_batch_size=16)
+    _fit(second, X, Y, batch_size=16, epochs=1)
+    with pytest.raises(ValueError, match="now wrapped by another DPModel"):
+        _fit(first, X, Y, batch_size=16, epochs=1)
+
+
+def test_restored_weights_restore_their_fingerprint(tmp_path):
+    net = _net()
+    dp = _dp(net, expected_batch_size=16)
+    _fit(dp, X, Y, batch_size=16, epochs=1)
+    path = str(tmp_path / "dp.weights.h5")
+    dp.save_weights(path)
+    _fit(dp, X, Y, batch_size=16, epochs=1)
+    dp.load_weights(path)  # weights, ledger and fingerprint of step 4
+    assert int(dp.dp_steps.numpy()) == 4
+    assert dp.epsilon(1e-3) > 0  # no false alarm
+    restored = _dp(expected_batch_size=16)
+    restored.load_weights(path)
+    _fit(restored, X, Y, batch_size=16, epochs=1)
+    assert int(restored.dp_steps.numpy()) == 8
+
+
+# -- A budget that holds ------------------------------------------------------------
+
+
+def test_step_budget_stops_fit_and_later_fits():
+    dp = _dp(expected_batch_size=16, budget=PrivacyBudget(steps=6))
+    with pytest.warns(UserWarning, match=r"stopped after DP step 6: the privacy budget \(6 steps\) allows 6"):
+        dp.fit(X, Y, batch_size=16, epochs=5, verbose=0)
+    assert int(dp.dp_steps.numpy()) == 6
+    weights = [w.copy() for w in dp.model.get_weights()]
+    with pytest.warns(UserWarning, match=r"took no step \(6 taken before\)"):
+        dp.fit(X, Y, batch_size=16, epochs=5, verbose=0)
+    assert int(dp.dp_steps.numpy()) == 6
+    assert all(np.array_equal(a, b) for a, b in zip(weights, dp.model.get_weights()))
+
+
+def test_epsilon_budget_is_met_and_one_more_step_would_exceed_it():
+    target, delta = 3.0, 1e-3
+    dp = _dp(budget=PrivacyBudget(epsilon=target, delta=delta, accountant="rdp", rtol=1e-6))
+    data = peg.dp.poisson_batches(X, Y, sampling_probability=0.25, seed=0)
+    with pytest.warns(UserWarning, match="stopped after DP step"):
+        dp.fit(data, epochs=20, verbose=0)
+    steps = int(dp.dp_steps.numpy())
+    assert steps == dp.max_steps()
+    assert dp.epsilon(delta, accountant="rdp") <= target
+    # Independently: the accountant at one more step is over the target.
+    assert peg.dp.compute_epsilon(64, 16, None, 1.0, delta, steps=steps + 1, accountant="rdp") > target
+
+
+def test_pld_budget_search_is_within_rtol_of_the_largest():
+    budget = PrivacyBudget(epsilon=2.0, delta=1e-5, rtol=0.01)
+    steps = budget.max_steps(noise_multiplier=1.1, sampling_probability=0.01)
+    eps = lambda t: peg.dp.compute_epsilon(10_000, 100, None, 1.1, 1e-5, steps=t)  # noqa: E731
+    assert eps(steps) <= 2.0 < eps(int(steps * 1.01) + 1)
+
+
+@pytest.mark.slow
+def test_a_restored_run_stops_at_the_same_budget(tmp_path):
+    """Kill after step 7 with a backup at step 6; the restored run stops at 10 steps, not 6 + a full epoch more."""
+
+    class Crash(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.dp_steps.numpy()) == 7:
+                raise RuntimeError("killed")
+
+    backup = str(tmp_path / "backup")
+    data = peg.dp.poisson_batches(X, Y, sampling_probability=0.25, seed=1)  # 4 steps an epoch
+    args = dict(budget=PrivacyBudget(steps=10), seed=0)
+    with pytest.raises(RuntimeError, match="killed"):
+        _fit(_dp(**args), data, epochs=5, callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=3), Crash()])
+    restored = _dp(**args)
+    _fit(restored, data, epochs=5, callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=3)])
+    assert int(restored.dp_steps.numpy()) == 10
+
+
+def test_budget_arguments_are_checked():
+    with pytest.raises(ValueError, match="either steps or"):
+        PrivacyBudget(epsilon=1.0, delta=1e-5, steps=3)
+    with pytest.raises(ValueError, match="needs epsilon and delta"):
+        PrivacyBudget(epsilon=1.0)
+    with pytest.raises(TypeError, match="budget must be a peg.dp.PrivacyBudget"):
+        peg.keras.DPModel(_net(), noise_multiplier=1.0, budget=3.0)
+
+
+# -- No ignored argument ---------------------------------------------------------------
+
+
+def test_compile_refuses_loss_weights_and_loss_lists():
+    dp = peg.keras.DPModel(_net(), noise_multiplier=1.0)
+    with pytest.raises(ValueError, match=r"does not take loss_weights \(got \[2.0\]\)"):
+        dp.compile(optimizer="sgd", loss=LOSS, loss_weights=[2.0])
+    with pytest.raises(ValueError, match="one loss for one output; got a list"):
+        dp.compile(optimizer="sgd", loss=[LOSS, LOSS])
+
+
+@pytest.mark.parametrize("seed", ["a", 1.5, [1.0, 2.0]])
+def test_a_seed_of_the_wrong_type_is_refused_at_construction(seed):
+    with pytest.raises(TypeError, match="seed must be None, an int, a pair of ints"):
+        peg.keras.DPModel(_net(), noise_multiplier=1.0, seed=seed)
+
+
+def test_an_unknown_method_is_refused_at_construction():
+    with pytest.raises(ValueError, match="method must be one of .*got 'bogus'"):
+        peg.keras.DPModel(_net(), noise_multiplier=1.0, method="bogus")
+
+
+@pytest.mark.parametrize("mode", ["mean", "sum", "per_example"])
+def test_compute_gradients_refuses_a_clip_it_would_not_apply(mode):
+    with pytest.raises(ValueError, match=f"l2_norm_clip is used only with mode='clipped_sum'; mode='{mode}'"):
+        peg.compute_gradients(_net(), LOSS, X, Y, mode=mode, l2_norm_clip=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        (dict(expected_batch_size=10), "expected_batch_size only applies"),
+        (dict(noise_multiplier=1.0), "noise_multiplier only applies"),
+        (dict(seed=0), "seed only applies"),
+        (dict(method="loop", expected_batch_size=10), "expected_batch_size, seed|expected_batch_size, method only apply"),
+    ],
+)
+def test_accumulator_refuses_dp_arguments_without_dp(kwargs, named):
+    with pytest.raises(ValueError, match=named):
+        peg.GradientAccumulator(_net(), LOSS, **kwargs)
+
+
+def test_accumulator_apply_refuses_an_optimizer_name():
+    acc = peg.GradientAccumulator(_net(), LOSS)
+    acc.accumulate(X, Y)
+    with pytest.raises(TypeError, match="optimizer must be an optimizer object .* got str 'sgd'"):
+        acc.apply("sgd")
+
+
+def test_a_repeated_seed_warns_once():
+    net = _net()
+    args = dict(l2_norm_clip=1.0, noise_multiplier=1.0, seed=(12345, 678))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = peg.dp.private_gradients(net, LOSS, X, Y, **args)
+        assert not [w for w in caught if issubclass(w.category, peg.dp.RepeatedNoiseWarning)]
+        second = peg.dp.private_gradients(net, LOSS, X, Y, **args)
+        peg.dp.private_gradients(net, LOSS, X, Y, **args)
+    repeated = [w for w in caught if issubclass(w.category, peg.dp.RepeatedNoiseWarning)]
+    assert len(repeated) == 1 and "a second time in this process" in str(repeated[0].message)
+    # What the warning is about: the noise is the same, so the difference cancels it exactly.
+    assert all(np.array_equal(a, b) for a, b in zip(first, second))
+
+
+def test_a_fixed_seed_inside_tf_function_warns():
+    net = _net()
+    step = tf.function(lambda x, y: peg.dp.private_gradients(net, LOSS, x, y, l2_norm_clip=1.0,
+                                                              noise_multiplier=1.0, seed=(999, 1)))
+    with pytest.warns(peg.dp.RepeatedNoiseWarning, match="inside a tf.function"):
+        step(X, Y)
+
+
+def test_transforms_refuse_a_single_tensor():
+    g = tf.ones([3, 2])
+    for transform in (peg.sum_examples, peg.mean_examples, peg.global_norms, peg.per_variable_norms):
+        with pytest.raises(TypeError, match=r"one \[B, \*var.shape\] entry per variable .* pass \[grads\]"):
+            transform(g)
+    assert peg.sum_examples([g])[0].numpy().tolist() == [3.0, 3.0]
+
+
+# -- Gradients move between copies of a model ---------------------------------------------
+
+
+def test_import_between_two_copies_of_a_model_by_position():
+    worker, server = _net(), _net()
+    pairs = peg.compute_gradients(worker, LOSS, X, Y)
+    exported = peg.export_gradients(pairs)
+    with pytest.raises(ValueError, match="import with match='position'"):
+        peg.import_gradients(exported, server.trainable_variables)
+    received = peg.import_gradients(exported, server.trainable_variables, match="position")
+    assert [v.path for _, v in received] == [v.path for v in server.trainable_variables]
+    for (g, _), (h, _) in zip(received, pairs):
+        np.testing.assert_array_equal(g.numpy(), h.numpy())
+    as_list = peg.import_gradients(list(exported.values()), server.trainable_variables)
+    assert len(as_list) == 4
+
+
+def test_import_by_position_names_every_mismatch():
+    server = _net()
+    arrays = [np.zeros((4, 8), np.float64), np.zeros((7,), np.float32)]
+    with pytest.raises(ValueError) as err:
+        peg.import_gradients(arrays, server.trainable_variables)
+    message = str(err.value)
+    assert "2 gradients for 4 variables" in message
+    assert "#0" in message and "dtype float64 != variable dtype float32" in message
+    assert "#1" in message and "shape (7,) != variable shape (8,)" in message
+    with pytest.raises(TypeError, match="arrays must be a dict"):
+        peg.import_gradients(np.zeros(3), server.trainable_variables)
