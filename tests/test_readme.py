@@ -3,6 +3,7 @@
 import pathlib
 import re
 
+import numpy as np
 import pytest
 
 import per_example_grads as peg
@@ -28,3 +29,32 @@ def test_private_fine_tuning_of_a_keras_hub_model_runs(capsys):
     # The same 16 Poisson steps accounted independently of the model (ceil(2 / q) = 16).
     expected = peg.dp.compute_epsilon(256, 32, 2, noise_multiplier=0.8, delta=1e-3)
     assert printed == pytest.approx(expected, abs=0.005)  # printed to 2 decimals
+
+
+@pytest.mark.slow
+def test_dp_sgd_example_takes_n_from_the_data_and_holds_its_budget(capsys):
+    code = _first_python_block_under("DP-SGD")
+    namespace: dict = {}
+    exec(compile(code, str(README), "exec"), namespace)
+    dp, x = namespace["dp"], namespace["x"]
+    assert dp.num_examples == len(x)
+    steps = int(dp.dp_steps.numpy())
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"{steps} steps, epsilon = ")
+    # The same steps accounted independently of the model, within the budget of 3.
+    expected = peg.dp.compute_epsilon(len(x), 64, None, 1.1, 1e-5, steps=steps)
+    assert float(printed.split("epsilon = ")[1]) == pytest.approx(expected, abs=0.005)
+    assert expected <= 3.0
+
+
+def test_gradients_applied_elsewhere_example_updates_the_server():
+    code = _first_python_block_under("Gradients computed here, applied elsewhere")
+    namespace: dict = {}
+    exec(compile(code, str(README), "exec"), namespace)
+    server, worker = namespace["server"], namespace["worker"]
+    assert server is not worker
+    # The server moved by -0.1 times the worker's clipped sum: recompute it independently.
+    x, y, loss = namespace["x"], namespace["y"], namespace["loss"]
+    grads = peg.clipped_gradients(worker, loss, x, y, l2_norm_clip=1.0)
+    for w_server, w_worker, g in zip(server.trainable_variables, worker.trainable_variables, grads):
+        np.testing.assert_allclose(w_server.numpy(), w_worker.numpy() - 0.1 * g.numpy(), rtol=1e-6, atol=1e-6)
