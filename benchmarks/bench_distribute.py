@@ -81,7 +81,8 @@ def run(setup: str, strategy, data, args) -> tuple[float, int | None]:
         keras.utils.set_random_seed(0)
         model = _net()
         if setup.startswith("dp"):
-            model = peg.keras.DPModel(model, l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=args.batch)
+            model = peg.keras.DPModel(model, l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=args.batch,
+                                      num_examples=4 * args.batch)  # the repeated dataset's size: fit cannot count it
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
     timer = _EpochTimer()
     model.fit(data, epochs=args.repeats + 1, steps_per_epoch=args.steps, verbose=0, callbacks=[timer])
