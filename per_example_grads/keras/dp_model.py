@@ -138,8 +138,9 @@ class DPModel(keras.Model):
       noise_multiplier: ``sigma >= 0``, the one the accountant uses.
       expected_batch_size: ``q * N`` under Poisson sampling; default ``q N``
         of a ``poisson_batches`` dataset, else the batch's number of rows.
-      num_examples: ``N``, for ``epsilon()`` (default: that of a
-        ``poisson_batches`` dataset given to ``fit``).
+      num_examples: ``N``, for ``epsilon()``; default, and checked against:
+        the data ``fit`` is given (see "N comes from the data" above).
+        Needed only for data of unknown size.
       seed: None (OS entropy, for real use) or an int (reproducible noise,
         different at every step; see ``per_example_grads.dp.noise``).
       adaptive_clipping: ``peg.dp.AdaptiveClipping`` settings, or None.
