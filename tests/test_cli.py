@@ -38,9 +38,10 @@ def assert_no_tensorflow_lines(proc: subprocess.CompletedProcess) -> None:
         (["diagnose", "--help"], 0),
         (["epsilon", "--num-examples", "5"], 2),  # required arguments missing
         (["demo", "--epochs", "0"], 2),
+        (["demo", "--seed", "-1"], 2),
         (["no-such-command"], 2),
     ],
-    ids=["help", "diagnose-help", "epsilon-missing-args", "demo-bad-epochs", "unknown-command"],
+    ids=["help", "diagnose-help", "epsilon-missing-args", "demo-bad-epochs", "demo-bad-seed", "unknown-command"],
 )
 def test_help_and_usage_errors_answer_fast_without_tensorflow(args, status):
     proc, seconds = run_pegrad(*args)

@@ -80,7 +80,7 @@ def _add_demo_parser(subparsers: "argparse._SubParsersAction") -> None:
         "--epochs", type=_positive_int, default=None,
         help="training epochs (default: 15, or 1 with --fast; with --dp: 30, or 5 with --fast)",
     )
-    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    p.add_argument("--seed", type=_seed, default=0, help="random seed (default: %(default)s)")
     p.add_argument(
         "--target-epsilon", type=_positive_float, default=None, metavar="E",
         help="with --dp: the privacy budget epsilon, at delta = 1e-5 (default: 8)",
@@ -146,13 +146,27 @@ def _start_tensorflow(*, report_device: bool) -> None:
 
 
 def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    value = _int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
     return value
+
+
+MAX_SEED = 2**32 - 1  # numpy's legacy seeding, which keras.utils.set_random_seed calls, takes no more
+
+
+def _seed(text: str) -> int:
+    value = _int(text)
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be in [0, {MAX_SEED}]; got {value}")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
 
 
 def _add_epsilon_parser(subparsers: "argparse._SubParsersAction") -> None:
@@ -280,7 +294,7 @@ def _add_diagnose_parser(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--top-k", type=_positive_int, default=10, metavar="K",
                    help="largest-norm examples to report (default: %(default)s)")
     p.add_argument("--loss", default=None, metavar="NAME", help="Keras loss name, if the model has none")
-    p.add_argument("--seed", type=int, default=0, help="random seed for the demo (default: %(default)s)")
+    p.add_argument("--seed", type=_seed, default=0, help="random seed for the demo (default: %(default)s)")
     p.set_defaults(run=_run_diagnose, parser=p)
 
 
