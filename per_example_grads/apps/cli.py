@@ -11,18 +11,44 @@ one, write that pair and list the first in ``_SUBCOMMANDS``.
                    [--accountant pld|rdp] [--sampling poisson|shuffle]
     pegrad diagnose [MODEL.keras DATA.npz] [--out DIR] [--fast] [--batch-size B]
     python -m per_example_grads.apps.cli demo --fast
+
+Failures. A command that fails prints no traceback for what it expects to
+go wrong, and writes nothing:
+
+* exit 2, the arguments: argparse's usage line, then one line
+  ``pegrad COMMAND: error: MESSAGE``, for what parsing finds (a malformed
+  or out-of-range value, a missing or conflicting option), before
+  TensorFlow loads; just that one line for what is found after parsing: a
+  file the command cannot use, an ``--out`` that cannot name a folder (an
+  existing file, or under one), an epsilon the accounting cannot compute
+  or meet for these inputs (``tables.InputError``, raised before training).
+* exit 1, the system: one line ``pegrad COMMAND: error: MESSAGE`` when it
+  refuses an output file or folder (no permission, a read-only file system,
+  a full disk; ``tables.OutputError``). ``--out`` is tried before
+  TensorFlow loads (``tables.check_output_folder``: created, a probe file
+  written and removed, the folders it created removed again), so such a
+  folder fails at once; a disk that fills during the run fails at the end.
+* exit 130, interrupted (Ctrl-C): one line ``pegrad COMMAND: interrupted``.
+
+Every output file is written under a temporary name in its folder and moved
+into place only when all of the command's files are written
+(``tables.write_files``), so a failure leaves no half-written file and no
+partial set. Anything else is a bug, and shows its traceback.
 """
 
 from __future__ import annotations
 
-# Only the standard library here: ``pegrad --help`` and usage errors must
-# answer without importing TensorFlow (seconds, and C++ log lines). Each
-# ``_run_*`` imports what it needs, after ``_tensorflow_quietly``.
+# Only the standard library here (``apps.tables`` uses nothing else):
+# ``pegrad --help`` and usage errors must answer without importing
+# TensorFlow (seconds, and C++ log lines). Each ``_run_*`` imports what it
+# needs, after ``_tensorflow_quietly``.
 import argparse
 import contextlib
 import os
 import sys
 from typing import Callable, Iterator, Sequence
+
+from per_example_grads.apps.tables import InputError, OutputError, check_output_folder, first_line
 
 _Adder = Callable[["argparse._SubParsersAction"], None]
 
@@ -34,8 +60,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "run", None) is None:
         parser.print_help()
         return 2
-    with _tensorflow_quietly():
-        return args.run(args)
+    try:
+        with _tensorflow_quietly():
+            return args.run(args)
+    except InputError as e:
+        return _error(args.parser, e, 2)
+    except OutputError as e:
+        return _error(args.parser, e, 1)
+    except KeyboardInterrupt:
+        print(f"{args.parser.prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,6 +125,7 @@ def _add_demo_parser(subparsers: "argparse._SubParsersAction") -> None:
 def _run_demo(args: argparse.Namespace) -> int:
     if args.target_epsilon is not None and not args.dp:
         args.parser.error("--target-epsilon needs --dp")
+    check_output_folder(args.out)  # before TensorFlow loads; the demos check again for other callers
     _start_tensorflow(report_device=True)
     if args.dp:
         from per_example_grads.apps.dp_demo import DEFAULT_TARGET_EPSILON, run_dp_demo
@@ -217,17 +252,25 @@ def _run_epsilon(args: argparse.Namespace) -> int:
         num_examples=args.num_examples, batch_size=args.batch_size, epochs=args.epochs,
         steps=args.steps, accountant=args.accountant, sampling=args.sampling,
     )
-    q, steps = accounting.dp_sgd_schedule(args.num_examples, args.batch_size, args.epochs, args.steps, None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        if args.target_epsilon is None:
-            sigma = args.noise_multiplier
-        else:
-            # Rounded up, so the printed value itself meets the target.
-            exact = accounting.noise_multiplier_for_epsilon(args.target_epsilon, args.delta, **run)
-            scale = 10 ** (5 - math.floor(math.log10(exact)))
-            sigma = math.ceil(exact * scale) / scale
-        epsilon = accounting.compute_epsilon(noise_multiplier=sigma, delta=args.delta, **run)
+    # What the accounting refuses, or cannot represent, is these inputs' fault.
+    try:
+        q, steps = accounting.dp_sgd_schedule(args.num_examples, args.batch_size, args.epochs, args.steps, None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if args.target_epsilon is None:
+                sigma = args.noise_multiplier
+            else:
+                # Rounded up, so the printed value itself meets the target.
+                exact = accounting.noise_multiplier_for_epsilon(args.target_epsilon, args.delta, **run)
+                scale = 10 ** (5 - math.floor(math.log10(exact)))
+                sigma = math.ceil(exact * scale) / scale
+            epsilon = accounting.compute_epsilon(noise_multiplier=sigma, delta=args.delta, **run)
+    except (ValueError, OverflowError) as e:
+        raise InputError(first_line(e)) from e
+    except MemoryError as e:  # the PLD accountant's arrays grow with the steps
+        raise InputError(
+            f"the {args.accountant} accountant ran out of memory for these inputs ({first_line(e)})"
+        ) from e
     for message in dict.fromkeys(str(w.message) for w in caught):
         print(f"warning: {message}", file=sys.stderr)
 
@@ -302,26 +345,23 @@ def _run_diagnose(args: argparse.Namespace) -> int:
     if (args.model is None) != (args.data is None):
         args.parser.error("give both MODEL.keras and DATA.npz, or neither for the demo model")
     # Importing the command loads numpy only: bad paths fail before TensorFlow loads.
-    from per_example_grads.apps.diagnose import DiagnoseInputError, check_paths
+    from per_example_grads.apps.diagnose import check_paths
 
-    try:
-        check_paths(args.out, args.model, args.data)
-        _start_tensorflow(report_device=True)
-        from per_example_grads.apps.diagnose import run_diagnose
+    check_paths(args.out, args.model, args.data)
+    _start_tensorflow(report_device=True)
+    from per_example_grads.apps.diagnose import run_diagnose
 
-        run_diagnose(
-            args.out, args.model, args.data, fast=args.fast, batch_size=args.batch_size,
-            top_k=args.top_k, loss=args.loss, seed=args.seed,
-        )
-    except DiagnoseInputError as e:
-        return _input_error(args.parser, e)
+    run_diagnose(
+        args.out, args.model, args.data, fast=args.fast, batch_size=args.batch_size,
+        top_k=args.top_k, loss=args.loss, seed=args.seed,
+    )
     return 0
 
 
-def _input_error(parser: argparse.ArgumentParser, error: Exception) -> int:
-    """A file or value the command cannot use: one line on stderr, exit status 2."""
-    print(f"{parser.prog}: error: {error}", file=sys.stderr)
-    return 2
+def _error(parser: argparse.ArgumentParser, error: Exception, status: int) -> int:
+    """An expected failure: ``PROG: error: MESSAGE`` (one line) on stderr; returns ``status``."""
+    print(f"{parser.prog}: error: {first_line(error)}", file=sys.stderr)
+    return status
 
 
 _SUBCOMMANDS: tuple[_Adder, ...] = (_add_demo_parser, _add_epsilon_parser, _add_diagnose_parser)

@@ -6,7 +6,8 @@ example's gradient norm with ``peg.per_example_norms``, and reports:
 * norm statistics per class (which digits the model still finds hard);
 * the examples with the largest norms (often mislabeled or unusual digits);
 * how long each engine takes on one batch, against the plain batch gradient;
-* a histogram of the norms, saved as a PNG.
+* a histogram of the norms, saved as a PNG (written under a temporary name
+  and moved into place, so never half-written).
 
 ``pegrad demo`` (``per_example_grads.apps.cli``) runs it from the command line.
 """
@@ -28,7 +29,7 @@ from tqdm import tqdm
 import per_example_grads as peg
 from per_example_grads import plots
 from per_example_grads.apps import zoo
-from per_example_grads.apps.tables import format_table
+from per_example_grads.apps.tables import check_output_folder, format_table, write_files
 from per_example_grads.data import N_CLASSES, N_FEATURES, train_test_split_digits
 
 DEFAULT_EPOCHS = 15
@@ -79,7 +80,8 @@ def run_demo(
     """Trains a digits MLP and reports on its per-example gradient norms.
 
     Args:
-      out_dir: folder for the histogram PNG; created if missing.
+      out_dir: folder for the histogram PNG; created if missing, and tried
+        (``check_output_folder``) before any training.
       epochs: training epochs; default ``DEFAULT_EPOCHS``, or 1 with ``fast``.
       fast: train on a random ``FAST_TRAIN_SIZE`` of the training examples,
         with ``FAST_LEARNING_RATE``, and time with fewer repeats, for a run of
@@ -104,15 +106,20 @@ def run_demo(
       ``timings``: ``{name: {"ms": ms per batch, "ratio": ms / batch-gradient
       ms}}`` for ``"batch gradient"`` and every name in ``peg.METHODS``;
       ``png_path`` (str) and ``seconds`` (wall time of the demo).
+
+    Raises:
+      InputError: ``out_dir`` cannot name a folder.
+      OutputError: ``out_dir`` cannot be created or written (before
+        training), or writing the PNG failed (then no PNG is left).
     """
     started = time.perf_counter()
     say = print if verbose else _silent
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     if epochs is None:
         epochs = 1 if fast else DEFAULT_EPOCHS
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1; got {epochs}.")
+    check_output_folder(out_dir)
 
     split = train_test_split_digits(seed=seed)
     x_train, y_train, train_index = split.x_train, split.y_train, split.train_index
@@ -168,12 +175,11 @@ def run_demo(
     say(TIMINGS_LEGEND.format(batch=TIMING_BATCH_SIZE, repeats=repeats) + "\n")
 
     png_path = out_dir / HISTOGRAM_NAME
-    save_norms_histogram(
-        norms,
-        png_path,
-        title=f"{model.name} ({model.count_params():,} parameters, {epochs} training "
-        f"epoch{'' if epochs == 1 else 's'}) on {len(norms):,} {DATA_NAME} training examples",
+    title = (
+        f"{model.name} ({model.count_params():,} parameters, {epochs} training "
+        f"epoch{'' if epochs == 1 else 's'}) on {len(norms):,} {DATA_NAME} training examples"
     )
+    write_files({png_path: lambda path: save_norms_histogram(norms, path, title=title)})
     say(f"Histogram of the norms: {png_path}")
 
     return {
@@ -322,7 +328,9 @@ def save_norms_histogram(
     """Writes ``per_example_grads.plots.norms_histogram_figure(norms, title=...)`` to ``path`` (PNG).
 
     ``title`` names the model and data; without it, ``title_suffix`` (the
-    older argument) is appended to a generic title.
+    older argument) is appended to a generic title. It writes ``path``
+    itself; ``run_demo`` and ``run_diagnose`` give it a temporary path of
+    ``write_files``.
     """
     path = Path(path)
     if title is None:

@@ -3,8 +3,8 @@
 ``run_diagnose`` loads ``MODEL.keras`` and ``DATA.npz`` (arrays ``x`` and
 ``y``), or with neither trains the demo's small MLP briefly on the shipped
 digits, runs ``gradient_statistics`` over the data, writes ``report.json``,
-``report.png`` (overview) and ``norms_histogram.png``, and prints a summary
-with a suggested batch size.
+``report.png`` (overview) and ``norms_histogram.png`` (all three or none),
+and prints a summary with a suggested batch size.
 
 Suggested batch size: the simple noise scale ``B_simple`` (McCandlish et
 al., 2018) approximates the critical batch size, beyond which larger batches
@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from per_example_grads.apps.tables import InputError, check_output_folder, first_line, write_files
+
 DEFAULT_BATCH_SIZE = 32  # the demo's training batch size
 FAST_EXAMPLES = 600
 DEMO_EPOCHS = 3
@@ -44,8 +46,8 @@ def suggest_batch_size(noise_scale: float, current_batch_size: int) -> tuple[int
     return suggested, max(1, math.ceil(suggested / current_batch_size))
 
 
-class DiagnoseInputError(ValueError):
-    """A MODEL.keras, DATA.npz, --loss or --out that ``pegrad diagnose`` cannot use.
+class DiagnoseInputError(InputError):
+    """A MODEL.keras, DATA.npz or --loss that ``pegrad diagnose`` cannot use.
 
     Its message is one line, naming the file and what is wrong with it;
     ``pegrad`` prints it as ``pegrad diagnose: error: MESSAGE`` and exits 2.
@@ -60,21 +62,20 @@ def check_paths(
 ) -> None:
     """Checks what can be checked without reading the files (or importing TensorFlow).
 
+    That includes ``check_output_folder(out_dir)``, which tries the folder
+    and leaves it as it was.
+
     Raises:
       DiagnoseInputError: only one of model and data given; a path that does
         not exist, is a folder, or (model) lacks a Keras suffix or (data) is
-        not a zip archive, as every ``.npz`` is; ``out_dir`` an existing file.
+        not a zip archive, as every ``.npz`` is.
+      InputError: ``out_dir`` cannot name a folder (an existing file, or
+        under one).
+      OutputError: ``out_dir`` cannot be created or written.
     """
     if (model_path is None) != (data_path is None):
         raise DiagnoseInputError("give both MODEL.keras and DATA.npz, or neither (the demo model)")
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise DiagnoseInputError(f"--out {out} exists and is not a folder")
-    ancestor = out.absolute().parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise DiagnoseInputError(f"--out {out} cannot be created: {ancestor} is not a folder")
+    check_output_folder(out_dir)
     if model_path is None:
         return
     model, data = Path(model_path), Path(data_path)
@@ -105,7 +106,7 @@ def load_npz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     try:
         arrays = np.load(path, allow_pickle=False)
     except (OSError, ValueError, zipfile.BadZipFile) as e:
-        raise DiagnoseInputError(f"data file {path} could not be read as an .npz archive ({_first_line(e)})") from e
+        raise DiagnoseInputError(f"data file {path} could not be read as an .npz archive ({first_line(e)})") from e
     if not isinstance(arrays, np.lib.npyio.NpzFile):
         raise DiagnoseInputError(
             f"data file {path} holds a single array, not an .npz archive with arrays x and y"
@@ -126,7 +127,7 @@ def load_npz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
                     "save numeric arrays"
                 ) from e
             except (OSError, zipfile.BadZipFile) as e:
-                raise DiagnoseInputError(f"array '{name}' in data file {path} is unreadable ({_first_line(e)})") from e
+                raise DiagnoseInputError(f"array '{name}' in data file {path} is unreadable ({first_line(e)})") from e
     x, y = loaded["x"], loaded["y"]
     if x.ndim == 0 or y.ndim == 0:
         raise DiagnoseInputError(f"data file {path}: x and y must have an examples axis; got shapes {x.shape} and {y.shape}")
@@ -149,7 +150,7 @@ def load_model(path: str | Path, loss: str | None):
     try:
         model = keras.models.load_model(path)
     except Exception as e:  # noqa: BLE001 - Keras raises many types for a bad file
-        raise DiagnoseInputError(f"model file {path} could not be loaded ({type(e).__name__}: {_first_line(e)})") from e
+        raise DiagnoseInputError(f"model file {path} could not be loaded ({type(e).__name__}: {first_line(e)})") from e
     if loss is not None:
         check_loss_name(loss)
         return model, loss
@@ -184,14 +185,15 @@ def check_model_input(model: Any, x: np.ndarray, path: str | Path) -> None:
         )
 
 
+def _write_json(obj: Any, path: str | Path) -> None:
+    """Writes ``obj`` to ``path`` as indented JSON; NaN and infinity are refused (``ValueError``)."""
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, allow_nan=False)
+
+
 def _shape(dims: tuple) -> str:
     text = ", ".join("None" if d is None else str(d) for d in dims)
     return f"({text},)" if len(dims) == 1 else f"({text})"
-
-
-def _first_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
 
 
 def _demo_model(fast: bool, seed: int, say) -> tuple[Any, Any, np.ndarray, np.ndarray, np.ndarray]:
@@ -250,9 +252,13 @@ def run_diagnose(
       "accumulation_steps", "files": [paths], "seconds"}``.
 
     Raises:
-      DiagnoseInputError: for a model, data, loss or output folder it cannot
-        use (see ``check_paths``, ``load_npz``, ``load_model``,
-        ``check_model_input``); then nothing has been written.
+      DiagnoseInputError: for a model, data or loss it cannot use (see
+        ``check_paths``, ``load_npz``, ``load_model``, ``check_model_input``).
+      InputError: ``out_dir`` cannot name a folder.
+      OutputError: ``out_dir`` cannot be created or written, tried before
+        any work, or writing a file failed at the end (a full disk).
+      After any of these, nothing has been written: the three files are
+      written with ``write_files``, all or none.
     """
     started = time.perf_counter()
     say = print if verbose else (lambda *a, **k: None)
@@ -291,19 +297,17 @@ def run_diagnose(
     suggested, accumulation = suggest_batch_size(report.noise_scale_full_data, batch_size)
     loss_name = loss_fn if isinstance(loss_fn, str) else getattr(loss_fn, "name", type(loss_fn).__name__)
     title = f"{model.name} ({model.count_params():,} parameters, loss {loss_name}) on {data_name}"
-    # Only now, with everything computed, is anything written.
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DiagnoseInputError(f"--out {out} could not be created ({_first_line(e)})") from e
-    files = [out / "report.json", out / "report.png", out / "norms_histogram.png"]
-    with open(files[0], "w") as f:
-        json.dump({**d, "suggested_batch_size": suggested, "accumulation_steps": accumulation,
-                   "current_batch_size": batch_size, "suggestion_from": "noise_scale_full_data",
-                   "top_examples_index": index_meaning, "title": title},
-                  f, indent=2, allow_nan=False)
-    report.save_png(files[1], title=title)
-    save_norms_histogram(report.per_example_norms.astype(np.float32), files[2], title=title)
+    # Only now, with everything computed, is anything written: all three files or none.
+    summary = {**d, "suggested_batch_size": suggested, "accumulation_steps": accumulation,
+               "current_batch_size": batch_size, "suggestion_from": "noise_scale_full_data",
+               "top_examples_index": index_meaning, "title": title}
+    files = write_files({
+        out / "report.json": lambda path: _write_json(summary, path),
+        out / "report.png": lambda path: report.save_png(path, title=title),
+        out / "norms_histogram.png": lambda path: save_norms_histogram(
+            report.per_example_norms.astype(np.float32), path, title=title
+        ),
+    })
 
     say("")
     say(report.summary())

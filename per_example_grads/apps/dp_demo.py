@@ -9,7 +9,8 @@
 
 It prints the test accuracies next to the privacy actually spent, and saves a
 PNG with the test accuracy per epoch of both runs and the fraction of
-clipped examples at every private step.
+clipped examples at every private step (written under a temporary name and
+moved into place, so never half-written).
 
 ``pegrad demo --dp`` (``per_example_grads.apps.cli``) runs it from the command line.
 """
@@ -28,7 +29,7 @@ from tqdm import tqdm
 
 from per_example_grads.data import N_CLASSES, N_FEATURES, train_test_split_digits
 from per_example_grads.apps import zoo
-from per_example_grads.apps.tables import format_table
+from per_example_grads.apps.tables import InputError, check_output_folder, first_line, format_table, write_files
 from per_example_grads.dp import compute_epsilon, noise_multiplier_for_epsilon, poisson_batches
 from per_example_grads.keras import DPModel
 
@@ -87,7 +88,8 @@ def run_dp_demo(
     shown here to explain the training, not to be published.
 
     Args:
-      out_dir: folder for the PNG; created if missing.
+      out_dir: folder for the PNG; created if missing, and tried
+        (``check_output_folder``) before the calibration and training.
       target_epsilon: the privacy budget, ``> 0``.
       delta: the delta of the guarantee, well below ``1 / N``.
       epochs: epochs of each run; default ``DEFAULT_EPOCHS``, or
@@ -122,6 +124,14 @@ def run_dp_demo(
       computations after training; ``seconds``: wall time of the whole demo;
       ``model``, ``data``: the network and data set, in words (the plot's
       title); ``png_path`` (str).
+
+    Raises:
+      ValueError: ``epochs < 1`` or ``target_epsilon <= 0``.
+      InputError: ``out_dir`` cannot name a folder, or no noise multiplier
+        meets ``target_epsilon`` at ``delta`` for this run (the accounting's
+        ``ValueError`` or ``OverflowError``, raised before training).
+      OutputError: ``out_dir`` cannot be created or written (before
+        training), or writing the PNG failed (then no PNG is left).
     """
     started = time.perf_counter()
     say = print if verbose else _silent
@@ -132,7 +142,7 @@ def run_dp_demo(
     if not target_epsilon > 0:
         raise ValueError(f"target_epsilon must be > 0; got {target_epsilon}.")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    check_output_folder(out_dir)
 
     split = train_test_split_digits(seed=seed)
     n = len(split.x_train)
@@ -143,9 +153,14 @@ def run_dp_demo(
         f"after {steps} Poisson steps (q = {q:.4f}, N = {n})..."
     )
     t0 = time.perf_counter()
-    sigma = noise_multiplier_for_epsilon(
-        target_epsilon, delta, n, EXPECTED_BATCH_SIZE, None, steps=steps
-    )
+    try:
+        sigma = noise_multiplier_for_epsilon(
+            target_epsilon, delta, n, EXPECTED_BATCH_SIZE, None, steps=steps
+        )
+    except (ValueError, OverflowError) as e:
+        raise InputError(
+            f"no noise multiplier for epsilon <= {target_epsilon:g} at delta = {delta:g}: {first_line(e)}"
+        ) from e
     calibration_seconds = time.perf_counter() - t0
 
     say(
@@ -254,7 +269,7 @@ def run_dp_demo(
     )
 
     png_path = out_dir / PLOT_NAME
-    save_dp_training_plot(result, png_path)
+    write_files({png_path: lambda path: save_dp_training_plot(result, path)})
     say(f"Plot of the training runs: {png_path}")
     result["png_path"] = str(png_path)
     result["seconds"] = time.perf_counter() - started
@@ -381,7 +396,7 @@ def format_settings(result: dict[str, Any]) -> str:
 
 
 def save_dp_training_plot(result: dict[str, Any], path: str | Path) -> Path:
-    """Writes ``dp_training_figure(result)`` to ``path`` (PNG)."""
+    """Writes ``dp_training_figure(result)`` to ``path`` (PNG) itself; ``run_dp_demo`` gives it a temporary path."""
     path = Path(path)
     dp_training_figure(result).savefig(path, format="png")
     return path
