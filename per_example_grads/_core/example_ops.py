@@ -37,12 +37,93 @@ def per_example_squared_norms(t: tf.Tensor) -> tf.Tensor:
     2-6x faster than a batched dot product of each row with itself
     (``benchmarks/RESULTS.md``). Squaring the norm costs at most two roundings.
     XLA has no such kernel; it fuses ``reduce_sum(square(t))`` into one instead.
+
+    In float32 the squares overflow for entries beyond about 1.8e19 (the
+    sum is then inf; ``wide_squared_norms`` recomputes such examples in
+    float64) and flush to 0 below about 1e-19.
     """
+    return _sum_of_squares(_rows(t))
+
+
+WIDE = tf.float64  # the dtype of [B] squared norms beyond float32's range (``widened``)
+
+
+def squares_part(t: tf.Tensor, squares: tf.Tensor | None = None) -> tuple:
+    """``per_example_squared_norms(t)`` as a part for ``widened``: ``(value, float64 recomputation)``.
+
+    Args:
+      t: ``[B, ...]``.
+      squares: ``per_example_squared_norms(t)`` when already computed (in an
+        XLA-compiled function beside ``t``, say).
+    """
+    rows = _rows(t)
+    squares = _sum_of_squares(rows) if squares is None else squares
+    return squares, (None if rows.dtype == WIDE else lambda: wide_sum_of_squares(rows))
+
+
+def wide_squared_norms(t: tf.Tensor) -> tf.Tensor:
+    """``[B]`` float64: ``sum(t[n] ** 2)`` over all axes but the first, finite wherever ``t[n]`` is (``widened``)."""
+    return widened([squares_part(t)])[0]
+
+
+def wide_sum_of_squares(t: tf.Tensor) -> tf.Tensor:
+    """``[B]`` float64: ``sum(t[n] ** 2)`` computed in float64, where the square of any float32 is finite."""
+    return _sum_of_squares(tf.cast(t, WIDE), axis=list(range(1, t.shape.rank)))
+
+
+def widened(parts: list) -> list[tf.Tensor]:
+    """Float64 squared norms from float32 ones, finite wherever the gradients are.
+
+    Each part is ``(value, exact)``: ``value`` ``[B]`` (or ``[B, ...]``) in
+    float32, and ``exact()`` the same in float64 (None: nothing to recompute,
+    ``value`` is float64 or needs none). The result per part is ``value``,
+    exactly (cast), except for the examples where some part's value is not
+    finite (float32 squares overflow for entries beyond about 1.8e19),
+    which get every part's ``exact()``. One ``tf.cond`` on ``is_finite``
+    for all the parts: the recomputations run only for such batches, and
+    the common path costs an ``is_finite`` per part and a cast.
+
+    Underflow is not caught: entries below about 1e-19 square to 0 in
+    float32 (TensorFlow flushes subnormal numbers), as in
+    ``per_example_squared_norms``, and such a 0 is not told from the zero
+    gradients of a padded batch's rows without a pass over the tensor.
+    """
+    wide = [tf.cast(value, WIDE) for value, _ in parts]
+    checked = [i for i, (_, exact) in enumerate(parts) if exact is not None]
+    if not checked:
+        return wide
+    finite = None
+    for i in checked:
+        value = parts[i][0]
+        ok = tf.math.is_finite(value)
+        if value.shape.rank > 1:
+            ok = tf.reduce_all(ok, axis=list(range(1, value.shape.rank)))
+        finite = ok if finite is None else finite & ok
+
+    def recomputed():
+        out = []
+        for i in checked:
+            rank = parts[i][0].shape.rank
+            keep = finite if rank == 1 else tf.reshape(finite, [-1] + [1] * (rank - 1))
+            out.append(tf.where(keep, wide[i], parts[i][1]()))
+        return out
+
+    for i, value in zip(checked, tf.cond(tf.reduce_all(finite), lambda: [wide[i] for i in checked], recomputed)):
+        wide[i] = value
+    return wide
+
+
+def _rows(t: tf.Tensor) -> tf.Tensor:
+    """``t`` as ``[B, n]`` in its compute dtype."""
     t = tf.cast(t, compute_dtype(t.dtype))
-    rows = tf.reshape(t, [tf.shape(t)[0], -1])
+    return tf.reshape(t, [tf.shape(t)[0], -1])
+
+
+def _sum_of_squares(t: tf.Tensor, axis=1) -> tf.Tensor:
+    """``[B]`` ``sum(t[n] ** 2)`` over ``axis`` (of ``[B, n]`` rows by default): ``per_example_squared_norms``' reduction."""
     if in_xla_context():
-        return tf.reduce_sum(tf.square(rows), axis=1)
-    return tf.square(tf.math.reduce_euclidean_norm(rows, axis=1))
+        return tf.reduce_sum(tf.square(t), axis=axis)
+    return tf.square(tf.math.reduce_euclidean_norm(t, axis=axis))
 
 
 def weighted_example_sum(weights: tf.Tensor, t: tf.Tensor) -> tf.Tensor:

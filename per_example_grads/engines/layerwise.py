@@ -15,11 +15,12 @@ import tensorflow as tf
 
 from per_example_grads import rules as _builtin_rules  # noqa: F401  (registers the rules)
 from per_example_grads._core.batch import Batch, batch_size
-from per_example_grads.engines.base import ClipGroups, register_engine
+from per_example_grads import transforms
+from per_example_grads.engines.base import ENGINES, ClipGroups, Engine
 from per_example_grads.errors import EngineError
 from per_example_grads.engines.capture import NotCoverable, Record, Unit, capturing, check_batch_axis, plan_units
 from per_example_grads.rules.rule import LayerRule
-from per_example_grads._core.example_ops import compute_dtype
+from per_example_grads._core.example_ops import WIDE, compute_dtype
 from per_example_grads.per_example_slices import PerExampleSlices
 from per_example_grads._core.problem import Problem
 
@@ -124,7 +125,12 @@ CHAIN_WINDOW = 3  # how many units' norms may run at once (per_variable_squared_
 
 
 def per_variable_squared_norms(problem: Problem, captured: Captured, for_sums: bool = False) -> list[tf.Tensor]:
-    """``[B]`` squared norms aligned with ``problem.variables`` (zeros if unreached).
+    """``[B]`` float64 squared norms aligned with ``problem.variables`` (zeros if unreached).
+
+    Float64, because a squared norm leaves float32's range long before the
+    norm does (a gradient entry of 1.8e19 squares to inf): the rules' values
+    (``LayerRule.squared_norms``), float32 ones cast. ``norms_of`` turns them
+    into norms.
 
     Units are processed last layer first, the order in which the backward
     pass produces their gradients, so the norms of the last layers overlap
@@ -164,8 +170,28 @@ def per_variable_squared_norms(problem: Problem, captured: Captured, for_sums: b
         if materializes:
             materialized = list(norms)
         for v, n in zip(unit.variables, norms):
-            found[id(v)] = n
-    return [found.get(id(v), tf.zeros([captured.batch_size], compute_dtype(v.dtype))) for v in problem.variables]
+            found[id(v)] = tf.cast(n, WIDE)
+    return [found.get(id(v), tf.zeros([captured.batch_size], WIDE)) for v in problem.variables]
+
+
+def norms_of(squared: list[tf.Tensor], dtype) -> tf.Tensor:
+    """``[B]`` ``sqrt(sum(squared))`` in ``dtype`` (the norms' dtype) from float64 squared norms.
+
+    Where the sum in ``dtype`` is finite it is the one taken, so such norms
+    are the ones float32 arithmetic always gave (casting the rules' float32
+    values to float64 and back is exact); the other examples' norms are
+    summed and rooted in float64, then cast: finite wherever the norm fits
+    in ``dtype``.
+    """
+    narrow = tf.add_n([tf.cast(s, dtype) for s in squared])
+    if narrow.dtype == WIDE:
+        return tf.sqrt(narrow)
+    return tf.where(tf.math.is_finite(narrow), tf.sqrt(narrow), tf.cast(tf.sqrt(tf.add_n(squared)), dtype))
+
+
+def norm_dtype(problem: Problem) -> tf.DType:
+    """The dtype of the norms the engine returns: float64 for a model with float64 variables, else float32."""
+    return WIDE if any(compute_dtype(v.dtype) == WIDE for v in problem.variables) else tf.float32
 
 
 def _default(rule: LayerRule, method: str) -> bool:
@@ -222,23 +248,41 @@ def per_example_gradients(problem: Problem, batch: Batch, sparse: bool = False) 
 
 
 def squared_norms(problem: Problem, batch: Batch) -> list[tf.Tensor]:
-    """``[B]`` squared norms per variable from closed forms per layer, never ``B x P``."""
+    """``[B]`` float64 squared norms per variable from closed forms per layer, never ``B x P``."""
     return per_variable_squared_norms(problem, capture(problem, batch))
+
+
+def example_norms(problem: Problem, batch: Batch, by_variable: bool = False):
+    """``[B]`` global norms, or a list of ``[B]`` per variable, in ``norm_dtype(problem)`` (``norms_of``)."""
+    squared, dtype = squared_norms(problem, batch), norm_dtype(problem)
+    return [norms_of([s], dtype) for s in squared] if by_variable else norms_of(squared, dtype)
 
 
 def clipped_sums(problem: Problem, batch: Batch, clip: ClipGroups) -> tuple[list, list, Any]:
     """``sum_i c_i grad_i`` per variable, ``[B]`` norms per group and the predictions, in one forward and one backward pass."""
     captured = capture(problem, batch)
-    norms, factors = clip.factors(per_variable_squared_norms(problem, captured, for_sums=True))
+    squared, dtype = per_variable_squared_norms(problem, captured, for_sums=True), norm_dtype(problem)
+    norms = [norms_of([squared[i] for i in idx], dtype) for idx in clip.groups]
+    factors = [transforms.clip_factors(n, c) for n, c in zip(norms, clip.clips)]
     group_of = {id(problem.variables[i]): g for g, idx in enumerate(clip.groups) for i in idx}
     sums = weighted_sums(problem, captured, lambda v: factors[group_of[id(v)]])
     return sums, norms, captured.predictions
 
 
-@register_engine(
-    name="layerwise", isolates_examples=True, why_not=why_not,
-    native_squared_norms=squared_norms, native_clipped_sums=clipped_sums,
-)
 def layerwise(problem: Problem, batch: Batch) -> list:
     """Per-example gradients from closed forms per layer: list of ``[B, *var.shape]``."""
     return per_example_gradients(problem, batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerwiseEngine(Engine):
+    """The layer-wise engine; its norms are ``example_norms``' (``Engine.norms`` would return float64 norms of its float64 squared norms)."""
+
+    def norms(self, problem: Problem, batch: Batch, by_variable: bool = False):
+        return example_norms(problem, batch, by_variable)
+
+
+ENGINES["layerwise"] = LayerwiseEngine(
+    name="layerwise", compute=layerwise, isolates_examples=True, why_not=why_not,
+    native_squared_norms=squared_norms, native_clipped_sums=clipped_sums,
+)

@@ -15,6 +15,7 @@ from per_example_grads.rules.rule import (
     register_layer_rule,
     rule_for,
     sum_to_shape,
+    wide_squared_norms,
 )
 from per_example_grads.rules import (  # noqa: F401,E402  (each registers its rules)
     conv,
@@ -32,4 +33,4 @@ from per_example_grads.rules import (  # noqa: F401,E402  (each registers its ru
     scale,
 )
 
-__all__ = ["LayerRule", "per_example_squared_norms", "register_layer_rule", "rule_for", "sum_to_shape"]
+__all__ = ["LayerRule", "per_example_squared_norms", "register_layer_rule", "rule_for", "sum_to_shape", "wide_squared_norms"]

@@ -74,6 +74,7 @@ from per_example_grads.rules.rule import (
     reparametrized,
     weighted_example_sum,
 )
+from per_example_grads._core.example_ops import squares_part, widened
 from per_example_grads._core.xla_context import in_xla_context
 
 NORMS_JIT_COMPILE = True
@@ -155,8 +156,16 @@ def _patches_by_convolution(layer: ConvSpec, a: tf.Tensor) -> tf.Tensor:
 
 
 def kernel_squared_norms(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, keep: bool = False) -> tuple[tf.Tensor, tf.Tensor | None]:
-    """``([B], kept)``: ``||dL_n/dW||^2`` from the input ``a`` and pre-activation gradient ``g``.
+    """``([B] float64, kept)``: ``||dL_n/dW||^2`` from ``kernel_part``, widened (``example_ops.widened``)."""
+    part, kept = kernel_part(layer, a, g, keep)
+    return widened([part])[0], kept
 
+
+def kernel_part(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, keep: bool = False) -> tuple[tuple, tf.Tensor | None]:
+    """``(part, kept)``: ``||dL_n/dW||^2`` from the input ``a`` and pre-activation gradient ``g``.
+
+    ``part`` is the norms and their float64 recomputation, for
+    ``example_ops.widened``: from the kernels, when the norms built them.
     With ``keep``, ``kept`` is the per-example kernels ``[B, f, k]`` (``f =
     prod(kernel_size) * c_in``; ``[B, k, f]`` when ``k < f``) if the
     materialized form was used and they are no larger than this layer's
@@ -168,7 +177,7 @@ def kernel_squared_norms(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, keep: bool
     f = math.prod(layer.kernel_size) * a.shape[-1] if a.shape[-1] is not None else None
     t = g.shape[1:-1].num_elements() if g.shape[1:-1].is_fully_defined() else None
     if t is not None and f is not None and t * (f + k) < f * k:
-        return op.kernel_squared_norms(patches(layer, a), op.as_btf(g)), None  # the Gram form
+        return op.kernel_part(patches(layer, a), op.as_btf(g)), None  # the Gram form
     if None in spatial or f is None:  # slices need static sizes
         norms, kernels = _patch_norms(layer, a, g, t, f)
     elif not in_xla_context():
@@ -179,7 +188,7 @@ def kernel_squared_norms(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, keep: bool
         fn = _sliced_norms_xla if NORMS_JIT_COMPILE else _sliced_norms
         norms, kernels = fn(layer, spatial, a, g)
     small = t is not None and f is not None and a.shape[1:].is_fully_defined() and f * k <= a.shape[1:].num_elements() + t * k
-    return norms, (kernels if keep and KEEP_PER_EXAMPLE_KERNELS and small else None)
+    return squares_part(kernels, norms), (kernels if keep and KEEP_PER_EXAMPLE_KERNELS and small else None)
 
 
 def _patch_norms(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, t: int | None, f: int | None) -> tuple[tf.Tensor, tf.Tensor]:
@@ -398,15 +407,15 @@ class ConvPatchesRule(KernelBiasRule):
         kernels, so that nothing in the clipped sum reads ``g`` and it can be
         freed before every norm is known.
         """
-        kernel_norms, kernels = kernel_squared_norms(ConvSpec.of(layer), *self.convolution_operands(saved, grads), cache is not None)
-        out = [kernel_norms]
+        kernel_norms, kernels = kernel_part(ConvSpec.of(layer), *self.convolution_operands(saved, grads), cache is not None)
+        parts = [kernel_norms]
         biases = None
         if layer.use_bias:
             biases = tf.reduce_sum(op.as_btf(grads[0]), axis=1)  # [B, c_out]
-            out.append(per_example_squared_norms(biases))
+            parts.append(squares_part(biases))
         if kernels is not None:
             cache["kept"] = (kernels, biases)
-        return out
+        return widened(parts)
 
     def weighted_sum(self, layer, saved, grads, weights, cache=None):
         kept = (cache or {}).get("kept")

@@ -13,7 +13,8 @@ import keras
 import tensorflow as tf
 
 from per_example_grads.rules import outer_products as op
-from per_example_grads.rules.rule import LayerRule, per_example_squared_norms, register_layer_rule, reparametrized
+from per_example_grads._core.example_ops import widened
+from per_example_grads.rules.rule import LayerRule, register_layer_rule, reparametrized
 
 
 class DenseRule(LayerRule):
@@ -47,10 +48,7 @@ class DenseRule(LayerRule):
 
     def squared_norms(self, layer, saved, grads, cache=None):
         a, g = op.as_btf(saved), op.as_btf(grads[0])
-        out = [op.kernel_squared_norms(a, g)]
-        if layer.bias is not None:
-            out.append(per_example_squared_norms(tf.reduce_sum(g, axis=1)))
-        return out
+        return widened(op.kernel_and_bias_parts(a, g) if layer.bias is not None else [op.kernel_part(a, g)])
 
     def weighted_sum(self, layer, saved, grads, weights, cache=None):
         a, g = op.as_btf(saved), op.as_btf(grads[0])

@@ -90,7 +90,8 @@ from per_example_grads.rules.conv import (
     sliced_patches,
     weighted_kernel_sum,
 )
-from per_example_grads.rules.rule import LayerRule, per_example_squared_norms, register_layer_rule, weighted_example_sum
+from per_example_grads._core.example_ops import squares_part, widened
+from per_example_grads.rules.rule import LayerRule, register_layer_rule, weighted_example_sum
 from per_example_grads._core.xla_context import in_xla_context
 
 
@@ -174,7 +175,7 @@ class DepthwiseConvRule(KernelBiasRule):
         per_example = self._per_example_compute_dtype(layer, saved, grads)
         if cache is not None:
             cache["kept"] = per_example
-        return [per_example_squared_norms(t) for t in per_example]
+        return widened([squares_part(t) for t in per_example])
 
     def _per_example_compute_dtype(self, layer, saved, grads):
         g = grads[0]
@@ -236,10 +237,10 @@ class SeparableConvRule(LayerRule):
         kernels = depthwise_kernels(_spec(layer), a, g_d, layer.depth_multiplier)
         if cache is not None:
             cache["kept"] = kernels
-        out = [per_example_squared_norms(kernels), op.kernel_squared_norms(d, g_z)]
+        parts = [squares_part(kernels), op.kernel_part(d, g_z)]
         if layer.use_bias:
-            out.append(per_example_squared_norms(tf.reduce_sum(g_z, axis=1)))
-        return out
+            parts.append(squares_part(tf.reduce_sum(g_z, axis=1)))
+        return widened(parts)
 
     def weighted_sum(self, layer, saved, grads, weights, cache=None):
         a, d, g_d, g_z = self._parts(layer, saved, grads)
@@ -291,7 +292,7 @@ class GroupedConvRule(KernelBiasRule):
         )
         if cache is not None and small:
             cache["kept"] = per_example
-        return [per_example_squared_norms(t) for t in per_example]
+        return widened([squares_part(t) for t in per_example])
 
     def weighted_sum(self, layer, saved, grads, weights, cache=None):
         kept = (cache or {}).get("kept")

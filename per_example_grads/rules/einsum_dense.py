@@ -19,7 +19,8 @@ import keras
 import tensorflow as tf
 
 from per_example_grads.rules import outer_products as op
-from per_example_grads.rules.rule import LayerRule, per_example_squared_norms, register_layer_rule, reparametrized, sum_to_shape
+from per_example_grads._core.example_ops import squares_part, widened
+from per_example_grads.rules.rule import LayerRule, register_layer_rule, reparametrized, sum_to_shape
 
 
 def _split(equation: str) -> tuple[str, str, str]:
@@ -49,18 +50,20 @@ def kernel_weighted_sum(inp: str, kern: str, out: str, a: tf.Tensor, g: tf.Tenso
     return tf.einsum(f"{inp},{out}->{kern}", a, gw)
 
 
-def kernel_squared_norms(inp: str, kern: str, out: str, kernel_shape, a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
-    """``[B]``: ``||kernel_per_example(...)[n]||^2``, by Dense's forms when the equation is a Dense in disguise.
+def kernel_part(inp: str, kern: str, out: str, kernel_shape, a: tf.Tensor, g: tf.Tensor) -> tuple:
+    """``||kernel_per_example(...)[n]||^2``, by Dense's forms when the equation is a Dense in disguise.
 
-    Otherwise (positions that are not shared by input and output) the
-    per-example kernel gradients are built.
+    A part for ``example_ops.widened``: the value and its float64
+    recomputation (``outer_products.kernel_part``). Otherwise (positions
+    that are not shared by input and output) the per-example kernel
+    gradients are built.
     """
     b = inp[0]
     contracted = [c for c in inp if c in kern]
     positions = [c for c in inp[1:] if c not in kern]
     outputs = [c for c in kern if c not in inp]
     if set(out[1:]) != set(positions) | set(outputs) or len(out) != 1 + len(positions) + len(outputs):
-        return per_example_squared_norms(kernel_per_example(inp, kern, out, a, g))
+        return squares_part(kernel_per_example(inp, kern, out, a, g))
     dims = dict(zip(kern, kernel_shape))
     m, c, k = "".join(positions), "".join(contracted), "".join(outputs)
     a_btf = tf.reshape(tf.einsum(f"{inp}->{b}{m}{c}", a), [tf.shape(a)[0], -1, math.prod(dims[x] for x in c)])
@@ -68,7 +71,7 @@ def kernel_squared_norms(inp: str, kern: str, out: str, kernel_shape, a: tf.Tens
     if a_btf.shape[1] is None and a.shape[1:].is_fully_defined():
         a_btf = tf.ensure_shape(a_btf, [None, a.shape[1:].num_elements() // a_btf.shape[2], a_btf.shape[2]])
         g_btf = tf.ensure_shape(g_btf, [None, a_btf.shape[1], g_btf.shape[2]])
-    return op.kernel_squared_norms(a_btf, g_btf)
+    return op.kernel_part(a_btf, g_btf)
 
 
 def _cast(a, g):
@@ -111,10 +114,10 @@ class EinsumDenseRule(LayerRule):
     def squared_norms(self, layer, saved, grads, cache=None):
         a, g = _cast(saved, grads[0])
         inp, kern, out = _expand(layer.equation, a.shape.rank)
-        result = [kernel_squared_norms(inp, kern, out, layer.kernel.shape, a, g)]
+        parts = [kernel_part(inp, kern, out, layer.kernel.shape, a, g)]
         if layer.bias is not None:
-            result.append(per_example_squared_norms(sum_to_shape(g, layer.bias.shape)))
-        return result
+            parts.append(squares_part(sum_to_shape(g, layer.bias.shape)))
+        return widened(parts)
 
     def weighted_sum(self, layer, saved, grads, weights, cache=None):
         a, g = _cast(saved, grads[0])

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from per_example_grads._core.example_ops import per_example_squared_norms
+from per_example_grads._core.example_ops import wide_squared_norms
 from per_example_grads.rules.rule import LayerRule, register_layer_rule
 
 RMS_NORMALIZATIONS = (
@@ -118,7 +118,7 @@ class PositionEmbeddingRule(LayerRule):
         return [tf.ensure_shape(placed, [None, *table.shape])]
 
     def squared_norms(self, layer, saved, grads, cache=None):
-        return [per_example_squared_norms(self._rows(grads[0]))]
+        return [wide_squared_norms(self._rows(grads[0]))]
 
     def weighted_sum(self, layer, saved, grads, weights, cache=None):
         table = layer.position_embeddings

@@ -46,12 +46,13 @@ from per_example_grads.rules.einsum_dense import (
     _cast,
     _expand,
     _split,
+    kernel_part,
     kernel_per_example,
-    kernel_squared_norms,
     kernel_weighted_sum,
     unsupported_equation,
 )
-from per_example_grads.rules.rule import per_example_squared_norms, sum_to_shape
+from per_example_grads._core.example_ops import squares_part, widened
+from per_example_grads.rules.rule import sum_to_shape
 
 
 def unsupported_lora(layer) -> str | None:
@@ -107,10 +108,10 @@ class DenseLoraRule(DenseRule):
 
     def squared_norms(self, layer, saved, grads, cache=None):
         pairs, g = self._pairs(layer, saved, grads)
-        out = [op.kernel_squared_norms(x, y) for x, y in pairs]
+        parts = [op.kernel_part(x, y) for x, y in pairs]
         if self._has_bias(layer):
-            out.append(per_example_squared_norms(tf.reduce_sum(g, axis=1)))
-        return out
+            parts.append(squares_part(tf.reduce_sum(g, axis=1)))
+        return widened(parts)
 
     def weighted_sum(self, layer, saved, grads, weights, cache=None):
         pairs, g = self._pairs(layer, saved, grads)
@@ -170,10 +171,10 @@ class EinsumDenseLoraRule(EinsumDenseRule):
 
     def squared_norms(self, layer, saved, grads, cache=None):
         pieces, g = self._pieces(layer, saved, grads)
-        result = [kernel_squared_norms(i, k, o, shape, x, y) for i, k, o, shape, x, y in pieces]
+        parts = [kernel_part(i, k, o, shape, x, y) for i, k, o, shape, x, y in pieces]
         if self._has_bias(layer):
-            result.append(per_example_squared_norms(sum_to_shape(g, layer.bias.shape)))
-        return result
+            parts.append(squares_part(sum_to_shape(g, layer.bias.shape)))
+        return widened(parts)
 
     def weighted_sum(self, layer, saved, grads, weights, cache=None):
         pieces, g = self._pieces(layer, saved, grads)

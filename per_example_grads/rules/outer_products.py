@@ -6,18 +6,29 @@ gradient is ``G_n = sum_t a_nt^T g_nt`` (``[i, j]``). Then:
 
 - ``||G_n||^2 = sum_{t,s} (a_nt . a_ns)(g_nt . g_ns)`` (the Gram form, cost
   ``T^2 (i + j)``), which for ``T = 1`` is ``||a_n||^2 ||g_n||^2``; the
-  alternative, materializing ``G_n``, costs ``T i j``. ``kernel_squared_norms``
+  alternative, materializing ``G_n``, costs ``T i j``. ``kernel_part``
   picks the cheaper.
 - ``sum_n c_n G_n = a^T (c * g)``, one contraction over ``B`` and ``T``.
 
-All of it runs in float32 (float64 for float64 inputs).
+All of it runs in float32 (float64 for float64 inputs); the norms come with
+their float64 recomputation, for the rare batches whose float32 norms
+overflow (``kernel_part``, ``example_ops.widened``).
 """
 
 from __future__ import annotations
 
+import functools
+
 import tensorflow as tf
 
-from per_example_grads._core.example_ops import compute_dtype, per_example_squared_norms, weighted_example_sum
+from per_example_grads._core.example_ops import (
+    WIDE,
+    compute_dtype,
+    per_example_squared_norms,
+    squares_part,
+    weighted_example_sum,
+    wide_sum_of_squares,
+)
 
 
 def as_btf(t: tf.Tensor) -> tf.Tensor:
@@ -34,16 +45,46 @@ def per_example_kernel(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
     return tf.einsum("bti,btj->bij", a, g)
 
 
-def kernel_squared_norms(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
-    """``[B]``: ``||per_example_kernel(a, g)[n]||^2`` without building it when cheaper."""
+def kernel_part(a: tf.Tensor, g: tf.Tensor) -> tuple:
+    """``||per_example_kernel(a, g)[n]||^2`` without building it when cheaper, as a part for ``example_ops.widened``.
+
+    ``(value, float64 recomputation)``.
+    The value is ``||a_n||^2 ||g_n||^2``, the Gram form or the built
+    kernel's sum of squares, in the inputs' dtype; its recomputation, the
+    same in float64 (where ``||a_n||^2`` of activations beyond about 1.8e19
+    is finite). None for float64 inputs.
+    """
     t, i, j = a.shape[1], a.shape[2], g.shape[2]
+    narrow = a.dtype != WIDE
     if t == 1:
-        return per_example_squared_norms(a) * per_example_squared_norms(g)
+        product = per_example_squared_norms(a) * per_example_squared_norms(g)
+        return product, (lambda: wide_sum_of_squares(a) * wide_sum_of_squares(g)) if narrow else None
     if t is not None and t * (i + j) < i * j:
-        aa = tf.einsum("bti,bsi->bts", a, a)
-        gg = tf.einsum("btj,bsj->bts", g, g)
-        return tf.reduce_sum(aa * gg, axis=[1, 2])
-    return per_example_squared_norms(per_example_kernel(a, g))
+        gram = _gram_squared_norms(a, g)
+        return gram, (lambda: _gram_squared_norms(tf.cast(a, WIDE), tf.cast(g, WIDE))) if narrow else None
+    return squares_part(per_example_kernel(a, g))
+
+
+def kernel_and_bias_parts(a: tf.Tensor, g: tf.Tensor) -> list[tuple]:
+    """``[kernel_part(a, g), the bias's]`` (``sum_t g_nt``, a Dense bias's gradient) for ``example_ops.widened``.
+
+    For ``T = 1`` the bias's squared norm is ``||g_n||^2``, the kernel's
+    factor: computed once, as is its float64 recomputation.
+    """
+    if a.shape[1] != 1:
+        return [kernel_part(a, g), squares_part(tf.reduce_sum(g, axis=1))]
+    norms_a, norms_g = per_example_squared_norms(a), per_example_squared_norms(g)
+    if a.dtype == WIDE:
+        return [(norms_a * norms_g, None), (norms_g, None)]
+    wide = functools.cache(lambda: (wide_sum_of_squares(a), wide_sum_of_squares(g)))
+    return [(norms_a * norms_g, lambda: wide()[0] * wide()[1]), (norms_g, lambda: wide()[1])]
+
+
+def _gram_squared_norms(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
+    """``[B]``: ``sum_{t,s} (a_t . a_s)(g_t . g_s)``, in the inputs' dtype."""
+    aa = tf.einsum("bti,bsi->bts", a, a)
+    gg = tf.einsum("btj,bsj->bts", g, g)
+    return tf.reduce_sum(aa * gg, axis=[1, 2])
 
 
 def weighted_kernel_sum(a: tf.Tensor, g: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from per_example_grads._core.example_ops import compute_dtype
+from per_example_grads._core.example_ops import WIDE, compute_dtype, widened
 from per_example_grads._core.xla_context import in_xla_context
 from per_example_grads.per_example_slices import PerExampleSlices, grouped_squared_norms, repeated_rows
 from per_example_grads.rules import outer_products as op
@@ -100,14 +100,14 @@ class ReversibleEmbeddingRule(LayerRule):
     def _dtype(self, layer) -> tf.DType:
         return compute_dtype(layer.embeddings.dtype)
 
-    def _rows(self, layer, saved, grads) -> tf.Tensor:
-        """``r``: ``[B, T, D]`` in the compute dtype, aligned with the flat ids."""
+    def _rows(self, layer, saved, grads, dtype=None) -> tf.Tensor:
+        """``r``: ``[B, T, D]`` in ``dtype`` (default the compute dtype), aligned with the flat ids."""
         _, ids, _ = saved
-        return tf.cast(tf.reshape(grads[0], [-1, ids.shape[1] or tf.shape(ids)[1], layer.output_dim]), self._dtype(layer))
+        return tf.cast(tf.reshape(grads[0], [-1, ids.shape[1] or tf.shape(ids)[1], layer.output_dim]), dtype or self._dtype(layer))
 
-    def _projection(self, layer, saved, grads) -> tuple[tf.Tensor, tf.Tensor]:
-        """``(h', g)``: ``[B, S, D]`` and ``[B, S, V]`` in the compute dtype."""
-        dtype = self._dtype(layer)
+    def _projection(self, layer, saved, grads, dtype=None) -> tuple[tf.Tensor, tf.Tensor]:
+        """``(h', g)``: ``[B, S, D]`` and ``[B, S, V]`` in ``dtype`` (default the compute dtype)."""
+        dtype = dtype or self._dtype(layer)
         return tf.cast(op.as_btf(saved[1]), dtype), tf.cast(op.as_btf(grads[0]), dtype)
 
     def _no_rows(self, layer, b) -> PerExampleSlices:
@@ -136,20 +136,25 @@ class ReversibleEmbeddingRule(LayerRule):
         return self.shared_squared_norms(layer, [(saved, grads)])
 
     def shared_squared_norms(self, layer, calls):
+        """The norms in the compute dtype, or in float64 for the examples where one is not finite (``widened``)."""
+        norms = tf.stack(self._squared_norms(layer, calls, self._dtype(layer)), axis=1)  # [B, variables]
+        wide = lambda: tf.stack(self._squared_norms(layer, calls, WIDE), axis=1)  # noqa: E731
+        return tf.unstack(widened([(norms, wide if norms.dtype != WIDE else None)])[0], axis=1)
+
+    def _squared_norms(self, layer, calls, dtype):
         lookups = [(s, g) for s, g in calls if s[0] == _LOOKUP]
-        projections = [self._projection(layer, s, g) for s, g in calls if s[0] == _REVERSE]
-        dtype = self._dtype(layer)
+        projections = [self._projection(layer, s, g, dtype) for s, g in calls if s[0] == _REVERSE]
         b = tf.shape((projections[0][0] if projections else lookups[0][1][0]))[0]
         zeros = tf.zeros([b], dtype)
 
         # ||S||^2: the rows grouped by id (over every lookup call's ids at once).
         if len(lookups) == 1:
             (saved, g), = lookups
-            rows = self._rows(layer, saved, g)
+            rows = self._rows(layer, saved, g, dtype)
             table = grouped_squared_norms(rows, saved[2])
         elif lookups:
             ids = tf.concat([s[1] for s, _ in lookups], 1)
-            rows = tf.concat([self._rows(layer, s, g) for s, g in lookups], 1)
+            rows = tf.concat([self._rows(layer, s, g, dtype) for s, g in lookups], 1)
             table = grouped_squared_norms(rows, repeated_rows(ids, only_repeated=not in_xla_context()))
         else:
             ids, rows, table = None, None, zeros

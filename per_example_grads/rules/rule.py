@@ -33,7 +33,14 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
-from per_example_grads._core.example_ops import per_example_squared_norms, weighted_example_sum  # noqa: F401  (re-exported)
+from per_example_grads._core.example_ops import (  # noqa: F401  (per_example_squared_norms and wide_squared_norms re-exported)
+    WIDE,
+    per_example_squared_norms,
+    squares_part,
+    weighted_example_sum,
+    wide_squared_norms,
+    widened,
+)
 from per_example_grads.per_example_slices import PerExampleSlices
 
 
@@ -87,7 +94,13 @@ class LayerRule:
     # -- optional: closed forms that never build [B, *var.shape] --------------
 
     def squared_norms(self, layer, saved, grads, cache: dict | None = None) -> list[tf.Tensor]:
-        """``||grad_i||^2`` per variable: list of ``[B]`` (float32, float64 for float64 layers).
+        """``||grad_i||^2`` per variable: list of ``[B]``, float32 or float64.
+
+        The engine adds them in float64 (``engines.layerwise.norms_of``), so
+        a rule may return float64 values beyond float32's range (the squared
+        norm of a gradient with entries above about 1.8e19). The built-in
+        rules return float64: float32's values wherever they are finite,
+        else recomputed in float64 (``per_example_grads._core.example_ops.widened``).
 
         ``cache`` is a dict the engine passes when a ``weighted_sum`` on the
         same call follows (a clipped sum), else None: a rule may leave in it
@@ -102,7 +115,7 @@ class LayerRule:
             size, inputs_size = _elements_per_example(per_example), _elements_per_example([saved, grads])
             if size is not None and inputs_size is not None and size <= inputs_size:
                 cache["per_example"] = per_example
-        return [t.squared_norms() if isinstance(t, PerExampleSlices) else per_example_squared_norms(t) for t in per_example]
+        return _widened_norms(per_example)
 
     def weighted_sum(self, layer, saved, grads, weights: tf.Tensor, cache: dict | None = None) -> list:
         """``sum_i weights[i] * grad_i`` per variable: list of ``[*var.shape]``.
@@ -142,7 +155,7 @@ class LayerRule:
                 else tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
                 for a, b in zip(total, pe)
             ]
-        return [t.squared_norms() if isinstance(t, PerExampleSlices) else per_example_squared_norms(t) for t in total]
+        return _widened_norms(total)
 
     def for_layer(self, layer: keras.layers.Layer) -> "LayerRule":
         """The rule for this instance of the registered class: ``self`` by default.
@@ -241,6 +254,18 @@ def sum_to_shape(g: tf.Tensor, shape) -> tf.Tensor:
     if keep:
         g = tf.reduce_sum(g, axis=keep, keepdims=True)
     return g
+
+
+def _widened_norms(per_example: list) -> list[tf.Tensor]:
+    """``[B]`` float64 squared norms of per-example gradients, dense or ``PerExampleSlices`` (``widened``)."""
+    return widened([_slices_part(t) if isinstance(t, PerExampleSlices) else squares_part(t) for t in per_example])
+
+
+def _slices_part(t: PerExampleSlices) -> tuple:
+    """``t.squared_norms()`` and its float64 recomputation, a part for ``widened`` (``example_ops.squares_part``'s twin)."""
+    if t.dtype == WIDE:
+        return t.squared_norms(), None
+    return t.squared_norms(), lambda: PerExampleSlices(t.indices, tf.cast(t.values, WIDE), t.table_shape).squared_norms()
 
 
 def _elements_per_example(structure) -> int | None:
