@@ -49,15 +49,18 @@ def plot_norms_histogram(ax: Any, norms: np.ndarray, *, bins: int = 40) -> None:
     """Draws the log-binned histogram of ``norms`` on ``ax``, with axis labels and legend.
 
     Shared by ``norms_histogram.png`` and ``GradientReport.save_png``, so both
-    show the same scale. Zero norms cannot sit on a log axis; the legend
-    counts them.
+    show the same scale. Zero norms cannot sit on a log axis, and NaN or
+    infinite ones on no axis: the legend counts them, and the statistics
+    (median, percentile, maximum) are of the positive finite norms.
     """
-    norms = np.asarray(norms, dtype=np.float64)
+    norms = np.asarray(norms, dtype=np.float64).ravel()
     positive = norms[np.isfinite(norms) & (norms > 0)]
+    nonfinite = int(np.sum(~np.isfinite(norms)))
     ax.set_xlabel(NORM_LABEL)
     ax.set_ylabel("examples per bin")
     if not len(positive):
-        ax.text(0.5, 0.5, "no positive norms to show", ha="center", va="center", transform=ax.transAxes)
+        note = f" ({nonfinite:,} non-finite)" if nonfinite else ""
+        ax.text(0.5, 0.5, f"no positive norms to show{note}", ha="center", va="center", transform=ax.transAxes)
         return
     low, high = float(positive.min()), float(positive.max())
     edges = np.geomspace(low, high if high > low else low * 10, bins + 1)
@@ -72,6 +75,8 @@ def plot_norms_histogram(ax: Any, norms: np.ndarray, *, bins: int = 40) -> None:
     zeros = int(np.sum(norms == 0))
     if zeros:
         ax.plot([], [], " ", label=f"{zeros:,} zero norm(s), not shown")
+    if nonfinite:
+        ax.plot([], [], " ", label=f"{nonfinite:,} non-finite norm(s) (NaN or Inf), not shown")
     ax.legend(fontsize=8, loc="upper left")
 
 

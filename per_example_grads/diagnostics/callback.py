@@ -11,7 +11,7 @@ from tensorflow.core.framework import summary_pb2
 
 from per_example_grads.diagnostics.report import GradientReport
 from per_example_grads.diagnostics.statistics import GradientStatistics
-from per_example_grads.diagnostics.streams import iterate_batches
+from per_example_grads.diagnostics.streams import check_batch_size, iterate_batches
 
 SCALARS = ("noise_scale", "trace_covariance", "mean_gradient_norm", "per_example_norm_mean", "gsnr")
 HISTOGRAMS = ("norm_histograms",)
@@ -67,6 +67,7 @@ class GradientStatisticsCallback(keras.callbacks.Callback):
         super().__init__()
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1; got {every_n_steps}.")
+        check_batch_size(batch_size)
         unknown = set(statistics) - set(SCALARS) - set(HISTOGRAMS)
         if unknown:
             raise ValueError(f"unknown statistics {sorted(unknown)}; choose from {SCALARS + HISTOGRAMS}.")

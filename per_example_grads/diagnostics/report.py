@@ -37,6 +37,11 @@ class GradientReport:
       batch_trace, batch_g2: per batch, McCandlish's unbiased ``tr(Sigma)`` and
         ``|G|^2`` estimates (NaN for batches of one example).
       top_k: how many largest-norm examples ``top_examples`` lists.
+      num_nonfinite: examples left out because their gradient had a NaN or
+        Inf entry (``statistics``' module docstring); every other attribute
+        is over the ``num_examples`` others.
+      example_indices: ``[N]`` each example's position in the stream (the
+        dataset index ``top_examples`` reports), or None for ``0 .. N-1``.
     """
 
     num_examples: int
@@ -49,6 +54,8 @@ class GradientReport:
     batch_trace: list[float]
     batch_g2: list[float]
     top_k: int = 10
+    num_nonfinite: int = 0
+    example_indices: np.ndarray | None = None
 
     # ---- global quantities -------------------------------------------------
 
@@ -82,8 +89,14 @@ class GradientReport:
 
     @property
     def noise_scale_full_data(self) -> float:
-        """``tr(Sigma) / (||m||^2 - tr(Sigma)/N)``: the estimator with ``B_big = N``."""
+        """``tr(Sigma) / (||m||^2 - tr(Sigma)/N)``: the estimator with ``B_big = N``.
+
+        ``inf`` when the estimate of ``|G|^2`` is not positive; NaN when there
+        is no estimate (fewer than two examples: no variance).
+        """
         g2 = self.mean_gradient_norm**2 - self.trace_covariance / max(self.num_examples, 1)
+        if math.isnan(g2):
+            return math.nan
         return self.trace_covariance / g2 if g2 > 0 else math.inf
 
     def gsnr(self) -> dict[str, float]:
@@ -115,25 +128,31 @@ class GradientReport:
         return out
 
     def norm_quantiles(self) -> dict[str, float]:
-        """``{"0.5": median, ...}`` of the global per-example norms."""
-        norms = self.per_example_norms
+        """``{"0.5": median, ...}`` of the global per-example norms (the finite ones)."""
+        norms = _finite_values(self.per_example_norms)
         if not norms.size:
             return {str(q): math.nan for q in QUANTILES}
         return {str(q): float(np.quantile(norms, q)) for q in QUANTILES}
 
-    def norm_histogram(self, bins: int = HISTOGRAM_BINS) -> dict[str, list]:
-        """``{"counts": [bins], "edges": [bins + 1]}`` of the global norms (linear bins)."""
-        counts, edges = np.histogram(self.per_example_norms, bins=bins)
-        return {"counts": counts.astype(int).tolist(), "edges": edges.tolist()}
+    def norm_histogram(self, bins: int = HISTOGRAM_BINS) -> dict[str, Any]:
+        """``{"counts": [bins], "edges": [bins + 1], "non_finite": n}`` of the global norms (linear bins).
+
+        Non-finite norms (none from ``gradient_statistics``, which leaves such
+        examples out) are not binned; ``non_finite`` counts them.
+        """
+        norms = np.asarray(self.per_example_norms, np.float64)
+        counts, edges = np.histogram(_finite_values(norms), bins=bins)
+        return {"counts": counts.astype(int).tolist(), "edges": edges.tolist(), "non_finite": int(np.sum(~np.isfinite(norms)))}
 
     def top_examples(self, k: int | None = None) -> list[dict[str, Any]]:
-        """The ``k`` largest norms, largest first: ``{"index", "norm", "cosine"}``."""
+        """The ``k`` largest norms, largest first: ``{"index", "norm", "cosine"}``, ``index`` the dataset index."""
         k = self.top_k if k is None else k
         norms = self.per_example_norms
-        order = np.argsort(-norms, kind="stable")[:k]
+        order = np.argsort(-np.nan_to_num(norms, nan=-np.inf), kind="stable")[:k]
+        indices = np.arange(len(norms)) if self.example_indices is None else np.asarray(self.example_indices)
         return [
             {
-                "index": int(i),
+                "index": int(indices[i]),
                 "norm": float(norms[i]),
                 "cosine": None if self.cosines is None else _finite(self.cosines[i]),
             }
@@ -148,6 +167,7 @@ class GradientReport:
         cos = self.cosines
         d = {
             "num_examples": self.num_examples,
+            "num_nonfinite_examples": self.num_nonfinite,
             "num_batches": len(self.batch_sizes),
             "num_params": int(sum(m.size for m in self.mean)),
             "trace_covariance": self.trace_covariance,
@@ -155,7 +175,7 @@ class GradientReport:
             "noise_scale": self.noise_scale,
             "noise_scale_full_data": self.noise_scale_full_data,
             "noise_scale_trace": self.noise_scale_trace,
-            "per_example_norm_mean": float(np.mean(norms)) if norms.size else math.nan,
+            "per_example_norm_mean": float(np.mean(_finite_values(norms))) if np.isfinite(norms).any() else math.nan,
             "per_example_norm_quantiles": self.norm_quantiles(),
             "per_example_norm_histogram": self.norm_histogram(),
             "gsnr": self.gsnr(),
@@ -208,6 +228,8 @@ class GradientReport:
         fig = plots.new_figure(13, 9)
         (ax_var, ax_gsnr), (ax_hist, ax_ns) = fig.subplots(2, 2)
         heading = "Gradient diagnostics\n" + plots.wrapped(title or f"{self.num_examples:,} examples", 140)
+        if self.num_nonfinite:
+            heading += f"\n{self.left_out()}"
         fig.suptitle(heading, fontsize=12)
 
         _layer_bars(
@@ -249,7 +271,7 @@ class GradientReport:
                         xytext=(4, 3), fontsize=8)
             values.append(full)
         else:
-            ax.plot([], [], " ", label=f"from all {self.num_examples:,} examples: undefined (|G|² ≤ 0)")
+            ax.plot([], [], " ", label=f"from all {self.num_examples:,} examples: undefined ({_why_undefined(full)})")
         if values:
             ax.set_yscale("log")
             low, high = min(values), max(values)
@@ -261,6 +283,13 @@ class GradientReport:
         ax.set_ylabel("B_simple (examples, log scale)")
         ax.legend(fontsize=8, loc="best")
 
+    def left_out(self) -> str:
+        """``"3 non-finite examples left out (NaN or Inf gradients)"``, or ``""`` if none were."""
+        n = self.num_nonfinite
+        if not n:
+            return ""
+        return f"{n:,} non-finite example{'s' if n != 1 else ''} left out (NaN or Inf gradient{'s' if n != 1 else ''})"
+
     def summary(self) -> str:
         """A few lines for a terminal, each saying what its number is."""
         q = self.norm_quantiles()
@@ -269,6 +298,8 @@ class GradientReport:
         full, batched = self.noise_scale_full_data, self.noise_scale
         if math.isfinite(full) and full > 0:
             headline = f"{full:.4g} (from all {self.num_examples} examples at once)"
+        elif math.isnan(full):
+            headline = f"undefined from all {self.num_examples} examples (it needs at least two)"
         else:
             headline = (
                 f"undefined from all {self.num_examples} examples (the estimate of |G|^2 is not "
@@ -277,6 +308,7 @@ class GradientReport:
         return "\n".join(
             [
                 f"examples: {self.num_examples}, streamed in {batches} batches of up to {largest}",
+                *([f"{self.left_out()}: every number below is over the other {self.num_examples}"] if self.num_nonfinite else []),
                 f"|G|, norm of the mean-loss gradient: {self.mean_gradient_norm:.4g}",
                 f"tr(Σ), trace of the per-example gradient covariance: {self.trace_covariance:.4g}",
                 f"gradient noise scale B_simple = tr(Σ)/|G|^2: {headline}",
@@ -324,6 +356,11 @@ def _layer_bars(ax: Any, labels: list[str], values: list[float], color: str, tit
     ax.set_ylabel(ylabel, fontsize=9)
 
 
+def _why_undefined(noise_scale: float) -> str:
+    """Why ``noise_scale_full_data`` has no value, for a legend."""
+    return "fewer than 2 examples" if math.isnan(noise_scale) else "|G|² ≤ 0"
+
+
 def _g(x: float) -> str:
     """A number in 4 significant digits, or 'n/a' for NaN and 'inf'."""
     if math.isnan(x):
@@ -346,6 +383,12 @@ def _ratio_of_sums(sizes: list[int], num: list[float], den: list[float]) -> floa
         return math.nan
     top, bottom = float(np.sum(w[ok] * n[ok])), float(np.sum(w[ok] * d[ok]))
     return top / bottom if bottom > 0 else math.inf
+
+
+def _finite_values(values: np.ndarray) -> np.ndarray:
+    """The finite entries of ``values``, flattened."""
+    values = np.asarray(values, np.float64).ravel()
+    return values[np.isfinite(values)]
 
 
 def _finite(x: Any) -> float | None:

@@ -47,12 +47,23 @@ norms):
 
 Per-example gradients are materialized one batch at a time, and for Dense
 layers on rank-2 inputs not at all (closed forms, see ``moments``).
+
+Non-finite examples: an example whose gradient has a NaN or Inf entry (its
+squared norm is not finite) is left out of every statistic, and counted.
+Its batch is computed again without it (per-example gradients do not mix
+examples, so the others' gradients are unchanged), so ``N``, the sums, the
+means and variances, the norms, the cosines and the per-batch noise-scale
+estimates are all over the finite examples only, as if the data had not
+held it; a dataset index (``top_examples``) still names the example's
+position in the stream. ``result()`` warns once (``RuntimeWarning``) with
+the count, and the report carries it (``GradientReport.num_nonfinite``).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -62,7 +73,7 @@ from tqdm import tqdm
 from per_example_grads._core.batch import make_batch
 from per_example_grads.diagnostics.moments import batch_moments
 from per_example_grads.diagnostics.report import GradientReport
-from per_example_grads.diagnostics.streams import iterate_batches, num_batches
+from per_example_grads.diagnostics.streams import check_batch_size, check_count, iterate_batches, num_batches
 from per_example_grads.engines import selection
 from per_example_grads._core.problem import make_problem
 
@@ -116,21 +127,43 @@ class GradientStatistics:
         self.batch_sizes: list[int] = []
         self.batch_trace: list[float] = []  # tr(Sigma)_est per batch (nan if B < 2)
         self.batch_g2: list[float] = []  # |G|^2_est per batch
+        self.num_nonfinite = 0  # examples left out: a NaN or Inf in their gradient
+        self._positions: list[np.ndarray] = []  # each kept example's position in the stream
+        self._seen = 0  # examples fed to update(), kept or not
 
-    def _run(self, x: Any, y: Any, reference: list[np.ndarray]) -> dict[str, Any]:
+    def _run(self, x: Any, y: Any, reference: list[np.ndarray]) -> tuple[dict[str, Any] | None, np.ndarray, int]:
+        """``(moments of the batch's finite examples or None if none, their rows in the batch, B)``.
+
+        A batch with non-finite examples is computed again on the others'
+        rows until every example left is finite (once, when the engine keeps
+        examples apart; an engine that does not may spread a NaN).
+        """
         batch = make_batch(self.model, x, y)
+        x, y = batch["x"], batch.get("y")
         refs = [tf.constant(r, tf.float64) for r in reference]
-        out = self._fn(batch["x"], batch.get("y"), refs)
-        return tf.nest.map_structure(lambda t: t.numpy(), out)
+        b = int(tf.shape(tf.nest.flatten(x)[0])[0])
+        rows = np.arange(b)
+        while len(rows):
+            pick = (lambda t: tf.gather(t, rows)) if len(rows) < b else (lambda t: t)
+            out = self._fn(tf.nest.map_structure(pick, x), None if y is None else tf.nest.map_structure(pick, y), refs)
+            out = tf.nest.map_structure(lambda t: t.numpy(), out)
+            finite = np.all(np.isfinite(out["sqnorms"]), axis=0) & np.isfinite(out["dots"])
+            if finite.all():
+                return out, rows, b
+            rows = rows[finite]
+        return None, rows, b
 
     def update(self, x: Any, y: Any) -> int:
-        """Adds one ``[B, ...]`` batch; returns ``B``."""
+        """Adds one ``[B, ...]`` batch; returns how many of its examples were kept (the finite ones)."""
         reference = self.mean() if (self.running_cosine and self.count) else [np.zeros(v.shape) for v in self.variables]
-        out = self._run(x, y, reference)
-        sqnorms = np.asarray(out["sqnorms"], np.float64)
-        b = sqnorms.shape[1]
+        out, rows, total = self._run(x, y, reference)
+        self.num_nonfinite += total - len(rows)
+        self._positions.append(self._seen + rows)
+        self._seen += total
+        b = len(rows)
         if b == 0:
             return 0
+        sqnorms = np.asarray(out["sqnorms"], np.float64)
         for k in range(len(self.variables)):
             self.sum[k] += out["sum"][k]
             self.sumsq[k] += out["sumsq"][k]
@@ -150,9 +183,9 @@ class GradientStatistics:
         return b
 
     def cosines(self, x: Any, y: Any, reference: list[np.ndarray]) -> np.ndarray:
-        """``[B]`` cosines of a batch's per-example gradients to ``reference``."""
-        out = self._run(x, y, reference)
-        return _cosines(out["dots"], np.asarray(out["sqnorms"]), reference)
+        """``[B']`` cosines of a batch's finite examples' gradients to ``reference`` (``update``'s examples)."""
+        out, _, _ = self._run(x, y, reference)
+        return np.zeros(0) if out is None else _cosines(out["dots"], np.asarray(out["sqnorms"]), reference)
 
     def mean(self) -> list[np.ndarray]:
         """The mean gradient ``m``, one ``[*var.shape]`` float64 array per variable."""
@@ -160,7 +193,13 @@ class GradientStatistics:
         return [s / n for s in self.sum]
 
     def result(self, *, top_k: int = 10, cosines: np.ndarray | None = None) -> GradientReport:
-        """The ``GradientReport`` of the batches seen so far."""
+        """The ``GradientReport`` of the batches seen so far; warns if examples were left out as non-finite."""
+        if self.num_nonfinite:
+            warnings.warn(
+                f"{self.num_nonfinite} example(s) have a non-finite (NaN or Inf) gradient; they were left out of "
+                f"the gradient statistics, which are over the other {self.count}. Check their inputs and labels.",
+                RuntimeWarning, stacklevel=2,
+            )
         n = self.count
         mean = self.mean()
         if n >= 2:
@@ -181,6 +220,8 @@ class GradientStatistics:
             batch_trace=list(self.batch_trace),
             batch_g2=list(self.batch_g2),
             top_k=top_k,
+            num_nonfinite=self.num_nonfinite,
+            example_indices=np.concatenate(self._positions) if self._positions else np.zeros(0, np.int64),
         )
 
 
@@ -205,21 +246,32 @@ def gradient_statistics(
         loss per example).
       data: a batched ``tf.data.Dataset`` of ``(x, y)``, or a tuple ``(x, y)``
         of arrays with leading axis ``N``.
-      batch_size: batch size for array data (default 256).
-      top_k: how many of the largest-norm examples to report.
+      batch_size: batch size for array data: an integer ``>= 1``, or None
+        (256).
+      top_k: how many of the largest-norm examples to report (an integer ``>= 0``).
       method: engine: ``"auto"`` (closed forms for Dense layers, one layer's
         per-example gradients at a time for other covered layers, else
         ``per_example_gradients``) or any of ``peg.METHODS``.
       cosine: ``"final"`` (second pass against the final mean), ``"running"``
         (one pass, against the mean of previous batches) or None.
-      training: passed to the model.
-      progress: show tqdm progress bars.
+      training: passed to the model (a bool).
+      progress: show tqdm progress bars (a bool).
 
     Returns:
-      A ``GradientReport``.
+      A ``GradientReport`` of the examples whose gradients are finite (the
+      module docstring): a ``RuntimeWarning`` says how many were left out.
+
+    Raises:
+      ValueError, TypeError: for an argument out of its range or of the
+        wrong type, before any work (``data`` when it is first read).
     """
     if cosine not in COSINE_MODES:
         raise ValueError(f"cosine must be one of {COSINE_MODES}; got {cosine!r}.")
+    check_batch_size(batch_size)
+    check_count("top_k", top_k, 0)
+    for name, value in (("training", training), ("progress", progress)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{name} must be True or False; got {value!r}.")
     stats = GradientStatistics(model, loss_fn, method=method, training=training, running_cosine=cosine == "running")
     total = num_batches(data, batch_size)
     with tqdm(total=total, desc="gradient statistics", unit="batch", disable=not progress) as bar:

@@ -2,12 +2,32 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Iterator
 
 import numpy as np
 import tensorflow as tf
 
 DEFAULT_BATCH_SIZE = 256
+
+
+def check_batch_size(batch_size: Any) -> int:
+    """``batch_size`` as an ``int``: ``DEFAULT_BATCH_SIZE`` for None, else ``check_count``'s (``>= 1``)."""
+    return DEFAULT_BATCH_SIZE if batch_size is None else check_count("batch_size", batch_size, 1)
+
+
+def check_count(name: str, value: Any, minimum: int) -> int:
+    """``value`` as an ``int``, an integer ``>= minimum``.
+
+    Raises:
+      TypeError: not an integer (``True`` and ``2.5`` are refused, not rounded).
+      ValueError: an integer below ``minimum``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer >= {minimum}; got {value!r}.")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}; got {value}.")
+    return int(value)
 
 
 def iterate_batches(data: Any, batch_size: int | None = None) -> Iterator[tuple[Any, Any]]:
@@ -19,8 +39,8 @@ def iterate_batches(data: Any, batch_size: int | None = None) -> Iterator[tuple[
         ``(x, y)`` of arrays (or nested structures of arrays) sharing the
         leading axis ``N``.
       batch_size: examples per batch for array data (default
-        ``DEFAULT_BATCH_SIZE``); ignored for datasets, which are batched
-        already.
+        ``DEFAULT_BATCH_SIZE``; ``check_batch_size``); ignored for datasets,
+        which are batched already.
 
     Raises:
       TypeError: for anything else.
@@ -42,9 +62,7 @@ def iterate_batches(data: Any, batch_size: int | None = None) -> Iterator[tuple[
     if isinstance(data, (tuple, list)) and len(data) == 2:
         x, y = data
         n = num_examples(data)
-        step = DEFAULT_BATCH_SIZE if batch_size is None else int(batch_size)
-        if step < 1:
-            raise ValueError(f"batch_size must be >= 1; got {batch_size}.")
+        step = check_batch_size(batch_size)
         for start in range(0, n, step):
             sl = slice(start, start + step)
             yield (
@@ -73,5 +91,4 @@ def num_batches(data: Any, batch_size: int | None = None) -> int | None:
     n = num_examples(data)
     if n is None:
         return None
-    step = DEFAULT_BATCH_SIZE if batch_size is None else int(batch_size)
-    return -(-n // step)
+    return -(-n // check_batch_size(batch_size))
