@@ -78,6 +78,21 @@ def _einsum_dense(r):
     return model, r.normal(size=(B, 3, 6)) * HUGE
 
 
+def _reversible(tie_weights):
+    def build(r):
+        # The reversed call's input h = e + 1e20 (a Dense's bias): huge activations for the output
+        # projection, while the looked-up rows' gradients stay about 1 (the shift passes them through).
+        emb = keras.layers.ReversibleEmbedding(11, 4, tie_weights=tie_weights)
+        shift = keras.layers.Dense(4, kernel_initializer="identity", bias_initializer=keras.initializers.Constant(HUGE))
+        inp = keras.Input((6,), dtype="int32")
+        model = keras.Model(inp, emb(shift(emb(inp)), reverse=True))
+        x = r.integers(0, 11, (B, 6)).astype("int32")
+        x[0, :3] = x[0, 3]  # a repeated id
+        return model, x
+
+    return build
+
+
 CASES = {
     "dense": _dense,
     "conv2d_materialized": _conv_materialized,
@@ -85,6 +100,8 @@ CASES = {
     "embedding_sequence": _embedding_sequence,
     "layer_norm": _layer_norm,
     "einsum_dense": _einsum_dense,
+    "reversible_tied": _reversible(True),
+    "reversible_untied": _reversible(False),
 }
 
 
@@ -93,7 +110,7 @@ def huge_case(name):
     r = np.random.default_rng(len(name))
     model, x = CASES[name](r)
     x = x.astype("float32") if x.dtype.kind == "f" else x
-    y = np.argmin(model(x).numpy(), axis=1).astype("int32")
+    y = np.argmin(model(x).numpy(), axis=-1).astype("int32")
     expected = reference_gradients(model, sparse_ce, x, y)
     assert all(np.isfinite(e).all() for e in expected), "the reference gradients must be finite"
     assert np.max(reference_norms(expected)) ** 2 > FLOAT32_MAX, "float32 squared norms would not overflow"

@@ -10,8 +10,10 @@ For example n with token ids ``x_n`` (``[T]``) and output gradient ``g_n``
 - squared norms come from ``g`` and the rows whose id repeats within an
   example, found by sorting the ids during the forward pass, where that work
   runs alongside the model's own (the maths is in
-  ``per_example_grads.per_example_slices``); cost ``O(B T D)``, never ``V``;
-  in float64 for a batch where one overflows in float32 (``example_ops.widened``);
+  ``per_example_grads.per_example_slices``); cost ``O(B T D)``, never ``V``.
+  They stay float32 (unlike the dense rules', recomputed in float64 where
+  they overflow): the rows are loss gradients, not activations, and the
+  float64 recomputation of the grouping would double this rule's graph;
 - ``sum_n c_n G_n`` is returned as ``tf.IndexedSlices`` (values ``c_n g_nt``,
   ``[B T, D]``; indices ``x_nt``; dense shape ``[V, D]``), as ``tape.gradient``
   returns an embedding table's gradient: nothing of size ``V`` is built.
@@ -28,7 +30,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from per_example_grads._core.example_ops import WIDE, compute_dtype, widened
+from per_example_grads._core.example_ops import compute_dtype
 from per_example_grads.rules.rule import LayerRule, register_layer_rule, reparametrized
 from per_example_grads.per_example_slices import PerExampleSlices, grouped_squared_norms, repeated_rows
 from per_example_grads._core.xla_context import in_xla_context
@@ -70,9 +72,8 @@ class EmbeddingRule(LayerRule):
 
     def squared_norms(self, layer, saved, grads, cache=None):
         _, repeats = saved
-        values = tf.cast(self._slices(layer, saved, grads).values, compute_dtype(layer.embeddings.dtype))
-        wide = lambda: grouped_squared_norms(tf.cast(values, WIDE), repeats)  # noqa: E731
-        return widened([(grouped_squared_norms(values, repeats), None if values.dtype == WIDE else wide)])
+        values = self._slices(layer, saved, grads).values
+        return [grouped_squared_norms(tf.cast(values, compute_dtype(values.dtype)), repeats)]
 
     def weighted_sum(self, layer, saved, grads, weights, cache=None):
         """``[tf.IndexedSlices]`` of dense shape ``[V, D]``: ``sum_n weights[n] G_n``."""

@@ -100,14 +100,14 @@ class ReversibleEmbeddingRule(LayerRule):
     def _dtype(self, layer) -> tf.DType:
         return compute_dtype(layer.embeddings.dtype)
 
-    def _rows(self, layer, saved, grads, dtype=None) -> tf.Tensor:
-        """``r``: ``[B, T, D]`` in ``dtype`` (default the compute dtype), aligned with the flat ids."""
+    def _rows(self, layer, saved, grads) -> tf.Tensor:
+        """``r``: ``[B, T, D]`` in the compute dtype, aligned with the flat ids."""
         _, ids, _ = saved
-        return tf.cast(tf.reshape(grads[0], [-1, ids.shape[1] or tf.shape(ids)[1], layer.output_dim]), dtype or self._dtype(layer))
+        return tf.cast(tf.reshape(grads[0], [-1, ids.shape[1] or tf.shape(ids)[1], layer.output_dim]), self._dtype(layer))
 
-    def _projection(self, layer, saved, grads, dtype=None) -> tuple[tf.Tensor, tf.Tensor]:
-        """``(h', g)``: ``[B, S, D]`` and ``[B, S, V]`` in ``dtype`` (default the compute dtype)."""
-        dtype = dtype or self._dtype(layer)
+    def _projection(self, layer, saved, grads) -> tuple[tf.Tensor, tf.Tensor]:
+        """``(h', g)``: ``[B, S, D]`` and ``[B, S, V]`` in the compute dtype."""
+        dtype = self._dtype(layer)
         return tf.cast(op.as_btf(saved[1]), dtype), tf.cast(op.as_btf(grads[0]), dtype)
 
     def _no_rows(self, layer, b) -> PerExampleSlices:
@@ -136,46 +136,63 @@ class ReversibleEmbeddingRule(LayerRule):
         return self.shared_squared_norms(layer, [(saved, grads)])
 
     def shared_squared_norms(self, layer, calls):
-        """The norms in the compute dtype, or in float64 for the examples where one is not finite (``widened``)."""
-        norms = tf.stack(self._squared_norms(layer, calls, self._dtype(layer)), axis=1)  # [B, variables]
-        wide = lambda: tf.stack(self._squared_norms(layer, calls, WIDE), axis=1)  # noqa: E731
-        return tf.unstack(widened([(norms, wide if norms.dtype != WIDE else None)])[0], axis=1)
+        """The norms in the compute dtype, the reversed calls' terms recomputed in float64 where a norm is not finite.
 
-    def _squared_norms(self, layer, calls, dtype):
+        The projection and cross terms hold the reversed calls' inputs ``h'``
+        (activations: ``||P_n||^2`` overflows float32 for entries beyond
+        about 1e19), so for a batch with a non-finite norm they are computed
+        again in float64 (``widened``); the rows' part ``||S_n||^2`` (loss
+        gradients grouped by id) is not.
+        """
+        dtype = self._dtype(layer)
         lookups = [(s, g) for s, g in calls if s[0] == _LOOKUP]
-        projections = [self._projection(layer, s, g, dtype) for s, g in calls if s[0] == _REVERSE]
+        projections = [self._projection(layer, s, g) for s, g in calls if s[0] == _REVERSE]
         b = tf.shape((projections[0][0] if projections else lookups[0][1][0]))[0]
-        zeros = tf.zeros([b], dtype)
 
         # ||S||^2: the rows grouped by id (over every lookup call's ids at once).
         if len(lookups) == 1:
             (saved, g), = lookups
-            rows = self._rows(layer, saved, g, dtype)
+            ids, rows = saved[1], self._rows(layer, saved, g)
             table = grouped_squared_norms(rows, saved[2])
         elif lookups:
             ids = tf.concat([s[1] for s, _ in lookups], 1)
-            rows = tf.concat([self._rows(layer, s, g, dtype) for s, g in lookups], 1)
+            rows = tf.concat([self._rows(layer, s, g) for s, g in lookups], 1)
             table = grouped_squared_norms(rows, repeated_rows(ids, only_repeated=not in_xla_context()))
         else:
-            ids, rows, table = None, None, zeros
+            ids, rows, table = None, None, tf.zeros([b], dtype)
 
+        def terms(as_dtype):
+            cast = lambda t: tf.cast(t, as_dtype)  # noqa: E731
+            cast_rows = None if rows is None else cast(rows)
+            return self._projection_terms(layer, [(cast(h), cast(g)) for h, g in projections], ids, cast_rows, b, as_dtype)
+
+        projection, cross = terms(dtype)
+        narrow = dtype != WIDE
+        if not layer.tie_weights:
+            return widened([(table, None), (projection, (lambda: terms(WIDE)[0]) if narrow else None)])
+
+        def wide_total():
+            wide_projection, wide_cross = terms(WIDE)
+            return tf.cast(table, WIDE) + wide_projection + 2 * wide_cross
+
+        return widened([(table + projection + 2 * cross, wide_total if narrow else None)])
+
+    @staticmethod
+    def _projection_terms(layer, projections, ids, rows, b, dtype) -> tuple[tf.Tensor, tf.Tensor]:
+        """``(||sum_j P_j||^2, <S, sum_j P_j>)`` ``[B]`` in ``dtype`` (the second 0 without a tied lookup)."""
         # ||sum_j P_j||^2 = sum_{j,k} sum_{s,u} (g_js . g_ku)(h_js . h_ku).
-        projection = zeros
+        projection = tf.zeros([b], dtype)
         for j, (hj, gj) in enumerate(projections):
             for k, (hk, gk) in enumerate(projections[j:], start=j):
                 term = tf.reduce_sum(tf.einsum("bsv,buv->bsu", gj, gk) * tf.einsum("bsd,bud->bsu", hj, hk), axis=[1, 2])
                 projection += term if k == j else 2 * term
-
-        if not layer.tie_weights:
-            return [table, projection]
-        # 2 <S, P_j> = 2 sum_{s,t} g_js[x_t] (h_js . r_t).
-        cross = zeros
-        if lookups:
-            ids = lookups[0][0][1] if len(lookups) == 1 else ids
+        # <S, P_j> = sum_{s,t} g_js[x_t] (h_js . r_t).
+        cross = tf.zeros([b], dtype)
+        if layer.tie_weights and rows is not None:
             for h, g in projections:
                 at_ids = tf.gather(g, ids, axis=2, batch_dims=1)  # [B, S, T]: g_s[x_t]
                 cross += tf.reduce_sum(at_ids * tf.einsum("bsd,btd->bst", h, rows), axis=[1, 2])
-        return [table + projection + 2 * cross]
+        return projection, cross
 
     # -- clipped sums ------------------------------------------------------
 

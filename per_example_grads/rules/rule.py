@@ -34,7 +34,6 @@ import keras
 import tensorflow as tf
 
 from per_example_grads._core.example_ops import (  # noqa: F401  (per_example_squared_norms and wide_squared_norms re-exported)
-    WIDE,
     per_example_squared_norms,
     squares_part,
     weighted_example_sum,
@@ -257,15 +256,12 @@ def sum_to_shape(g: tf.Tensor, shape) -> tf.Tensor:
 
 
 def _widened_norms(per_example: list) -> list[tf.Tensor]:
-    """``[B]`` float64 squared norms of per-example gradients, dense or ``PerExampleSlices`` (``widened``)."""
-    return widened([_slices_part(t) if isinstance(t, PerExampleSlices) else squares_part(t) for t in per_example])
+    """``[B]`` float64 squared norms of per-example gradients (``widened``); a table's rows' stay float32's.
 
-
-def _slices_part(t: PerExampleSlices) -> tuple:
-    """``t.squared_norms()`` and its float64 recomputation, a part for ``widened`` (``example_ops.squares_part``'s twin)."""
-    if t.dtype == WIDE:
-        return t.squared_norms(), None
-    return t.squared_norms(), lambda: PerExampleSlices(t.indices, tf.cast(t.values, WIDE), t.table_shape).squared_norms()
+    A ``PerExampleSlices``' norms are not recomputed: as in ``rules.embedding``,
+    the float64 grouping of its rows would cost more graph than the rest.
+    """
+    return widened([(t.squared_norms(), None) if isinstance(t, PerExampleSlices) else squares_part(t) for t in per_example])
 
 
 def _elements_per_example(structure) -> int | None:
