@@ -142,7 +142,7 @@ def need_param(fn: Callable, param: str, what: str) -> None:
 
 
 def one_line(text: Any, limit: int = 170) -> str:
-    text = " ".join(str(text).split())
+    text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(text)).split())  # Keras bolds parts of its messages
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
