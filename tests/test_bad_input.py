@@ -20,6 +20,14 @@ def test_mismatched_x_and_y(case):
         peg.per_example_gradients(case.model, sparse_ce, case.x, case.y[:4])
 
 
+def test_mismatch_inside_a_dict_names_the_keys():
+    a, b = keras.Input((3,), name="a"), keras.Input((2,), name="b")
+    model = keras.Model({"a": a, "b": b}, keras.layers.Dense(3)(keras.layers.Concatenate()([a, b])))
+    x = {"a": np.ones((4, 3), "float32"), "b": np.ones((5, 2), "float32")}
+    with pytest.raises(ValueError, match=r"x\['a'\] has B=4 but x\['b'\] has B=5"):
+        peg.per_example_gradients(model, sparse_ce, x, np.zeros(4, "int32"))
+
+
 def test_mismatched_sample_weight(case):
     with pytest.raises(ValueError, match=r"sample_weight has B=3"):
         peg.per_example_gradients(case.model, sparse_ce, case.x, case.y, sample_weight=np.ones(3))

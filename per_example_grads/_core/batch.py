@@ -27,8 +27,10 @@ def make_batch(model: Any, x: Any, y: Any = None, sample_weight: Any = None) -> 
       sample_weight: ``None`` or ``[B]`` real numbers.
 
     Raises:
-      TypeError: for non-numeric inputs, or non-float ``x`` where the model
-        declares a float input.
+      TypeError: for non-numeric inputs, ``tf.RaggedTensor`` or
+        ``tf.SparseTensor`` leaves (anywhere in ``x``, ``y`` or
+        ``sample_weight``: the message says how to make them dense), or
+        non-float ``x`` where the model declares a float input.
       ValueError: for leaves without a batch axis, mismatched leading
         dimensions, or a ``sample_weight`` that is not ``[B]``.
     """
@@ -139,16 +141,35 @@ def add_batch_axis(example: Batch) -> Batch:
 
 def _to_tensors(name: str, value: Any):
     leaves = tf.nest.flatten(value)
-    converted = [
-        _to_tensor(name if len(leaves) == 1 else f"{name}[{i}]", leaf)
-        for i, leaf in enumerate(leaves)
-    ]
+    converted = [_to_tensor(label, leaf) for label, leaf in zip(_leaf_labels(name, value), leaves)]
     return tf.nest.pack_sequence_as(value, converted)
+
+
+def _leaf_labels(name: str, value: Any) -> list[str]:
+    """How messages name each leaf of ``value`` (in ``tf.nest.flatten`` order): ``name``, or ``name['key'][0]``..."""
+    # tf.nest's own paths (public under tf.__internal__ for Keras), so the order is tf.nest.flatten's.
+    paths = list(tf.__internal__.nest.yield_flat_paths(value))
+    if len(paths) == 1:
+        return [name]
+    return [name + "".join(f"[{key!r}]" for key in path) for path in paths]
+
+
+# What each composite tensor must become: the engines slice and map over dense [B, ...] leaves.
+_DENSIFY = {
+    tf.RaggedTensor: "pad it with .to_tensor() (and pass a padding mask if the model takes one)",
+    tf.SparseTensor: "make it dense with tf.sparse.to_dense(...)",
+}
 
 
 def _to_tensor(label: str, leaf: Any) -> tf.Tensor:
     if leaf is None:
         raise TypeError(f"{label} is None; expected a tensor or array of shape [B, ...].")
+    for kind, fix in _DENSIFY.items():
+        if isinstance(leaf, kind):
+            raise TypeError(
+                f"{label} is a tf.{kind.__name__}; per-example gradients need dense "
+                f"tensors of shape [B, ...], so {fix}."
+            )
     if isinstance(leaf, (tf.Tensor, tf.Variable)):
         t = tf.convert_to_tensor(leaf)
     else:
@@ -190,9 +211,7 @@ def _check_leading_dims(batch: Batch) -> Batch:
     named = []
     for name in ("x", "y", "sample_weight"):
         if name in batch:
-            leaves = tf.nest.flatten(batch[name])
-            for i, leaf in enumerate(leaves):
-                named.append((name if len(leaves) == 1 else f"{name}[{i}]", leaf))
+            named.extend(zip(_leaf_labels(name, batch[name]), tf.nest.flatten(batch[name])))
     ref_name, ref = named[0]
     for name, leaf in named[1:]:
         a, b = ref.shape[0], leaf.shape[0]
