@@ -26,6 +26,11 @@ class EngineError(ValueError):
     chosen engine refuses the model or fails on it (``method="auto"`` would
     have fallen back to another engine instead), and when ``auto`` finds no
     engine that runs. A ``ValueError``: the model is what the engine cannot take.
+
+    Never raised for a data error: when the plain batch gradient of the model
+    and loss fails too (a wrong feature size, a missing input key, a label out
+    of range), its own exception is raised instead, whatever the ``method``;
+    see ``per_example_grads.engines.selection``.
     """
 
     __init__ = Exception.__init__  # recognizable through tf.function (see InvalidLossError)

@@ -20,21 +20,48 @@ The rule, in order of preference:
 4. ``loop``, which runs anything that runs on one example.
 
 ``jacobian`` is never chosen automatically: it costs ``O(B^2)`` and does not
-isolate examples from each other's NaNs. When an engine raises an exception
-(not a crash) while building, ``auto`` moves to the next one. Whenever ``auto``
-does not use its first choice it says which engine ran and why, in an
+isolate examples from each other's NaNs. Whenever ``auto`` does not use its
+first choice it says which engine ran and why, in an
 ``EngineFallbackWarning`` that fires once per engine and reason.
+
+When an engine raises (an exception, not a crash), ``auto`` moves to the next
+one only for the failures engines are built around: an engine's own refusal
+(``EngineError``), TensorFlow's run-time errors (``tf.errors.OpError``), and
+the Python errors TensorFlow and Keras raise while converting or
+differentiating a model (``ValueError``, ``TypeError``, ``NotImplementedError``,
+``AttributeError``, ``LookupError``, ``RuntimeError``: ``_FALLBACK_ERRORS``).
+Any other exception (one a user's layer raises of its own type, say)
+propagates at once, unchanged.
+
+Data errors are raised as themselves. The first time an engine fails with one
+of those errors, the plain batch gradient (the model, the loss and their
+gradient on the whole batch, which every engine refines) is taken once:
+eagerly when executing eagerly, else traced into a graph of its own that is
+never run or added to the caller's graph. If that raises too, no engine can
+succeed: the data or the model is wrong (a wrong feature size, a missing
+input key, a label out of range, a sequence longer than the model's
+positions), and that exception is raised as it is, with its own type and
+message and nothing of the engines chained to it. Only if it runs does
+``auto`` try the next engine. An explicitly chosen engine that refuses or
+fails gets the same check: a data error is raised as itself, the engine's
+own refusal or failure as an ``EngineError`` naming the engine. None of this
+runs when the first engine tried succeeds, so the happy path calls the model
+no more often than that engine does.
 """
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Callable, TypeVar
+
+import tensorflow as tf
 
 from per_example_grads._core.batch import Batch
 from per_example_grads.engines.base import ENGINES, Engine
 from per_example_grads.errors import EngineError, EngineFallbackWarning, InvalidLossError
 from per_example_grads._core.problem import Problem
+from per_example_grads._core.tape import watch_variables
 
 AUTO_ORDER = ("layerwise", "vectorized", "weight_copies", "loop")
 # The built-in choices of ``method=``. Engines registered later with
@@ -52,58 +79,120 @@ def check_method(method: str) -> None:
         raise ValueError(f"method must be one of {['auto', *ENGINES]}; got {method!r}.")
 
 
+# What ``auto`` falls back on (module docstring). EngineError and the layer-wise engine's NotCoverable
+# are ValueErrors; pfor raises TypeError (a masked RNN's variant tensors) and NotImplementedError,
+# gradient registries LookupError, Keras re-raises a rule's error with its own type (RuntimeError).
+_FALLBACK_ERRORS = (
+    tf.errors.OpError, ValueError, TypeError, NotImplementedError, AttributeError, LookupError, RuntimeError,
+)
+
+
 def run(method: str, problem: Problem, use: Callable[[Engine], T], batch: Batch | None = None) -> T:
     """``use(engine)`` with the engine ``method`` names, or the one ``"auto"`` picks.
 
     ``use`` asks for one capability (``engine.compute(problem, batch)``,
     ``engine.squared_norms(...)`` or ``engine.clipped_sums(...)``); ``auto``
     falls back the same way for each: an engine that refuses the problem
-    (``why_not``) or raises while building is skipped, with one
-    ``EngineFallbackWarning`` naming it and the reason. With ``batch``, the
-    engines' batch-dependent refusals (``Engine.why_not_batch``) apply too;
-    every caller that runs an engine on a batch passes it.
+    (``why_not``) or fails with one of ``_FALLBACK_ERRORS`` is skipped, with
+    one ``EngineFallbackWarning`` naming it and the reason. With ``batch``,
+    the engines' batch-dependent refusals (``Engine.why_not_batch``) apply
+    too, and an engine's failure is first checked against the plain batch
+    gradient (module docstring); every caller that runs an engine on a batch
+    passes it.
 
     Raises:
-      EngineError: an explicitly chosen engine refuses or fails, or no engine
-        can run (``auto``).
+      EngineError: an explicitly chosen engine refuses or fails while the
+        plain batch gradient runs, or no engine can run (``auto``).
+      InvalidLossError: the loss does not give one value per example.
+      Exception: whatever the plain batch gradient raises on ``batch`` (a
+        data error), as it raises it; and, unchanged, any exception an engine
+        raises that is not one of ``_FALLBACK_ERRORS``.
     """
     if method != "auto":
         engine = ENGINES[method]
         reason = engine.refusal(problem, batch)
         if reason:
+            _raise_if_batch_gradient_fails(problem, batch)  # a refusal can stem from the data (a one-example graph that fails to trace)
             raise EngineError(f"method={method!r} cannot run on this model: {reason}.")
-        try:
-            return use(engine)
-        except InvalidLossError:
-            raise
-        except Exception as err:  # noqa: BLE001 - re-raised with the engine named
-            raise EngineError(
-                f"method={method!r} could not handle this model: "
-                f"{type(err).__name__}: {_first_line(err)}. method='auto' falls "
-                "back to another engine; method='loop' runs anything that runs "
-                "on one example."
-            ) from err
+        result, err = _attempt(use, engine)
+        if err is None:
+            return result
+        _raise_if_batch_gradient_fails(problem, batch)
+        raise EngineError(
+            f"method={method!r} could not handle this model: "
+            f"{type(err).__name__}: {_first_line(err)}. method='auto' falls "
+            "back to another engine; method='loop' runs anything that runs "
+            "on one example."
+        ) from err
 
     skipped = []
+    checked = False
     for name in AUTO_ORDER:
         engine = ENGINES[name]
         reason = engine.refusal(problem, batch)
         if reason is None:
-            try:
-                result = use(engine)
-            except InvalidLossError:
-                raise
-            except Exception as err:  # noqa: BLE001 - any build failure means "try the next engine"
-                reason = f"it raised {type(err).__name__}: {_first_line(err)}"
-            else:
+            result, err = _attempt(use, engine)
+            if err is None:
                 if skipped:
                     _warn_once(name, skipped)
                 return result
+            if not checked:
+                _raise_if_batch_gradient_fails(problem, batch)
+                checked = True
+            reason = f"it raised {type(err).__name__}: {_first_line(err)}"
         skipped.append((name, reason))
     raise EngineError(
         "No engine could compute per-example gradients for this model:\n"
         + "\n".join(f"  {n}: {r}" for n, r in skipped)
     )
+
+
+def _attempt(use: Callable[[Engine], T], engine: Engine) -> tuple[T | None, Exception | None]:
+    """``(use(engine), None)``, or ``(None, err)`` for an ``err`` in ``_FALLBACK_ERRORS``; anything else propagates.
+
+    The error is returned rather than handled where it is caught, so that an
+    exception raised after it (a data error) carries no context from it.
+    """
+    try:
+        return use(engine), None
+    except InvalidLossError:
+        raise  # every engine would fail the same way
+    except _FALLBACK_ERRORS as err:
+        return None, err
+
+
+def _raise_if_batch_gradient_fails(problem: Problem, batch: Batch | None) -> None:
+    """Takes the plain batch gradient once: the model, the loss and their gradient on ``batch``; whatever that raises propagates as it is.
+
+    That gradient is what every engine refines, so when it fails no engine
+    can succeed and the failure is the data's or the model's, not an
+    engine's. Eagerly it executes, so errors only running finds (a label out
+    of range) show. Inside a ``tf.function`` trace it is traced, on specs of
+    the batch, into a graph of its own that is never run or called (there the
+    backward pass's trace can expose what only running the forward would: a
+    sequence longer than a position table). A batch pass that runs out of
+    memory says nothing about the data (the engines left may take one
+    example at a time), so that one is not raised. Without a ``batch`` there
+    is nothing to run.
+    """
+    if batch is None:
+        return
+
+    def batch_gradient(batch):
+        with tf.name_scope("plain_batch_gradient"):  # at the root, a layer named "_x" is not a valid scope name
+            with tf.GradientTape() as tape:
+                watch_variables(tape, problem.variables)
+                total = tf.reduce_sum(problem.losses(batch))
+            tape.gradient(total, problem.variables)
+
+    try:
+        if tf.executing_eagerly():
+            batch_gradient(batch)
+        else:
+            specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), batch)
+            tf.function(batch_gradient, autograph=False).get_concrete_function(specs)
+    except tf.errors.ResourceExhaustedError:
+        pass
 
 
 def compute(method: str, problem: Problem, batch: Batch) -> list:
@@ -124,7 +213,15 @@ def _warn_once(used: str, skipped: list) -> None:
     )
 
 
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def _first_line(err: Exception) -> str:
-    """The line that says what went wrong (AutoGraph puts a traceback first)."""
-    lines = [l.strip() for l in str(err).strip().splitlines() if l.strip()]
+    """The line that says what went wrong.
+
+    The last line of the message (AutoGraph puts a traceback first), before
+    the list of arguments Keras appends to errors raised in a layer's call.
+    """
+    text = _ANSI_ESCAPE.sub("", str(err)).split("Arguments received by ")[0]
+    lines = [l.strip() for l in text.strip().splitlines() if l.strip()]
     return lines[-1][:300].rstrip(".") if lines else ""
