@@ -65,10 +65,20 @@ def test_compute_epsilon_equals_dp_accounting(kind, n, b, epochs, sigma, delta):
 
 
 @pytest.mark.parametrize("kind", ["rdp", "pld"])
-def test_steps_and_sampling_probability_override_the_schedule(kind):
+def test_steps_and_a_consistent_sampling_probability_give_the_schedule(kind):
     expected = direct_epsilon(kind, 0.01, 2.0, 250, 1e-6)
-    got = compute_epsilon(10_000, 50, None, 2.0, 1e-6, accountant=kind, steps=250, sampling_probability=0.01)
+    got = compute_epsilon(10_000, 100, None, 2.0, 1e-6, accountant=kind, steps=250, sampling_probability=0.01)
     assert got == pytest.approx(expected, rel=ACCOUNTING_SAME_RTOL)
+
+
+def test_conflicting_schedule_arguments_are_refused():
+    # Both were accepted, and steps / sampling_probability silently won.
+    with pytest.raises(ValueError, match=r"give epochs or steps, not both \(got epochs=1, steps=10\)"):
+        compute_epsilon(60_000, 256, 1, 1.1, 1e-5, steps=10)
+    with pytest.raises(ValueError, match=r"sampling_probability=0.5 disagrees with batch_size / num_examples = 256 / 60000"):
+        compute_epsilon(60_000, 256, None, 1.1, 1e-5, steps=10, sampling_probability=0.5)
+    with pytest.raises(ValueError, match="give epochs or steps, not both"):
+        noise_multiplier_for_epsilon(2.0, 1e-5, 60_000, 256, 1, steps=10)
 
 
 def test_zero_noise_is_infinite_and_zero_steps_is_zero():

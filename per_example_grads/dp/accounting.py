@@ -95,6 +95,7 @@ import dp_accounting
 from dp_accounting import pld, rdp
 
 from per_example_grads._core.quiet import quiet_accounting
+from per_example_grads.dp import pld_cost
 
 ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
 SAMPLINGS: tuple[str, ...] = ("poisson", "shuffle")
@@ -380,9 +381,14 @@ def dp_sgd_schedule(
 ) -> tuple[float, int]:
     """``(q, steps)`` of a planned run, as ``compute_epsilon`` reads its arguments.
 
-    ``q = batch_size / num_examples`` unless ``sampling_probability`` is given;
-    ``steps = ceil(epochs * num_examples / batch_size)`` unless ``steps`` is
-    given (floats are read by their decimal repr, so ``epochs=0.1`` is 1/10).
+    ``q = batch_size / num_examples`` (``sampling_probability``, if given,
+    must agree with it); ``steps = ceil(epochs * num_examples / batch_size)``,
+    or ``steps`` instead of ``epochs`` (floats are read by their decimal
+    repr, so ``epochs=0.1`` is 1/10).
+
+    Raises:
+      ValueError: both ``epochs`` and ``steps``, or a ``sampling_probability``
+        that disagrees with ``batch_size / num_examples``, or values out of range.
 
     Example:
       >>> dp_sgd_schedule(60_000, 256, 60)
@@ -398,7 +404,18 @@ def dp_sgd_schedule(
         q = b / n
     else:
         q = _check_sampling_probability(sampling_probability)
+        if abs(q - b / n) > 1e-9 * q:
+            raise ValueError(
+                f"sampling_probability={sampling_probability!r} disagrees with batch_size / num_examples = "
+                f"{batch_size!r} / {num_examples!r} = {b / n:.6g}: give one of them consistent with the "
+                "other (the expected batch size is q * N), or leave sampling_probability out."
+            )
     if steps is not None:
+        if epochs is not None:
+            raise ValueError(
+                f"give epochs or steps, not both (got epochs={epochs!r}, steps={steps!r}): steps would "
+                "silently win."
+            )
         steps = _check_count("steps", steps)
     else:
         if epochs is None:
@@ -496,17 +513,65 @@ def noise_multiplier_for_epsilon(
     def event(sigma: float) -> dp_accounting.DpEvent:
         return _dp_sgd_event(sigma, q, steps)
 
+    try:
+        return _search_sigma(accountant, event, target, delta, rtol)
+    except _PldTooCostly as e:
+        _warn_rdp_fallback(e.event)  # one accountant per search: brackets must not mix them
+        return _search_sigma("rdp", event, target, delta, rtol)
+
+
+# noise_multiplier_for_epsilon searches sigma in this range.
+_SIGMA_RANGE = (1e-3, 1e9)
+
+
+class _PldTooCostly(Exception):
+    """A PLD evaluation of the search would exceed ``pld_cost.MAX_PLD_POINTS`` (``event``)."""
+
+    def __init__(self, event):
+        super().__init__()
+        self.event = event
+
+
+def _search_sigma(accountant: str, event, target: float, delta: float, rtol: float) -> float:
+    """``noise_multiplier_for_epsilon``'s search with one accountant; ``_PldTooCostly`` if PLD would be."""
+    # The ends of the searched range first, so an unreachable target fails at
+    # once instead of after many evaluations towards it. (At the small end RDP
+    # may stand in for PLD: if RDP's epsilon is within the target, PLD's is too.)
+    if _epsilon(accountant, event(_SIGMA_RANGE[0]), delta, warn=False) <= target:
+        raise ValueError(
+            f"target_epsilon={target!r} is met with noise_multiplier below {_SIGMA_RANGE[0]:g}: "
+            "that is no privacy to speak of. Choose a smaller target_epsilon."
+        )
+    if not _epsilon(accountant, event(_SIGMA_RANGE[1]), delta, warn=False) <= target:
+        raise ValueError(
+            f"target_epsilon={target!r} needs noise_multiplier above {_SIGMA_RANGE[1]:g} for this "
+            "run: choose a larger target_epsilon, fewer steps or a smaller batch."
+        )
     guess = 1.0
     if accountant == "pld":
         # A coarse PLD (10x faster) finds the neighbourhood; the default one
         # then usually only confirms the bracket [guess / (1 + rtol), guess].
-        guess = _calibrate(lambda: _make_accountant("pld", coarse=True), event, target, delta, 1.0, 2.0, 1e-3)
+        guess = _calibrate("pld", True, event, target, delta, 1.0, 2.0, 1e-3)
     factor = 2.0 if accountant == "rdp" else 1.0 + rtol
-    return _calibrate(lambda: _make_accountant(accountant), event, target, delta, guess, factor, rtol)
+    return _calibrate(accountant, False, event, target, delta, guess, factor, rtol)
+
+
+def _checked_accountant(name: str, coarse: bool, event: dp_accounting.DpEvent) -> dp_accounting.PrivacyAccountant:
+    accountant, used = _accountant_for(name, event, coarse=coarse)
+    if used != name:
+        raise _PldTooCostly(event)
+    return accountant
+
+
+def _within_budget(name: str, coarse: bool, event: dp_accounting.DpEvent, target: float, delta: float) -> bool:
+    accountant = _checked_accountant(name, coarse, event)
+    with quiet_accounting():
+        return accountant.compose(event).get_epsilon(delta) <= target
 
 
 def _calibrate(
-    make_accountant: Callable[[], dp_accounting.PrivacyAccountant],
+    name: str,
+    coarse: bool,
     event: Callable[[float], dp_accounting.DpEvent],
     target: float,
     delta: float,
@@ -514,38 +579,34 @@ def _calibrate(
     factor: float,
     rtol: float,
 ) -> float:
-    """The smallest sigma with ``eps(event(sigma)) <= target``, to ``rtol``.
+    """The smallest sigma in ``_SIGMA_RANGE`` with ``eps(event(sigma)) <= target``, to ``rtol``.
 
     Brackets it by multiplying or dividing ``guess`` by ``factor`` (which
     squares after each miss, up to 2), then hands the bracket to
     ``dp_accounting.calibrate_dp_mechanism`` unless it is already narrower
-    than ``rtol``.
+    than ``rtol``. The range's ends are known to bracket the answer.
     """
 
     def within_budget(sigma: float) -> bool:
-        with quiet_accounting():
-            return make_accountant().compose(event(sigma)).get_epsilon(delta) <= target
+        return _within_budget(name, coarse, event(sigma), target, delta)
 
     if within_budget(guess):
         high, low = guess, guess / factor
         while within_budget(low):
-            if low < 1e-3:
-                raise ValueError(f"target_epsilon={target!r} is met with noise_multiplier below 1e-3.")
             factor = min(factor * factor, 2.0)
-            high, low = low, low / factor
+            high, low = low, max(low / factor, _SIGMA_RANGE[0])
     else:
         low, high = guess, guess * factor
         while not within_budget(high):
-            if high > 1e9:
-                raise ValueError(f"target_epsilon={target!r} needs noise_multiplier above 1e9.")
             factor = min(factor * factor, 2.0)
-            low, high = high, high * factor
+            low, high = high, min(high * factor, _SIGMA_RANGE[1])
     if high - low <= rtol * low:
         return float(high)
+    _checked_accountant(name, coarse, event(low))  # the larger grid of the bracket
     with quiet_accounting():
         return float(
             dp_accounting.calibrate_dp_mechanism(
-                make_accountant,
+                lambda: _make_accountant(name, coarse=coarse),
                 event,
                 target,
                 delta,
@@ -632,9 +693,35 @@ def _dp_sgd_event(sigma: float, q: float, steps: int) -> dp_accounting.DpEvent:
     return _Segment(_STEP, (sigma,), q, steps).dp_event()
 
 
-def _epsilon(accountant: str, event: dp_accounting.DpEvent, delta: float) -> float:
+def _accountant_for(name: str, event: dp_accounting.DpEvent, *, coarse: bool = False) -> tuple[dp_accounting.PrivacyAccountant, str]:
+    """``(accountant, name used)``: ``name``'s, or RDP where PLD's grid would exceed ``pld_cost.MAX_PLD_POINTS``.
+
+    RDP's epsilon is never below PLD's, so the answer can only over-report;
+    it costs milliseconds whatever the event (``per_example_grads.dp.pld_cost``).
+    """
+    if name == "pld" and pld_cost.pld_points(event, 1e-3 if coarse else 1e-4) > pld_cost.MAX_PLD_POINTS:
+        return _make_accountant("rdp"), "rdp"
+    return _make_accountant(name, coarse=coarse), name
+
+
+def _warn_rdp_fallback(event: dp_accounting.DpEvent) -> None:
+    points = pld_cost.pld_points(event)
+    gigabytes = "unbounded memory" if math.isinf(points) else f"a grid of about {points:.3g} entries"
+    warnings.warn(
+        f"the PLD accountant would need {gigabytes} (more than {pld_cost.MAX_PLD_POINTS:.3g}, about 1 GB) "
+        "for this run, so epsilon comes from the RDP accountant: a valid upper bound, never below "
+        "PLD's, and looser.",
+        UserWarning, stacklevel=3,
+    )
+
+
+def _epsilon(accountant: str, event: dp_accounting.DpEvent, delta: float, *, warn: bool = True) -> float:
+    """Epsilon of ``event`` with ``accountant``, or with RDP where PLD would be too costly (warned if ``warn``)."""
+    used_accountant, used = _accountant_for(accountant, event)
+    if used != accountant and warn:
+        _warn_rdp_fallback(event)
     with quiet_accounting():
-        return float(_make_accountant(accountant).compose(event).get_epsilon(delta))
+        return float(used_accountant.compose(event).get_epsilon(delta))
 
 
 def _combined_noise_multiplier(noise_multipliers: Iterable[float]) -> float:
