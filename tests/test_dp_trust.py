@@ -331,3 +331,26 @@ def test_import_by_position_names_every_mismatch():
     assert "#1" in message and "shape (7,) != variable shape (8,)" in message
     with pytest.raises(TypeError, match="arrays must be a dict"):
         peg.import_gradients(np.zeros(3), server.trainable_variables)
+
+
+def test_a_repeated_dataset_is_of_unknown_size():
+    # One pass of repeat(2) shows each of the 64 examples twice: N is not its 128 rows.
+    data = tf.data.Dataset.from_tensor_slices((X, Y)).repeat(2).batch(16)
+    with pytest.raises(ValueError, match=r"repeats its elements \(Dataset.repeat\), whose number of examples is unknown"):
+        _fit(_dp(expected_batch_size=16), data, epochs=1)
+
+
+def test_fit_on_no_examples_is_refused():
+    with pytest.raises(ValueError, match="DPModel.fit was given no examples"):
+        _fit(_dp(expected_batch_size=16), X[:0], Y[:0], batch_size=16, epochs=1)
+
+
+def test_private_gradients_names_a_string_seed():
+    with pytest.raises(TypeError, match="seed must be None, an int, a pair of ints"):
+        peg.dp.private_gradients(_net(), LOSS, X, Y, l2_norm_clip=1.0, noise_multiplier=1.0, seed="abc")
+
+
+@pytest.mark.parametrize("check", [peg.dp.check_model, peg.dp.fix_model])
+def test_model_checks_name_a_non_model(check):
+    with pytest.raises(TypeError, match="model must be a .*Keras model.* got str"):
+        check("not a model")

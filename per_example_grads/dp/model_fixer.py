@@ -68,6 +68,8 @@ def fix_model(
     """
     if batch_norm not in BATCH_NORM_FIXES:
         raise ValueError(f"batch_norm must be one of {list(BATCH_NORM_FIXES)}; got {batch_norm!r}.")
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"model must be a Sequential or Functional Keras model; got {type(model).__name__} {model!r:.80}.")
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
         raise ValueError(f"groups must be a positive int; got {groups!r}.")
     if not _is_graph_model(model):

@@ -26,7 +26,7 @@ from per_example_grads._core.arguments import check_dp_arguments, total_clip
 from per_example_grads._core.batch import batch_size, make_batch
 from per_example_grads.clipping import clipped_gradients
 from per_example_grads.dp.aggregator import noised_average, regularization_gradients
-from per_example_grads.dp.noise import NoiseSeed, RepeatedNoiseWarning
+from per_example_grads.dp.noise import NoiseSeed, RepeatedNoiseWarning, stateless_key
 from per_example_grads._core.problem import resolve_variables
 
 
@@ -134,6 +134,7 @@ def _fixed_seed(seed: NoiseSeed) -> tuple | None:
     """An int or pair seed as a tuple of ints; None for seeds that give fresh noise or change at run time."""
     if seed is None or isinstance(seed, (tf.random.Generator, tf.Variable)):
         return None
+    stateless_key(seed)  # a TypeError or ValueError naming seed, for what is no seed
     if tf.is_tensor(seed):
         seed = tf.get_static_value(seed)
         if seed is None:

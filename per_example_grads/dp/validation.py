@@ -13,6 +13,8 @@ import dataclasses
 import warnings
 from typing import Any
 
+import keras
+
 from per_example_grads._core import model_inspection
 from per_example_grads.engines.capture import NotCoverable, plan_units
 from per_example_grads.rules.local import LocalRule
@@ -37,7 +39,13 @@ class ValidationReport:
 
 
 def validate(model: Any, *, training: bool = True) -> ValidationReport:
-    """Inspects ``model`` for private training; see the module docstring."""
+    """Inspects ``model`` for private training; see the module docstring.
+
+    Raises:
+      TypeError: ``model`` is not a Keras layer or model.
+    """
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(f"model must be a Keras model or layer; got {type(model).__name__} {model!r:.80}.")
     coupling = model_inspection.batch_coupling_layers(model, training)
     errors = [
         f"'{l.name}' (BatchNormalization) normalizes with batch statistics in training: "

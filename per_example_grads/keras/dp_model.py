@@ -359,6 +359,8 @@ class DPModel(keras.Model):
                     "peg.dp.poisson_batches(x, y, sampling_probability=q), which knows it."
                 )
             return
+        if rows == 0:
+            raise ValueError(f"DPModel.fit was given no examples ({what} 0).")
         if self.num_examples is None:
             self.num_examples = int(rows)
         elif self.num_examples != rows:

@@ -8,7 +8,8 @@ guessing:
 - arrays (NumPy, tensors, or dicts / lists of them): their rows, less the
   last ``floor``-complement that ``validation_split`` holds out (Keras's own
   split: the first ``floor(N (1 - split))`` rows train);
-- a ``tf.data.Dataset`` of known cardinality: the rows of one pass, the
+- a ``tf.data.Dataset`` of known cardinality that does not repeat its
+  elements: the rows of one pass, the
   cardinality times the batch size where every batch has a static size, else
   counted by running the pipeline once (only the leading dimension of each
   batch is read);
@@ -64,6 +65,8 @@ def _dataset_rows(dataset: tf.data.Dataset) -> FitRows:
         return FitRows(None, None, "a dataset that repeats forever")
     if cardinality == tf.data.UNKNOWN_CARDINALITY:
         return FitRows(None, None, "a dataset of unknown cardinality")
+    if _repeats(dataset):
+        return FitRows(None, None, "a dataset that repeats its elements (Dataset.repeat)")
     leaves = tf.nest.flatten(dataset.element_spec)
     if not leaves or any(getattr(spec, "shape", None) is None or spec.shape.rank in (None, 0) for spec in leaves):
         return FitRows(None, None, "a dataset whose elements are not batches")
@@ -76,3 +79,26 @@ def _dataset_rows(dataset: tf.data.Dataset) -> FitRows:
         lambda acc, rows: (acc[0] + rows, tf.maximum(acc[1], rows)),
     )
     return FitRows(int(total.numpy()), int(largest.numpy()), "one pass of the dataset has")
+
+
+def _repeats(dataset: tf.data.Dataset) -> bool:
+    """Whether a ``repeat`` stands anywhere in the chain of datasets ``dataset`` was made from.
+
+    One pass of a repeated dataset shows each example several times, so its
+    rows are not its number of examples. The chain is followed through the
+    ``_input_dataset`` of TensorFlow's unary datasets (and the inputs of zips
+    and concatenations); a transformation that hides its input is not seen.
+    """
+    seen, stack = set(), [dataset]
+    while stack:
+        d = stack.pop()
+        if id(d) in seen:
+            continue
+        seen.add(id(d))
+        if type(d).__name__ == "_RepeatDataset":
+            return True
+        for name in ("_input_dataset", "_dataset_to_concatenate"):
+            if isinstance(getattr(d, name, None), tf.data.Dataset):
+                stack.append(getattr(d, name))
+        stack.extend(x for x in tf.nest.flatten(getattr(d, "_datasets", ())) if isinstance(x, tf.data.Dataset))
+    return False
