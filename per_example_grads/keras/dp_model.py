@@ -75,7 +75,8 @@ class DPModel(keras.Model):
     ``validation_split`` holds out), a ``tf.data`` dataset of known
     cardinality (the rows of one pass, counted by running the pipeline once
     unless every batch has a static size). Data of unknown size (a dataset
-    of unknown or infinite cardinality, a generator) needs ``num_examples``.
+    of unknown or infinite cardinality, one that repeats its elements, a
+    generator) needs ``num_examples``.
     Every ``fit`` of one ``DPModel`` must see the same ``N``.
 
     **One ledger per network.** ``epsilon()`` covers the steps this
