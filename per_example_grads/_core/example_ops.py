@@ -42,23 +42,23 @@ def per_example_squared_norms(t: tf.Tensor) -> tf.Tensor:
     sum is then inf; ``wide_squared_norms`` recomputes such examples in
     float64) and flush to 0 below about 1e-19.
     """
-    return _sum_of_squares(_rows(t))
+    t = tf.cast(t, compute_dtype(t.dtype))
+    return _sum_of_squares(tf.reshape(t, [tf.shape(t)[0], -1]))
 
 
 WIDE = tf.float64  # the dtype of [B] squared norms beyond float32's range (``widened``)
 
 
 def squares_part(t: tf.Tensor, squares: tf.Tensor | None = None) -> tuple:
-    """``per_example_squared_norms(t)`` as a part for ``widened``: ``(value, float64 recomputation)``.
+    """``per_example_squared_norms(t)`` as a part for ``widened``: ``(value, its float64 recomputation)``.
 
     Args:
       t: ``[B, ...]``.
       squares: ``per_example_squared_norms(t)`` when already computed (in an
         XLA-compiled function beside ``t``, say).
     """
-    rows = _rows(t)
-    squares = _sum_of_squares(rows) if squares is None else squares
-    return squares, (None if rows.dtype == WIDE else lambda: wide_sum_of_squares(rows))
+    squares = per_example_squared_norms(t) if squares is None else squares
+    return squares, (None if compute_dtype(t.dtype) == WIDE else lambda pick: wide_sum_of_squares(pick(t)))
 
 
 def wide_squared_norms(t: tf.Tensor) -> tf.Tensor:
@@ -67,7 +67,7 @@ def wide_squared_norms(t: tf.Tensor) -> tf.Tensor:
 
 
 def wide_sum_of_squares(t: tf.Tensor) -> tf.Tensor:
-    """``[B]`` float64: ``sum(t[n] ** 2)`` computed in float64, where the square of any float32 is finite."""
+    """``[k]`` float64: ``sum(t[n] ** 2)`` of ``[k, ...]`` rows, computed in float64, where the square of any float32 is finite."""
     return _sum_of_squares(tf.cast(t, WIDE), axis=list(range(1, t.shape.rank)))
 
 
@@ -75,13 +75,18 @@ def widened(parts: list) -> list[tf.Tensor]:
     """Float64 squared norms from float32 ones, finite wherever the gradients are.
 
     Each part is ``(value, exact)``: ``value`` ``[B]`` (or ``[B, ...]``) in
-    float32, and ``exact()`` the same in float64 (None: nothing to recompute,
-    ``value`` is float64 or needs none). The result per part is ``value``,
-    exactly (cast), except for the examples where some part's value is not
-    finite (float32 squares overflow for entries beyond about 1.8e19),
-    which get every part's ``exact()``. One ``tf.cond`` on ``is_finite``
-    for all the parts: the recomputations run only for such batches, and
-    the common path costs an ``is_finite`` per part and a cast.
+    float32, and ``exact(pick)`` the float64 values of the examples that
+    ``pick`` selects (``pick(t)``: those rows of a ``[B, ...]`` tensor ``t``)
+    (None: nothing to recompute, ``value`` is float64 or needs none). The
+    result per part is ``value``, exactly (cast), except for the examples
+    where some part's value is not finite (float32 squares overflow for
+    entries beyond about 1.8e19), which get every part's ``exact``. The
+    recomputations take those examples' rows only (``tf.gather_nd``, empty
+    in the common case: no ``tf.cond``, whose branches cost more to trace
+    and to run); under XLA, which wants static shapes, they run on the whole
+    batch inside one ``tf.cond`` on ``is_finite``. Either way the common path
+    costs an ``is_finite`` and a cast per part and a few ops on ``[B]``
+    vectors or empty tensors.
 
     Underflow is not caught: entries below about 1e-19 square to 0 in
     float32 (TensorFlow flushes subnormal numbers), as in
@@ -99,24 +104,24 @@ def widened(parts: list) -> list[tf.Tensor]:
         if value.shape.rank > 1:
             ok = tf.reduce_all(ok, axis=list(range(1, value.shape.rank)))
         finite = ok if finite is None else finite & ok
+    if in_xla_context():
 
-    def recomputed():
-        out = []
-        for i in checked:
-            rank = parts[i][0].shape.rank
-            keep = finite if rank == 1 else tf.reshape(finite, [-1] + [1] * (rank - 1))
-            out.append(tf.where(keep, wide[i], parts[i][1]()))
-        return out
+        def recomputed():
+            out = []
+            for i in checked:
+                rank = parts[i][0].shape.rank
+                keep = finite if rank == 1 else tf.reshape(finite, [-1] + [1] * (rank - 1))
+                out.append(tf.where(keep, wide[i], parts[i][1](lambda t: t)))
+            return out
 
-    for i, value in zip(checked, tf.cond(tf.reduce_all(finite), lambda: [wide[i] for i in checked], recomputed)):
+        outs = tf.cond(tf.reduce_all(finite), lambda: [wide[i] for i in checked], recomputed)
+    else:
+        rows = tf.where(tf.logical_not(finite))  # [k, 1]
+        pick = lambda t: tf.gather_nd(t, rows)  # noqa: E731
+        outs = [tf.tensor_scatter_nd_update(wide[i], rows, parts[i][1](pick)) for i in checked]
+    for i, value in zip(checked, outs):
         wide[i] = value
     return wide
-
-
-def _rows(t: tf.Tensor) -> tf.Tensor:
-    """``t`` as ``[B, n]`` in its compute dtype."""
-    t = tf.cast(t, compute_dtype(t.dtype))
-    return tf.reshape(t, [tf.shape(t)[0], -1])
 
 
 def _sum_of_squares(t: tf.Tensor, axis=1) -> tf.Tensor:

@@ -48,20 +48,20 @@ def per_example_kernel(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
 def kernel_part(a: tf.Tensor, g: tf.Tensor) -> tuple:
     """``||per_example_kernel(a, g)[n]||^2`` without building it when cheaper, as a part for ``example_ops.widened``.
 
-    ``(value, float64 recomputation)``.
-    The value is ``||a_n||^2 ||g_n||^2``, the Gram form or the built
-    kernel's sum of squares, in the inputs' dtype; its recomputation, the
-    same in float64 (where ``||a_n||^2`` of activations beyond about 1.8e19
-    is finite). None for float64 inputs.
+    ``(value, its float64 recomputation)``: the value is ``||a_n||^2
+    ||g_n||^2``, the Gram form or the built kernel's sum of squares, in the
+    inputs' dtype; the recomputation, the same in float64 (where
+    ``||a_n||^2`` of activations beyond about 1.8e19 is finite) for the
+    examples ``widened`` picks; None for float64 inputs.
     """
     t, i, j = a.shape[1], a.shape[2], g.shape[2]
     narrow = a.dtype != WIDE
     if t == 1:
         product = per_example_squared_norms(a) * per_example_squared_norms(g)
-        return product, (lambda: wide_sum_of_squares(a) * wide_sum_of_squares(g)) if narrow else None
+        return product, (lambda pick: wide_sum_of_squares(pick(a)) * wide_sum_of_squares(pick(g))) if narrow else None
     if t is not None and t * (i + j) < i * j:
         gram = _gram_squared_norms(a, g)
-        return gram, (lambda: _gram_squared_norms(tf.cast(a, WIDE), tf.cast(g, WIDE))) if narrow else None
+        return gram, (lambda pick: _gram_squared_norms(tf.cast(pick(a), WIDE), tf.cast(pick(g), WIDE))) if narrow else None
     return squares_part(per_example_kernel(a, g))
 
 
@@ -76,8 +76,8 @@ def kernel_and_bias_parts(a: tf.Tensor, g: tf.Tensor) -> list[tuple]:
     norms_a, norms_g = per_example_squared_norms(a), per_example_squared_norms(g)
     if a.dtype == WIDE:
         return [(norms_a * norms_g, None), (norms_g, None)]
-    wide = functools.cache(lambda: (wide_sum_of_squares(a), wide_sum_of_squares(g)))
-    return [(norms_a * norms_g, lambda: wide()[0] * wide()[1]), (norms_g, lambda: wide()[1])]
+    wide = functools.cache(lambda pick: (wide_sum_of_squares(pick(a)), wide_sum_of_squares(pick(g))))
+    return [(norms_a * norms_g, lambda pick: wide(pick)[0] * wide(pick)[1]), (norms_g, lambda pick: wide(pick)[1])]
 
 
 def _gram_squared_norms(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:

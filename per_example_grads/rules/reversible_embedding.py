@@ -161,19 +161,21 @@ class ReversibleEmbeddingRule(LayerRule):
         else:
             ids, rows, table = None, None, tf.zeros([b], dtype)
 
-        def terms(as_dtype):
-            cast = lambda t: tf.cast(t, as_dtype)  # noqa: E731
-            cast_rows = None if rows is None else cast(rows)
-            return self._projection_terms(layer, [(cast(h), cast(g)) for h, g in projections], ids, cast_rows, b, as_dtype)
+        def terms(pick, as_dtype):
+            """The reversed calls' terms of the examples ``pick`` selects, in ``as_dtype``."""
+            cast = lambda t: tf.cast(pick(t), as_dtype)  # noqa: E731
+            picked = [(cast(h), cast(g)) for h, g in projections]
+            k = tf.shape(picked[0][0] if picked else pick(table))[0]
+            return self._projection_terms(layer, picked, None if ids is None else pick(ids), None if rows is None else cast(rows), k, as_dtype)
 
-        projection, cross = terms(dtype)
+        projection, cross = terms(lambda t: t, dtype)
         narrow = dtype != WIDE
         if not layer.tie_weights:
-            return widened([(table, None), (projection, (lambda: terms(WIDE)[0]) if narrow else None)])
+            return widened([(table, None), (projection, (lambda pick: terms(pick, WIDE)[0]) if narrow else None)])
 
-        def wide_total():
-            wide_projection, wide_cross = terms(WIDE)
-            return tf.cast(table, WIDE) + wide_projection + 2 * wide_cross
+        def wide_total(pick):
+            wide_projection, wide_cross = terms(pick, WIDE)
+            return tf.cast(pick(table), WIDE) + wide_projection + 2 * wide_cross
 
         return widened([(table + projection + 2 * cross, wide_total if narrow else None)])
 
