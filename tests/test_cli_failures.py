@@ -251,9 +251,13 @@ def test_a_dp_demo_target_nothing_meets_is_one_line_and_status_2(tmp_path, capsy
     assert not out.exists()
 
 
-def test_epochs_beyond_the_accountant_are_one_line_and_status_2(capsys):
-    assert cli.main([*EPSILON, "--epochs", "1e12", "--noise-multiplier", "1"]) == 2
-    error_line(capsys.readouterr().err, "epsilon")
+def test_epochs_beyond_the_pld_accountant_answer_with_rdp_and_say_so(capsys):
+    # Before: the PLD accountant tried to allocate 221 TiB and raised MemoryError.
+    assert cli.main([*EPSILON, "--epochs", "1e12", "--noise-multiplier", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "epsilon comes from the RDP accountant" in captured.err
+    expected = accounting.compute_epsilon(1000, 10, 1e12, 1.0, 1e-5, accountant="rdp")
+    assert f"epsilon = {expected:.6g} at delta" in captured.out
 
 
 @pytest.mark.slow  # a subprocess; needs the accounting to give up on a hopeless target at once
