@@ -141,3 +141,26 @@ def weighted_example_sum(weights: tf.Tensor, t: tf.Tensor) -> tf.Tensor:
     flat = tf.reshape(t, [tf.shape(t)[0], -1])
     total = tf.linalg.matvec(flat, tf.cast(weights, t.dtype), transpose_a=True)
     return tf.reshape(total, t.shape[1:] if t.shape[1:].is_fully_defined() else tf.shape(t)[1:])
+
+
+def map_examples(fn, elems, **kwargs):
+    """``tf.map_fn(fn, elems, **kwargs)``, leaving the variable scope as it found it when ``fn`` raises.
+
+    Traced inside a ``tf.function``, ``tf.map_fn`` gives the current variable
+    scope a caching device and takes it back only when it returns; when
+    ``fn`` raises (a data error, say), the device stays on the scope of the
+    eager context, and every later ``MirroredStrategy`` variable creation in
+    the process fails ("Caching devices is not yet supported when eager
+    execution is enabled").
+    """
+    if tf.executing_eagerly():
+        return tf.map_fn(fn, elems, **kwargs)
+    from tensorflow.python.ops import variable_scope  # the scope tf.map_fn itself sets
+
+    scope = variable_scope.get_variable_scope()
+    device = scope.caching_device
+    try:
+        return tf.map_fn(fn, elems, **kwargs)
+    except BaseException:
+        scope.set_caching_device(device)
+        raise

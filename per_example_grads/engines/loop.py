@@ -11,12 +11,13 @@ import functools
 import tensorflow as tf
 
 from per_example_grads.engines.base import example_gradient, register_engine
+from per_example_grads._core.example_ops import map_examples
 
 
 @register_engine(name="loop", isolates_examples=True)
 def loop(problem, batch) -> list:
     """``[grad of loss_i for i in range(B)]``, stacked -> list of ``[B, *var.shape]``."""
-    return tf.map_fn(
+    return map_examples(
         functools.partial(example_gradient, problem),
         batch,
         fn_output_signature=problem.gradient_specs(),

@@ -22,6 +22,7 @@ from per_example_grads._core import model_inspection
 from per_example_grads._core.batch import batch_size
 from per_example_grads.engines.base import register_engine
 from per_example_grads._core.tape import dense_or_zeros
+from per_example_grads._core.example_ops import map_examples
 
 
 def why_not(problem) -> str | None:
@@ -64,7 +65,7 @@ def weight_copies(problem, batch) -> list:
     loss_dtype = loss_dtype if loss_dtype.size >= 4 else tf.float32
     with tf.GradientTape(watch_accessed_variables=False) as tape:
         tape.watch(copies)
-        losses = tf.map_fn(
+        losses = map_examples(
             example_loss,
             (batch, copies),
             fn_output_signature=tf.TensorSpec([], loss_dtype),

@@ -28,6 +28,7 @@ from per_example_grads._core.quiet import quiet_vectorization
 from per_example_grads._core.tape import dense_or_zeros, watch_variables
 from per_example_grads.rules.rule import LayerRule
 from per_example_grads._core.xla_context import in_xla_context
+from per_example_grads._core.example_ops import map_examples
 
 
 class LocalRule(LayerRule):
@@ -84,7 +85,7 @@ class LocalRule(LayerRule):
                         return tf.vectorized_map(fn, elems)
                 except Exception:  # noqa: BLE001 - fall back to the loop below
                     pass
-            return tf.map_fn(fn, elems, fn_output_signature=specs)
+            return map_examples(fn, elems, fn_output_signature=specs)
 
         # Ops that tf.vectorized_map runs as a while loop fail on an empty
         # batch, so a batch of 0 short-cuts to empty gradients.
