@@ -28,10 +28,46 @@ with one of two accountants:
   (epsilon, delta); a looser but quick upper bound.
 
 This module builds the events and asks ``dp_accounting``; it does no
-accountant mathematics itself. Everything else computed from the private
-data is *not* accounted here: hyperparameter tuning on it, training-set
-metrics or losses, the fraction of clipped examples, normalization
-statistics, or several examples belonging to one user (user-level privacy).
+accountant mathematics itself beyond estimating the PLD accountant's cost.
+Everything else computed from the private data is *not* accounted here:
+hyperparameter tuning on it, training-set metrics or losses, the fraction of
+clipped examples, normalization statistics, or several examples belonging to
+one user (user-level privacy).
+
+Bounded cost
+------------
+The PLD accountant's memory and time grow as sigma shrinks (each step's
+privacy-loss grid widens, roughly as ``1 / sigma^2``) and as the number of
+steps grows (so does the support of their composition); the RDP
+accountant's do neither. Before every PLD epsilon this module estimates
+what ``dp_accounting`` would build, in the order it builds it:
+
+* each step's probability mass functions (remove and add directions): the
+  points of its grid are ``dp_accounting``'s connect-the-dots epsilon bounds
+  of the Poisson-subsampled Gaussian at ``(q, sigma)`` divided by the grid's
+  step (``1e-4``), read from ``dp_accounting`` without building anything;
+* if those are affordable, the ``T``-fold self-composition: the window that
+  ``dp_accounting``'s Chernoff bound keeps at tail mass ``1e-15`` (computed
+  by ``dp_accounting`` on the very single-step distribution, built for it),
+  and the FFT of that length; a grid of at most 1000 points first takes the
+  big-integer power ``points ** T``, whose cost grows with ``T``;
+* the composition with the ledger's other segments, and the epsilon search.
+
+Memory and seconds per point are calibrated against ``dp_accounting``'s
+peak resident memory and running time, rounded up. An estimate past
+``PLD_MAX_BYTES`` (1 GiB) or ``PLD_MAX_SECONDS`` (20 s) is past the bounds:
+
+* ``compute_epsilon`` and ``PrivacyAccountant.epsilon`` return the RDP
+  accountant's epsilon of the same event with a ``UserWarning`` giving the
+  estimate. RDP's epsilon is an upper bound too, looser than PLD's, so this
+  over-reports, never under-reports. Where RDP answers 0 for a run with
+  steps (its numerics fail at extreme parameters), ``ValueError`` instead.
+* ``noise_multiplier_for_epsilon(..., accountant="pld")`` raises
+  ``ValueError`` (with the RDP accountant's answer) rather than calibrate
+  with a mixture of accountants, also when its PLD evaluations together
+  would pass ``SEARCH_MAX_SECONDS`` (30 s).
+* More than ``MAX_STEPS`` (``1e18``) steps, from ``steps`` or ``epochs``, are
+  refused with ``ValueError``.
 
 Shuffled batches (``sampling="shuffle"``)
 ------------------------------------------
@@ -85,6 +121,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import warnings
@@ -92,13 +129,21 @@ from fractions import Fraction
 from typing import Any, Callable, Iterable, Mapping
 
 import dp_accounting
+import scipy.fft
 from dp_accounting import pld, rdp
 
 from per_example_grads._core.quiet import quiet_accounting
-from per_example_grads.dp import pld_cost
 
 ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
 SAMPLINGS: tuple[str, ...] = ("poisson", "shuffle")
+
+# The PLD accountant's bounds (see "Bounded cost" in the module docstring).
+PLD_MAX_BYTES = 2**30  # estimated peak memory of one PLD epsilon
+PLD_MAX_SECONDS = 20.0  # estimated time of one PLD epsilon
+SEARCH_MAX_SECONDS = 30.0  # estimated time of all PLD epsilons of one noise_multiplier_for_epsilon
+MAX_STEPS = 10**18  # steps (or releases) in one call or segment: far beyond any run, within int64
+_FINE_INTERVAL = 1e-4  # dp_accounting's default PLD grid step
+_COARSE_INTERVAL = 1e-3  # noise_multiplier_for_epsilon's first search
 
 _STATE_VERSION = 1
 _STEP = "step"  # a DP-SGD step: counts towards ``PrivacyAccountant.steps``
@@ -293,17 +338,19 @@ class PrivacyAccountant:
     @property
     def dp_event(self) -> dp_accounting.DpEvent:
         """The ``dp_accounting`` event of everything recorded so far."""
-        return dp_accounting.ComposedDpEvent([s.dp_event() for s in self._segments])
+        return _composed_event(self._segments)
 
     def epsilon(self, delta: float) -> float:
         """The epsilon spent so far at ``delta``; ``0.0`` before any step.
 
         Recomputed (and cached) after each change: with ``"pld"`` that is a
-        fraction of a second to a few seconds for a long run.
+        fraction of a second to a few seconds for a long run, and never past
+        the cost bounds of "Bounded cost" in the module docstring: beyond
+        them the RDP accountant answers, with a ``UserWarning``.
         """
         delta = _check_delta(delta)
         if delta not in self._epsilons:
-            self._epsilons[delta] = _epsilon(self._accountant, self.dp_event, delta)
+            self._epsilons[delta] = _epsilon(self._accountant, self._segments, delta)
         return self._epsilons[delta]
 
     # -- checkpointing ------------------------------------------------------
@@ -424,6 +471,8 @@ def dp_sgd_schedule(
         if not e > 0:
             raise ValueError(f"epochs must be > 0; got {epochs!r}.")
         steps = math.ceil(_exact(epochs) * n / _exact(batch_size))
+        if steps > MAX_STEPS:
+            raise ValueError(f"epochs={epochs!r} makes {steps:.3g} steps, more than MAX_STEPS = {MAX_STEPS:.0e}.")
     return q, steps
 
 
@@ -451,7 +500,15 @@ def compute_epsilon(
     number, which is only a heuristic for shuffled fixed-size batches, and
     warns (see the module docstring). ``delta >= 1 / num_examples`` warns: a
     mechanism that publishes one random example in full already meets it;
-    choose ``delta`` much smaller than ``1 / N``.
+    choose ``delta`` much smaller than ``1 / N``. With ``"pld"`` past its
+    cost bounds, the RDP accountant answers and a ``UserWarning`` says so
+    (see "Bounded cost" in the module docstring).
+
+    Raises:
+      ValueError: both ``epochs`` and ``steps``; a ``sampling_probability``
+        that disagrees with ``batch_size / num_examples``; more than
+        ``MAX_STEPS`` steps; an RDP fallback that answers 0 (its numerics
+        failing); or any argument out of range (named).
 
     Example:
       >>> eps = compute_epsilon(60_000, 256, 60, 1.1, 1e-5, accountant="rdp")
@@ -464,7 +521,7 @@ def compute_epsilon(
     accountant = _check_choice("accountant", accountant, ACCOUNTANTS)
     if _check_choice("sampling", sampling, SAMPLINGS) == "shuffle":
         warnings.warn(SHUFFLE_WARNING, UserWarning, stacklevel=2)
-    return _epsilon(accountant, _dp_sgd_event(sigma, q, steps), delta)
+    return _epsilon(accountant, [_Segment(_STEP, (sigma,), q, steps)] if steps else [], delta)
 
 
 def noise_multiplier_for_epsilon(
@@ -482,14 +539,26 @@ def noise_multiplier_for_epsilon(
 ) -> float:
     """The smallest noise multiplier whose epsilon is at most ``target_epsilon``.
 
-    Same schedule as ``compute_epsilon``. Epsilon decreases as sigma grows;
-    the search brackets the answer by doubling / halving from ``sigma = 1``,
-    then runs ``dp_accounting.calibrate_dp_mechanism`` (Brent's method with a
-    bisection fallback) on that bracket; with ``"pld"`` it first locates the
-    answer with a 10x coarser PLD grid, which is much faster, and then
-    searches a narrow bracket with the default grid. The result ``sigma``
+    Same schedule as ``compute_epsilon``; sigma is searched in ``[1e-3,
+    1e9]``. Epsilon decreases as sigma grows. The RDP accountant (quick
+    whatever the parameters) first checks the range's bottom, then finds its
+    own answer: brackets by doubling / halving from ``sigma = 1``, then
+    ``dp_accounting.calibrate_dp_mechanism`` (Brent's method with a bisection
+    fallback) on the bracket. With ``"rdp"`` that is the result. With
+    ``"pld"`` the search continues from there with PLD alone (never mixing
+    accountants): on a 10x coarser grid to locate the answer, then on the
+    default grid in a narrow bracket, every evaluation's cost estimated first
+    (see "Bounded cost" in the module docstring). The result ``sigma``
     satisfies ``compute_epsilon(..., sigma) <= target_epsilon`` with the same
     accountant and is within ``rtol`` (relative) of the smallest such sigma.
+
+    Raises:
+      ValueError: naming ``target_epsilon``, when it is met below
+        ``sigma = 1e-3`` (by RDP's bound already) or needs more than ``1e9``;
+        with ``"pld"``, when an evaluation the search needs is past
+        ``PLD_MAX_BYTES`` / ``PLD_MAX_SECONDS`` or all of them together past
+        ``SEARCH_MAX_SECONDS`` (the message gives the RDP accountant's
+        answer); and for the arguments ``compute_epsilon`` refuses.
 
     Example:
       >>> sigma = noise_multiplier_for_epsilon(2.0, 1e-5, 60_000, 256, 5, accountant="rdp")
@@ -510,68 +579,134 @@ def noise_multiplier_for_epsilon(
     if steps == 0:
         raise ValueError("steps is 0: no noise is needed for zero steps.")
 
-    def event(sigma: float) -> dp_accounting.DpEvent:
-        return _dp_sgd_event(sigma, q, steps)
+    def segments(sigma: float) -> list[_Segment]:
+        return [_Segment(_STEP, (sigma,), q, steps)]
 
+    def event(sigma: float) -> dp_accounting.DpEvent:
+        return segments(sigma)[0].dp_event()
+
+    def rdp_within(sigma: float) -> bool:
+        return _accountant_epsilon(_make_accountant("rdp"), event(sigma), delta) <= target
+
+    # The range's bottom first, with the quick RDP accountant (its search then
+    # finds the top, cheaply). Its epsilon is an upper bound on the exact one,
+    # so a target it meets at the smallest sigma is met below it.
+    if rdp_within(_SIGMA_RANGE[0]):
+        raise ValueError(
+            f"target_epsilon={target!r} is met with noise_multiplier below {_SIGMA_RANGE[0]:g} "
+            "(by the RDP bound already): that is no privacy to speak of. Choose a smaller target_epsilon."
+        )
+    above = (
+        f"target_epsilon={target!r} needs noise_multiplier above {_SIGMA_RANGE[1]:g} for this run: "
+        "choose a larger target_epsilon, fewer steps or a smaller batch."
+    )
     try:
-        return _search_sigma(accountant, event, target, delta, rtol)
-    except _PldTooCostly as e:
-        _warn_rdp_fallback(e.event)  # one accountant per search: brackets must not mix them
-        return _search_sigma("rdp", event, target, delta, rtol)
+        rdp_sigma = _calibrate(rdp_within, lambda: _make_accountant("rdp"), event, target, delta, 1.0, 2.0, rtol)
+    except _AboveRange:
+        if accountant == "rdp":
+            raise ValueError(above) from None
+        rdp_sigma = math.inf  # PLD, the tighter, may still fit in the range
+    if accountant == "rdp":
+        return rdp_sigma
+
+    search = _PldSearch(segments, target, delta)
+    guess = min(rdp_sigma, _SIGMA_RANGE[1])
+    try:
+        # The default grid's cost near the RDP answer first: PLD's answer is
+        # usually a little below it.
+        search.check(guess, _FINE_INTERVAL)
+        # A coarse grid (10x fewer points) finds the neighbourhood; the
+        # default one then usually only confirms [guess / (1 + rtol), guess].
+        guess = _calibrate(*search.calibration(_COARSE_INTERVAL), target, delta, guess, 1.25, 1e-3)
+        return _calibrate(*search.calibration(_FINE_INTERVAL), target, delta, guess, 1.0 + rtol, rtol)
+    except _AboveRange:
+        raise ValueError(above) from None
+    except _TooCostly as e:
+        rdp = (f"the RDP accountant needs noise_multiplier above {_SIGMA_RANGE[1]:g}" if math.isinf(rdp_sigma)
+               else f"accountant='rdp' gives noise_multiplier={_round_up(rdp_sigma)}, a valid but looser calibration")
+        raise ValueError(f"target_epsilon={target!r}: {e}; {rdp}.") from None
 
 
 # noise_multiplier_for_epsilon searches sigma in this range.
 _SIGMA_RANGE = (1e-3, 1e9)
 
 
-class _PldTooCostly(Exception):
-    """A PLD evaluation of the search would exceed ``pld_cost.MAX_PLD_POINTS`` (``event``)."""
-
-    def __init__(self, event):
-        super().__init__()
-        self.event = event
+class _AboveRange(Exception):
+    """The search would go above ``_SIGMA_RANGE``."""
 
 
-def _search_sigma(accountant: str, event, target: float, delta: float, rtol: float) -> float:
-    """``noise_multiplier_for_epsilon``'s search with one accountant; ``_PldTooCostly`` if PLD would be."""
-    # The ends of the searched range first, so an unreachable target fails at
-    # once instead of after many evaluations towards it. (At the small end RDP
-    # may stand in for PLD: if RDP's epsilon is within the target, PLD's is too.)
-    if _epsilon(accountant, event(_SIGMA_RANGE[0]), delta, warn=False) <= target:
-        raise ValueError(
-            f"target_epsilon={target!r} is met with noise_multiplier below {_SIGMA_RANGE[0]:g}: "
-            "that is no privacy to speak of. Choose a smaller target_epsilon."
-        )
-    if not _epsilon(accountant, event(_SIGMA_RANGE[1]), delta, warn=False) <= target:
-        raise ValueError(
-            f"target_epsilon={target!r} needs noise_multiplier above {_SIGMA_RANGE[1]:g} for this "
-            "run: choose a larger target_epsilon, fewer steps or a smaller batch."
-        )
-    guess = 1.0
-    if accountant == "pld":
-        # A coarse PLD (10x faster) finds the neighbourhood; the default one
-        # then usually only confirms the bracket [guess / (1 + rtol), guess].
-        guess = _calibrate("pld", True, event, target, delta, 1.0, 2.0, 1e-3)
-    factor = 2.0 if accountant == "rdp" else 1.0 + rtol
-    return _calibrate(accountant, False, event, target, delta, guess, factor, rtol)
+class _TooCostly(Exception):
+    """A PLD evaluation of the search is past the cost bounds (the message says which)."""
 
 
-def _checked_accountant(name: str, coarse: bool, event: dp_accounting.DpEvent) -> dp_accounting.PrivacyAccountant:
-    accountant, used = _accountant_for(name, event, coarse=coarse)
-    if used != name:
-        raise _PldTooCostly(event)
-    return accountant
+_ESTIMATE_SLACK = 1.25  # the coarse search's first factor: one estimate covers its first bracket
 
 
-def _within_budget(name: str, coarse: bool, event: dp_accounting.DpEvent, target: float, delta: float) -> bool:
-    accountant = _checked_accountant(name, coarse, event)
-    with quiet_accounting():
-        return accountant.compose(event).get_epsilon(delta) <= target
+class _PldSearch:
+    """The PLD evaluations of one ``noise_multiplier_for_epsilon`` search, each costed before it runs.
+
+    ``charge(sigma, interval)``, before each evaluation, raises ``_TooCostly``
+    when its estimate is past ``PLD_MAX_BYTES`` / ``PLD_MAX_SECONDS``, or when
+    the estimated seconds of all evaluations (and estimates) so far pass
+    ``SEARCH_MAX_SECONDS``. The cost decreases as sigma grows (each step's
+    privacy loss narrows), so an evaluation above a sigma already estimated
+    is charged that estimate instead of a new one; below all of them, the
+    estimate is made at ``sigma / _ESTIMATE_SLACK``, so that it also covers
+    the next few, nearby, evaluations of the search.
+    """
+
+    def __init__(self, segments: Callable[[float], list[_Segment]], target: float, delta: float):
+        self._segments = segments
+        self._target = target
+        self._delta = delta
+        self._costs: dict[float, dict[float, _PldCost]] = {}  # interval -> sigma -> estimate
+        self._seconds = 0.0
+
+    def check(self, sigma: float, interval: float) -> _PldCost:
+        """The estimate that covers an evaluation at ``sigma``; ``_TooCostly`` if it is past the bounds."""
+        costs = self._costs.setdefault(interval, {})
+        below = max((s for s in costs if s <= sigma), default=None)
+        if below is None:
+            below = sigma / _ESTIMATE_SLACK
+            costs[below] = _pld_cost(self._segments(below), interval)
+            self._seconds += costs[below].estimate_seconds
+        cost = costs[below]
+        if not cost.fits():
+            raise _TooCostly(
+                f"the PLD accountant would need {cost} (estimated) at noise_multiplier={below:.4g}, "
+                f"past the bound of {_bounds()}"
+            )
+        return cost
+
+    def charge(self, sigma: float, interval: float) -> None:
+        """``check``, then counts the evaluation's estimated seconds; ``_TooCostly`` past ``SEARCH_MAX_SECONDS``."""
+        cost = self.check(sigma, interval)
+        self._seconds += cost.seconds - cost.estimate_seconds
+        if self._seconds > SEARCH_MAX_SECONDS:
+            raise _TooCostly(
+                f"calibrating with the PLD accountant would take more than {SEARCH_MAX_SECONDS:g} s "
+                f"(estimated, by noise_multiplier={sigma:.4g})"
+            )
+
+    def calibration(self, interval: float) -> tuple[Callable, Callable, Callable]:
+        """``_calibrate``'s first three arguments for the PLD grid ``interval``, every evaluation charged."""
+
+        def make_accountant() -> dp_accounting.PrivacyAccountant:
+            return _make_accountant("pld", interval)
+
+        def event(sigma: float) -> dp_accounting.DpEvent:
+            self.charge(sigma, interval)
+            return _composed_event(self._segments(sigma))
+
+        def within(sigma: float) -> bool:
+            return _accountant_epsilon(make_accountant(), event(sigma), self._delta) <= self._target
+
+        return within, make_accountant, event
 
 
 def _calibrate(
-    name: str,
-    coarse: bool,
+    within: Callable[[float], bool],
+    make_accountant: Callable[[], dp_accounting.PrivacyAccountant],
     event: Callable[[float], dp_accounting.DpEvent],
     target: float,
     delta: float,
@@ -579,34 +714,35 @@ def _calibrate(
     factor: float,
     rtol: float,
 ) -> float:
-    """The smallest sigma in ``_SIGMA_RANGE`` with ``eps(event(sigma)) <= target``, to ``rtol``.
+    """The smallest sigma with ``within(sigma)`` (``eps(event(sigma)) <= target``), to ``rtol``.
 
     Brackets it by multiplying or dividing ``guess`` by ``factor`` (which
     squares after each miss, up to 2), then hands the bracket to
-    ``dp_accounting.calibrate_dp_mechanism`` unless it is already narrower
-    than ``rtol``. The range's ends are known to bracket the answer.
+    ``dp_accounting.calibrate_dp_mechanism`` (with ``make_accountant`` and
+    ``event``) unless it is already narrower than ``rtol``. Raises
+    ``_AboveRange`` past the top of ``_SIGMA_RANGE``; below its bottom,
+    ``ValueError``.
     """
-
-    def within_budget(sigma: float) -> bool:
-        return _within_budget(name, coarse, event(sigma), target, delta)
-
-    if within_budget(guess):
+    if within(guess):
         high, low = guess, guess / factor
-        while within_budget(low):
+        while within(low):
+            if low < _SIGMA_RANGE[0]:
+                raise ValueError(f"target_epsilon={target!r} is met with noise_multiplier below {_SIGMA_RANGE[0]:g}.")
             factor = min(factor * factor, 2.0)
-            high, low = low, max(low / factor, _SIGMA_RANGE[0])
+            high, low = low, low / factor
     else:
         low, high = guess, guess * factor
-        while not within_budget(high):
+        while not within(high):
+            if high > _SIGMA_RANGE[1]:
+                raise _AboveRange()
             factor = min(factor * factor, 2.0)
-            low, high = high, min(high * factor, _SIGMA_RANGE[1])
+            low, high = high, high * factor
     if high - low <= rtol * low:
         return float(high)
-    _checked_accountant(name, coarse, event(low))  # the larger grid of the bracket
     with quiet_accounting():
         return float(
             dp_accounting.calibrate_dp_mechanism(
-                lambda: _make_accountant(name, coarse=coarse),
+                make_accountant,
                 event,
                 target,
                 delta,
@@ -677,51 +813,60 @@ def adaptive_clipping_noise_multiplier(
 # --------------------------------------------------------------------------
 
 
-def _make_accountant(name: str, *, coarse: bool = False) -> dp_accounting.PrivacyAccountant:
-    """A fresh accountant with ``dp_accounting``'s defaults (``coarse``: PLD on a 10x coarser grid)."""
+def _make_accountant(name: str, interval: float = _FINE_INTERVAL) -> dp_accounting.PrivacyAccountant:
+    """A fresh accountant with ``dp_accounting``'s defaults; ``interval``: the PLD grid's step."""
     relation = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
     if name == "pld":
-        if coarse:
-            return pld.PLDAccountant(neighboring_relation=relation, value_discretization_interval=1e-3)
-        return pld.PLDAccountant(neighboring_relation=relation)
+        return pld.PLDAccountant(neighboring_relation=relation, value_discretization_interval=interval)
     return rdp.RdpAccountant(neighboring_relation=relation)
 
 
-def _dp_sgd_event(sigma: float, q: float, steps: int) -> dp_accounting.DpEvent:
-    if steps == 0:
-        return dp_accounting.NoOpDpEvent()
-    return _Segment(_STEP, (sigma,), q, steps).dp_event()
+def _composed_event(segments: list[_Segment]) -> dp_accounting.DpEvent:
+    return dp_accounting.ComposedDpEvent([s.dp_event() for s in segments])
 
 
-def _accountant_for(name: str, event: dp_accounting.DpEvent, *, coarse: bool = False) -> tuple[dp_accounting.PrivacyAccountant, str]:
-    """``(accountant, name used)``: ``name``'s, or RDP where PLD's grid would exceed ``pld_cost.MAX_PLD_POINTS``.
-
-    RDP's epsilon is never below PLD's, so the answer can only over-report;
-    it costs milliseconds whatever the event (``per_example_grads.dp.pld_cost``).
-    """
-    if name == "pld" and pld_cost.pld_points(event, 1e-3 if coarse else 1e-4) > pld_cost.MAX_PLD_POINTS:
-        return _make_accountant("rdp"), "rdp"
-    return _make_accountant(name, coarse=coarse), name
-
-
-def _warn_rdp_fallback(event: dp_accounting.DpEvent) -> None:
-    points = pld_cost.pld_points(event)
-    gigabytes = "unbounded memory" if math.isinf(points) else f"a grid of about {points:.3g} entries"
-    warnings.warn(
-        f"the PLD accountant would need {gigabytes} (more than {pld_cost.MAX_PLD_POINTS:.3g}, about 1 GB) "
-        "for this run, so epsilon comes from the RDP accountant: a valid upper bound, never below "
-        "PLD's, and looser.",
-        UserWarning, stacklevel=3,
-    )
-
-
-def _epsilon(accountant: str, event: dp_accounting.DpEvent, delta: float, *, warn: bool = True) -> float:
-    """Epsilon of ``event`` with ``accountant``, or with RDP where PLD would be too costly (warned if ``warn``)."""
-    used_accountant, used = _accountant_for(accountant, event)
-    if used != accountant and warn:
-        _warn_rdp_fallback(event)
+def _accountant_epsilon(
+    accountant: dp_accounting.PrivacyAccountant, event: dp_accounting.DpEvent, delta: float
+) -> float:
     with quiet_accounting():
-        return float(used_accountant.compose(event).get_epsilon(delta))
+        return float(accountant.compose(event).get_epsilon(delta))
+
+
+def _epsilon(accountant: str, segments: list[_Segment], delta: float) -> float:
+    """Epsilon of ``segments``' composition, with RDP where PLD is past its cost bounds (see the module docstring).
+
+    The warning names the caller of the public function (``stacklevel=3``).
+    """
+    event = _composed_event(segments)
+    if accountant == "pld":
+        cost = _pld_cost(segments, _FINE_INTERVAL)
+        if not cost.fits():
+            epsilon = _accountant_epsilon(_make_accountant("rdp"), event, delta)
+            what = _describe(segments)
+            if epsilon == 0:  # dp_accounting's answer where its RDP numerics break down
+                raise ValueError(
+                    f"{what}: the PLD accountant would need {cost} (estimated, past the bound of {_bounds()}) and "
+                    "the RDP accountant returns epsilon = 0, which it cannot vouch for at these parameters."
+                )
+            warnings.warn(
+                f"{what}: the PLD accountant would need {cost} (estimated, past the bound of {_bounds()}), so "
+                "epsilon comes from the RDP accountant: a valid upper bound, looser than PLD's. "
+                "accountant='rdp' skips the estimate.",
+                UserWarning,
+                stacklevel=3,
+            )
+            return epsilon
+    return _accountant_epsilon(_make_accountant(accountant), event, delta)
+
+
+def _describe(segments: list[_Segment]) -> str:
+    """``"1000000000 steps at noise_multiplier=1.1, q=0.004267"``, or a count of segments, for messages."""
+    if len(segments) == 1:
+        (s,) = segments
+        sigma = _combined_noise_multiplier(s.noise_multipliers)
+        what = "steps" if s.kind == _STEP else "releases"
+        return f"{s.count} {what} at noise_multiplier={sigma:.4g}, q={s.sampling_probability:.4g}"
+    return f"{len(segments)} segments of {sum(s.count for s in segments)} releases"
 
 
 def _combined_noise_multiplier(noise_multipliers: Iterable[float]) -> float:
@@ -732,6 +877,191 @@ def _combined_noise_multiplier(noise_multipliers: Iterable[float]) -> float:
     if any(s == 0 for s in sigmas):
         return 0.0
     return math.fsum(s**-2 for s in sigmas) ** -0.5
+
+
+# --------------------------------------------------------------------------
+# The PLD accountant's cost, estimated before it runs.
+# --------------------------------------------------------------------------
+
+# Calibration of the estimate: peak resident memory and wall time of
+# dp_accounting's PLDAccountant, per point of the arrays it builds, rounded up.
+_BUILD_BYTES = 100.0  # per point of a single-step PMF being built (Python lists and dicts)
+_BUILD_SECONDS = 6e-6  # per point of a single-step PMF (a scalar inverse privacy loss each)
+_FFT_BYTES = 80.0  # per point of the longest FFT (complex input, its power, the inverse)
+_OTHER_BYTES = 48.0  # per point of every other FFT held at the same time
+_SUPPORT_SECONDS = 7e-7  # per point of every composed PMF (FFT, Python-level tail and epsilon scans)
+_SPARSE_SECONDS = 1e-5  # per iteration of a one-point PMF's self-composition loop
+_BIGNUM_SECONDS, _BIGNUM_BITS = 2.0, 9e6  # CPython's size ** T, for a T log2(size)-bit result
+
+_SPARSE_MAX = 1000  # dp_accounting keeps a PMF of at most this many points as a dict (SparsePLDPmf)
+_TAIL_MASS = 1e-15  # dp_accounting's tail_mass_truncation when it self-composes
+_ADJACENCIES = (
+    pld.privacy_loss_mechanism.AdjacencyType.REMOVE,
+    pld.privacy_loss_mechanism.AdjacencyType.ADD,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PldCost:
+    """Estimated peak memory (bytes) and time (seconds) of one PLD epsilon.
+
+    ``seconds`` includes ``estimate_seconds``, the estimate's own part (it
+    builds the single-step PMFs too).
+    """
+
+    bytes: float
+    seconds: float
+    estimate_seconds: float = 0.0
+
+    def fits(self) -> bool:
+        return self.bytes <= PLD_MAX_BYTES and self.seconds <= PLD_MAX_SECONDS
+
+    def __str__(self) -> str:
+        return f"about {_format_bytes(self.bytes)} and {_format_seconds(self.seconds)}"
+
+
+def _bounds() -> str:
+    return f"{_format_bytes(PLD_MAX_BYTES)} / {_format_seconds(PLD_MAX_SECONDS)}"
+
+
+def _pld_cost(segments: Iterable[_Segment], interval: float) -> _PldCost:
+    """What ``PLDAccountant(value_discretization_interval=interval)`` would need for ``segments``.
+
+    Follows what ``dp_accounting`` builds for each segment ``(sigma, q, T)``:
+
+    * one PMF per direction (remove, add; one for ``q = 1``, whose ``T``
+      releases are one Gaussian of noise ``sigma / sqrt(T)``), on the grid of
+      its connect-the-dots epsilon bounds divided by ``interval``: ``L``
+      points, counted from the bounds alone (nothing is built if those
+      points already cost too much);
+    * its ``T``-fold self-composition: ``n`` points, the window that
+      ``dp_accounting.pld.common.compute_self_convolve_bounds`` keeps on that
+      very PMF (which this function builds, once per ``(sigma, q,
+      interval)``), computed through an FFT of ``next_fast_len(max(n, L))``;
+      a PMF of at most ``_SPARSE_MAX`` points first raises ``L ** T`` as a
+      Python integer, whose cost grows with ``T log L``;
+    * the composition with the segments before it, of at most the sum of
+      their points, and the epsilon search over the result.
+
+    ``seconds`` counts the single-step PMFs that this function builds twice.
+    Either figure may be ``inf``.
+    """
+    grid = []  # sizes of the single-step PMFs the accountant builds
+    estimated = 0  # points of those that this estimate builds too
+    ffts = []  # lengths of the FFTs: self-compositions, then compositions with earlier segments
+    chains = {adjacency: 0 for adjacency in _ADJACENCIES}  # points of the composition so far, per direction
+    support, extra = 0, 0.0  # points of every composed PMF; seconds of the sparse paths
+
+    def total() -> _PldCost:
+        longest = max(ffts, default=0)
+        return _PldCost(
+            bytes=_BUILD_BYTES * max(grid, default=0) + _FFT_BYTES * longest + _OTHER_BYTES * (sum(ffts) - longest),
+            seconds=_BUILD_SECONDS * (sum(grid) + estimated) + _SUPPORT_SECONDS * support + extra,
+            estimate_seconds=_BUILD_SECONDS * estimated,
+        )
+
+    for segment in segments:
+        sigma = _combined_noise_multiplier(segment.noise_multipliers)
+        if sigma == 0 or segment.count == 0:
+            continue  # no grid: dp_accounting answers inf, or skips it
+        q, count = segment.sampling_probability, segment.count
+        if q == 1:  # one symmetric PMF, for both directions
+            sigma, count = sigma / math.sqrt(count), 1
+            sizes = [_grid_size(sigma, q, _ADJACENCIES[0], interval)] * 2
+            grid.append(sizes[0])
+        else:
+            sizes = [_grid_size(sigma, q, adjacency, interval) for adjacency in _ADJACENCIES]
+            grid += sizes
+            estimated += sum(sizes) if count > 1 else 0
+        if not total().fits():
+            return total()  # before building anything
+        pmfs = _single_step_probabilities(sigma, q, interval) if count > 1 else (None, None)
+        for adjacency, size, probabilities in zip(_ADJACENCIES, sizes, pmfs):
+            points, fft, seconds = _self_composition(size, probabilities, count)
+            extra += seconds
+            support += points
+            ffts.append(fft)
+            if chains[adjacency]:  # composed with the earlier segments (the first one, with the identity)
+                support += chains[adjacency] + points
+                ffts.append(chains[adjacency] + points)
+            chains[adjacency] += points
+    return total()
+
+
+def _grid_size(sigma: float, q: float, adjacency: Any, interval: float) -> float:
+    """Points of ``dp_accounting``'s connect-the-dots PMF of one sampled Gaussian step; ``inf`` if unbounded."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # sigma so small that the loss overflows
+        loss = pld.privacy_loss_mechanism.GaussianPrivacyLoss(sigma, sampling_prob=q, adjacency_type=adjacency)
+        bounds = loss.connect_dots_bounds()
+    upper, lower = bounds.epsilon_upper / interval, bounds.epsilon_lower / interval
+    if not (math.isfinite(upper) and math.isfinite(lower)):
+        return math.inf
+    return math.ceil(upper) - math.floor(lower) + 1
+
+
+@functools.lru_cache(maxsize=2)  # a ledger's next epsilon, one step later, reuses it
+def _single_step_probabilities(sigma: float, q: float, interval: float) -> tuple[Any, ...]:
+    """The remove and add PMFs' probabilities that ``PLDAccountant`` builds for one sampled Gaussian step.
+
+    ``(None, None)`` if ``dp_accounting``'s private layout differs from the one
+    read here; ``_self_composition`` then takes its worst case.
+    """
+    with quiet_accounting():
+        distribution = pld.privacy_loss_distribution.from_gaussian_mechanism(
+            sigma, value_discretization_interval=interval, sampling_prob=q,
+            neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+        )
+    try:
+        pmfs = (distribution._pmf_remove, distribution._pmf_add)  # pylint: disable=protected-access
+        return tuple(pmf.to_dense_pmf()._probs for pmf in pmfs)  # pylint: disable=protected-access
+    except AttributeError:
+        return (None, None)
+
+
+def _self_composition(size: float, probabilities: Any, count: int) -> tuple[float, float, float]:
+    """``(points kept, FFT length, seconds outside the FFT)`` of ``dp_accounting``'s ``count``-fold self-composition.
+
+    Of a PMF of ``size`` points and ``probabilities`` (``None`` where
+    ``count == 1`` or unknown: then the window is its widest).
+    """
+    if count == 1:
+        return size, (size if size > _SPARSE_MAX else 0), 0.0
+    seconds = 0.0
+    if size <= _SPARSE_MAX:
+        if size == 1:
+            return 1, 0, _SPARSE_SECONDS * count  # one composition per step
+        bits = count * math.log2(size)
+        if bits <= math.log2(_SPARSE_MAX):
+            return size**count, 0, 0.0  # a few dict compositions
+        seconds = _BIGNUM_SECONDS * (bits / _BIGNUM_BITS) ** 1.585  # size ** count, by Karatsuba squaring
+    if probabilities is None:
+        points = (size - 1) * count + 1  # compute_self_convolve_bounds's starting window
+    else:
+        low, high = pld.common.compute_self_convolve_bounds(probabilities, count, _TAIL_MASS)
+        points = high - low + 1
+    longest = max(points, size)
+    fft = scipy.fft.next_fast_len(int(longest)) if longest < 2**40 else longest
+    return points, fft, seconds
+
+
+def _round_up(x: float) -> float:
+    """``x > 0`` rounded up to 6 significant digits, so that a printed noise multiplier still meets its target."""
+    scale = 10.0 ** (5 - math.floor(math.log10(x)))
+    return math.ceil(x * scale) / scale
+
+
+def _format_bytes(n: float) -> str:
+    if not math.isfinite(n):
+        return "unbounded memory"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n / 2**10:.3g} KiB"
+
+
+def _format_seconds(s: float) -> str:
+    return "unbounded time" if not math.isfinite(s) else f"{s:.3g} s"
 
 
 # --------------------------------------------------------------------------
@@ -800,6 +1130,8 @@ def _check_count(name: str, value: Any) -> int:
         raise TypeError(f"{name} must be an integer; got {value!r}.")
     if value < 0:
         raise ValueError(f"{name} must be >= 0; got {value!r}.")
+    if value > MAX_STEPS:
+        raise ValueError(f"{name} must be <= {MAX_STEPS:.0e}; got {value!r}.")
     return int(value)
 
 
