@@ -24,6 +24,7 @@ from per_example_grads.dp import (
     compute_epsilon,
     noise_multiplier_for_epsilon,
 )
+from per_example_grads.dp.accounting import dp_sgd_schedule
 from per_example_grads.keras import EpsilonCallback
 
 ADD_REMOVE = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
@@ -71,14 +72,29 @@ def test_steps_and_a_consistent_sampling_probability_give_the_schedule(kind):
     assert got == pytest.approx(expected, rel=ACCOUNTING_SAME_RTOL)
 
 
-def test_conflicting_schedule_arguments_are_refused():
-    # Both were accepted, and steps / sampling_probability silently won.
-    with pytest.raises(ValueError, match=r"give epochs or steps, not both \(got epochs=1, steps=10\)"):
-        compute_epsilon(60_000, 256, 1, 1.1, 1e-5, steps=10)
-    with pytest.raises(ValueError, match=r"sampling_probability=0.5 disagrees with batch_size / num_examples = 256 / 60000"):
-        compute_epsilon(60_000, 256, None, 1.1, 1e-5, steps=10, sampling_probability=0.5)
-    with pytest.raises(ValueError, match="give epochs or steps, not both"):
-        noise_multiplier_for_epsilon(2.0, 1e-5, 60_000, 256, 1, steps=10)
+SAMPLING_CONFLICT = r"sampling_probability=0.5 disagrees with batch_size / num_examples = 256 / 60000"
+BOTH_LENGTHS = r"give epochs or steps, not both \(got epochs=1, steps=10\)"
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [  # Both were accepted, and steps / sampling_probability silently won.
+        (lambda: compute_epsilon(60_000, 256, 1, 1.1, 1e-5, steps=10), BOTH_LENGTHS),
+        (lambda: compute_epsilon(60_000, 256, None, 1.1, 1e-5, steps=10, sampling_probability=0.5), SAMPLING_CONFLICT),
+        (lambda: noise_multiplier_for_epsilon(2.0, 1e-5, 60_000, 256, 1, steps=10), BOTH_LENGTHS),
+        (lambda: noise_multiplier_for_epsilon(2.0, 1e-5, 60_000, 256, 1, sampling_probability=0.5), SAMPLING_CONFLICT),
+        (lambda: dp_sgd_schedule(60_000, 256, 1, 10), BOTH_LENGTHS),
+        (lambda: dp_sgd_schedule(60_000, 256, None, 10, 0.5), SAMPLING_CONFLICT),
+    ],
+)
+def test_conflicting_schedule_arguments_are_refused(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_a_sampling_probability_that_agrees_to_rounding_is_accepted():
+    q = 256 / 60_000
+    assert dp_sgd_schedule(60_000, 256, None, 10, q * (1 + 1e-12)) == (q * (1 + 1e-12), 10)
 
 
 def test_zero_noise_is_infinite_and_zero_steps_is_zero():
