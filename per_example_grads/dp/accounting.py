@@ -860,13 +860,13 @@ def _epsilon(accountant: str, segments: list[_Segment], delta: float) -> float:
 
 
 def _describe(segments: list[_Segment]) -> str:
-    """``"1000000000 steps at noise_multiplier=1.1, q=0.004267"``, or a count of segments, for messages."""
+    """``"steps=1000000000, noise_multiplier=1.1, q=0.004267"``, or a count of segments, for messages."""
     if len(segments) == 1:
         (s,) = segments
         sigma = _combined_noise_multiplier(s.noise_multipliers)
         what = "steps" if s.kind == _STEP else "releases"
-        return f"{s.count} {what} at noise_multiplier={sigma:.4g}, q={s.sampling_probability:.4g}"
-    return f"{len(segments)} segments of {sum(s.count for s in segments)} releases"
+        return f"{what}={s.count}, noise_multiplier={sigma:.4g}, q={s.sampling_probability:.4g}"
+    return f"{len(segments)} segments ({sum(s.count for s in segments)} releases)"
 
 
 def _combined_noise_multiplier(noise_multipliers: Iterable[float]) -> float:
