@@ -114,7 +114,8 @@ class PoissonSampling:
     resume the dataset where its ledger stopped.
 
     Attributes:
-      sampling_probability: ``q``.
+      sampling_probability: ``q``, the probability that an example of the
+        part in turn joins a batch.
       num_examples: ``N``.
       max_batch_size: ``M``, the padded rows of every batch.
       steps: batches per pass.
@@ -123,6 +124,9 @@ class PoissonSampling:
         only on the seed and ``t``, so setting it to the number of steps a
         restored run has taken continues that run's batches instead of
         replaying them.
+      cycle_length: ``b``, the number of fixed parts the examples are split
+        into; step ``t`` samples part ``t mod b`` only (1: every step samples
+        from all ``N``).
     """
 
     sampling_probability: float
@@ -130,6 +134,12 @@ class PoissonSampling:
     max_batch_size: int
     steps: int
     next_step: tf.Variable
+    cycle_length: int = 1
+
+    @property
+    def expected_batch_size(self) -> float:
+        """``q N / b``: the mean number of real rows of a batch."""
+        return self.sampling_probability * self.num_examples / self.cycle_length
 
 
 # --------------------------------------------------------------------------
@@ -228,6 +238,20 @@ def default_max_batch_size(
 # --------------------------------------------------------------------------
 
 
+# Folded into the sampling key for the partition of cyclic Poisson sampling,
+# so that it shares no key with any step's draw.
+_PARTITION_TAG = 0x7061727473  # "parts"
+
+
+def _cyclic_parts(n: int, cycle: int, key: tf.Tensor) -> tf.Tensor | None:
+    """``[n]`` int64 part of every example: a seeded random partition into ``cycle`` near-equal parts, or None for 1."""
+    if cycle == 1:
+        return None
+    u = tf.random.stateless_uniform([n], seed=tf.random.experimental.stateless_fold_in(key, _PARTITION_TAG))
+    order = tf.argsort(u)  # a random permutation; the j-th example of it goes to part j mod cycle
+    return tf.scatter_nd(order[:, None], tf.range(n, dtype=tf.int64) % cycle, [n])
+
+
 def _pad_rows(rows: tf.Tensor, num_rows: tf.Tensor, target: Any) -> tf.Tensor:
     """``rows [num_rows, ...]`` -> ``[target, ...]`` with zero rows appended."""
     paddings = tf.concat(
@@ -245,11 +269,22 @@ def poisson_batches(
     steps: int | None = None,
     seed: int | None = None,
     first_step: int = 0,
+    cycle_length: int = 1,
 ) -> tf.data.Dataset:
     """A dataset of ``steps`` Poisson-sampled batches, each padded to ``M`` rows.
 
     At every step each example ``i`` in ``0 .. N-1`` is included
     independently with probability ``q = sampling_probability``.
+
+    **Cyclic Poisson sampling** (``cycle_length = b > 1``, for the
+    correlated-noise mechanisms of ``per_example_grads.dp.mechanisms``): the
+    examples are split once into ``b`` fixed parts of ``floor(N / b)`` or
+    ``ceil(N / b)`` examples (a random partition drawn from ``seed``, never
+    from the data), and step ``t`` Poisson-samples, at rate ``q``, only part
+    ``t mod b``. An example can then join a batch only every ``b`` steps, at
+    most ``ceil(T / b)`` times in ``T`` steps, which is what the accounting
+    of ``BandMF`` and ``BLT`` relies on. The expected batch size is
+    ``q N / b``.
 
     Each element is ``(x_batch, y_batch, mask)``:
 
@@ -298,6 +333,10 @@ def poisson_batches(
       seed: non-negative int for reproducible batches; ``None`` seeds from
         OS entropy.
       first_step: the global index of the first batch (see Randomness).
+      cycle_length: ``b >= 1`` parts, ``b <= N`` (see Cyclic Poisson
+        sampling). The default ``M`` and ``steps`` then follow the part's
+        size: ``default_max_batch_size(ceil(N / b), q)`` and ``round(b / q)``
+        (one epoch in expectation).
 
     Returns:
       A ``tf.data.Dataset`` of known cardinality ``steps``, with attribute
@@ -326,20 +365,25 @@ def poisson_batches(
     n = tf.nest.flatten(xs)[0].shape[0]
     if n is None or n == 0:
         raise ValueError(f"x must hold at least one example (leading dimension N >= 1); got N={n}.")
+    cycle = _check_positive_int("cycle_length", cycle_length)
+    if cycle > n:
+        raise ValueError(f"cycle_length ({cycle}) must be at most the number of examples N={n}: every part needs one.")
     if max_batch_size is None:
-        max_batch_size = default_max_batch_size(n, q)
+        max_batch_size = default_max_batch_size(-(-n // cycle), q)
     m = _check_positive_int("max_batch_size", max_batch_size)
     if steps is None:
-        steps = max(1, int(math.floor(1.0 / q + 0.5)))
+        steps = max(1, int(math.floor(cycle / q + 0.5)))
     steps = _check_positive_int("steps", steps)
     key = _sampling_key(seed)
     if isinstance(first_step, bool) or not isinstance(first_step, (int, np.integer)) or first_step < 0:
         raise ValueError(f"first_step must be a non-negative integer; got {first_step!r}.")
     with tf.init_scope():
         next_step = tf.Variable(int(first_step), dtype=tf.int64, trainable=False, name="next_step")
-    sampling = PoissonSampling(q, n, m, steps, next_step)
+        parts = _cyclic_parts(n, cycle, key)
+    sampling = PoissonSampling(q, n, m, steps, next_step, cycle)
     overflow_message = (
-        f"examples, more than max_batch_size={m} (N={n}, sampling_probability={q}). "
+        f"examples, more than max_batch_size={m} (N={n}, sampling_probability={q}"
+        f"{f', cycle_length={cycle}' if cycle > 1 else ''}). "
         f"Dropping the extra examples would invalidate the privacy analysis; pass a "
         f"larger max_batch_size (default_max_batch_size(N, q) overflows with "
         f"probability <= {DEFAULT_OVERFLOW_PROBABILITY:g} per step)."
@@ -354,7 +398,10 @@ def poisson_batches(
     def sample(step):
         step_seed = tf.random.experimental.stateless_fold_in(key, step)
         u = tf.random.stateless_uniform([n], seed=step_seed, dtype=tf.float64)
-        chosen = tf.where(u < q)[:, 0]  # sorted example indices
+        eligible = u < q
+        if parts is not None:
+            eligible &= tf.equal(parts, step % cycle)
+        chosen = tf.where(eligible)[:, 0]  # sorted example indices
         b = tf.size(chosen)
         check = tf.debugging.Assert(b <= m, ["A Poisson batch sampled", b, overflow_message])
         with tf.control_dependencies([check]):
