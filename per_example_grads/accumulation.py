@@ -64,9 +64,15 @@ class GradientAccumulator(tf.Module):
       expected_batch_size: DP mode's divisor (``q N`` for Poisson sampling);
         required in DP mode.
       method: per-example engine for DP mode.
+      mechanism: DP mode's ``peg.dp.NoiseMechanism`` (default independent
+        noise, DP-SGD). With a correlated one (``BandMF``, ``BLT``) each
+        ``result()`` adds the noise of the next step of its sequence; sample
+        the logical batches as its accounting needs (``poisson_batches(...,
+        cycle_length=mechanism.cycle_length)``) and account them with
+        ``compute_epsilon(..., mechanism=...)``.
 
-    ``noise_multiplier``, ``expected_batch_size``, ``seed`` and ``method``
-    apply in DP mode only: without ``l2_norm_clip`` they raise ``ValueError``
+    ``noise_multiplier``, ``expected_batch_size``, ``seed``, ``method`` and
+    ``mechanism`` apply in DP mode only: without ``l2_norm_clip`` they raise ``ValueError``
     rather than being ignored.
       training: passed to the model (``True`` runs Dropout as ``fit`` does).
 
@@ -101,6 +107,7 @@ class GradientAccumulator(tf.Module):
         expected_batch_size: float | None = None,
         method: str = "auto",
         training: bool = False,
+        mechanism: Any = None,
     ):
         super().__init__(name="gradient_accumulator")
         self._problem = make_problem(model, loss_fn, variables, training, False)
@@ -119,9 +126,13 @@ class GradientAccumulator(tf.Module):
             self.aggregator = DPAggregator(
                 l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
                 expected_batch_size=expected_batch_size, seed=seed, method=method, training=training,
+                mechanism=mechanism,
             )
+            self.aggregator.attach(self.variables_)
         else:
-            dp_only = dict(noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size, seed=seed)
+            dp_only = dict(
+                noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size, seed=seed, mechanism=mechanism
+            )
             given = [name for name, value in dp_only.items() if value is not None] + (["method"] if method != "auto" else [])
             if given:
                 raise ValueError(

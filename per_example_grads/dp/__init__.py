@@ -26,6 +26,10 @@ _EXPORTS = {
     "private_gradients": "per_example_grads.dp.private",
     "fix_model": "per_example_grads.dp.model_fixer",
     "RepeatedNoiseWarning": "per_example_grads.dp.noise",
+    "BLT": "per_example_grads.dp.mechanisms",
+    "BandMF": "per_example_grads.dp.mechanisms",
+    "GaussianNoise": "per_example_grads.dp.mechanisms",
+    "NoiseMechanism": "per_example_grads.dp.mechanisms",
     "PrivacyBudget": "per_example_grads.dp.budget",
     "PhysicalChunk": "per_example_grads.dp.sampling",
     "PoissonSampling": "per_example_grads.dp.sampling",
@@ -54,6 +58,7 @@ if _TYPE_CHECKING:  # what static tools see; at run time __getattr__ does this
     from per_example_grads.dp.private import private_gradients  # noqa: F401
     from per_example_grads.dp.budget import PrivacyBudget  # noqa: F401
     from per_example_grads.dp.noise import RepeatedNoiseWarning  # noqa: F401
+    from per_example_grads.dp.mechanisms import BLT, BandMF, GaussianNoise, NoiseMechanism  # noqa: F401
     from per_example_grads.dp.sampling import PhysicalChunk  # noqa: F401
     from per_example_grads.dp.sampling import PoissonSampling  # noqa: F401
     from per_example_grads.dp.sampling import default_max_batch_size  # noqa: F401

@@ -425,13 +425,16 @@ def dp_sgd_schedule(
     epochs: float | None,
     steps: int | None = None,
     sampling_probability: float | None = None,
+    cycle_length: int = 1,
 ) -> tuple[float, int]:
     """``(q, steps)`` of a planned run, as ``compute_epsilon`` reads its arguments.
 
-    ``q = batch_size / num_examples`` (``sampling_probability``, if given,
-    must agree with it); ``steps = ceil(epochs * num_examples / batch_size)``,
-    or ``steps`` instead of ``epochs`` (floats are read by their decimal
-    repr, so ``epochs=0.1`` is 1/10).
+    ``q = cycle_length * batch_size / num_examples`` (``sampling_probability``,
+    if given, must agree with it): the rate at which the examples of the
+    part in turn are sampled, all ``N`` of them without cyclic sampling;
+    ``steps = ceil(epochs * num_examples / batch_size)``, or ``steps``
+    instead of ``epochs`` (floats are read by their decimal repr, so
+    ``epochs=0.1`` is 1/10).
 
     Raises:
       ValueError: both ``epochs`` and ``steps``, or a ``sampling_probability``
@@ -445,17 +448,20 @@ def dp_sgd_schedule(
     b = _check_real("batch_size", batch_size)
     if not b > 0:
         raise ValueError(f"batch_size must be > 0; got {batch_size!r}.")
-    if b > n:
-        raise ValueError(f"batch_size ({batch_size!r}) must be <= num_examples ({num_examples!r}).")
+    cycle = _check_positive_int("cycle_length", cycle_length)
+    if b * cycle > n:
+        what = f"batch_size * cycle_length ({batch_size!r} * {cycle})" if cycle > 1 else f"batch_size ({batch_size!r})"
+        raise ValueError(f"{what} must be <= num_examples ({num_examples!r}).")
     if sampling_probability is None:
-        q = b / n
+        q = b * cycle / n
     else:
         q = _check_sampling_probability(sampling_probability)
-        if abs(q - b / n) > 1e-9 * q:
+        if abs(q - b * cycle / n) > 1e-9 * q:
+            ratio = f"{cycle} * batch_size / num_examples = {cycle} * " if cycle > 1 else "batch_size / num_examples = "
             raise ValueError(
-                f"sampling_probability={sampling_probability!r} disagrees with batch_size / num_examples = "
-                f"{batch_size!r} / {num_examples!r} = {b / n:.6g}: give one of them consistent with the "
-                "other (the expected batch size is q * N), or leave sampling_probability out."
+                f"sampling_probability={sampling_probability!r} disagrees with {ratio}"
+                f"{batch_size!r} / {num_examples!r} = {b * cycle / n:.6g}: give one of them consistent with the "
+                "other (the expected batch size is q * N / cycle_length), or leave sampling_probability out."
             )
     if steps is not None:
         if epochs is not None:
@@ -487,6 +493,7 @@ def compute_epsilon(
     sampling: str = "poisson",
     steps: int | None = None,
     sampling_probability: float | None = None,
+    mechanism: Any = None,
 ) -> float:
     """The epsilon of DP-SGD run for ``epochs`` epochs (or ``steps`` steps).
 
@@ -496,7 +503,14 @@ def compute_epsilon(
         eps = accountant(PoissonSampled(q, Gaussian(noise_multiplier)) ^ T).get_epsilon(delta)
 
     ``batch_size`` is the expected batch size ``q * N`` under Poisson
-    sampling (it may be fractional). ``sampling="shuffle"`` returns the same
+    sampling (it may be fractional). With a ``mechanism``
+    (``per_example_grads.dp.mechanisms``: ``BandMF``, ``BLT``), the run uses
+    its cyclic Poisson sampling (``cycle_length = b``; ``q = b * batch_size
+    / N``, the part's rate) and is accounted as the mechanism says: ``k``
+    Poisson-sampled Gaussian steps ``(q', sigma')`` from
+    ``mechanism.accounted_as(sigma, q, T)`` (for ``BandMF``,
+    ``ceil(T / b)`` DP-SGD steps at ``q``; for ``BLT``, one Gaussian
+    mechanism of noise multiplier ``sigma / sensitivity``). ``sampling="shuffle"`` returns the same
     number, which is only a heuristic for shuffled fixed-size batches, and
     warns (see the module docstring). ``delta >= 1 / num_examples`` warns: a
     mechanism that publishes one random example in full already meets it;
@@ -516,12 +530,24 @@ def compute_epsilon(
       True
     """
     sigma = _check_noise_multiplier(noise_multiplier)
-    q, steps = dp_sgd_schedule(num_examples, batch_size, epochs, steps, sampling_probability)
+    q, steps = dp_sgd_schedule(num_examples, batch_size, epochs, steps, sampling_probability, _cycle_of(mechanism))
     delta = check_run_delta(delta, num_examples)
     accountant = _check_choice("accountant", accountant, ACCOUNTANTS)
     if _check_choice("sampling", sampling, SAMPLINGS) == "shuffle":
         warnings.warn(SHUFFLE_WARNING, UserWarning, stacklevel=2)
-    return _epsilon(accountant, [_Segment(_STEP, (sigma,), q, steps)] if steps else [], delta)
+    return _epsilon(accountant, run_segments(sigma, q, steps, mechanism), delta)
+
+
+def _cycle_of(mechanism: Any) -> int:
+    return 1 if mechanism is None else int(mechanism.cycle_length)
+
+
+def run_segments(sigma: float, q: float, steps: int, mechanism: Any = None) -> list[_Segment]:
+    """The ledger of ``steps`` steps at ``(sigma, q)`` with ``mechanism`` (None: DP-SGD), as ``_Segment`` s."""
+    if mechanism is not None:
+        sigma, q, steps = mechanism.accounted_as(sigma, q, steps)
+        sigma, q, steps = _check_noise_multiplier(sigma), _check_sampling_probability(q), _check_count("steps", steps)
+    return [_Segment(_STEP, (sigma,), q, steps)] if steps else []
 
 
 def noise_multiplier_for_epsilon(
@@ -536,6 +562,7 @@ def noise_multiplier_for_epsilon(
     steps: int | None = None,
     sampling_probability: float | None = None,
     rtol: float = 1e-3,
+    mechanism: Any = None,
 ) -> float:
     """The smallest noise multiplier whose epsilon is at most ``target_epsilon``.
 
@@ -550,7 +577,8 @@ def noise_multiplier_for_epsilon(
     default grid in a narrow bracket, every evaluation's cost estimated first
     (see "Bounded cost" in the module docstring). The result ``sigma``
     satisfies ``compute_epsilon(..., sigma) <= target_epsilon`` with the same
-    accountant and is within ``rtol`` (relative) of the smallest such sigma.
+    accountant (and ``mechanism``, read as there) and is within ``rtol``
+    (relative) of the smallest such sigma.
 
     Raises:
       ValueError: naming ``target_epsilon``, when it is met below
@@ -571,7 +599,7 @@ def noise_multiplier_for_epsilon(
     rtol = _check_real("rtol", rtol)
     if not 0 < rtol < 1:
         raise ValueError(f"rtol must be in (0, 1); got {rtol!r}.")
-    q, steps = dp_sgd_schedule(num_examples, batch_size, epochs, steps, sampling_probability)
+    q, steps = dp_sgd_schedule(num_examples, batch_size, epochs, steps, sampling_probability, _cycle_of(mechanism))
     delta = check_run_delta(delta, num_examples)
     accountant = _check_choice("accountant", accountant, ACCOUNTANTS)
     if _check_choice("sampling", sampling, SAMPLINGS) == "shuffle":
@@ -580,7 +608,7 @@ def noise_multiplier_for_epsilon(
         raise ValueError("steps is 0: no noise is needed for zero steps.")
 
     def segments(sigma: float) -> list[_Segment]:
-        return [_Segment(_STEP, (sigma,), q, steps)]
+        return run_segments(sigma, q, steps, mechanism)
 
     def event(sigma: float) -> dp_accounting.DpEvent:
         return segments(sigma)[0].dp_event()

@@ -43,6 +43,7 @@ from per_example_grads._core.arguments import check_dp_arguments, total_clip
 from per_example_grads.clipping import clipped_sums_and_predictions, dense_sums
 from per_example_grads.dp import adaptive as adaptive_clipping
 from per_example_grads.dp.accounting import adaptive_clipping_noise_multiplier
+from per_example_grads.dp.mechanisms import NoiseMechanism, check_mechanism
 from per_example_grads.dp.noise import NoiseSeed, gaussian_like, noise_source
 from per_example_grads._core.example_ops import in_dtype
 from per_example_grads.dp.sampling import real_rows, split_into_chunks
@@ -78,14 +79,20 @@ class ClippedSum:
         return tf.reduce_sum(tf.cast(~tf.math.is_finite(self.norms), tf.float32) * self.real)
 
 
-def noised_average(sums: Sequence, stddev, divisor, seed: NoiseSeed = None, *, step=None) -> list[tf.Tensor]:
-    """``(sums[k] + N(0, stddev^2)) / divisor`` for every k: the noise is added once.
+def noised_average(
+    sums: Sequence, stddev, divisor, seed: NoiseSeed = None, *, step=None, mechanism: NoiseMechanism | None = None
+) -> list[tf.Tensor]:
+    """``(sums[k] + x[k]) / divisor`` for every k: the noise is added once.
 
-    Inside ``strategy.run`` the noise std is ``stddev / sqrt(R)`` on each of
-    the ``R`` replicas, so the sum of the replicas' results has it once.
+    ``x = mechanism.correlate(z, step)`` for this step's fresh draw ``z ~
+    N(0, stddev^2)`` (``x = z`` without a mechanism). Inside
+    ``strategy.run`` the draw's std is ``stddev / sqrt(R)`` on each of the
+    ``R`` replicas, so the sum of the replicas' results has it once.
     """
     sums = dense_sums(sums)  # the noise is dense: every row of an embedding table gets some
     noise = gaussian_like(sums, replicas.noise_share(stddev), seed, step=step)
+    if mechanism is not None:
+        noise = mechanism.correlate(noise, step)
     return [(s + n) / tf.cast(divisor, s.dtype) for s, n in zip(sums, noise)]
 
 
@@ -136,6 +143,10 @@ class DPAggregator(keras.layers.Layer):
       physical_batch_size: process each batch in chunks of this many rows
         (flat clipping only).
       method, training: passed to ``clipped_gradients``.
+      mechanism: the ``peg.dp.NoiseMechanism`` that turns each step's fresh
+        draw into its noise (``per_example_grads.dp.mechanisms``); None is
+        ``GaussianNoise()``, DP-SGD. A stateful one (``BandMF``, ``BLT``) is
+        given its state by ``attach``, and is this aggregator's alone.
 
     Attributes:
       steps: int64 variable, the releases so far (the step index ``t`` of the
@@ -155,9 +166,16 @@ class DPAggregator(keras.layers.Layer):
         physical_batch_size: int | None = None,
         method: str = "auto",
         training: bool = True,
+        mechanism: NoiseMechanism | None = None,
         name: str = "dp_aggregator",
     ):
         super().__init__(name=name)
+        self.mechanism = check_mechanism(mechanism)
+        if self.mechanism.correlated and adaptive_clipping is not None:
+            raise ValueError(
+                f"adaptive_clipping cannot be combined with the correlated {type(self.mechanism).__name__} "
+                "mechanism: its noise mixes the draws of several steps, whose std would differ as the clip norm moves."
+            )
         if adaptive_clipping is not None:
             l2_norm_clip = adaptive_clipping.initial_l2_norm_clip
         clip, sigma, self.expected_batch_size = check_dp_arguments(l2_norm_clip, noise_multiplier, expected_batch_size)
@@ -188,6 +206,10 @@ class DPAggregator(keras.layers.Layer):
         self.built = True
 
     # -- the step --------------------------------------------------------
+
+    def attach(self, variables: Sequence) -> None:
+        """Gives the mechanism its state for noise shaped like ``variables`` (once, at the owner's construction)."""
+        self.mechanism.build_state(list(variables))
 
     def clip(self):
         """The clip norm in force: a number or dict, or (adaptive) the variable's current value."""
@@ -343,7 +365,8 @@ class DPAggregator(keras.layers.Layer):
         step = tf.convert_to_tensor(self.steps)
         clip = self.clip()
         grads = noised_average(
-            clipped.sums, self._gradient_noise_multiplier * total_clip(clip), divisor, self._noise, step=step
+            clipped.sums, self._gradient_noise_multiplier * total_clip(clip), divisor, self._noise, step=step,
+            mechanism=self.mechanism,
         )
         if regularization is not None:
             grads = [g + tf.cast(r, g.dtype) for g, r in zip(grads, regularization)]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 import math
 
 from per_example_grads.dp.accounting import ACCOUNTANTS, PrivacyAccountant, _check_choice, _check_count, _check_delta, _check_real
@@ -79,17 +80,19 @@ class PrivacyBudget:
         if not 0 < _check_real("rtol", self.rtol) < 1:
             raise ValueError(f"rtol must be in (0, 1); got {self.rtol!r}.")
 
-    def max_steps(self, *, noise_multiplier: float, sampling_probability: float) -> int:
+    def max_steps(self, *, noise_multiplier: float, sampling_probability: float, mechanism: Any = None) -> int:
         """The most steps this budget allows at ``(sigma, q)``: ``steps``, or the search above.
 
         The search counts Poisson-sampled steps; fixed-size batches are
         accounted with the same numbers (``sampling="shuffle"``, a heuristic).
+        With a noise ``mechanism`` (``per_example_grads.dp.mechanisms``), steps
+        are accounted as it says (``mechanism.accounted_as``).
         """
         if self.steps is not None:
             return int(self.steps)
         return _max_steps(
             float(self.epsilon), float(self.delta), float(noise_multiplier), float(sampling_probability),
-            self.accountant, float(self.rtol),
+            self.accountant, float(self.rtol), mechanism,
         )
 
     def describe(self) -> str:
@@ -100,13 +103,14 @@ class PrivacyBudget:
 
 
 @functools.lru_cache(maxsize=64)
-def _max_steps(epsilon, delta, sigma, q, accountant, rtol) -> int:
+def _max_steps(epsilon, delta, sigma, q, accountant, rtol, mechanism=None) -> int:
     if sigma == 0:
         return 0
 
     def within(name: str, steps: int) -> bool:
-        ledger = PrivacyAccountant(sigma, q, accountant=name, sampling="poisson")
-        ledger.step(steps)
+        s, rate, count = (sigma, q, steps) if mechanism is None else mechanism.accounted_as(sigma, q, steps)
+        ledger = PrivacyAccountant(s, rate, accountant=name, sampling="poisson")
+        ledger.step(count)
         return ledger.epsilon(delta) <= epsilon
 
     if not within("rdp", 1) and (accountant == "rdp" or not within(accountant, 1)):

@@ -16,6 +16,7 @@ from per_example_grads.dp import validation
 from per_example_grads.dp.accounting import PrivacyAccountant, check_run_delta
 from per_example_grads.dp.aggregator import DPAggregator, regularization_gradients
 from per_example_grads.dp.budget import PrivacyBudget
+from per_example_grads.dp.mechanisms import NoiseMechanism
 from per_example_grads.dp.sampling import PoissonSampling
 from per_example_grads._core.losses import as_per_example_loss
 from per_example_grads.keras import network_guard
@@ -87,6 +88,14 @@ class DPModel(keras.Model):
     ``accept_current_weights()`` declares a change you made on purpose
     without private data (for example public weights set by hand).
 
+    **Correlated noise.** With ``mechanism=peg.dp.BandMF(...)`` or
+    ``peg.dp.BLT(...)`` the noise of each step is correlated with that of
+    earlier steps (``per_example_grads.dp.mechanisms``), and ``fit`` takes
+    only a ``poisson_batches(..., cycle_length=b)`` dataset with the
+    mechanism's ``cycle_length``, the sampling its accounting covers; the
+    mechanism's buffers are saved with the weights, so a restored run
+    continues its noise sequence. ``epsilon()`` accounts the mechanism.
+
     **A budget that holds.** With ``budget=peg.dp.PrivacyBudget(epsilon=...,
     delta=...)`` (or ``steps=...``), ``fit`` never takes a step that would
     take the ledger past it: it stops before that step and warns, saying how
@@ -151,6 +160,8 @@ class DPModel(keras.Model):
         noise draw, so ``fit`` can use logical batches far larger than fit in
         memory (e.g. Poisson batches of 4096 in chunks of 64). Flat clipping only.
       budget: a ``peg.dp.PrivacyBudget``, or None for no limit.
+      mechanism: a ``peg.dp.NoiseMechanism`` (``GaussianNoise``, the
+        default DP-SGD; ``BandMF``, ``BLT``), this DPModel's alone.
 
     Example:
       >>> import keras, numpy as np
@@ -179,6 +190,7 @@ class DPModel(keras.Model):
         method: str = "auto",
         physical_batch_size: int | None = None,
         budget: PrivacyBudget | None = None,
+        mechanism: NoiseMechanism | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -188,9 +200,10 @@ class DPModel(keras.Model):
         self.aggregator = DPAggregator(
             l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
             expected_batch_size=expected_batch_size, seed=seed, adaptive_clipping=adaptive_clipping,
-            physical_batch_size=physical_batch_size, method=method, training=True,
+            physical_batch_size=physical_batch_size, method=method, training=True, mechanism=mechanism,
         )
         validation.check_model(model, training=True)
+        self.aggregator.attach(model.trainable_variables)
         self.model = model
         if num_examples is not None and (isinstance(num_examples, bool) or int(num_examples) != num_examples or num_examples < 1):
             raise ValueError(f"num_examples must be a positive integer; got {num_examples!r}.")
@@ -214,6 +227,7 @@ class DPModel(keras.Model):
     expected_batch_size = property(lambda self: self.aggregator.expected_batch_size)
     l2_norm_clip = property(lambda self: self.aggregator.l2_norm_clip)
     adaptive = property(lambda self: self.aggregator.adaptive)
+    mechanism = property(lambda self: self.aggregator.mechanism)
     dp_steps = property(lambda self: self.aggregator.steps)
     dp_min_noise_multiplier = property(lambda self: self.aggregator.min_noise_multiplier)
     dp_max_sampling_probability = property(lambda self: self.aggregator.max_sampling_probability)
@@ -324,6 +338,20 @@ class DPModel(keras.Model):
 
     def _sampling_of(self, x, batch_size, validation_split: float) -> _FitSampling:
         source = getattr(x, "pegrad_sampling", None) if isinstance(x, tf.data.Dataset) else None
+        cycle = self.mechanism.cycle_length
+        if source is None and (cycle > 1 or self.mechanism.correlated):
+            raise ValueError(
+                f"DPModel with the {type(self.mechanism).__name__} mechanism trains only on "
+                f"peg.dp.poisson_batches(x, y, sampling_probability=q, cycle_length={cycle}): its accounting "
+                "needs every example's participations at least cycle_length steps apart, which other data "
+                "does not guarantee."
+            )
+        if source is not None and source.cycle_length != cycle:
+            raise ValueError(
+                f"the poisson_batches dataset has cycle_length={source.cycle_length}, but DPModel's "
+                f"{type(self.mechanism).__name__} mechanism is accounted for cycle_length={cycle}: "
+                f"resample with poisson_batches(..., cycle_length={cycle})."
+            )
         if source is None:
             rows = rows_of_fit_data(x, batch_size, validation_split)
             self._check_num_examples(rows.total, rows.what)
@@ -340,14 +368,16 @@ class DPModel(keras.Model):
             return _FitSampling(poisson=False, sampling_probability=None, divisor=None, largest_batch=rows.largest_batch)
         self._check_num_examples(source.num_examples, "the poisson_batches dataset samples from")
         q = source.sampling_probability
-        if self.expected_batch_size is not None and abs(self.expected_batch_size / self.num_examples - q) > 1e-9 * q:
+        expected = source.expected_batch_size
+        if self.expected_batch_size is not None and abs(self.expected_batch_size - expected) > 1e-9 * expected:
+            per = f" / cycle_length {cycle}" if cycle > 1 else ""
             raise ValueError(
-                f"the poisson_batches dataset is sampled at q={q:g}, but DPModel accounts "
-                f"expected_batch_size / num_examples = {self.expected_batch_size}/{self.num_examples} = "
-                f"{self.expected_batch_size / self.num_examples:g}: its epsilon would be wrong. Give "
-                f"expected_batch_size={q * self.num_examples:g} (or leave it out) or resample at that q."
+                f"the poisson_batches dataset is sampled at q={q:g}{f' (cycle_length={cycle})' if cycle > 1 else ''}, "
+                f"an expected batch size of q * N{per} = {expected:g}, but DPModel has "
+                f"expected_batch_size={self.expected_batch_size}: its epsilon would be wrong. Give "
+                f"expected_batch_size={expected:g} (or leave it out) or resample at that q."
             )
-        divisor = self.expected_batch_size if self.expected_batch_size is not None else q * self.num_examples
+        divisor = self.expected_batch_size if self.expected_batch_size is not None else expected
         return _FitSampling(poisson=True, sampling_probability=q, divisor=divisor, source=source)
 
     def _check_num_examples(self, rows: int | None, what: str) -> None:
@@ -436,7 +466,7 @@ class DPModel(keras.Model):
         if steps:
             sigma = min(sigma, float(self.dp_min_noise_multiplier.numpy()))
             q = max(q, float(self.dp_max_sampling_probability.numpy()))
-        return self.budget.max_steps(noise_multiplier=sigma, sampling_probability=q)
+        return self.budget.max_steps(noise_multiplier=sigma, sampling_probability=q, mechanism=self._accounted_mechanism())
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -492,13 +522,22 @@ class DPModel(keras.Model):
 
     @property
     def sampling_probability(self) -> float | None:
-        """``q = expected_batch_size / num_examples``, or None when either is unknown."""
+        """``q = cycle_length * expected_batch_size / num_examples``, or None when either is unknown."""
         if self.num_examples is None or self.expected_batch_size is None:
             return None
-        return min(1.0, float(self.expected_batch_size) / self.num_examples)
+        return min(1.0, float(self.expected_batch_size) * self.mechanism.cycle_length / self.num_examples)
+
+    def _accounted_mechanism(self) -> NoiseMechanism | None:
+        """The mechanism the accountant must ask, or None for DP-SGD's own ledger."""
+        mechanism = self.mechanism
+        return mechanism if mechanism.correlated or mechanism.cycle_length > 1 else None
 
     def accountant(self, *, accountant: str = "pld") -> PrivacyAccountant:
         """A ``PrivacyAccountant`` holding the saved ledger: ``dp_steps`` sampled steps.
+
+        With a correlated ``mechanism``, the equivalent ledger it gives
+        (``mechanism.accounted_as``): for ``BandMF`` ``ceil(dp_steps / b)``
+        steps, for ``BLT`` one Gaussian release; its ``steps`` are those.
 
         It uses the smallest noise multiplier and the largest sampling
         probability any recorded step used (exactly the run's own when they
@@ -513,6 +552,9 @@ class DPModel(keras.Model):
             raise ValueError("accounting needs num_examples and expected_batch_size given to DPModel, or a fit on poisson_batches.")
         sigma = float(self.dp_min_noise_multiplier.numpy()) if steps else self.noise_multiplier
         sampling = "poisson" if int(self.aggregator.poisson.numpy()) else "shuffle"
+        mechanism = self._accounted_mechanism()
+        if mechanism is not None:  # an equivalent ledger: k steps at (sigma', q')
+            sigma, q, steps = mechanism.accounted_as(sigma, q, steps)
         ledger = PrivacyAccountant(sigma, q, accountant=accountant, sampling=sampling)
         ledger.step(steps)
         return ledger
