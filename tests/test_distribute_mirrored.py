@@ -326,3 +326,34 @@ def test_embedding_model_sparse_sums_under_strategy_equal_one_device():
     for got, want in zip(model.get_weights(), single.get_weights()):
         atol = sgd_steps_atol(3, 0.2, clipped_sum_rtol(p, B), update_scale, np.abs(want) + 3 * 0.2 * update_scale)
         np.testing.assert_allclose(got, want, rtol=0, atol=float(np.max(atol)))
+
+
+@pytest.mark.slow
+def test_correlated_noise_under_strategy_is_c_inverse_of_the_summed_draws():
+    """Each replica correlates its own share; the all-reduced noise is C^{-1} of the all-reduced fresh draws."""
+    from per_example_grads.dp.aggregator import ClippedSum, DPAggregator
+
+    strategy = _strategy()
+    mechanism, n, size = peg.dp.BandMF(bands=3, num_steps=6), 6, 512
+    with strategy.scope():
+        aggregators = [
+            DPAggregator(l2_norm_clip=1.0, noise_multiplier=1.0, seed=(3, 5), mechanism=m) for m in (None, mechanism)
+        ]
+        for a in aggregators:
+            a.attach([tf.Variable(tf.zeros([size]))])
+
+    @tf.function
+    def step():
+        def replica():
+            ctx = tf.distribute.get_replica_context()
+            zero = ClippedSum([tf.zeros([size])], tf.zeros([0]), tf.zeros([0]))
+            return [ctx.all_reduce("SUM", a.release(zero, 1.0)[0]) for a in aggregators]
+        return strategy.run(replica)
+
+    fresh, noise = map(np.stack, zip(*[[t.numpy() for t in _local(strategy, step())[0]] for _ in range(n)]))
+    c = mechanism.coefficients
+    toeplitz = sum(ck * np.eye(n, k=-k) for k, ck in enumerate(c))
+    want = np.linalg.solve(toeplitz, fresh.astype(np.float64))
+    np.testing.assert_allclose(noise, want, rtol=0, atol=rounding_rtol(4 * n) * np.abs(np.linalg.inv(toeplitz)).sum() * np.abs(fresh).max())
+    assert abs(fresh.std() - 1.0) < Z / np.sqrt(2 * fresh.size)  # sigma C once in total, not per replica
+    assert int(aggregators[1].steps.numpy()) == n
