@@ -58,3 +58,18 @@ def test_gradients_applied_elsewhere_example_updates_the_server():
     grads = peg.clipped_gradients(worker, loss, x, y, l2_norm_clip=1.0)
     for w_server, w_worker, g in zip(server.trainable_variables, worker.trainable_variables, grads):
         np.testing.assert_allclose(w_server.numpy(), w_worker.numpy() - 0.1 * g.numpy(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_correlated_noise_example_meets_its_epsilon_with_bandmf(capsys):
+    code = _first_python_block_under("Correlated noise (BandMF, BLT)")
+    namespace: dict = {}
+    exec(compile(code, str(README), "exec"), namespace)
+    dp, x, sigma = namespace["dp"], namespace["x"], namespace["sigma"]
+    assert int(dp.dp_steps.numpy()) == 112 and dp.num_examples == len(x)
+    # Independently: 112 BandMF steps with 4 bands are ceil(112 / 4) = 28 DP-SGD steps at the part's rate.
+    accountant = peg.dp.PrivacyAccountant(sigma, 64 * 4 / len(x))
+    accountant.step(28)
+    assert accountant.epsilon(1e-5) <= 3.0
+    printed = capsys.readouterr().out
+    assert float(printed.split("epsilon = ")[1]) == pytest.approx(accountant.epsilon(1e-5), abs=0.005)
