@@ -246,3 +246,15 @@ def test_mechanism_arguments_are_checked():
     with pytest.raises(ValueError, match="build the model"):
         DPAggregator(noise_multiplier=1.0, mechanism=peg.dp.BandMF(bands=2, num_steps=4)).attach([])
     warnings.simplefilter("default")
+
+
+def test_a_run_restored_into_another_factorization_is_refused(tmp_path):
+    x, y = _data()
+    dp = _dp_model(peg.dp.BandMF(bands=2, num_steps=20))
+    dp.save_weights(tmp_path / "dp.weights.h5")
+    other = _dp_model(peg.dp.BandMF(bands=2, num_steps=4))  # same shapes, other coefficients
+    other.load_weights(tmp_path / "dp.weights.h5")
+    with pytest.raises(ValueError, match="other parameters"):
+        other.fit(peg.dp.poisson_batches(x, y, sampling_probability=0.5, cycle_length=2, seed=0), epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="other parameters"):
+        other.epsilon(1e-5)

@@ -92,6 +92,9 @@ class NoiseMechanism(keras.layers.Layer):
             )
         self._owned = True
 
+    def check_state(self) -> None:
+        """Raises ``ValueError`` if restored state was made by another mechanism (nothing to check here)."""
+
     def correlate(self, fresh: list[tf.Tensor], step: tf.Tensor) -> list[tf.Tensor]:
         """The noise of step ``step`` from its fresh draws ``fresh`` (one per variable), updating the state."""
         raise NotImplementedError
@@ -159,6 +162,13 @@ class _BufferedMechanism(NoiseMechanism):
                 f"{type(self).__name__} keeps noise buffers shaped like the trainable variables, and there are "
                 "none yet: build the model (call it once or give it an Input) before wrapping it."
             )
+        # Saved with the buffers: a run restored into a mechanism with other
+        # coefficients would mix two matrices C, whose columns' norms (hence
+        # the sensitivity the accounting assumes) the mixture no longer bounds.
+        self._parameters = keras.Variable(
+            self._parameter_values(), dtype="float64", trainable=False, name="mechanism_parameters",
+            aggregation="only_first_replica",
+        )
         for i, v in enumerate(variables):
             if any(d is None for d in tuple(v.shape)):
                 raise ValueError(f"variable {v.name!r} has shape {v.shape}: noise buffers need static shapes.")
@@ -167,6 +177,22 @@ class _BufferedMechanism(NoiseMechanism):
                     np.zeros((self._slots, *tuple(v.shape)), np.float32), trainable=False,
                     name=f"noise_buffer_{i}", synchronization="on_read", aggregation="sum",
                 )
+            )
+
+    def _parameter_values(self) -> np.ndarray:
+        raise NotImplementedError
+
+    def check_state(self) -> None:
+        """Raises ``ValueError`` if the saved parameters (restored with the buffers) are not this mechanism's."""
+        saved = getattr(self, "_parameters", None)
+        if saved is None:
+            return
+        saved, own = np.asarray(saved.numpy()), self._parameter_values()
+        if saved.shape != own.shape or not np.array_equal(saved, own):
+            raise ValueError(
+                f"the restored noise state was made by a {type(self).__name__} with other parameters "
+                f"({saved.tolist()}) than this one's ({own.tolist()}): continuing would mix two "
+                "factorizations, which the accounting does not cover. Construct the mechanism as the run did."
             )
 
     def correlate(self, fresh, step):
@@ -241,6 +267,9 @@ class BandMF(_BufferedMechanism):
         if self.bands == 1:
             return [z / tf.cast(self._c[0], z.dtype) for z in fresh]
         return super().correlate(fresh, step)
+
+    def _parameter_values(self) -> np.ndarray:
+        return np.concatenate([[self.cycle_length], self._c])
 
     def _next(self, z, buffer):
         # buffer[j - 1] holds x_{t-j}; zeros before the first step.
@@ -329,6 +358,9 @@ class BLT(_BufferedMechanism):
                 )
             )
         return self._sensitivities[n]
+
+    def _parameter_values(self) -> np.ndarray:
+        return np.concatenate([[self.cycle_length], self.theta, self.omega])
 
     def _next(self, z, buffer):
         sums = tf.convert_to_tensor(buffer)

@@ -402,7 +402,11 @@ class DPModel(keras.Model):
             )
 
     def _check_ledger_covers_network(self) -> None:
-        """Raises if another DPModel took the network over, or (after a DP step) something else changed its weights."""
+        """Raises if another DPModel took the network over, or (after a DP step) something else changed its weights.
+
+        Also if the restored noise state belongs to another mechanism (``NoiseMechanism.check_state``).
+        """
+        self.mechanism.check_state()
         if not network_guard.owned_by(self.model, self):
             raise ValueError(
                 f"the network {self.model.name!r} is now wrapped by another DPModel; this one's ledger no "
