@@ -1,6 +1,9 @@
 """The ReversibleEmbedding rule (lookup and tied output projection) and the KerasHub language models, against the
 one-example loop: per-example gradients, norms (with the lookup/projection cross term) and clipped sums.
 
+Then KerasHub layers with closed forms of their own (every registered RMS normalization, DeBERTa's
+RelativeEmbedding, the ViT and DeiT patch embeddings), each in a small model, against the loop.
+
 Gemma runs with ``method="layerwise"`` only (``tf.vectorized_map`` over a whole Gemma crashes on some CPUs).
 """
 
@@ -19,7 +22,8 @@ from per_example_grads.rules.local import LocalRule
 from per_example_grads.rules.lora import DenseLoraRule, EinsumDenseLoraRule
 from per_example_grads.rules.reversible_embedding import REVERSIBLE_EMBEDDING_RULE
 from per_example_grads.rules.rule import rule_for
-from tolerances import norm_rtol
+from per_example_grads.rules.hub_layers import RMS_NORMALIZATIONS
+from tolerances import EPS32, norm_rtol
 
 ZOO_B = 3
 
@@ -158,3 +162,201 @@ def test_keras_hub_bert_classifier_with_lora():
     assert lora_layers and all(isinstance(units[id(l)].rule, EinsumDenseLoraRule) for l in lora_layers)
     expected = rule_against_loop(model, x, y)
     _clipped_sums_against_loop(model, x, y, expected, clip=0.5 * float(np.median(reference_norms(expected))))
+
+
+# KerasHub layers with closed forms in rules/hub_layers.py and rules/patch_embedding.py ---------------------------
+
+NB, NT, ND = 4, 5, 6
+
+
+def _hub_class(full_name):
+    import importlib
+
+    module, _, name = full_name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        pytest.skip(f"{full_name} is not in this KerasHub version")
+
+
+def _rms_layer(full_name):
+    """An instance of the RMS normalization class ``full_name`` for ``[.., ND]`` inputs, a non-default epsilon where it has one."""
+    cls = _hub_class(full_name)
+    if full_name.endswith("Gemma3nRMSNorm"):
+        return cls(dim=ND, eps=1e-4)
+    if full_name.endswith("layers.modeling.rms_normalization.RMSNormalization"):
+        return cls(ND)
+    return cls(epsilon=1e-4)
+
+
+def _randomize(layer, seed):
+    r = np.random.default_rng(seed)
+    for v in layer.weights:
+        v.assign(r.normal(size=v.shape).astype(v.dtype))
+
+
+def _check_clipped(model, x, y, expected):
+    clip = float(np.median(reference_norms(expected)))  # some examples clipped, some not
+    _clipped_sums_against_loop(model, x, y, expected, clip)
+
+
+def _rms_model(norm, x_shape):
+    inp = keras.Input(x_shape[1:])
+    h = norm(keras.layers.Dense(ND)(inp))
+    model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.Flatten()(h)))
+    _randomize(norm, 1)  # Gemma's scale starts at 0, others at 1: make every factor differ
+    return model
+
+
+@pytest.mark.parametrize("full_name", sorted(RMS_NORMALIZATIONS),
+                         ids=lambda n: n.removeprefix("keras_hub.src."))
+def test_hub_rms_normalizations_match_the_loop(full_name):
+    """Every registered RMS class, on [B, T, heads, D] (Qwen3's per-head query/key norms) and [B, T, D] inputs."""
+    from per_example_grads.rules import hub_layers
+
+    keras.utils.set_random_seed(0)
+    norm = _rms_layer(full_name)
+    x_shape = (NB, NT, 2, 3) if "qwen3" in full_name else (NB, NT, 3)
+    model = _rms_model(norm, x_shape)
+    assert rule_for(norm) is hub_layers.RMS_NORM_RULE and hub_layers.RMS_NORM_RULE.unsupported(norm) is None
+    x = np.random.default_rng(2).normal(size=x_shape).astype("float32")
+    y = np.array([0, 1, 2, 1])
+    expected = rule_against_loop(model, x, y)
+    scale = hub_layers.RMS_NORM_RULE.variables(norm)[0]
+    k = [v.path for v in model.trainable_variables].index(scale.path)
+    assert np.abs(expected[k]).max() > 0  # the scale's gradient is not trivially 0
+    _check_clipped(model, x, y, expected)
+
+
+@pytest.mark.parametrize("full_name", sorted(RMS_NORMALIZATIONS),
+                         ids=lambda n: n.removeprefix("keras_hub.src."))
+def test_hub_rms_normalizations_rule_normalizes_as_the_layer(full_name):
+    """The rule's ``xh`` times the scale (``c + s``) is the layer's output: its form (ops, epsilon, dtype) is the class's."""
+    from per_example_grads.rules import hub_layers
+
+    norm = _rms_layer(full_name)
+    x = tf.random.stateless_normal((2, 3, ND), [3, 4]) * 2
+    out = norm(x)
+    _randomize(norm, 5)
+    rule = hub_layers.RMS_NORM_RULE
+    y, xh, taps = rule.forward(norm, norm.call, (x,), {})
+    np.testing.assert_array_equal(y.numpy(), norm(x).numpy())  # the layer's own call
+    scale = tf.cast(rule.variables(norm)[0], xh.dtype)
+    shifted = "gemma." in full_name or "gemma3." in full_name or "qwen3_5" in full_name  # (1 + scale)
+    np.testing.assert_allclose(xh * ((1.0 + scale) if shifted else scale), norm(x), rtol=4 * EPS32, atol=4 * EPS32)
+    assert out.shape == y.shape
+
+
+def test_rms_rule_declines_a_layer_without_a_scale_variable():
+    from per_example_grads.rules import hub_layers
+
+    norm = _rms_layer("keras_hub.src.models.gemma3n.rms_normalization.Gemma3nRMSNorm")
+    unscaled = type(norm)(dim=ND, with_scale=False)
+    unscaled.build((None, ND))
+    assert "no scale variable" in hub_layers.RMS_NORM_RULE.unsupported(unscaled)
+
+
+def _relative_embedding_model(r):
+    """Token features attend to DeBERTa's relative embedding table (``[B, 2K, D]``): every variable is reached."""
+    from keras_hub.src.models.deberta_v3.relative_embedding import RelativeEmbedding
+
+    rel = RelativeEmbedding(hidden_dim=ND, bucket_size=2, layer_norm_epsilon=1e-3)
+    inp = keras.Input((NT, 3))
+    h = keras.layers.Dense(ND)(inp)
+    table = rel(h)  # [B, 4, D]
+    scores = keras.layers.Dot(axes=(2, 2))([h, table])  # [B, T, 4]
+    model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.Flatten()(keras.layers.Activation("tanh")(scores))))
+    _randomize(rel, 3)
+    x = r.normal(size=(NB, NT, 3)).astype("float32")
+    return model, rel, x
+
+
+def test_deberta_relative_embedding_matches_the_loop():
+    from per_example_grads.rules import hub_layers
+
+    model, rel, x = _relative_embedding_model(np.random.default_rng(4))
+    assert rule_for(rel) is hub_layers.RELATIVE_EMBEDDING_RULE and hub_layers.RELATIVE_EMBEDDING_RULE.unsupported(rel) is None
+    assert any(u.rule is hub_layers.RELATIVE_EMBEDDING_RULE for u in plan_units(model, model.trainable_variables))
+    y = np.array([0, 1, 2, 1])
+    expected = rule_against_loop(model, x, y)
+    _check_clipped(model, x, y, expected)
+
+
+def test_deberta_relative_embedding_with_a_frozen_layer_norm():
+    """Only the table is trainable: the rule returns its gradients alone."""
+    model, rel, x = _relative_embedding_model(np.random.default_rng(5))
+    rel.layer_norm.trainable = False
+    y = np.array([2, 1, 0, 1])
+    expected = rule_against_loop(model, x, y)
+    _check_clipped(model, x, y, expected)
+
+
+def _patch_model(layer, image=8):
+    inp = keras.Input((image, image, 3))
+    h = keras.layers.GlobalAveragePooling1D()(keras.layers.Activation("tanh")(layer(inp)))
+    model = keras.Model(inp, keras.layers.Dense(3)(h))
+    _randomize(layer, 6)  # DeiT's tokens start at 0
+    return model, np.random.default_rng(7).normal(size=(NB, image, image, 3)).astype("float32")
+
+
+@pytest.mark.parametrize("options", [{}, {"use_class_token": False, "use_patch_bias": False}], ids=["class_token", "bare"])
+def test_vit_patch_embedding_matches_the_loop(options):
+    from keras_hub.src.models.vit.vit_layers import ViTPatchingAndEmbedding
+    from per_example_grads.rules import patch_embedding
+
+    layer = ViTPatchingAndEmbedding(image_size=(8, 8), patch_size=(4, 2), hidden_dim=ND, **options)
+    model, x = _patch_model(layer)
+    assert any(u.rule is patch_embedding.PATCH_EMBEDDING_RULE for u in plan_units(model, model.trainable_variables))
+    y = np.array([0, 1, 2, 1])
+    expected = rule_against_loop(model, x, y)
+    _check_clipped(model, x, y, expected)
+
+
+@pytest.mark.parametrize("dropout_rate", [0.0, 0.3])
+def test_deit_embeddings_match_the_loop(dropout_rate):
+    """Inference (the loop's reference runs the model with training=False): the dropout tap is its input."""
+    from keras_hub.src.models.deit.deit_layers import DeiTEmbeddings
+    from per_example_grads.rules import patch_embedding
+
+    layer = DeiTEmbeddings(image_size=(8, 8), patch_size=(4, 4), hidden_dim=ND, use_mask_token=True, dropout_rate=dropout_rate)
+    model, x = _patch_model(layer)
+    assert any(u.rule is patch_embedding.DEIT_EMBEDDINGS_RULE for u in plan_units(model, model.trainable_variables))
+    y = np.array([0, 1, 2, 1])
+    expected = rule_against_loop(model, x, y)
+    mask_token = [v.path for v in model.trainable_variables].index(layer.mask_token.path)
+    assert np.all(expected[mask_token] == 0)  # unused without bool_masked_pos
+    _check_clipped(model, x, y, expected)
+
+
+def test_deit_embeddings_tap_the_dropout_input():
+    """The gradient at the dropout's input carries its mask; ``dL/dy`` at the layer's output would not."""
+    from keras_hub.src.models.deit.deit_layers import DeiTEmbeddings
+
+    layer = DeiTEmbeddings(image_size=(8, 8), patch_size=(4, 4), hidden_dim=ND, dropout_rate=0.5)
+    model, x = _patch_model(layer)
+    mask = np.random.default_rng(8).integers(0, 2, size=(1, 6, ND)).astype("float32") * 2
+    # A fixed mask, the same for every example and call, so that the loop replays it (the instance's call, as Keras looks it up).
+    object.__setattr__(layer.dropout, "call", lambda inputs, training=False: inputs * mask)
+    y = np.array([1, 0, 2, 2])
+    expected = rule_against_loop(model, x, y)
+    _check_clipped(model, x, y, expected)
+
+
+def test_deit_embeddings_with_masked_patches_take_the_layer_local_rule():
+    """``bool_masked_pos`` goes to the exact layer-local VJP, whatever the layer then does with it."""
+    from keras_hub.src.models.deit.deit_layers import DeiTEmbeddings
+    from per_example_grads.engines.capture import capturing
+
+    layer = DeiTEmbeddings(image_size=(8, 8), patch_size=(4, 4), hidden_dim=ND, use_mask_token=True)
+    inp = keras.Input((8, 8, 3))
+    masked = keras.Input((4,), dtype="bool")
+    h = keras.layers.GlobalAveragePooling1D()(layer(inp, bool_masked_pos=masked))
+    model = keras.Model([inp, masked], keras.layers.Dense(3)(h))
+    _randomize(layer, 9)
+    r = np.random.default_rng(10)
+    x = [r.normal(size=(NB, 8, 8, 3)).astype("float32"), r.integers(0, 2, size=(NB, 4)).astype(bool)]
+    units = [u for u in plan_units(model, model.trainable_variables) if u.layer is layer]
+    with capturing(units) as records:
+        model(x)
+    assert records[0].saved[0] == "local"
+    rule_against_loop(model, x, np.array([0, 1, 2, 1]))

@@ -145,3 +145,75 @@ def test_group_norm_output_is_the_layers_own_bit_for_bit(shape, settings, policy
         got, expected = ours(x), keras_own(x)
         assert got.dtype == expected.dtype
         np.testing.assert_array_equal(got.numpy(), expected.numpy())
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+@pytest.mark.parametrize("layer_class, settings, shape", [
+    (keras.layers.LayerNormalization, {}, (3, 5, 8)),
+    (keras.layers.LayerNormalization, dict(axis=[1, 2], center=False, epsilon=1e-2), (3, 5, 8)),
+    (keras.layers.LayerNormalization, dict(axis=1), (3, 6, 7)),
+    (keras.layers.RMSNormalization, {}, (3, 5, 8)),
+    (keras.layers.RMSNormalization, dict(axis=[1, 2], epsilon=1e-3), (3, 5, 8)),
+], ids=str)
+def test_layer_and_rms_norm_outputs_are_the_layers_own_bit_for_bit(layer_class, settings, shape, policy):
+    """The rules run the layer's call: ``y`` is ``layer(x)`` bit for bit, eagerly and in a graph.
+
+    (Before, LayerNormalization's rule built ``xh * gamma + beta``, which
+    differs from Keras's ``x * (inv gamma) + (beta - mean inv gamma)`` by
+    rounding.)
+    """
+    from per_example_grads.engines.capture import Unit, capturing
+    from per_example_grads.rules.rule import rule_for
+
+    layer = layer_class(dtype=policy, **settings)
+    layer.build(shape)
+    for v in layer.weights:
+        v.assign(tf.random.stateless_normal(v.shape, [len(v.name), 1]))
+    rule = rule_for(layer)
+    x = tf.cast(tf.random.stateless_normal(shape, [5, 6]) * 3 + 1, layer.compute_dtype)
+
+    def forward(x):  # the rule in the layer's place, as the engine runs it (inside Layer.__call__: autocast)
+        with capturing([Unit(layer, rule)]):
+            return layer(x)
+
+    spec = [tf.TensorSpec([None, *shape[1:]], x.dtype)]
+    for ours, keras_own in ((forward, layer), (tf.function(forward, input_signature=spec), tf.function(layer, input_signature=spec))):
+        got, expected = ours(x), keras_own(x)
+        assert got.dtype == expected.dtype
+        np.testing.assert_array_equal(got.numpy(), expected.numpy())
+
+
+def _rms_model(r, norm, x_shape):
+    model, x, y = sequential_case(r, [keras.layers.Dense(x_shape[-1]), norm], x_shape)
+    norm.scale.assign(r.normal(size=norm.scale.shape).astype("float32"))
+    return model, x, y
+
+
+@pytest.mark.parametrize("settings, x_shape", [
+    ({}, (4, 5, 6)),
+    (dict(axis=[1, 2], epsilon=1e-2), (4, 5, 6)),
+    (dict(axis=-1), (4, 3, 2, 6)),
+    ({}, (4, 6)),
+], ids=str)
+def test_keras_rms_normalization_matches_the_loop(settings, x_shape):
+    from per_example_grads.engines.capture import plan_units
+    from per_example_grads.rules.normalization import KerasRMSNormRule
+
+    r = np.random.default_rng(11)
+    norm = keras.layers.RMSNormalization(**settings)
+    model, x, y = _rms_model(r, norm, x_shape)
+    assert [type(u.rule) for u in plan_units(model, model.trainable_variables) if u.layer is norm] == [KerasRMSNormRule]
+    expected = rule_against_loop(model, x, y)
+    assert np.abs(expected[2]).max() > 0
+    norms = reference_norms(expected)
+    clip = float(np.median(norms))
+    got, got_norms = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=clip, return_norms=True, method="layerwise")
+    assert_norms_close(got_norms, expected)
+    assert_clipped_sums_close(got, expected, clip / np.maximum(norms, clip))
+
+
+def test_keras_rms_normalization_over_the_batch_axis_is_declined():
+    from per_example_grads.rules.normalization import KerasRMSNormRule
+
+    norm = keras.layers.RMSNormalization(axis=[0, 1])
+    assert "batch axis" in KerasRMSNormRule().unsupported(norm)

@@ -28,6 +28,7 @@ from per_example_grads.rules import (  # noqa: F401,E402  (each registers its ru
     local,
     lora,
     normalization,
+    patch_embedding,
     prelu,
     reversible_embedding,
     scale,

@@ -1,4 +1,4 @@
-"""LayerNormalization, GroupNormalization and BatchNormalization in inference: closed forms.
+"""LayerNormalization, RMSNormalization, GroupNormalization and BatchNormalization in inference: closed forms.
 
 LayerNormalization normalizes each example on its own: with the normalized
 input ``xh = (x - mean) / sqrt(var + eps)`` (``x / sqrt(var + eps)`` with
@@ -11,9 +11,20 @@ n's gradients are
 - ``dL_n/dbeta = sum_{other axes} g_n``,
 
 ``[B, *gamma.shape]`` each: no recomputation of the layer per example. The
-rule computes ``xh`` once in the forward pass (in at least float32, as Keras
-does) and taps ``y``. A LayerNormalization whose axes include the batch axis
-uses the layer-local fallback.
+rule runs the layer's own call for ``y`` (Keras computes it as
+``x * (inv gamma) + (beta - mean inv gamma)``, whose rounding differs from
+``xh * gamma + beta``: the model must compute what it computes without the
+engine, bit for bit), computes ``xh`` beside it (in at least float32, as
+Keras does) and taps ``y``. A LayerNormalization whose axes include the
+batch axis uses the layer-local fallback.
+
+Keras's ``RMSNormalization`` (SmolLM3's norms): ``xh = x / sqrt(mean(x^2
+over layer.axis) + eps)`` and ``y = xh * scale``, ``scale`` of shape
+``[*x.shape[axis]]`` broadcast against the trailing axes. Example n's
+gradient is ``g_n * xh_n`` summed over the axes ``scale`` is broadcast over,
+``[B, *scale.shape]`` (``rules.hub_layers``' RMS rule with Keras's axes and
+epsilon); the rule runs the layer's call and computes ``xh`` beside it by
+``keras.ops.rms_normalization``'s own ops.
 
 BatchNormalization in inference mode (``training`` false, or a frozen layer:
 ``trainable=False``, which Keras runs on its moving statistics) is the same
@@ -43,6 +54,7 @@ import keras
 import tensorflow as tf
 
 from per_example_grads._core.example_ops import compute_dtype
+from per_example_grads.rules.hub_layers import RMSNormRule
 from per_example_grads.rules.local import LOCAL_RULE
 from per_example_grads.rules.rule import LayerRule, register_layer_rule
 
@@ -69,15 +81,8 @@ class LayerNormRule(LayerRule):
         axes = _axes(layer, rank)
         if 0 in axes:
             raise ValueError(f"LayerNormalization '{layer.name}' normalizes over the batch axis.")
-        dtype = compute_dtype(x.dtype)
-        xh = keras.ops.layer_normalization(tf.cast(x, dtype), None, None, axes, layer.epsilon, rms_scaling=layer.rms_scaling)
-        shape = [x.shape[a] if a in axes else 1 for a in range(rank)]
-        y = xh
-        if layer.gamma is not None:
-            y = y * tf.reshape(tf.cast(layer.gamma, dtype), shape)
-        if layer.beta is not None:
-            y = y + tf.reshape(tf.cast(layer.beta, dtype), shape)
-        y = tf.cast(y, layer.compute_dtype)
+        y = call(*args, **kwargs)  # the layer's own values, bit for bit
+        xh = keras.ops.layer_normalization(tf.cast(x, compute_dtype(x.dtype)), None, None, axes, layer.epsilon, rms_scaling=layer.rms_scaling)
         return y, (xh, axes), [y]
 
     @staticmethod
@@ -184,6 +189,33 @@ class GroupNormRule(LayerNormRule):
         return y, (xh, [axis]), [y]
 
 
+class KerasRMSNormRule(RMSNormRule):
+    """``keras.layers.RMSNormalization``: the scale over ``layer.axis`` (module docstring)."""
+
+    def unsupported(self, layer):
+        axis = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
+        if 0 in axis:
+            return "an RMSNormalization over the batch axis couples examples"
+        return None
+
+    def variables(self, layer):
+        return [layer.scale]
+
+    def _scale(self, layer):
+        return layer.scale
+
+    def normalized(self, layer, x):
+        """``x * rsqrt(mean(square(x), axis) + eps)`` in at least float32, as ``keras.ops.rms_normalization``."""
+        ops = keras.ops
+        axes = _axes(layer, x.shape.rank)
+        if 0 in axes:
+            raise ValueError(f"RMSNormalization '{layer.name}' normalizes over the batch axis.")
+        eps = keras.config.epsilon() if layer.epsilon is None else layer.epsilon
+        x = tf.cast(x, compute_dtype(x.dtype))
+        return x * ops.rsqrt(ops.mean(ops.square(x), axis=axes, keepdims=True) + eps)
+
+
 register_layer_rule(keras.layers.LayerNormalization, LayerNormRule())
+register_layer_rule(keras.layers.RMSNormalization, KerasRMSNormRule())
 register_layer_rule(keras.layers.GroupNormalization, GroupNormRule())
 register_layer_rule(keras.layers.BatchNormalization, BatchNormRule())
