@@ -5,6 +5,17 @@ privacy (BatchNormalization in training mode mixes examples: replace it with
 GroupNormalization or LayerNormalization), and warns once about layers that
 fall back to slower paths (the layer-local VJP, or no layer-wise coverage at
 all, which materializes ``B x P`` per-example gradients).
+
+Every layer the layer-wise engine runs through the layer-local fallback (one
+VJP of that layer per example, exact but slower than a closed form) is
+named with its class and why it has no closed form (``Fallback``): no rule is
+registered for its class or a base class; its class overrides ``call`` of a
+registered base class (a rule is written for its class's own ``call``); or
+the registered rule declines this instance (LoRA or quantized kernels,
+channels_first convolutions, ...), with the rule's reason. A layer the
+engine finds only while tracing (one called on a tensor whose leading axis
+is not the batch, which falls back at an enclosing layer) is not known
+before the model runs and is not listed.
 """
 
 from __future__ import annotations
@@ -18,14 +29,35 @@ import keras
 from per_example_grads._core import model_inspection
 from per_example_grads.engines.capture import NotCoverable, plan_units
 from per_example_grads.rules.local import LocalRule
+from per_example_grads.rules.rule import RULES, rule_for
+
+
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+    """A layer on the layer-local fallback: its ``name``, its class's ``class_name``, and ``why`` it has no closed form."""
+
+    name: str
+    class_name: str
+    why: str
+
+    def __str__(self) -> str:
+        return (
+            f"'{self.name}' ({self.class_name}): exact layer-local fallback (one VJP of this layer per example), "
+            f"slower than a closed form: {self.why}"
+        )
 
 
 @dataclasses.dataclass
 class ValidationReport:
-    """``errors``: layers that break per-example privacy; ``slow``: layers on slow paths."""
+    """``errors``: layers that break per-example privacy; ``slow``: what is on slow paths, as text.
+
+    ``fallback``: the layers among ``slow`` that take the layer-local
+    fallback, one ``Fallback`` each (module docstring).
+    """
 
     errors: list[str]
     slow: list[str]
+    fallback: list[Fallback] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         lines = []
@@ -54,6 +86,7 @@ def validate(model: Any, *, training: bool = True) -> ValidationReport:
         for l in coupling
     ]
     slow = []
+    fallback = []
     try:
         units = plan_units(model, model.trainable_variables)
     except NotCoverable as err:
@@ -64,15 +97,44 @@ def validate(model: Any, *, training: bool = True) -> ValidationReport:
     else:
         for u in units:  # one unit per layer, however often it is called
             if isinstance(u.rule, LocalRule) and u.layer not in coupling:
-                slow.append(
-                    f"'{u.layer.name}' ({type(u.layer).__name__}) has no closed form: exact "
-                    "layer-local fallback; register a rule with peg.register_layer_rule to speed it up"
-                )
-    return ValidationReport(errors, slow)
+                fallback.append(Fallback(u.layer.name, type(u.layer).__name__, why_fallback(u.layer)))
+        slow += [str(f) for f in fallback]
+    return ValidationReport(errors, slow, fallback)
+
+
+def why_fallback(layer: keras.layers.Layer) -> str:
+    """Why ``layer`` has no closed form (module docstring), as one clause naming the class or the rule's reason."""
+    cls = type(layer)
+    full = f"{cls.__module__}.{cls.__qualname__}"
+    registered = next(
+        (c for c in cls.__mro__ if c in RULES or f"{c.__module__}.{c.__qualname__}" in RULES), None
+    )
+    if registered is None:
+        return f"no rule is registered for {full} (peg.register_layer_rule teaches the engine one)"
+    rule = rule_for(layer)
+    if rule is None:
+        overriding = next(c for c in cls.__mro__ if "call" in vars(c))
+        return (
+            f"{overriding.__qualname__} overrides call of {registered.__qualname__}, whose rule is written for "
+            f"that class's own call (register a rule for {full})"
+        )
+    reason = rule.unsupported(layer)
+    if reason:
+        return f"the rule for {registered.__qualname__} declines it: {reason}"
+    return f"the rule for {registered.__qualname__} hands it to the layer-local rule"
 
 
 def check_model(model: Any, *, training: bool = True) -> ValidationReport:
-    """Raises ``ValueError`` listing every privacy-breaking layer; warns about slow ones."""
+    """Raises ``ValueError`` listing every privacy-breaking layer; warns once, listing every slow one.
+
+    The warning names each layer on the layer-local fallback, its class and
+    why it has no closed form (module docstring); the returned report holds
+    them as ``report.fallback``.
+
+    Raises:
+      ValueError: some layer breaks per-example privacy (the message lists them all).
+      TypeError: ``model`` is not a Keras layer or model.
+    """
     report = validate(model, training=training)
     if report.errors:
         raise ValueError(str(report))
