@@ -91,7 +91,7 @@ def cost(models, steps, repeats) -> list[str]:
     ]
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     for model_name in models:
-        timings, state = {}, {}
+        runs, state, fits = {}, {}, {}
         for name, make in (
             ("DP-SGD", lambda: None),
             ("BandMF(b=4)", lambda: peg.dp.BandMF(bands=4, num_steps=1000, cycle_length=16)),
@@ -107,13 +107,14 @@ def cost(models, steps, repeats) -> list[str]:
             cycle, q = (16, 0.5) if mechanism is not None else (1, 0.5 / 16)
             data = peg.dp.poisson_batches(x, y, sampling_probability=q, cycle_length=cycle, steps=steps, seed=0)
             dp.fit(data, epochs=1, verbose=0)  # traces
-            runs = []
-            for _ in range(repeats):
+            fits[name], runs[name] = (dp, data), []
+            state[name] = getattr(mechanism, "state_floats", 0)
+        for _ in range(repeats):  # interleaved, so that a change of load hits every mechanism alike
+            for name, (dp, data) in fits.items():
                 t0 = time.perf_counter()
                 dp.fit(data, epochs=1, verbose=0)
-                runs.append((time.perf_counter() - t0) * 1000 / steps)
-            timings[name] = statistics.median(runs)
-            state[name] = getattr(mechanism, "state_floats", 0)
+                runs[name].append((time.perf_counter() - t0) * 1000 / steps)
+        timings = {name: statistics.median(r) for name, r in runs.items()}
         base = timings["DP-SGD"]
         cells = [f"{timings[k] / base:.2f} ({timings[k]:.2f}, {timings[k] - base:+.2f} ms)" for k in ("BandMF(b=4)", "BandMF(b=16)", "BLT(d=4)")]
         rows.append(
@@ -132,7 +133,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn", "transformer", "embedding_bag", "gpt2_lm"])
-    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

@@ -145,7 +145,11 @@ def _positive_int(name: str, value) -> int:
 
 
 class _BufferedMechanism(NoiseMechanism):
-    """A correlated mechanism with ``slots`` float32 buffers shaped like each variable."""
+    """A correlated mechanism with ``slots`` float32 noise vectors of ``P`` floats (all variables, flattened).
+
+    One ``[slots, P]`` buffer, not one per variable: the recursion is then a
+    few operations per step however many variables the model has.
+    """
 
     correlated = True
 
@@ -153,7 +157,7 @@ class _BufferedMechanism(NoiseMechanism):
         super().__init__(name=name)
         self.cycle_length = cycle_length
         self._slots = slots
-        self._buffers: list = []
+        self._sizes: list[int] = []
 
     def build_state(self, variables) -> None:
         super().build_state(variables)
@@ -169,15 +173,14 @@ class _BufferedMechanism(NoiseMechanism):
             self._parameter_values(), dtype="float64", trainable=False, name="mechanism_parameters",
             aggregation="only_first_replica",
         )
-        for i, v in enumerate(variables):
+        for v in variables:
             if any(d is None for d in tuple(v.shape)):
                 raise ValueError(f"variable {v.name!r} has shape {v.shape}: noise buffers need static shapes.")
-            self._buffers.append(
-                keras.Variable(
-                    np.zeros((self._slots, *tuple(v.shape)), np.float32), trainable=False,
-                    name=f"noise_buffer_{i}", synchronization="on_read", aggregation="sum",
-                )
-            )
+        self._sizes = [int(np.prod(tuple(v.shape), dtype=np.int64)) for v in variables]
+        self._buffer = keras.Variable(
+            np.zeros((self._slots, sum(self._sizes)), np.float32), trainable=False,
+            name="noise_buffer", synchronization="on_read", aggregation="sum",
+        )
 
     def _parameter_values(self) -> np.ndarray:
         raise NotImplementedError
@@ -196,23 +199,23 @@ class _BufferedMechanism(NoiseMechanism):
             )
 
     def correlate(self, fresh, step):
-        if len(fresh) != len(self._buffers):
+        if [int(np.prod(z.shape, dtype=np.int64)) for z in fresh] != self._sizes:
             raise ValueError(
-                f"{type(self).__name__} was built for {len(self._buffers)} variables; the step has {len(fresh)}."
+                f"{type(self).__name__} was built for variables of sizes {self._sizes}; the step's noise has "
+                f"{[tuple(z.shape) for z in fresh]}."
             )
-        out = []
-        for z, buffer in zip(fresh, self._buffers):
-            x = self._next(tf.cast(z, tf.float32), buffer)
-            out.append(tf.cast(x, z.dtype))
-        return out
+        z = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in fresh], axis=0)
+        x = self._next(z, self._buffer)
+        return [tf.cast(tf.reshape(part, t.shape), t.dtype) for part, t in zip(tf.split(x, self._sizes), fresh)]
 
     def _next(self, z: tf.Tensor, buffer) -> tf.Tensor:
+        """The ``[P]`` noise from the ``[P]`` fresh draw, updating ``buffer`` (``[slots, P]``)."""
         raise NotImplementedError
 
     @property
     def state_floats(self) -> int:
         """Floats of state: ``slots x P``."""
-        return sum(int(np.prod(b.shape)) for b in self._buffers)
+        return self._slots * sum(self._sizes)
 
 
 class BandMF(_BufferedMechanism):
@@ -365,7 +368,7 @@ class BLT(_BufferedMechanism):
     def _next(self, z, buffer):
         sums = tf.convert_to_tensor(buffer)
         x = z - tf.tensordot(tf.constant(self.omega, tf.float32), sums, axes=1)
-        theta = tf.reshape(tf.constant(self.theta, tf.float32), [-1] + [1] * (len(z.shape)))
+        theta = tf.constant(self.theta[:, None], tf.float32)
         buffer.assign(theta * sums + x[None])
         return x
 
