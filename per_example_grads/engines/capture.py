@@ -6,6 +6,14 @@ Keras 3 has no forward hooks, so capturing replaces a layer's ``call`` on the
 Functional, subclassed, or a layer called inside another layer's ``call``) and
 restores it afterwards. That lookup is the one Keras behaviour this module
 relies on; ``tests/test_layerwise_capture.py`` fails loudly if it changes.
+
+A unit must be called on tensors whose leading axis is the batch. One that is
+not (a mixture-of-experts block flattens ``[B, T, D]`` to ``[B*T, D]`` before
+its router) is handed, for that call, to the nearest enclosing layer that is
+(``containers_of``, ``capturing``): that layer becomes a unit of its own with
+the layer-local fallback, the exact per-example VJP of its call, in place of
+every unit called inside it. Only where no layer below the model sees the
+batch is the model refused (``check_batch_axis``).
 """
 
 from __future__ import annotations
@@ -60,6 +68,19 @@ class Record:
     cache: dict = dataclasses.field(default_factory=dict)
 
 
+def _role(layer, model) -> tuple[str, LayerRule | None]:
+    """How the plan treats ``layer``: ``("unit", rule)``, ``("local", None)`` (the fallback), ``("root", None)``
+    (the model itself, which owns no variables outside its layers) or ``("descend", None)``."""
+    rule = rule_for(layer)
+    if rule is not None and rule.unsupported(layer) is None:
+        return "unit", rule
+    if isinstance(layer, OPAQUE_LAYERS) or model_inspection.own_variables(layer) or rule is not None:
+        # A registered rule that declines this instance (grouped conv,
+        # LoRA...) also falls back to the exact layer-local VJP.
+        return ("local", None) if layer is not model else ("root", None)
+    return "descend", None
+
+
 def plan_units(model: Any, variables) -> list[Unit]:
     """The units whose rules together cover ``variables``.
 
@@ -88,15 +109,12 @@ def plan_units(model: Any, variables) -> list[Unit]:
         if id(layer) in seen:
             return
         seen.add(id(layer))
-        rule = rule_for(layer)
-        if rule is not None and rule.unsupported(layer) is None:
+        role, rule = _role(layer, model)
+        if role == "unit":
             units.append(Unit(layer, rule))
-        elif isinstance(layer, OPAQUE_LAYERS) or model_inspection.own_variables(layer) or rule is not None:
-            if layer is not model:
-                # A registered rule that declines this instance (grouped conv,
-                # LoRA...) also falls back to the exact layer-local VJP.
-                units.append(Unit(layer, LOCAL_RULE))
-        else:
+        elif role == "local":
+            units.append(Unit(layer, LOCAL_RULE))
+        elif role == "descend":
             for sub in model_inspection.direct_sublayers(layer):
                 if sub.weights:
                     visit(sub)
@@ -115,17 +133,65 @@ def plan_units(model: Any, variables) -> list[Unit]:
     return [u for u in units if any(id(v) in requested for v in u.variables)]
 
 
+def containers_of(model: Any, units: list[Unit], training: bool = False) -> list[keras.layers.Layer]:
+    """The layers ``plan_units`` descends through below ``model``: those that may take over an off-batch unit.
+
+    Each one can stand in, as one layer-local unit, for the units called
+    inside it (``capturing``). Left out: the model itself (standing in for
+    it would be a whole-model engine, not this one) and, in training mode,
+    layers with active random layers inside (a per-example recomputation
+    would draw other dropout masks than the forward pass did).
+    """
+    unit_layers = {id(u.layer) for u in units}
+    found: list = []
+    seen: set[int] = set()
+
+    def visit(layer):
+        if id(layer) in seen or id(layer) in unit_layers:
+            return
+        seen.add(id(layer))
+        if _role(layer, model)[0] != "descend":
+            return
+        if layer is not model and not (training and model_inspection.random_layers(layer)):
+            found.append(layer)
+        for sub in model_inspection.direct_sublayers(layer):
+            if sub.weights:
+                visit(sub)
+
+    if isinstance(model, keras.layers.Layer):
+        visit(model)
+    return found
+
+
 @contextlib.contextmanager
-def capturing(units: list[Unit]) -> Iterator[list[Record]]:
-    """Within the block, every call of a unit's layer appends a ``Record``."""
+def capturing(
+    units: list[Unit], containers: list = (), batch_size: Any = None
+) -> Iterator[list[Record]]:
+    """Within the block, every call of a unit's layer appends a ``Record``.
+
+    With ``containers`` (``containers_of``), a container whose call made a
+    record with a leading axis that is not the batch (``off_batch``: decided
+    from static shapes, as ``check_batch_axis`` decides) while its own
+    inputs and outputs may lead with it replaces every record made during that call with one of its own:
+    the layer-local fallback's (``LOCAL_RULE``: its call's arguments, taps at
+    its outputs). Its unit, one per layer, is new (``Record.unit`` names it)
+    and covers the layer's trainable variables, so it takes over only calls
+    whose units' variables it holds. An off-batch record no container could
+    take is left for ``check_batch_axis`` to refuse.
+    """
     records: list[Record] = []
+    static_b = batch_size if isinstance(batch_size, int) else None
     saved_calls = []
+
+    def watch(layer, wrapped):
+        saved_calls.append((layer, "call" in vars(layer), vars(layer).get("call")))
+        object.__setattr__(layer, "call", wrapped)
+
     for unit in units:
-        layer = unit.layer
-        had_instance_call = "call" in vars(layer)
-        original = layer.call
-        saved_calls.append((layer, had_instance_call, vars(layer).get("call")))
-        object.__setattr__(layer, "call", _watched_call(unit, original, records))
+        watch(unit.layer, _watched_call(unit, unit.layer.call, records))
+    taken: dict[int, Unit] = {}
+    for layer in containers:
+        watch(layer, _container_call(layer, layer.call, records, static_b, taken))
     try:
         yield records
     finally:
@@ -145,8 +211,59 @@ def _watched_call(unit: Unit, original, records: list[Record]):
     return call
 
 
+def _container_call(layer, original, records: list[Record], static_b: int | None, taken: dict):
+    """``layer``'s call, taking over the records made inside it when one is off the batch (``capturing``)."""
+
+    def call(*args, **kwargs):
+        start = len(records)
+        outputs = original(*args, **kwargs)
+        inner = records[start:]
+        if not any(off_batch(batch_led(r), static_b) is not None for r in inner):
+            return outputs
+        own = {id(v) for v in layer.trainable_variables}
+        if not all(id(v) in own for r in inner for v in r.unit.variables):
+            return outputs  # a unit called here that the layer does not hold: not its to take
+        # Hand the computed outputs to the fallback's forward, which taps them as it taps any layer's.
+        outputs, saved, taps = LOCAL_RULE.forward(layer, lambda *a, **k: outputs, args, kwargs)
+        leaves = [t for t in tf.nest.flatten((args, kwargs)) if isinstance(t, tf.Tensor) and t.shape.rank]
+        if off_batch(leaves + list(taps), static_b) is not None or not taps:
+            return outputs  # the layer itself is not split along the batch either: an enclosing one may be
+        unit = taken.setdefault(id(layer), Unit(layer, LOCAL_RULE))
+        del records[start:]
+        records.append(Record(unit, saved, list(taps)))
+        return outputs
+
+    return call
+
+
+def batch_led(record: Record) -> list:
+    """The tensors of ``record`` that must lead with the batch: its taps, unless its rule names others.
+
+    A rule whose taps are rows of the batch flattened with another axis
+    (the mixture-of-experts rule's ``[B*T, E]`` router logits and
+    ``[E, B*T, M]`` expert activations, which it maps back to examples
+    itself) defines ``batch_led(saved, taps)``, the tensors its mapping
+    rests on (there, the block's ``[B, T, D]`` input).
+    """
+    own = getattr(record.unit.rule, "batch_led", None)
+    return list(own(record.saved, record.taps)) if own is not None else list(record.taps)
+
+
+def off_batch(tensors, static_b: int | None) -> int | None:
+    """The first static leading size among ``tensors`` that is not the batch ``static_b`` (None: all may be).
+
+    With ``B`` dynamic (``static_b`` None) any static leading size counts
+    (a constant, such as positions ``arange(T)[None]``, is not the batch).
+    """
+    for t in tensors:
+        lead = t.shape[0] if t.shape.rank else None
+        if lead is not None and (static_b is None or lead != static_b):
+            return lead
+    return None
+
+
 def check_batch_axis(records: list[Record], batch_size) -> None:
-    """Checks each tap's leading axis is the batch; a layer fed something else cannot be split per example.
+    """Checks each tap's leading axis is the batch (``batch_led``); a layer fed something else cannot be split per example.
 
     Decided while tracing when shapes allow (``NotCoverable``, so ``auto``
     moves to another engine): a static leading size that differs from a static
@@ -156,13 +273,14 @@ def check_batch_axis(records: list[Record], batch_size) -> None:
     """
     static_b = batch_size if isinstance(batch_size, int) else None
     for r in records:
-        for t in r.taps:
-            lead = t.shape[0] if t.shape.rank else None
-            if lead is not None and (static_b is None or lead != static_b):
-                raise NotCoverable(
-                    f"layer '{r.unit.layer.name}' was called on a tensor whose leading axis "
-                    f"({lead}) is not the batch"
-                )
+        led = batch_led(r)
+        lead = off_batch(led, static_b)
+        if lead is not None:
+            raise NotCoverable(
+                f"layer '{r.unit.layer.name}' was called on a tensor whose leading axis "
+                f"({lead}) is not the batch, and no layer enclosing it below the model is"
+            )
+        for t in led:
             tf.debugging.assert_equal(
                 tf.shape(t)[0],
                 tf.cast(batch_size, tf.int32),

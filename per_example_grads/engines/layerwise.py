@@ -18,7 +18,15 @@ from per_example_grads._core.batch import Batch, batch_size
 from per_example_grads import transforms
 from per_example_grads.engines.base import ENGINES, ClipGroups, Engine
 from per_example_grads.errors import EngineError
-from per_example_grads.engines.capture import NotCoverable, Record, Unit, capturing, check_batch_axis, plan_units
+from per_example_grads.engines.capture import (
+    NotCoverable,
+    Record,
+    Unit,
+    capturing,
+    check_batch_axis,
+    containers_of,
+    plan_units,
+)
 from per_example_grads.rules.rule import LayerRule
 from per_example_grads._core.example_ops import WIDE, compute_dtype
 from per_example_grads.per_example_slices import PerExampleSlices
@@ -78,11 +86,31 @@ def use_layerwise(method: str, problem: Problem) -> bool:
     return reason is None
 
 
+def containers(problem: Problem) -> list:
+    """The layers that may stand in for units called off the batch inside them (``capture.containers_of``), once per call."""
+    if "layerwise_containers" not in problem.cache:
+        problem.cache["layerwise_containers"] = containers_of(problem.model, units_of(problem), problem.training)
+    return problem.cache["layerwise_containers"]
+
+
 def capture(problem: Problem, batch: Batch) -> Captured:
-    """One forward and one backward pass with every unit watched."""
+    """One forward and one backward pass with every unit watched.
+
+    A unit called on something whose leading axis is not the batch is
+    replaced, for that call, by the nearest enclosing layer that is, as a
+    layer-local unit (``capture.capturing``); such units join the plan's
+    (``Captured.units``), each where the first unit it replaced stood.
+
+    Raises:
+      NotCoverable: a unit is called off the batch and no enclosing layer
+        below the model can take it (``check_batch_axis``), or a layer that
+        took over holds variables that units called outside it also
+        compute.
+    """
     units = units_of(problem)
+    b = batch_size(batch)
     with tf.GradientTape(persistent=False) as tape:
-        with capturing(units) as records:
+        with capturing(units, containers(problem), b) as records:
             predictions, losses = problem.predictions_and_losses(batch)
         total = tf.reduce_sum(tf.cast(losses, tf.float32))
         for r in records:  # watched so gradients reach them through frozen layers too
@@ -94,9 +122,40 @@ def capture(problem: Problem, batch: Batch) -> Captured:
         n = len(r.taps)
         grads.append([tf.zeros_like(t) if g is None else g for g, t in zip(flat_grads[i : i + n], r.taps)])
         i += n
-    b = batch_size(batch)
     check_batch_axis(records, b)
-    return Captured(units, records, grads, b, predictions)
+    return Captured(_with_stand_ins(units, records), records, grads, b, predictions)
+
+
+def _with_stand_ins(units: list[Unit], records: list[Record]) -> list[Unit]:
+    """``units`` and the layers that stood in for some of them (``capture``), each before the first it replaced.
+
+    Raises ``NotCoverable`` when a stand-in's variables are also those of a
+    unit that kept records (a layer shared between its inside and outside):
+    the two would compute the same variable's gradients separately.
+    """
+    plan = {id(u) for u in units}
+    stand_ins = [u for u in dict.fromkeys(r.unit for r in records) if id(u) not in plan]
+    if not stand_ins:
+        return units
+    recorded = {id(r.unit) for r in records}
+    kept = [u for u in units if id(u) in recorded]
+    for s in stand_ins:
+        held = {id(v) for v in s.variables}
+        clash = [u for u in kept + [o for o in stand_ins if o is not s] if any(id(v) in held for v in u.variables)]
+        if clash:
+            raise NotCoverable(
+                f"layer '{s.layer.name}' stands in for the layers called off the batch inside it, but "
+                f"'{clash[0].layer.name}', whose variables it holds, is also called outside it"
+            )
+    held_by = {id(v): s for s in stand_ins for v in s.variables}
+    out: list[Unit] = []
+    for u in units:
+        s = next((held_by[id(v)] for v in u.variables if id(v) in held_by), None)
+        if s is not None and s not in out:
+            out.append(s)
+        out.append(u)
+    out.extend(s for s in stand_ins if s not in out)
+    return out
 
 
 def unit_per_example(unit: Unit, calls: list, sparse: bool = False) -> list:
