@@ -27,6 +27,7 @@ from per_example_grads.rules import (  # noqa: F401,E402  (each registers its ru
     hub_layers,
     local,
     lora,
+    moe,
     normalization,
     patch_embedding,
     prelu,
