@@ -11,6 +11,13 @@ kernel's rank, ``per_example_grads._core.pfor_limits``, for recurrent layers
 under XLA, or when vectorization fails). Only this
 layer is recomputed, never the whole model.
 
+The taps are the layer's float outputs as the engine separates them
+(``rules.rule.separate_taps``): ``g`` is the gradient that reaches each output
+from outside the layer. A layer that also uses one of its outputs inside
+itself (KerasHub's ``T5MultiHeadAttention`` returns ``position_bias`` and adds
+it to its scores) has that use differentiated once, inside the recomputed
+VJP, not a second time through the gradient at the tap.
+
 With ``preactivation=True`` (used for convolutions) the layer's fused
 ``activation`` is split off: the tap is the pre-activation output, and the
 recomputation runs without the activation.

@@ -20,6 +20,19 @@ which is exact but costs ``B x (layer's parameters)`` memory. The engine
 passes both the same per-call ``cache`` dict when it computes a clipped sum,
 so what the norms built can serve the sum.
 
+Taps never count a gradient twice. A tap that is one of the layer's
+outputs receives the loss gradient that reaches that output from *outside*
+the layer: every rule's ``forward`` is wrapped (once, here, for every
+subclass) so that such an output is returned as a fresh ``tf.identity`` of
+itself, and that identity is the tap (``separate_taps``). Without it, a layer
+that returns a tensor and also uses it for another output (KerasHub's
+``T5MultiHeadAttention`` returns ``position_bias`` and adds it to its
+scores) would receive at that tap the gradient of its own internal use too,
+and a rule differentiating the whole layer would count that path twice. A
+tap that is not an output (a pre-activation ``z`` before a fused
+activation) receives the whole gradient at ``z``, through the rest of the
+layer's own computation.
+
 A layer called several times gets ``shared_squared_norms`` with every call
 (its gradients add up before the square), and ``for_layer`` lets the rule
 registered for a class hand one instance to another rule (a LoRA-enabled
@@ -28,6 +41,8 @@ Dense to the LoRA rule).
 
 from __future__ import annotations
 
+import collections
+import functools
 from typing import Any, Sequence
 
 import keras
@@ -64,6 +79,14 @@ class LayerRule:
         peg.register_layer_rule(Scale, ScaleRule())
     """
 
+    def __init_subclass__(cls, **kwargs):
+        # Every rule's forward, built-in or a user's, hands its taps to
+        # separate_taps: no rule can forget it.
+        super().__init_subclass__(**kwargs)
+        forward = cls.__dict__.get("forward")
+        if forward is not None and not getattr(forward, "_separates_taps", False):
+            cls.forward = _separating(forward)
+
     def unsupported(self, layer: keras.layers.Layer) -> str | None:
         """Why this rule cannot handle ``layer`` (e.g. LoRA enabled), or None."""
         return None
@@ -77,6 +100,19 @@ class LayerRule:
 
         ``call`` is the layer's original ``call``; ``args``/``kwargs`` are what
         Keras passed to it (inputs already autocast).
+
+        ``outputs`` must be what ``call`` returns, bit for bit: the model
+        computes exactly what it computes unwatched (a rule that recomputes
+        a layer differently can move a ReLU or max-pool kink, and change one
+        example's gradients by far more than rounding). Calling ``call``
+        (``rules.conv.pre_activation`` splits off a fused activation) gives
+        that by construction.
+
+        ``taps`` are float tensors of the forward pass with a leading batch
+        axis. Whatever a subclass returns goes through ``separate_taps``
+        (module docstring): a tap that is an output receives only the
+        gradient from outside the layer; one that is not receives the whole
+        gradient at that tensor.
         """
         raise NotImplementedError
 
@@ -174,6 +210,82 @@ class LayerRule:
         no such form, and the diagnostics materialize them.
         """
         return None
+
+
+def separate_taps(outputs: Any, taps: Sequence[tf.Tensor], rule: "LayerRule | None" = None) -> tuple[Any, list]:
+    """``(outputs, taps)`` with every tapped output replaced, in both, by a fresh ``tf.identity`` of itself.
+
+    The identities are consumed by nothing inside the layer, so the gradient
+    at such a tap is what the output receives from outside it (module
+    docstring); values are unchanged, bit for bit, and a Keras mask on an
+    output is carried over. Taps that are not outputs are kept. Tensors are
+    matched by identity (``is``): a tensor returned ``n`` times and tapped
+    ``n`` times gets one identity per place (the layer-local rule taps every
+    float output); tapped once, one identity for all its places, whose
+    gradient is then their sum. ``outputs`` is returned as it was (the same
+    object) when none of its leaves is tapped.
+
+    ``rule`` (the rule whose ``forward`` returned them) names it in errors.
+
+    Raises:
+      ValueError: a tensor tapped more than once in any other way (its one
+        gradient would reach the rule several times).
+    """
+    taps = list(taps)
+    flat = tf.nest.flatten(outputs)
+    places: dict[int, list[int]] = collections.defaultdict(list)
+    for i, t in enumerate(flat):
+        if tf.is_tensor(t):
+            places[id(t)].append(i)
+    tapped: dict[int, list[int]] = collections.defaultdict(list)
+    for j, t in enumerate(taps):
+        tapped[id(t)].append(j)
+    new_flat, new_taps = list(flat), list(taps)
+    for key, at_taps in tapped.items():
+        at_outputs = places.get(key, [])
+        if len(at_taps) == len(at_outputs):
+            pairs = [([i], [j]) for i, j in zip(at_outputs, at_taps)]
+        elif len(at_taps) == 1:
+            pairs = [(at_outputs, at_taps)]
+        else:
+            name = type(rule).__name__ if rule is not None else "a rule"
+            raise ValueError(
+                f"{name}.forward returned one tensor {len(at_taps)} times in taps but {len(at_outputs)} times "
+                "in outputs: taps must be distinct tensors (the gradient at a tensor reaches each of its taps whole)."
+            )
+        for output_places, tap_places in pairs:
+            if not output_places:
+                continue  # not an output: an inner tensor, tapped once
+            fresh = _fresh_identity(taps[tap_places[0]])
+            for i in output_places:
+                new_flat[i] = fresh
+            for j in tap_places:
+                new_taps[j] = fresh
+    if all(a is b for a, b in zip(new_flat, flat)):
+        return outputs, new_taps
+    return tf.nest.pack_sequence_as(outputs, new_flat), new_taps
+
+
+def _fresh_identity(t: tf.Tensor) -> tf.Tensor:
+    """``tf.identity(t)`` with ``t``'s Keras mask, if any (a layer's call may set one: ``ReversibleEmbedding``)."""
+    fresh = tf.identity(t)
+    mask = getattr(t, "_keras_mask", None)
+    if mask is not None:
+        fresh._keras_mask = mask
+    return fresh
+
+
+def _separating(forward):
+    """``forward`` whose ``(outputs, saved, taps)`` go through ``separate_taps``."""
+
+    @functools.wraps(forward)
+    def wrapped(self, layer, call, args, kwargs):
+        outputs, saved, taps = forward(self, layer, call, args, kwargs)
+        outputs, taps = separate_taps(outputs, taps, self)
+        return outputs, saved, taps
+
+    wrapped._separates_taps = True
+    return wrapped
 
 
 RULES: dict[type | str, LayerRule] = {}
