@@ -52,7 +52,8 @@ The bias gradient is ``sum_t g_n[t]`` ``[B, C m]``.
 
 SeparableConv: ``d = depthwise(a, W_d)`` ``[B, *spatial_out, C m]``, then
 ``z = d @ W_p + b`` at every position (a 1x1 convolution, ``W_p``
-``[*(1,) * rank, C m, F]``). The rule taps both ``d`` and ``z``: the gradient
+``[*(1,) * rank, C m, F]``), both computed by the ops the layer itself runs
+(``SeparableConvRule.forward``). The rule taps both ``d`` and ``z``: the gradient
 at ``d`` (through ``z`` and ``W_p``, ``g_d = g_z W_p^T``) gives ``W_d``'s
 gradients as above, and ``W_p`` is a Dense kernel on the positions of ``d``
 (``outer_products``: Gram-form or materialized norms, the clipped sum as one
@@ -206,15 +207,30 @@ class SeparableConvRule(LayerRule):
         return [layer.depthwise_kernel, layer.pointwise_kernel] + ([layer.bias] if layer.use_bias else [])
 
     def forward(self, layer, call, args, kwargs):
+        """The layer's output bit for bit, with its depthwise output ``d`` in the open.
+
+        Keras's TensorFlow backend computes a separable convolution as a
+        depthwise convolution followed by a 1x1 ``tf.nn.conv2d`` with
+        ``VALID`` padding (``tf.nn.separable_conv2d``, or Keras's own
+        decomposition when strides and dilation are both above 1; a 1-D layer
+        on an added unit axis). ``keras.ops.depthwise_conv`` takes the same
+        path to ``d``, and the same 1x1 convolution follows, so the output is
+        the layer's own, bit for bit (a matrix product in place of the 1x1
+        convolution rounds differently on wide layers, enough to move a ReLU
+        or max-pool kink), and ``d`` is tapped where the layer's own
+        computation has it, so the one backward pass gives ``g_d``. (Calling
+        the layer instead would need ``d`` and ``g_d = g_z W_p^T`` computed
+        again.) ``tests/test_engine_interface.py`` checks the output against
+        the layer's bit for bit.
+        """
         a = args[0]
         d = keras.ops.depthwise_conv(
             a, layer.depthwise_kernel, strides=layer.strides, padding=layer.padding,
             dilation_rate=layer.dilation_rate, data_format=layer.data_format,
         )
-        pointwise = layer.pointwise_kernel
-        z = keras.ops.matmul(d, keras.ops.reshape(pointwise, pointwise.shape[-2:]))
+        z = _pointwise(d, layer.pointwise_kernel, layer.rank)
         if layer.use_bias:
-            z = keras.ops.add(z, layer.bias)
+            z = keras.ops.add(z, keras.ops.reshape(layer.bias, (1,) * (layer.rank + 1) + (layer.filters,)))
         out = layer.activation(z) if layer.activation is not None else z
         return out, (a, d), [d, z]
 
@@ -253,6 +269,15 @@ class SeparableConvRule(LayerRule):
         if layer.use_bias:
             out.append(op.weighted_bias_sum(g_z, weights))
         return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
+
+
+def _pointwise(d: tf.Tensor, kernel, rank: int) -> tf.Tensor:
+    """``d`` ``[B, *spatial, C m]`` through the ``[*(1,) * rank, C m, F]`` kernel, as Keras's separable convolution does it."""
+    kernel = keras.ops.convert_to_tensor(kernel)  # as Keras converts it: autocast under mixed precision
+    if rank == 1:
+        z = tf.nn.conv2d(tf.expand_dims(d, 1), tf.expand_dims(kernel, 0), [1, 1, 1, 1], "VALID", data_format="NHWC")
+        return tf.squeeze(z, [1])
+    return tf.nn.conv2d(d, kernel, [1, 1, 1, 1], "VALID", data_format="NHWC")
 
 
 def grouped_kernels(spec: ConvSpec, a: tf.Tensor, g: tf.Tensor, groups: int) -> tf.Tensor:
