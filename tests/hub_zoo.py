@@ -13,8 +13,8 @@ configurations (nothing is downloaded), keras.applications with
   ``keras.layers.RMSNormalization``);
 - encoders: ``deberta_v3_classifier`` (``RelativeEmbedding``),
   ``roformer_v2_encoder`` (``RoformerNorm``);
-- encoder-decoders: ``t5`` (``T5LayerNorm``, ``T5MultiHeadAttention``'s
-  relative attention bias), ``bart``, with a dense head on the decoder's output;
+- encoder-decoders: ``t5`` (two layers: ``T5LayerNorm``, the first
+  ``T5MultiHeadAttention``'s relative attention bias, reused by the second), ``bart``, with a dense head on the decoder's output;
 - vision transformers: ``vit`` (``ViTPatchingAndEmbedding``), ``deit``
   (``DeiTEmbeddings``), average-pooled into a dense head;
 - mixture of experts: ``mixtral_lm`` (``MixtralLayerNormalization``, the

@@ -69,8 +69,8 @@ def test_a_model_with_closed_forms_only_lists_nothing():
 
 
 def test_kerashub_layers_with_closed_forms_are_not_listed():
-    """A KerasHub layer with a closed form (registered by class name) is not listed (T5's attention, still
-    without one, is checked in tests/test_hub_zoo.py)."""
+    """A KerasHub layer with a closed form (registered by class name) is not listed (the zoo's models:
+    tests/test_hub_zoo.py checks that check_model lists exactly their layer-local units)."""
     keras_hub = pytest.importorskip("keras_hub")
     norm = keras_hub.src.models.qwen3.qwen3_layernorm.Qwen3LayerNorm(name="qnorm")
     inp = keras.Input((3, 4))

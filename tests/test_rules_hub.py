@@ -2,7 +2,8 @@
 one-example loop: per-example gradients, norms (with the lookup/projection cross term) and clipped sums.
 
 Then KerasHub layers with closed forms of their own (every registered RMS normalization, DeBERTa's
-RelativeEmbedding, the ViT and DeiT patch embeddings), each in a small model, against the loop.
+RelativeEmbedding, the ViT and DeiT patch embeddings, T5's attention with its relative bias), each in a small
+model, against the loop.
 
 Gemma runs with ``method="layerwise"`` only (``tf.vectorized_map`` over a whole Gemma crashes on some CPUs).
 """
@@ -360,3 +361,64 @@ def test_deit_embeddings_with_masked_patches_take_the_layer_local_rule():
         model(x)
     assert records[0].saved[0] == "local"
     rule_against_loop(model, x, np.array([0, 1, 2, 1]))
+
+
+class _TwoT5Attentions(keras.Model):
+    """Two T5 attention layers, the second reusing the first's position bias (as a T5 stack does), then a head."""
+
+    def __init__(self):
+        from keras_hub.src.models.t5.t5_multi_head_attention import T5MultiHeadAttention
+
+        super().__init__()
+        common = dict(is_decoder=False, hidden_dim=ND, key_value_dim=4, num_heads=2, dropout=0.0)
+        self.first = T5MultiHeadAttention(use_relative_attention_bias=True, name="first", **common)
+        self.second = T5MultiHeadAttention(name="second", **common)
+        self.head = keras.layers.Dense(3)
+
+    def call(self, inputs):
+        h, mask = inputs
+        h, bias, _ = self.first(h, mask=mask)
+        h, _, _ = self.second(h, position_bias=bias)
+        return self.head(keras.ops.reshape(h, (-1, NT * ND)))
+
+
+def _t5_attention_model(r):
+    model = _TwoT5Attentions()
+    m = np.ones((NB, NT, NT), bool)
+    m[0, :, -2:] = False  # padded keys of one example
+    x = [r.normal(size=(NB, NT, ND)).astype("float32"), m]
+    model(x)
+    _randomize(model.first, 12)
+    return model, model.first, x
+
+
+@pytest.mark.slow
+def test_t5_attention_with_relative_bias_matches_the_loop():
+    """The bias table's gradient comes through the layer's own scores and the second layer's reuse of P."""
+    from per_example_grads.rules import t5_attention
+
+    model, first, x = _t5_attention_model(np.random.default_rng(13))
+    units = {id(u.layer): u for u in plan_units(model, model.trainable_variables)}
+    assert units[id(first)].rule is t5_attention.T5_ATTENTION_RULE
+    y = np.array([0, 1, 2, 1])
+    expected = rule_against_loop(model, x, y)
+    table = [v.path for v in model.trainable_variables].index(first.relative_attention_bias.path)
+    assert np.abs(expected[table]).max() > 0
+    _check_clipped(model, x, y, expected)
+
+
+def test_t5_attention_outputs_are_the_layers_own_bit_for_bit():
+    from per_example_grads.engines.capture import Unit, capturing
+    from per_example_grads.rules import t5_attention
+
+    model, first, (h, m) = _t5_attention_model(np.random.default_rng(14))
+    plain = first(h, mask=m)
+    with capturing([Unit(first, t5_attention.T5_ATTENTION_RULE)]) as records:
+        watched = first(h, mask=m)
+    assert records[0].saved[0] == "closed"
+    for a, b in zip(plain[:2], watched[:2]):
+        assert a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with capturing([Unit(first, t5_attention.T5_ATTENTION_RULE)]) as records:
+        first(h)  # no mask: the bias would stay [1, heads, Tq, Tk], so the layer-local rule
+    assert records[0].saved[0] == "local"

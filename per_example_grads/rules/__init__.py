@@ -33,6 +33,7 @@ from per_example_grads.rules import (  # noqa: F401,E402  (each registers its ru
     prelu,
     reversible_embedding,
     scale,
+    t5_attention,
 )
 
 __all__ = ["LayerRule", "per_example_squared_norms", "register_layer_rule", "rule_for", "sum_to_shape", "wide_squared_norms"]
