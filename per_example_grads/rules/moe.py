@@ -52,13 +52,12 @@ another class) is left to the layer-local fallback.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import keras
 import tensorflow as tf
 
 from per_example_grads._core import model_inspection
-from per_example_grads._core.example_ops import WIDE, compute_dtype, squares_part, widened
+from per_example_grads._core.example_ops import WIDE, compute_dtype, widened
 from per_example_grads.rules import outer_products as op
 from per_example_grads.rules.rule import LayerRule, register_layer_rule, reparametrized
 
@@ -116,12 +115,11 @@ class _DensePart:
 
     def forward(self, original, args, kwargs):
         z = original(*args, **kwargs)
-        return z, args[0], [z]
+        return z, (args[0] if args else kwargs["inputs"]), [z]
 
     def per_example(self, saved, grads, steps) -> list:
         a, g = _rows(saved, steps), _rows(grads[0], steps)
-        out = [op.per_example_kernel(a, g)] + ([tf.reduce_sum(g, axis=1)] if self.layer.bias is not None else [])
-        return out
+        return [op.per_example_kernel(a, g)] + ([tf.reduce_sum(g, axis=1)] if self.layer.bias is not None else [])
 
     def norm_parts(self, saved, grads, steps) -> list:
         a, g = _rows(saved, steps), _rows(grads[0], steps)
