@@ -18,7 +18,12 @@ with each ``BatchNormalization`` replaced:
   so Keras runs it in inference mode (moving statistics, no batch coupling)
   and its ``gamma`` and ``beta`` are not trained.
 
-Every other layer is rebuilt from its config and gets its weights back.
+Every other layer is rebuilt from its config and gets its weights back, and
+the raw Keras operations a Functional graph records (``x + 3.0`` in
+MobileNetV3's hard-swish is a ``keras.ops`` ``Add``, not a layer) are rebuilt
+in place, so the fixed model computes what the original does except in the
+replaced layers (with ``"freeze"``, called in inference mode, exactly what
+the original computes). Every ``keras.applications`` model can be fixed.
 
     >>> import keras, per_example_grads as peg
     >>> model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(16, 3),
@@ -81,7 +86,9 @@ def fix_model(
     pairs: list[tuple[keras.layers.Layer, keras.layers.Layer]] = []
     changes: list[str] = []
 
-    def clone(layer: keras.layers.Layer) -> keras.layers.Layer:
+    def clone(layer: keras.Operation) -> keras.Operation:
+        if not isinstance(layer, keras.layers.Layer):
+            return _clone_operation(layer)
         if isinstance(layer, keras.layers.BatchNormalization) and batch_norm == "group_norm":
             new = _group_norm_for(layer, groups)
             changes.append(
@@ -113,6 +120,18 @@ def _is_graph_model(model: Any) -> bool:
     from keras.src.models.functional import Functional  # keras.Model(inputs, outputs) builds one
 
     return isinstance(model, (keras.Sequential, Functional))
+
+
+def _clone_operation(op: keras.Operation) -> keras.Operation:
+    """A copy of a raw Keras operation in the graph (``x + 3.0`` records ``keras.ops.Add``).
+
+    Operations have no weights, so the original is shared when its constructor
+    arguments cannot be serialized (Keras then has no config to rebuild it from).
+    """
+    try:
+        return op.__class__.from_config(op.get_config())
+    except (NotImplementedError, TypeError, ValueError):
+        return op
 
 
 def _group_norm_for(layer: keras.layers.BatchNormalization, groups: int) -> keras.layers.GroupNormalization:
