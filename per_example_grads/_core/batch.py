@@ -7,7 +7,8 @@ A *batch* here is a dict ``{"x": ..., "y": ..., "sample_weight": ...}``
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import numbers
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import tensorflow as tf
@@ -27,7 +28,8 @@ def make_batch(model: Any, x: Any, y: Any = None, sample_weight: Any = None) -> 
       sample_weight: ``None`` or ``[B]`` real numbers.
 
     Raises:
-      TypeError: for non-numeric inputs, ``tf.RaggedTensor`` or
+      TypeError: for non-numeric inputs, a Python list of numbers (pass it
+        as one array: ``np.asarray``), ``tf.RaggedTensor`` or
         ``tf.SparseTensor`` leaves (anywhere in ``x``, ``y`` or
         ``sample_weight``: the message says how to make them dense), or
         non-float ``x`` where the model declares a float input.
@@ -139,7 +141,74 @@ def add_batch_axis(example: Batch) -> Batch:
     return tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), example)
 
 
+def common_rows(arguments: Mapping[str, Any], where: str, *, require_known: bool = True) -> int | None:
+    """``N``, the leading dimension every leaf of every argument shares, for data that is sliced into batches.
+
+    ``arguments`` maps each argument's name to its value (``{"x": x, "y": y}``,
+    ``None`` values skipped): arrays, tensors, or dicts, lists, tuples and
+    nested structures of them, as the model takes them. Nothing is converted;
+    only the leaves' shapes are read, so this checks array data before it is
+    batched (``where`` names the data in messages, e.g. ``"data"``). A leaf
+    whose rows are unknown (a symbolic tensor in ``tf.function``) is an error
+    with ``require_known``, else skipped (``None`` if no leaf's rows are known).
+
+    Raises:
+      TypeError: a leaf that is None, a scalar or a Python list of numbers
+        (read as a structure of scalars; pass ``np.asarray`` of it).
+      ValueError: two leaves with different numbers of rows, naming both
+        (``x['ids'] has 8 rows but y has 10``).
+    """
+    first: tuple[str, int] | None = None
+    for name, value in arguments.items():
+        if value is None:
+            continue
+        _refuse_numbers_as_structure(name, value)
+        for label, leaf in zip(_leaf_labels(name, value), tf.nest.flatten(value)):
+            if leaf is None:
+                raise TypeError(f"{where}: {label} is None; expected an array of shape [N, ...].")
+            shape = leaf.shape if hasattr(leaf, "shape") else np.shape(leaf)
+            if len(shape) == 0:
+                raise TypeError(f"{where}: {label} is a scalar; expected an array of shape [N, ...].")
+            rows = shape[0]
+            if rows is None:
+                if not require_known:
+                    continue
+                raise ValueError(f"{where}: {label} has an unknown number of rows; pass arrays or eager tensors.")
+            if first is None:
+                first = (label, int(rows))
+            elif int(rows) != first[1]:
+                raise ValueError(
+                    f"{where}: {label} has {int(rows)} rows but {first[0]} has {first[1]}; every array "
+                    "(each leaf of a dict, list or tuple too) needs the same number of rows N, one per example."
+                )
+    if first is None:
+        if require_known:
+            raise ValueError(f"{where} holds no arrays.")
+        return None
+    return first[1]
+
+
+def _refuse_numbers_as_structure(name: str, value: Any) -> None:
+    """A Python list or tuple of numbers anywhere in ``value`` is refused: tf.nest reads it as scalars, not rows."""
+
+    def walk(label: str, node: Any) -> None:
+        if isinstance(node, Mapping):
+            for key, child in node.items():
+                walk(f"{label}[{key!r}]", child)
+        elif isinstance(node, (list, tuple)) and not hasattr(node, "_fields") and node:
+            if all(isinstance(leaf, (numbers.Number, np.generic)) for leaf in tf.nest.flatten(node)):
+                raise TypeError(
+                    f"{label} is a Python {type(node).__name__} of numbers, which reads as a structure of "
+                    f"scalars, not as rows; pass it as one array, e.g. np.asarray({label})."
+                )
+            for i, child in enumerate(node):
+                walk(f"{label}[{i}]", child)
+
+    walk(name, value)
+
+
 def _to_tensors(name: str, value: Any):
+    _refuse_numbers_as_structure(name, value)
     leaves = tf.nest.flatten(value)
     converted = [_to_tensor(label, leaf) for label, leaf in zip(_leaf_labels(name, value), leaves)]
     return tf.nest.pack_sequence_as(value, converted)

@@ -11,7 +11,7 @@ from tensorflow.core.framework import summary_pb2
 
 from per_example_grads.diagnostics.report import GradientReport
 from per_example_grads.diagnostics.statistics import GradientStatistics
-from per_example_grads.diagnostics.streams import check_batch_size, iterate_batches
+from per_example_grads.diagnostics.streams import check_batch_size, iterate_batches, num_examples
 
 SCALARS = ("noise_scale", "trace_covariance", "mean_gradient_norm", "per_example_norm_mean", "gsnr")
 HISTOGRAMS = ("norm_histograms",)
@@ -38,7 +38,9 @@ class GradientStatisticsCallback(keras.callbacks.Callback):
 
     Args:
       data: a batched ``tf.data.Dataset`` of ``(x, y)`` or a tuple ``(x, y)``
-        of arrays (keep it small: it is processed in full each time).
+        of arrays or of the structures the model takes (dicts, lists,
+        tuples, nested; every leaf with the same rows, checked here). Keep
+        it small: it is processed in full each time.
       every_n_steps: how often, in training steps.
       log_dir: folder for the TensorBoard event files.
       loss_fn: per-example loss; default: the compiled ``model.loss``.
@@ -68,6 +70,7 @@ class GradientStatisticsCallback(keras.callbacks.Callback):
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1; got {every_n_steps}.")
         check_batch_size(batch_size)
+        num_examples(data)  # array data's leaves must share N: checked now, not at the first log step
         unknown = set(statistics) - set(SCALARS) - set(HISTOGRAMS)
         if unknown:
             raise ValueError(f"unknown statistics {sorted(unknown)}; choose from {SCALARS + HISTOGRAMS}.")

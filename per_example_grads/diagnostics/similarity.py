@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from per_example_grads._core.batch import make_batch
+from per_example_grads._core.batch import common_rows, make_batch
 from per_example_grads.diagnostics.moments import outer_factors
 from per_example_grads.engines import selection
 from per_example_grads.engines import layerwise as layerwise
@@ -133,7 +133,10 @@ def gradient_similarity(
 
     Args:
       model, loss_fn: as in ``per_example_gradients``.
-      xa, ya: batch a, ``[Ba, ...]``; xb, yb: batch b, ``[Bb, ...]``.
+      xa, ya: batch a, ``[Ba, ...]``; xb, yb: batch b, ``[Bb, ...]``: arrays,
+        tensors or the structures the model takes (dicts, lists, tuples,
+        nested), every leaf of a batch with the same rows (else ValueError
+        naming two leaves).
       cosine: divide by both gradients' norms (0 where a norm is 0).
       method: ``"auto"`` uses the closed form when every watched layer is a
         Dense layer called once on a rank-2 input, else materializes with the
@@ -144,6 +147,8 @@ def gradient_similarity(
       ``K[i, j] = <g_i, h_j>`` (or ``cos``), float64 ``[Ba, Bb]``.
     """
     selection.check_method(method)
+    common_rows({"xa": xa, "ya": ya}, "batch a", require_known=False)
+    common_rows({"xb": xb, "yb": yb}, "batch b", require_known=False)
     problem = make_problem(model, loss_fn, None, False, False)
     fa = _features(problem, xa, ya, method)
     fb = _features(problem, xb, yb, method)
@@ -203,7 +208,10 @@ def tracin_scores(
         ``model.get_weights()``, or paths to ``.weights.h5`` files for
         ``model.load_weights``. The model's own weights are restored after.
       model, loss_fn: as in ``per_example_gradients``.
-      x_train, y_train: ``[N_train, ...]``; x_test, y_test: ``[N_test, ...]``.
+      x_train, y_train: ``[N_train, ...]``; x_test, y_test: ``[N_test, ...]``:
+        arrays or the structures the model takes (dicts, lists, tuples,
+        nested), sliced leaf by leaf; every leaf of a pair needs the same
+        rows (else ValueError naming two leaves).
       learning_rates: one learning rate for all checkpoints, or one per
         checkpoint.
       top_k: how many helpful / harmful indices per test example.
@@ -223,8 +231,8 @@ def tracin_scores(
         lrs = [float(r) for r in learning_rates]
         if len(lrs) != len(checkpoints):
             raise ValueError(f"{len(lrs)} learning_rates for {len(checkpoints)} checkpoints.")
-    n_train = int(np.shape(tf.nest.flatten(x_train)[0])[0])
-    n_test = int(np.shape(tf.nest.flatten(x_test)[0])[0])
+    n_train = common_rows({"x_train": x_train, "y_train": y_train}, "the training data")
+    n_test = common_rows({"x_test": x_test, "y_test": y_test}, "the test data")
     scores = np.zeros((n_train, n_test), np.float64)
     selection.check_method(method)
     problem = make_problem(model, loss_fn, None, False, False)

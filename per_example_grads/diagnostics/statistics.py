@@ -245,7 +245,11 @@ def gradient_statistics(
       model, loss_fn: as in ``per_example_gradients`` (``loss_fn`` returns one
         loss per example).
       data: a batched ``tf.data.Dataset`` of ``(x, y)``, or a tuple ``(x, y)``
-        of arrays with leading axis ``N``.
+        of arrays with leading axis ``N``, each of ``x`` and ``y`` an array
+        or the structure the model takes (a dict, list or tuple of arrays,
+        nested or not: a KerasHub model's dict of ``token_ids`` and
+        ``padding_mask``), every leaf with the same ``N`` (else ValueError
+        naming two leaves, before any work).
       batch_size: batch size for array data: an integer ``>= 1``, or None
         (256).
       top_k: how many of the largest-norm examples to report (an integer ``>= 0``).

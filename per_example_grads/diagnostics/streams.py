@@ -5,8 +5,9 @@ from __future__ import annotations
 import numbers
 from typing import Any, Iterator
 
-import numpy as np
 import tensorflow as tf
+
+from per_example_grads._core.batch import common_rows
 
 DEFAULT_BATCH_SIZE = 256
 
@@ -36,14 +37,19 @@ def iterate_batches(data: Any, batch_size: int | None = None) -> Iterator[tuple[
     Args:
       data: a *batched* ``tf.data.Dataset`` whose elements are ``(x, y)``
         (sample weights are not supported yet and raise), or a tuple/list
-        ``(x, y)`` of arrays (or nested structures of arrays) sharing the
-        leading axis ``N``.
+        ``(x, y)`` of arrays, each of ``x`` and ``y`` an array or the
+        structure the model takes (a dict, list or tuple of arrays, nested
+        or not), every array sharing the leading axis ``N``. Batches keep
+        that structure: each leaf is sliced to ``[B, ...]`` rows.
       batch_size: examples per batch for array data (default
         ``DEFAULT_BATCH_SIZE``; ``check_batch_size``); ignored for datasets,
         which are batched already.
 
     Raises:
-      TypeError: for anything else.
+      TypeError: for anything else, or a leaf of array data that is not an
+        array (``num_examples``).
+      ValueError: array data whose leaves disagree on ``N``, naming two of
+        them (``num_examples``), before any batch is yielded.
     """
     if isinstance(data, tf.data.Dataset):
         for element in data:
@@ -67,7 +73,7 @@ def iterate_batches(data: Any, batch_size: int | None = None) -> Iterator[tuple[
             sl = slice(start, start + step)
             yield (
                 tf.nest.map_structure(lambda t: t[sl], x),
-                tf.nest.map_structure(lambda t: t[sl], y),
+                None if y is None else tf.nest.map_structure(lambda t: t[sl], y),
             )
         return
     raise TypeError(
@@ -77,9 +83,15 @@ def iterate_batches(data: Any, batch_size: int | None = None) -> Iterator[tuple[
 
 
 def num_examples(data: Any) -> int | None:
-    """``N`` for array data, None for datasets (unknown without iterating)."""
+    """``N`` for array data ``(x, y)``, None for datasets (unknown without iterating).
+
+    Raises:
+      TypeError, ValueError: as ``common_rows`` (``_core/batch.py``): a leaf
+        that is not an array, or leaves with different numbers of rows; the
+        message names the leaf (``x['padding_mask']``).
+    """
     if isinstance(data, (tuple, list)) and len(data) == 2:
-        return int(np.shape(tf.nest.flatten(data[0])[0])[0])
+        return common_rows({"x": data[0], "y": data[1]}, "data")
     return None
 
 
