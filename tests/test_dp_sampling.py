@@ -413,3 +413,13 @@ def test_from_dataset_errors():
         )
     with pytest.raises(ValueError, match="sampling_probability"):
         poisson_batches_from_dataset(source, 10, sampling_probability=0.0)
+
+
+def test_poisson_batches_of_a_list_of_arrays_keep_one_leaf_per_array():
+    import per_example_grads as peg
+
+    """tf.data would stack a returned list into one tensor; each array stays its own leaf (as a tuple)."""
+    a, b = np.arange(10, dtype="float32")[:, None], np.arange(10, dtype="float32")[:, None] * 2 + np.zeros((10, 3), "float32")
+    xb, _, mask = next(iter(peg.dp.poisson_batches([a, b], sampling_probability=1.0, seed=0)))
+    assert isinstance(xb, tuple) and xb[0].shape == (10, 1) and xb[1].shape == (10, 3)
+    np.testing.assert_array_equal(xb[1].numpy()[:, 0], 2 * xb[0].numpy()[:, 0])

@@ -411,8 +411,9 @@ def poisson_batches(
             rows = _pad_rows(tf.gather(leaf, chosen), b, m)
             return tf.ensure_shape(rows, [m] + leaf.shape[1:].as_list())
 
-        xb = tf.nest.map_structure(take, inputs["x"])
-        yb = tf.nest.map_structure(take, inputs["y"]) if "y" in inputs else None
+        # tf.data reads a list a map function returns as one stacked tensor: lists become tuples.
+        xb = _lists_as_tuples(tf.nest.map_structure(take, inputs["x"]))
+        yb = _lists_as_tuples(tf.nest.map_structure(take, inputs["y"])) if "y" in inputs else None
         mask = tf.cast(tf.range(m) < b, tf.float32)
         return xb, yb, mask
 
@@ -423,6 +424,14 @@ def poisson_batches(
     ds = ds.prefetch(tf.data.AUTOTUNE)
     ds.pegrad_sampling = sampling
     return ds
+
+
+def _lists_as_tuples(tree: Any) -> Any:
+    if isinstance(tree, list):
+        return tuple(_lists_as_tuples(t) for t in tree)
+    if isinstance(tree, dict):
+        return {k: _lists_as_tuples(v) for k, v in tree.items()}
+    return tree
 
 
 def _unpack_element(element: Any) -> tuple[Any, Any]:
