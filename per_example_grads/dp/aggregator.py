@@ -153,6 +153,10 @@ class DPAggregator(keras.layers.Layer):
         next noise draw).
       min_noise_multiplier, max_sampling_probability: float64 ledger variables.
       poisson: int64 variable, 1 while every recorded step was Poisson sampled.
+      canaries: None, or a privacy audit's gradient canaries
+        (``peg.dp.audit.GradientCanaries``, set by its ``attach``): the one
+        hook of this class, read by ``release`` only. None (the default) leaves
+        every release exactly as without it.
     """
 
     def __init__(
@@ -203,6 +207,7 @@ class DPAggregator(keras.layers.Layer):
         self.max_sampling_probability = _ledger_variable(0.0, "float64", "max_sampling_probability")
         self.poisson = _ledger_variable(1, "int64", "poisson")
         self._noise = noise_source(seed)
+        self.canaries = None  # a privacy audit's hook (see ``release``); not a weight, never saved
         self.built = True
 
     # -- the step --------------------------------------------------------
@@ -357,6 +362,13 @@ class DPAggregator(keras.layers.Layer):
         and records the step in the ledger before returning, so a crash
         between this and the optimizer's update can only over-count.
 
+        With ``canaries`` set (a privacy audit, ``peg.dp.audit``), the
+        canaries that join step ``t`` (each included in the audit's run with
+        probability 1/2, then sampled like an example at ``sampling_probability``)
+        add their clipped gradients, of norm ``total_clip(C)`` each, to the
+        clipped sum before the noise; then ``canaries.observe`` reads the
+        release. The noise, divisor, ledger and mechanism are unchanged.
+
         Args:
           sampling_probability: ``q`` this step was sampled with (None: 1,
             the worst case).
@@ -364,10 +376,15 @@ class DPAggregator(keras.layers.Layer):
         """
         step = tf.convert_to_tensor(self.steps)
         clip = self.clip()
+        sums = clipped.sums
+        if self.canaries is not None:  # an audit: canaries' clipped gradients (norm C each) join the sum
+            sums = self.canaries.insert(sums, step=step, l2_norm_clip=total_clip(clip), sampling_probability=sampling_probability)
         grads = noised_average(
-            clipped.sums, self._gradient_noise_multiplier * total_clip(clip), divisor, self._noise, step=step,
+            sums, self._gradient_noise_multiplier * total_clip(clip), divisor, self._noise, step=step,
             mechanism=self.mechanism,
         )
+        if self.canaries is not None:  # and what the release shows of them, for their scores
+            self.canaries.observe(grads, clipped.sums, divisor, step=step)
         if regularization is not None:
             grads = [g + tf.cast(r, g.dtype) for g, r in zip(grads, regularization)]
         if self.adaptive is not None:
