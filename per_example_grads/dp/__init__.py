@@ -43,9 +43,13 @@ _EXPORTS = {
     "validate": "per_example_grads.dp.validation",
 }
 
-__all__ = sorted(_EXPORTS, key=str.lower)
+# Subpackages reached as attributes: peg.dp.audit.epsilon_one_run, ...
+_SUBPACKAGES = ("audit",)
+
+__all__ = sorted([*_EXPORTS, *_SUBPACKAGES], key=str.lower)
 
 if _TYPE_CHECKING:  # what static tools see; at run time __getattr__ does this
+    from per_example_grads.dp import audit  # noqa: F401
     from per_example_grads.dp.accounting import PrivacyAccountant  # noqa: F401
     from per_example_grads.dp.accounting import adaptive_clipping_noise_multiplier  # noqa: F401
     from per_example_grads.dp.accounting import compute_epsilon  # noqa: F401
