@@ -292,8 +292,9 @@ BIT_CASES = {  # rule class name -> cases
     "PatchEmbeddingRule": {"hub_vit": _from_hub_zoo("vit")},
     "DeiTEmbeddingsRule": {"hub_deit": _from_hub_zoo("deit")},
     "MoEBlockRule": {"hub_mixtral": _from_hub_zoo("mixtral_lm")},
+    "T5AttentionRule": {"hub_t5": _from_hub_zoo("t5")},
 }
-SLOW_BIT_CASES = {"hub_rms_norms_wide", "hub_position_embedding_wide", "hub_deberta_v3", "hub_vit", "hub_deit", "hub_mixtral"}
+SLOW_BIT_CASES = {"hub_rms_norms_wide", "hub_position_embedding_wide", "hub_deberta_v3", "hub_vit", "hub_deit", "hub_mixtral", "hub_t5"}
 
 
 def _every_rule() -> dict[str, object]:

@@ -31,13 +31,12 @@ import sys
 import pytest
 
 B = 3
-# Cases after a crash in their child get no result; the pending ones run in their own.
+# The cases of one group run in one child process (one TensorFlow start); a crash there leaves its later cases without a result.
 GROUPS = {
     "families": [
         "gemma3_lm", "qwen3_lm", "smollm3_lm", "deberta_v3_classifier", "roformer_v2_encoder", "bart", "vit", "deit",
-        "app_mobilenet_v3_small", "app_efficientnet_v2_b0",
+        "app_mobilenet_v3_small", "app_efficientnet_v2_b0", "t5", "mixtral_lm",
     ],
-    "pending": ["t5", "mixtral_lm"],
 }
 # Rules (class names) the layer-wise engine must plan for some layer of the case.
 EXPECTED_RULES = {
@@ -50,16 +49,12 @@ EXPECTED_RULES = {
     "bart": {"PositionEmbeddingRule", "LayerNormRule"},
     "vit": {"PatchEmbeddingRule", "LayerNormRule"},
     "deit": {"DeiTEmbeddingsRule", "LayerNormRule"},
-    "mixtral_lm": {"RMSNormRule"},
+    "mixtral_lm": {"RMSNormRule", "MoEBlockRule"},
     "app_mobilenet_v3_small": {"BatchNormRule"},
     "app_efficientnet_v2_b0": {"BatchNormRule"},
 }
-# Layer classes that may still take the layer-local fallback (None: any; the engine is changing there).
-ALLOWED_FALLBACK = {"mixtral_lm": None}
-PENDING = {
-    "t5": "T5MultiHeadAttention returns position_bias and uses it: taps double-counted it (issue #33 item 1, another helper's fix)",
-    "mixtral_lm": "mixture-of-experts blocks flatten tokens to [B*T, D] (issue #33 item 2, another helper's fix in the engine)",
-}
+# Layer classes that may still take the layer-local fallback (None: any).
+ALLOWED_FALLBACK: dict = {}
 
 
 def gradient_path(model) -> int:
@@ -172,8 +167,6 @@ def _params():
     for group, names in GROUPS.items():
         for name in names:
             marks = [pytest.mark.slow]
-            if name in PENDING:
-                marks.append(pytest.mark.xfail(reason=PENDING[name], strict=False))
             yield pytest.param(group, name, marks=marks, id=name)
 
 
