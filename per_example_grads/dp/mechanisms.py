@@ -176,7 +176,8 @@ class _BufferedMechanism(NoiseMechanism):
         for v in variables:
             if any(d is None for d in tuple(v.shape)):
                 raise ValueError(f"variable {v.name!r} has shape {v.shape}: noise buffers need static shapes.")
-        self._sizes = [int(np.prod(tuple(v.shape), dtype=np.int64)) for v in variables]
+        self._shapes = [tuple(int(d) for d in v.shape) for v in variables]
+        self._sizes = [int(np.prod(shape, dtype=np.int64)) for shape in self._shapes]
         self._buffer = keras.Variable(
             np.zeros((self._slots, sum(self._sizes)), np.float32), trainable=False,
             name="noise_buffer", synchronization="on_read", aggregation="sum",
@@ -199,14 +200,15 @@ class _BufferedMechanism(NoiseMechanism):
             )
 
     def correlate(self, fresh, step):
-        if [int(np.prod(z.shape, dtype=np.int64)) for z in fresh] != self._sizes:
+        known = [tuple(z.shape) if z.shape.is_fully_defined() else None for z in fresh]
+        if len(fresh) != len(self._shapes) or any(k is not None and k != s for k, s in zip(known, self._shapes)):
             raise ValueError(
-                f"{type(self).__name__} was built for variables of sizes {self._sizes}; the step's noise has "
+                f"{type(self).__name__} was built for variables of shapes {self._shapes}; the step's noise has "
                 f"{[tuple(z.shape) for z in fresh]}."
             )
         z = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in fresh], axis=0)
         x = self._next(z, self._buffer)
-        return [tf.cast(tf.reshape(part, t.shape), t.dtype) for part, t in zip(tf.split(x, self._sizes), fresh)]
+        return [tf.cast(tf.reshape(part, shape), t.dtype) for part, shape, t in zip(tf.split(x, self._sizes), self._shapes, fresh)]
 
     def _next(self, z: tf.Tensor, buffer) -> tf.Tensor:
         """The ``[P]`` noise from the ``[P]`` fresh draw, updating ``buffer`` (``[slots, P]``)."""
