@@ -288,10 +288,10 @@ def test_canaries_refuse_what_they_cannot_audit():
 # Statistical validity over seeds, through the aggregator (the fast path of the real mechanism)
 # ---------------------------------------------------------------------------
 
-RUNS = 30
-# A valid level-0.05 bound exceeds the claim in at most Binomial(30, 0.05) runs: more than 6 has
-# probability 3.3e-3, so a count above 6 is evidence of an invalid estimator, not bad luck.
-MAX_EXCEEDANCES = 6
+RUNS = 24
+# A valid level-0.05 bound exceeds the claim in at most Binomial(RUNS, 0.05) runs (fewer: the bounds are
+# conservative); more than MAX_EXCEEDANCES has probability below 1e-3: evidence of an invalid estimator.
+MAX_EXCEEDANCES = int(scipy.stats.binom.isf(1e-3, RUNS, 0.05))
 M, STEPS = 1000, 8
 
 

@@ -188,8 +188,8 @@ def epsilon_one_run(
     m, r, v = _one_run_counts(num_canaries, num_guesses, num_correct)
     delta = check_delta(delta)
     alpha = check_significance(significance)
-    if v == 0 or 2 * v <= r or _one_run_p_values(m, r, v, np.zeros(1), delta)[0] > alpha:
-        return 0.0  # no better than chance (p >= 1/2 at eps = 0 when v <= r / 2): nothing is rejected
+    if v == 0 or _one_run_p_values(m, r, v, np.zeros(1), delta)[0] > alpha:
+        return 0.0  # not even eps = 0 is rejected
     # At eps_hi, P[Binomial(r, p) = r] = p^r > alpha alone: the p-value there exceeds alpha.
     log_p = math.log(alpha) / r  # log of the p with p^r = alpha
     high = log_p - math.log(-math.expm1(log_p)) + 1.0  # logit(p) + 1
