@@ -226,10 +226,12 @@ class CanaryScoreAuditor:
 
     @staticmethod
     def _best_threshold(ins: np.ndarray, outs: np.ndarray, alpha: float) -> float:
-        """The threshold (one of the scores given, or +inf) whose Gaussian-DP ``mu`` bound on these canaries is largest."""
+        """The threshold (one of the scores given) whose Gaussian-DP ``mu`` bound on these canaries is largest; the median if none is above 0."""
         candidates = np.unique(np.concatenate([ins, outs]))
         if len(candidates) == 0 or len(ins) == 0 or len(outs) == 0:
             return math.inf
         fp, fn = statistics.threshold_counts(ins, outs, candidates)
         mus = statistics.threshold_mus(fp, fn, num_out=len(outs), num_in=len(ins), significance=alpha)
+        if not np.max(mus) > 0:  # no threshold separates anything: report the median one's counts
+            return float(np.median(np.concatenate([ins, outs])))
         return float(candidates[int(np.argmax(mus))])

@@ -216,7 +216,8 @@ class AuditReport:
         if math.isfinite(eps) and eps > 0:
             claim = statistics.mu_for_epsilon(eps, d)
             trade_ax.plot(fpr_grid, _gaussian_tradeoff(fpr_grid, claim), color="black",
-                          label=f"the claim ε = {eps:.2f} as Gaussian DP, μ = {claim:.2f}: tests stay above")
+                          label=f"the claim ε = {eps:.2f} as Gaussian DP, μ = {claim:.2f}: "
+                          + ("tests stay above" if self.gaussian_dp_exact else "approximate (q < 1 or input canaries)"))
         if t.mu > 0:
             trade_ax.plot(fpr_grid, _gaussian_tradeoff(fpr_grid, t.mu), color="tab:red", linestyle="--",
                           label=f"Gaussian DP μ = {t.mu:.2f} (ruled out): ε = {t.epsilon:.2f}")
