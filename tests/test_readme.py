@@ -17,11 +17,16 @@ def _first_python_block_under(heading: str) -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
+def _run_first_python_block_under(heading: str) -> dict:
+    """Runs the block as written; returns the names it defined."""
+    namespace: dict = {}
+    exec(compile(_first_python_block_under(heading), str(README), "exec"), namespace)
+    return namespace
+
+
 @pytest.mark.slow
 def test_private_fine_tuning_of_a_keras_hub_model_runs(capsys):
-    code = _first_python_block_under("Private fine-tuning of a KerasHub model")
-    namespace: dict = {}
-    exec(compile(code, str(README), "exec"), namespace)
+    namespace = _run_first_python_block_under("Private fine-tuning of a KerasHub model")
     dp = namespace["dp"]
     assert int(dp.dp_steps.numpy()) == 2 * 8  # two epochs of round(1/q) = 8 Poisson steps
     assert namespace["lm"].backbone.token_embedding.trainable_variables == []  # LoRA: only adapters train
@@ -33,9 +38,7 @@ def test_private_fine_tuning_of_a_keras_hub_model_runs(capsys):
 
 @pytest.mark.slow
 def test_dp_sgd_example_takes_n_from_the_data_and_holds_its_budget(capsys):
-    code = _first_python_block_under("DP-SGD")
-    namespace: dict = {}
-    exec(compile(code, str(README), "exec"), namespace)
+    namespace = _run_first_python_block_under("DP-SGD")
     dp, x = namespace["dp"], namespace["x"]
     assert dp.num_examples == len(x)
     steps = int(dp.dp_steps.numpy())
@@ -48,9 +51,7 @@ def test_dp_sgd_example_takes_n_from_the_data_and_holds_its_budget(capsys):
 
 
 def test_gradients_applied_elsewhere_example_updates_the_server():
-    code = _first_python_block_under("Gradients computed here, applied elsewhere")
-    namespace: dict = {}
-    exec(compile(code, str(README), "exec"), namespace)
+    namespace = _run_first_python_block_under("Gradients computed here, applied elsewhere")
     server, worker = namespace["server"], namespace["worker"]
     assert server is not worker
     # The server moved by -0.1 times the worker's clipped sum: recompute it independently.
@@ -62,9 +63,7 @@ def test_gradients_applied_elsewhere_example_updates_the_server():
 
 @pytest.mark.slow
 def test_correlated_noise_example_meets_its_epsilon_with_bandmf(capsys):
-    code = _first_python_block_under("Correlated noise (BandMF, BLT)")
-    namespace: dict = {}
-    exec(compile(code, str(README), "exec"), namespace)
+    namespace = _run_first_python_block_under("Correlated noise (BandMF, BLT)")
     dp, x, sigma = namespace["dp"], namespace["x"], namespace["sigma"]
     assert int(dp.dp_steps.numpy()) == 112 and dp.num_examples == len(x)
     # Independently: 112 BandMF steps with 4 bands are ceil(112 / 4) = 28 DP-SGD steps at the part's rate.
@@ -77,9 +76,7 @@ def test_correlated_noise_example_meets_its_epsilon_with_bandmf(capsys):
 
 @pytest.mark.slow
 def test_audit_example_bounds_epsilon_below_the_accountant(capsys):
-    code = _first_python_block_under("Auditing the privacy (`peg.dp.audit`)")
-    namespace: dict = {}
-    exec(compile(code, str(README), "exec"), namespace)
+    namespace = _run_first_python_block_under("Auditing the privacy (`peg.dp.audit`)")
     report, dp = namespace["report"], namespace["dp"]
     assert report.epsilon_accountant == dp.epsilon(1e-5)
     # Full-batch steps with Dirac canaries: the Gaussian-DP bound is exact here, so it must not exceed the claim
