@@ -258,3 +258,12 @@ def test_a_run_restored_into_another_factorization_is_refused(tmp_path):
         other.fit(peg.dp.poisson_batches(x, y, sampling_probability=0.5, cycle_length=2, seed=0), epochs=1, verbose=0)
     with pytest.raises(ValueError, match="other parameters"):
         other.epsilon(1e-5)
+
+
+def test_bandmf_states_its_sensitivity_for_the_planned_participations():
+    mechanism = peg.dp.BandMF(bands=4, num_steps=16)
+    c = _toeplitz(mechanism.coefficients, 16)
+    # Participations 4 apart touch disjoint rows: the norm of the sum of their columns, worst at 0, 4, 8, 12.
+    want = np.linalg.norm(c[:, [0, 4, 8, 12]].sum(axis=1))
+    assert mechanism.sensitivity() == pytest.approx(want, rel=1e-12)
+    assert mechanism.sensitivity() == pytest.approx(2.0, rel=1e-12)  # four full columns of norm 1

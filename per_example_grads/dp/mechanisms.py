@@ -158,6 +158,7 @@ class _BufferedMechanism(NoiseMechanism):
         self.cycle_length = cycle_length
         self._slots = slots
         self._sizes: list[int] = []
+        self._sensitivities: dict[int, float] = {}
 
     def build_state(self, variables) -> None:
         super().build_state(variables)
@@ -185,6 +186,28 @@ class _BufferedMechanism(NoiseMechanism):
 
     def _parameter_values(self) -> np.ndarray:
         raise NotImplementedError
+
+    def _coefficients_for(self, n: int) -> np.ndarray:
+        """The Toeplitz coefficients of ``C`` that ``n`` steps use."""
+        return self.coefficients
+
+    def sensitivity(self, steps: int | None = None) -> float:
+        """L2 sensitivity of ``C G`` (clip norm 1) over ``steps`` steps (default ``num_steps``).
+
+        For ``ceil(steps / cycle_length)`` participations ``cycle_length``
+        apart, the schema ``poisson_batches(cycle_length=...)`` guarantees
+        (``mf_strategies.sensitivity``); ``sqrt(k)`` for BandMF with ``k``
+        full columns.
+        """
+        n = self.num_steps if steps is None else int(steps)
+        if n not in self._sensitivities:
+            self._sensitivities[n] = float(
+                _strategies().sensitivity(
+                    self._coefficients_for(n), n,
+                    min_separation=self.cycle_length, max_participations=-(-n // self.cycle_length),
+                )
+            )
+        return self._sensitivities[n]
 
     def check_state(self) -> None:
         """Raises ``ValueError`` if the saved parameters (restored with the buffers) are not this mechanism's."""
@@ -345,24 +368,14 @@ class BLT(_BufferedMechanism):
         if not (np.all((theta > 0) & (theta < 1)) and np.all(omega > 0)):
             raise ValueError(f"theta must lie in (0, 1) and omega be > 0; got theta={theta}, omega={omega}.")
         self.theta, self.omega = theta, omega
-        self._sensitivities: dict[int, float] = {}
 
     @property
     def coefficients(self) -> np.ndarray:
         """The first ``num_steps`` Toeplitz coefficients of ``C``."""
         return _strategies().blt_coefficients(self.theta, self.omega, self.num_steps)
 
-    def sensitivity(self, steps: int | None = None) -> float:
-        """L2 sensitivity of ``C G`` (clip norm 1) over ``steps`` steps (default ``num_steps``)."""
-        n = self.num_steps if steps is None else int(steps)
-        if n not in self._sensitivities:
-            self._sensitivities[n] = float(
-                _strategies().sensitivity(
-                    _strategies().blt_coefficients(self.theta, self.omega, n), n,
-                    min_separation=self.cycle_length, max_participations=-(-n // self.cycle_length),
-                )
-            )
-        return self._sensitivities[n]
+    def _coefficients_for(self, n: int) -> np.ndarray:
+        return _strategies().blt_coefficients(self.theta, self.omega, n)
 
     def _parameter_values(self) -> np.ndarray:
         return np.concatenate([[self.cycle_length], self.theta, self.omega])
