@@ -7,7 +7,8 @@ Keras 3.0; ``tests/test_model_inspection.py`` fails loudly if it changes.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+import contextlib
+from typing import Any, Callable, Iterable, Iterator
 
 import keras
 
@@ -80,3 +81,32 @@ def declared_input_dtypes(model: Any) -> list[str] | None:
 def describe(layers: list[keras.layers.Layer]) -> str:
     """``"'mha' (MultiHeadAttention), ..."`` for messages."""
     return ", ".join(f"'{l.name}' ({type(l).__name__})" for l in layers)
+
+
+@contextlib.contextmanager
+def replaced_on_instances(replacements: Iterable[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Within the block, each ``(obj, name, value)`` sets ``obj.name = value`` on the instance; restored on the way out.
+
+    On the instance, where ``Layer.__call__`` looks ``call`` up (and any
+    method is shadowed). The triples are taken one at a time, each set
+    before the next is read, so a replacement may wrap what an earlier one
+    set. On exit every instance gets back exactly what it had (its own
+    attribute, or none), also when setting a later one raised.
+    """
+    saved = []
+    try:
+        for obj, name, value in replacements:
+            saved.append((obj, name, name in vars(obj), vars(obj).get(name)))
+            object.__setattr__(obj, name, value)
+        yield
+    finally:
+        for obj, name, had, previous in reversed(saved):
+            if had:
+                object.__setattr__(obj, name, previous)
+            else:
+                object.__delattr__(obj, name)
+
+
+def replaced_calls(replacements: Iterable[tuple[keras.layers.Layer, Callable]]):
+    """``replaced_on_instances`` of each ``(layer, call)``'s ``layer.call`` (a context manager)."""
+    return replaced_on_instances((layer, "call", call) for layer, call in replacements)

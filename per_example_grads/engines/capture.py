@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from typing import Any, Iterator
 
 import keras
@@ -181,25 +182,14 @@ def capturing(
     """
     records: list[Record] = []
     static_b = batch_size if isinstance(batch_size, int) else None
-    saved_calls = []
-
-    def watch(layer, wrapped):
-        saved_calls.append((layer, "call" in vars(layer), vars(layer).get("call")))
-        object.__setattr__(layer, "call", wrapped)
-
-    for unit in units:
-        watch(unit.layer, _watched_call(unit, unit.layer.call, records))
     taken: dict[int, Unit] = {}
-    for layer in containers:
-        watch(layer, _container_call(layer, layer.call, records, static_b, taken))
-    try:
+    # A generator: each wrapper reads layer.call after the replacements before it are in place.
+    watched = itertools.chain(
+        ((unit.layer, _watched_call(unit, unit.layer.call, records)) for unit in units),
+        ((layer, _container_call(layer, layer.call, records, static_b, taken)) for layer in containers),
+    )
+    with model_inspection.replaced_calls(watched):
         yield records
-    finally:
-        for layer, had, previous in reversed(saved_calls):
-            if had:
-                object.__setattr__(layer, "call", previous)
-            else:
-                object.__delattr__(layer, "call")
 
 
 def _watched_call(unit: Unit, original, records: list[Record]):

@@ -51,7 +51,6 @@ another class) is left to the layer-local fallback.
 
 from __future__ import annotations
 
-import contextlib
 
 import keras
 import tensorflow as tf
@@ -246,23 +245,6 @@ def _per_expert_kernel_part(h: tf.Tensor, g: tf.Tensor) -> tuple:
 # ----------------------------------------------------------------- the rule
 
 
-@contextlib.contextmanager
-def _replaced_calls(replacements):
-    """Sets each ``(layer, call)``'s ``call`` on the instance for the block (``Layer.__call__`` looks it up there)."""
-    saved = []
-    for layer, call in replacements:
-        saved.append((layer, "call" in vars(layer), vars(layer).get("call")))
-        object.__setattr__(layer, "call", call)
-    try:
-        yield
-    finally:
-        for layer, had, previous in reversed(saved):
-            if had:
-                object.__setattr__(layer, "call", previous)
-            else:
-                object.__delattr__(layer, "call")
-
-
 class MoEBlockRule(LayerRule):
     """A sparse MoE block's router, experts and shared expert, per example (module docstring)."""
 
@@ -325,7 +307,7 @@ class MoEBlockRule(LayerRule):
 
             return part_call
 
-        with _replaced_calls([(p.layer, watched(k, p, p.layer.call)) for k, p in enumerate(parts)]):
+        with model_inspection.replaced_calls([(p.layer, watched(k, p, p.layer.call)) for k, p in enumerate(parts)]):
             outputs = call(*args, **kwargs)
         if any(len(c) != 1 for c in calls):
             raise NotImplementedError(

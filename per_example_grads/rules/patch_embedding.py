@@ -35,12 +35,12 @@ layer-local fallback.
 
 from __future__ import annotations
 
-import contextlib
 
 import keras
 import tensorflow as tf
 
 from per_example_grads._core.example_ops import compute_dtype, squares_part, weighted_example_sum, widened
+from per_example_grads._core.model_inspection import replaced_calls
 from per_example_grads.rules.conv import PATCHES_RULE
 from per_example_grads.rules.local import LOCAL_RULE
 from per_example_grads.rules.rule import LayerRule, register_layer_rule, reparametrized
@@ -204,26 +204,11 @@ class DeiTEmbeddingsRule(PatchEmbeddingRule):
             taps.append(inputs)
             return inner(inputs, *a, **kw)
 
-        with _instance_call(dropout, tapped):
+        with replaced_calls([(dropout, tapped)]):
             y = call(*args, **kwargs)
         if len(taps) != 1:
             raise NotImplementedError(f"DeiTEmbeddings '{layer.name}' called its dropout {len(taps)} times; expected once")
         return y, taps[0]
-
-
-@contextlib.contextmanager
-def _instance_call(layer: keras.layers.Layer, call):
-    """Within the block, ``layer.call`` is ``call`` (``Layer.__call__`` looks it up on the instance)."""
-    had = "call" in vars(layer)
-    previous = vars(layer).get("call")
-    object.__setattr__(layer, "call", call)
-    try:
-        yield
-    finally:
-        if had:
-            object.__setattr__(layer, "call", previous)
-        else:
-            object.__delattr__(layer, "call")
 
 
 PATCH_EMBEDDING_RULE = PatchEmbeddingRule()

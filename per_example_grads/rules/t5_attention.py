@@ -38,8 +38,8 @@ import keras
 import tensorflow as tf
 
 from per_example_grads._core.example_ops import compute_dtype, squares_part, weighted_example_sum, widened
+from per_example_grads._core.model_inspection import replaced_on_instances
 from per_example_grads.rules.local import LOCAL_RULE
-from per_example_grads.rules.patch_embedding import _instance_call
 from per_example_grads.rules.rule import RULES, LayerRule, register_layer_rule, reparametrized
 
 T5_ATTENTION = "keras_hub.src.models.t5.t5_multi_head_attention.T5MultiHeadAttention"
@@ -102,7 +102,7 @@ class T5AttentionRule(LayerRule):
             return tf.identity(taps["bias"])  # the tap is no output: it gets the whole gradient at the bias values
 
         patches = [(getattr(layer, n), projector(n, getattr(layer, n).call)) for n in PROJECTORS]
-        with _instance_calls(patches), _instance_attribute(layer, "compute_bias", compute_bias):
+        with replaced_on_instances([*((p, "call", c) for p, c in patches), (layer, "compute_bias", compute_bias)]):
             outputs = call(*args, **kwargs)
         if sorted(inputs) != sorted(PROJECTORS) or len(buckets) > 1:
             raise NotImplementedError(f"T5MultiHeadAttention '{layer.name}' did not call each projector once")
@@ -176,41 +176,6 @@ def _buckets(layer, query_length, key_length, query_start_index) -> tf.Tensor:
         max_distance=layer.relative_attention_max_distance,
     )
     return tf.cast(bucket, tf.int32)
-
-
-class _instance_calls:
-    """Within the block, each ``layer.call`` of ``patches`` (``[(layer, call)]``) is replaced on the instance."""
-
-    def __init__(self, patches):
-        self.contexts = [_instance_call(layer, call) for layer, call in patches]
-
-    def __enter__(self):
-        for c in self.contexts:
-            c.__enter__()
-
-    def __exit__(self, *exc):
-        for c in reversed(self.contexts):
-            c.__exit__(*exc)
-        return False
-
-
-class _instance_attribute:
-    """Within the block, ``obj.name`` is ``value`` on the instance (a method shadowed), restored after."""
-
-    def __init__(self, obj, name, value):
-        self.obj, self.name, self.value = obj, name, value
-
-    def __enter__(self):
-        self.had = self.name in vars(self.obj)
-        self.previous = vars(self.obj).get(self.name)
-        object.__setattr__(self.obj, self.name, self.value)
-
-    def __exit__(self, *exc):
-        if self.had:
-            object.__setattr__(self.obj, self.name, self.previous)
-        else:
-            object.__delattr__(self.obj, self.name)
-        return False
 
 
 T5_ATTENTION_RULE = T5AttentionRule()
