@@ -267,3 +267,17 @@ def test_bandmf_states_its_sensitivity_for_the_planned_participations():
     want = np.linalg.norm(c[:, [0, 4, 8, 12]].sum(axis=1))
     assert mechanism.sensitivity() == pytest.approx(want, rel=1e-12)
     assert mechanism.sensitivity() == pytest.approx(2.0, rel=1e-12)  # four full columns of norm 1
+
+
+@pytest.mark.parametrize("name", ["dp_sgd", *sorted(MECHANISMS)])
+def test_prefix_sum_error_is_that_of_the_explicit_matrices(name):
+    from per_example_grads.dp.mechanisms import prefix_sum_error
+
+    mechanism = peg.dp.GaussianNoise() if name == "dp_sgd" else MECHANISMS[name]()
+    n = 20  # past BLT's planned 12 steps: its C goes on with the same generating function
+    c = mechanism.coefficients if name != "blt" else peg.dp.mf_strategies.blt_coefficients(mechanism.theta, mechanism.omega, n)
+    a = np.tril(np.ones((n, n)))
+    want = np.linalg.norm(a @ np.linalg.inv(_toeplitz(c, n))) / np.sqrt(n)
+    assert prefix_sum_error(mechanism, n) == pytest.approx(want, rel=1e-10)
+    if name == "dp_sgd":
+        assert want == pytest.approx(np.sqrt((n + 1) / 2), rel=1e-12)

@@ -535,14 +535,14 @@ def compute_epsilon(
     accountant = _check_choice("accountant", accountant, ACCOUNTANTS)
     if _check_choice("sampling", sampling, SAMPLINGS) == "shuffle":
         warnings.warn(SHUFFLE_WARNING, UserWarning, stacklevel=2)
-    return _epsilon(accountant, run_segments(sigma, q, steps, mechanism), delta)
+    return _epsilon(accountant, _run_segments(sigma, q, steps, mechanism), delta)
 
 
 def _cycle_of(mechanism: Any) -> int:
     return 1 if mechanism is None else int(mechanism.cycle_length)
 
 
-def run_segments(sigma: float, q: float, steps: int, mechanism: Any = None) -> list[_Segment]:
+def _run_segments(sigma: float, q: float, steps: int, mechanism: Any = None) -> list[_Segment]:
     """The ledger of ``steps`` steps at ``(sigma, q)`` with ``mechanism`` (None: DP-SGD), as ``_Segment`` s."""
     if mechanism is not None:
         sigma, q, steps = mechanism.accounted_as(sigma, q, steps)
@@ -608,7 +608,7 @@ def noise_multiplier_for_epsilon(
         raise ValueError("steps is 0: no noise is needed for zero steps.")
 
     def segments(sigma: float) -> list[_Segment]:
-        return run_segments(sigma, q, steps, mechanism)
+        return _run_segments(sigma, q, steps, mechanism)
 
     def event(sigma: float) -> dp_accounting.DpEvent:
         return segments(sigma)[0].dp_event()

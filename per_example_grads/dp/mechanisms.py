@@ -112,6 +112,10 @@ class NoiseMechanism(keras.layers.Layer):
         """The Toeplitz coefficients of ``C``, ``c_0`` first (float64)."""
         raise NotImplementedError
 
+    def _coefficients_for(self, n: int) -> np.ndarray:
+        """The Toeplitz coefficients of ``C`` that ``n`` steps use (all of them, unless ``C`` has more)."""
+        return self.coefficients
+
 
 class GaussianNoise(NoiseMechanism):
     """Independent noise at every step (DP-SGD, ``C = I``): ``x_t = z_t``.
@@ -186,10 +190,6 @@ class _BufferedMechanism(NoiseMechanism):
 
     def _parameter_values(self) -> np.ndarray:
         raise NotImplementedError
-
-    def _coefficients_for(self, n: int) -> np.ndarray:
-        """The Toeplitz coefficients of ``C`` that ``n`` steps use."""
-        return self.coefficients
 
     def sensitivity(self, steps: int | None = None) -> float:
         """L2 sensitivity of ``C G`` (clip norm 1) over ``steps`` steps (default ``num_steps``).
@@ -372,7 +372,7 @@ class BLT(_BufferedMechanism):
     @property
     def coefficients(self) -> np.ndarray:
         """The first ``num_steps`` Toeplitz coefficients of ``C``."""
-        return _strategies().blt_coefficients(self.theta, self.omega, self.num_steps)
+        return self._coefficients_for(self.num_steps)
 
     def _coefficients_for(self, n: int) -> np.ndarray:
         return _strategies().blt_coefficients(self.theta, self.omega, n)
@@ -413,10 +413,7 @@ def check_mechanism(mechanism) -> NoiseMechanism:
 
 def prefix_sum_error(mechanism: NoiseMechanism, steps: int) -> float:
     """``||A C^{-1}||_F / sqrt(steps)`` of ``mechanism``'s ``C``, per unit of noise std (``sqrt((n+1)/2)`` for DP-SGD)."""
-    c = mechanism.coefficients
-    if isinstance(mechanism, BLT):
-        c = _strategies().blt_coefficients(mechanism.theta, mechanism.omega, steps)
-    return float(_strategies().prefix_sum_error(c, steps))
+    return float(_strategies().prefix_sum_error(mechanism._coefficients_for(steps), steps))
 
 
 __all__ = ["BLT", "BandMF", "GaussianNoise", "NoiseMechanism", "check_mechanism", "prefix_sum_error"]
