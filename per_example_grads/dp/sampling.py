@@ -127,6 +127,13 @@ class PoissonSampling:
       cycle_length: ``b``, the number of fixed parts the examples are split
         into; step ``t`` samples part ``t mod b`` only (1: every step samples
         from all ``N``).
+      privacy_unit: ``"example"`` (each row is sampled) or ``"unit"`` (a
+        ``poisson_batches(..., unit_ids=...)`` dataset: units are sampled,
+        and ``num_examples`` is then ``U``, the number of units, the count the
+        accountant needs).
+      num_rows: the rows the dataset holds (``N`` for example-level sampling).
+      rows_per_unit: unit-level sampling: the most rows one unit brings to a
+        batch, ``min(rows_per_unit, largest unit)``; None for example-level.
     """
 
     sampling_probability: float
@@ -135,10 +142,13 @@ class PoissonSampling:
     steps: int
     next_step: tf.Variable
     cycle_length: int = 1
+    privacy_unit: str = "example"
+    num_rows: int | None = None
+    rows_per_unit: int | None = None
 
     @property
     def expected_batch_size(self) -> float:
-        """``q N / b``: the mean number of real rows of a batch."""
+        """``q N / b``: the mean number of sampled examples (units, for unit-level sampling) of a batch."""
         return self.sampling_probability * self.num_examples / self.cycle_length
 
 
@@ -241,6 +251,8 @@ def default_max_batch_size(
 # Folded into the sampling key for the partition of cyclic Poisson sampling,
 # so that it shares no key with any step's draw.
 _PARTITION_TAG = 0x7061727473  # "parts"
+# Folded into a step's key for the rows a unit brings (unit-level sampling).
+_ROWS_TAG = 0x726F7773  # "rows"
 
 
 def _cyclic_parts(n: int, cycle: int, key: tf.Tensor) -> tf.Tensor | None:
@@ -270,6 +282,8 @@ def poisson_batches(
     seed: int | None = None,
     first_step: int = 0,
     cycle_length: int = 1,
+    unit_ids: Any = None,
+    rows_per_unit: int | None = None,
 ) -> tf.data.Dataset:
     """A dataset of ``steps`` Poisson-sampled batches, each padded to ``M`` rows.
 
@@ -318,6 +332,31 @@ def poisson_batches(
 
     The arrays are held in memory and gathered from with ``tf.gather``.
 
+    **Unit-level sampling** (``unit_ids`` given, for user-level DP): the
+    rows belong to ``U`` privacy units (users, say), row ``i`` to unit
+    ``unit_ids[i]``, and at every step each *unit* joins independently with
+    probability ``q`` (in part ``t mod b`` only, with ``cycle_length = b``:
+    the units are split into the parts, never their rows). A sampled unit
+    brings its rows, at most ``k = rows_per_unit`` of them: a unit with more
+    than ``k`` rows brings ``k`` of them drawn uniformly without replacement,
+    afresh at every step (from the sampling key; so over a run every row of
+    it is used), the others all their rows. Which rows a unit brings depends
+    only on that unit's rows and the seed, and what the step computes from
+    them is clipped per unit, so the per-step guarantee is that of the
+    Poisson-subsampled Gaussian over the ``U`` units, whatever rows were
+    chosen (the choice is randomness independent of the other units, and the
+    hockey-stick divergence is jointly convex over it). The elements are then
+    ``(x_batch, y_batch, mask, batch_unit_ids)``: the rows of one unit are
+    consecutive (units in increasing id order), ``batch_unit_ids`` is
+    ``int64 [M]``, each real row's unit id (as given), ``-1`` on padding.
+    ``M`` defaults to the rows of the ``m`` largest units (each counted at
+    most ``k`` rows), ``m = default_max_batch_size(ceil(U / b), q)``: more
+    than ``M`` rows needs more than ``m`` units, which happens with
+    probability at most 1e-12 per step. ``steps`` defaults to ``round(b / q)``
+    (each unit seen once per pass in expectation). ``pegrad_sampling`` then
+    has ``privacy_unit="unit"`` and ``num_examples = U``: the epsilon of a
+    ``DPModel(privacy_unit="unit")`` trained on it is per unit.
+
     Args:
       x: array, tensor, or nested structure (dict, tuple, list) of them,
         every leaf ``[N, ...]`` with the same ``N >= 1``.
@@ -337,6 +376,11 @@ def poisson_batches(
         sampling). The default ``M`` and ``steps`` then follow the part's
         size: ``default_max_batch_size(ceil(N / b), q)`` and ``round(b / q)``
         (one epoch in expectation).
+      unit_ids: None (each row is its own unit), or ``[N]`` integers, the
+        privacy unit of every row (any integer values; rows of one unit need
+        not be adjacent). Must be concrete (an array or eager tensor).
+      rows_per_unit: with ``unit_ids``, the most rows a unit brings to a
+        batch (``k >= 1``); None brings every row of every unit.
 
     Returns:
       A ``tf.data.Dataset`` of known cardinality ``steps``, with attribute
@@ -355,7 +399,20 @@ def poisson_batches(
       >>> for xb, yb, mask in ds.take(1):
       ...     print(xb["ids"].shape, yb, mask.shape, mask.dtype.name)
       (20, 1) None (20,) float32
+
+    Units (three users with 1, 2 and 3 rows; at most 2 rows each per batch):
+      >>> ds = poisson_batches(np.arange(6.0)[:, None], unit_ids=[7, 8, 8, 9, 9, 9],
+      ...                      rows_per_unit=2, sampling_probability=1.0, seed=0)
+      >>> xb, yb, mask, ids = next(iter(ds))
+      >>> ids.numpy().tolist(), mask.numpy().tolist()
+      ([7, 8, 8, 9, 9], [1.0, 1.0, 1.0, 1.0, 1.0])
+      >>> ds.pegrad_sampling.num_examples, ds.pegrad_sampling.privacy_unit
+      (3, 'unit')
     """
+    if unit_ids is None and rows_per_unit is not None:
+        raise ValueError(
+            f"rows_per_unit={rows_per_unit!r} needs unit_ids: without them every row is its own unit."
+        )
     q = _check_probability(sampling_probability)
     xs = _to_tensors("x", x)
     inputs = {"x": xs}
@@ -366,6 +423,10 @@ def poisson_batches(
     if n is None or n == 0:
         raise ValueError(f"x must hold at least one example (leading dimension N >= 1); got N={n}.")
     cycle = _check_positive_int("cycle_length", cycle_length)
+    if unit_ids is not None:
+        return _unit_batches(
+            inputs, n, q, _check_unit_ids(unit_ids, n), rows_per_unit, max_batch_size, steps, seed, first_step, cycle
+        )
     if cycle > n:
         raise ValueError(f"cycle_length ({cycle}) must be at most the number of examples N={n}: every part needs one.")
     if max_batch_size is None:
@@ -416,6 +477,102 @@ def poisson_batches(
         yb = _lists_as_tuples(tf.nest.map_structure(take, inputs["y"])) if "y" in inputs else None
         mask = tf.cast(tf.range(m) < b, tf.float32)
         return xb, yb, mask
+
+    ds = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).map(pass_steps)
+    ds = ds.flat_map(tf.data.Dataset.from_tensor_slices)
+    ds = ds.apply(tf.data.experimental.assert_cardinality(steps))
+    ds = ds.map(sample, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    ds = ds.prefetch(tf.data.AUTOTUNE)
+    ds.pegrad_sampling = sampling
+    return ds
+
+
+def _check_unit_ids(unit_ids: Any, n: int) -> np.ndarray:
+    """``unit_ids`` as an ``int64 [N]`` NumPy array, or an error naming it."""
+    if tf.is_tensor(unit_ids) and not hasattr(unit_ids, "numpy"):
+        raise TypeError("unit_ids must be concrete (a NumPy array, list or eager tensor), not a symbolic tensor.")
+    ids = np.asarray(unit_ids.numpy() if tf.is_tensor(unit_ids) else unit_ids)
+    if ids.dtype == bool or not np.issubdtype(ids.dtype, np.integer):
+        raise TypeError(f"unit_ids must be integers, one per row; got dtype {ids.dtype}.")
+    if ids.shape != (n,):
+        raise ValueError(f"unit_ids must have shape [N] = [{n}] (one unit id per row of x); got shape {list(ids.shape)}.")
+    return ids.astype(np.int64)
+
+
+def _unit_batches(inputs, n, q, ids, rows_per_unit, max_batch_size, steps, seed, first_step, cycle):
+    """``poisson_batches`` with ``unit_ids``: units Poisson-sampled, each bringing at most ``k`` rows (its docstring)."""
+    units, unit_of_row = np.unique(ids, return_inverse=True)  # dense unit index of every row
+    u = len(units)
+    sizes = np.bincount(unit_of_row, minlength=u)
+    k = int(sizes.max()) if rows_per_unit is None else min(_check_positive_int("rows_per_unit", rows_per_unit), int(sizes.max()))
+    if cycle > u:
+        raise ValueError(f"cycle_length ({cycle}) must be at most the number of units U={u}: every part needs one.")
+    brought = np.minimum(sizes, k)  # rows each unit brings when sampled
+    if max_batch_size is None:
+        most_units = default_max_batch_size(-(-u // cycle), q)
+        max_batch_size = int(np.sort(brought)[::-1][:most_units].sum())
+    m = _check_positive_int("max_batch_size", max_batch_size)
+    if steps is None:
+        steps = max(1, int(math.floor(cycle / q + 0.5)))
+    steps = _check_positive_int("steps", steps)
+    key = _sampling_key(seed)
+    if isinstance(first_step, bool) or not isinstance(first_step, (int, np.integer)) or first_step < 0:
+        raise ValueError(f"first_step must be a non-negative integer; got {first_step!r}.")
+    by_unit = np.argsort(unit_of_row, kind="stable")  # rows grouped by unit, in row order within one
+    unit_sorted = unit_of_row[by_unit]
+    start = np.concatenate([[0], np.cumsum(sizes)[:-1]])  # first position of each unit in by_unit
+    select = k < int(sizes.max())
+    with tf.init_scope():
+        next_step = tf.Variable(int(first_step), dtype=tf.int64, trainable=False, name="next_step")
+        parts = _cyclic_parts(u, cycle, key)
+        by_unit_t = tf.constant(by_unit, tf.int64)
+        unit_sorted_t = tf.constant(unit_sorted, tf.int64)
+        start_t = tf.constant(start, tf.int64)
+        ids_t = tf.constant(ids, tf.int64)
+    sampling = PoissonSampling(q, u, m, steps, next_step, cycle, privacy_unit="unit", num_rows=n, rows_per_unit=k)
+    overflow_message = (
+        f"rows, more than max_batch_size={m} (U={u} units, sampling_probability={q}, rows_per_unit={k}"
+        f"{f', cycle_length={cycle}' if cycle > 1 else ''}). Dropping rows would invalidate the privacy "
+        f"analysis; pass a larger max_batch_size (the default overflows with probability <= "
+        f"{DEFAULT_OVERFLOW_PROBABILITY:g} per step)."
+    )
+
+    def pass_steps(_):
+        start_step = next_step.assign_add(steps) - steps
+        return start_step + tf.range(steps, dtype=tf.int64)
+
+    def sample(step):
+        step_seed = tf.random.experimental.stateless_fold_in(key, step)
+        unit_in = tf.random.stateless_uniform([u], seed=step_seed, dtype=tf.float64) < q  # [U]
+        if parts is not None:
+            unit_in &= tf.equal(parts, step % cycle)
+        order = tf.range(n, dtype=tf.int64)  # positions in by_unit
+        if select:  # k random rows of each larger unit: rank the unit's rows by a fresh uniform key
+            row_seed = tf.random.experimental.stateless_fold_in(step_seed, _ROWS_TAG)
+            keys = tf.random.stateless_uniform([n], seed=row_seed, dtype=tf.float64)
+            order = tf.argsort(tf.cast(unit_sorted_t, tf.float64) + keys, stable=True)  # still grouped by unit
+            order = tf.cast(order, tf.int64)
+            rank = tf.range(n, dtype=tf.int64) - tf.gather(start_t, tf.gather(unit_sorted_t, order))
+            keep = (rank < k) & tf.gather(unit_in, tf.gather(unit_sorted_t, order))
+        else:
+            keep = tf.gather(unit_in, unit_sorted_t)
+        chosen = tf.gather(by_unit_t, tf.boolean_mask(order, keep))  # row indices, grouped by unit
+        b = tf.size(chosen)
+        check = tf.debugging.Assert(b <= m, ["A Poisson batch of units sampled", b, overflow_message])
+        with tf.control_dependencies([check]):
+            b = tf.identity(b)
+
+        def take(leaf):
+            rows = _pad_rows(tf.gather(leaf, chosen), b, m)
+            return tf.ensure_shape(rows, [m] + leaf.shape[1:].as_list())
+
+        xb = _lists_as_tuples(tf.nest.map_structure(take, inputs["x"]))
+        yb = _lists_as_tuples(tf.nest.map_structure(take, inputs["y"])) if "y" in inputs else None
+        mask = tf.cast(tf.range(m) < b, tf.float32)
+        batch_ids = tf.ensure_shape(
+            tf.concat([tf.gather(ids_t, chosen), -tf.ones([m - b], tf.int64)], axis=0), [m]
+        )
+        return xb, yb, mask, batch_ids
 
     ds = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).map(pass_steps)
     ds = ds.flat_map(tf.data.Dataset.from_tensor_slices)
