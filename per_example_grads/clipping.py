@@ -20,7 +20,7 @@ import tensorflow as tf
 from per_example_grads import transforms
 from per_example_grads._core.arguments import check_clip
 from per_example_grads._core.batch import batch_size, make_batch, unless_empty
-from per_example_grads.engines import selection
+from per_example_grads.engines import grouped, selection
 from per_example_grads.engines.base import ClipGroups
 from per_example_grads._core.problem import make_problem
 
@@ -41,6 +41,8 @@ def clipped_gradients(
     variables: Sequence | None = None,
     training: bool = False,
     allow_batch_coupling: bool = False,
+    unit_ids: Any = None,
+    num_units: int | None = None,
 ):
     """Sum (or mean) over examples of each example's gradient, clipped.
 
@@ -65,6 +67,19 @@ def clipped_gradients(
         clipping, else a dict ``{group: [B]}``.
       method: ``"auto"`` (layer-wise when it covers the model, else the
         generic engines) or any ``per_example_gradients`` method.
+      unit_ids: None, or ``[B]`` integers in ``[0, num_units)``, the unit (a
+        user, any group of rows) of each row: then each *unit's* summed
+        gradient ``G_u = sum_{i in u} grads[i]`` is clipped instead,
+        ``result[k] = sum_u c_u G_u[k]`` with ``c_u = C / max(||G_u||, C)``
+        (per clipping group as above), so each unit contributes at most
+        ``C`` whatever its number of rows. The norms are ``[U]``, indexed by
+        unit id (0 for a unit with no rows; rows of weight 0 add nothing).
+        The layer-wise engine computes them from closed forms per layer and
+        the sum as one contraction per layer, each row weighted by its
+        unit's factor (``per_example_grads.engines.grouped``). A unit with
+        a non-finite norm is left out, as an example is without units.
+      num_units: ``U``; None infers ``max(unit_ids) + 1``. With ``unit_ids``,
+        ``reduction="mean"`` divides by ``U``.
 
     Returns:
       A list of ``[*var.shape]`` tensors aligned with the variables, or
@@ -88,9 +103,13 @@ def clipped_gradients(
     sums, norms, _ = clipped_sums_and_predictions(
         model, loss_fn, x, y, l2_norm_clip=l2_norm_clip, sample_weight=sample_weight, method=method,
         variables=variables, training=training, allow_batch_coupling=allow_batch_coupling,
+        unit_ids=unit_ids, num_units=num_units,
     )
     if reduction == "mean":
-        b = tf.shape(tf.nest.flatten(x)[0])[0]  # x is checked by now
+        if unit_ids is not None:  # checked by now
+            b = num_units if num_units is not None else tf.reduce_max(tf.concat([tf.cast(unit_ids, tf.int32), [-1]], 0)) + 1
+        else:
+            b = tf.shape(tf.nest.flatten(x)[0])[0]  # x is checked by now
         sums = [transforms.divide_no_nan(s, b) for s in sums]
     return (sums, norms) if return_norms else sums
 
@@ -107,8 +126,13 @@ def clipped_sums_and_predictions(
     variables: Sequence | None = None,
     training: bool = False,
     allow_batch_coupling: bool = False,
+    unit_ids: Any = None,
+    num_units: int | None = None,
 ) -> tuple[list, Any, Any]:
     """``clipped_gradients``' sums and norms (as ``return_norms=True`` gives them), and the model's predictions.
+
+    With ``unit_ids`` (``clipped_gradients``), the sums clip each unit's
+    summed gradient and the norms are ``[U]``.
 
     The predictions are the outputs of the forward pass the sums came from
     (the layer-wise engine runs the model once on the whole batch), or
@@ -120,9 +144,18 @@ def clipped_sums_and_predictions(
     problem = make_problem(model, loss_fn, variables, training, allow_batch_coupling)
     clip = _clip_groups(problem.variables, l2_norm_clip)
     batch = make_batch(model, x, y, sample_weight)
+    units = None
+    if unit_ids is not None:
+        units = grouped.make_units(unit_ids, num_units, batch)
+    elif num_units is not None:
+        raise ValueError("num_units needs unit_ids.")
 
     def clipped_sums(batch):
-        sums, norms, predictions = selection.run(method, problem, lambda engine: engine.clipped_sums(problem, batch, clip), batch)
+        if units is None:
+            use = lambda engine: engine.clipped_sums(problem, batch, clip)
+        else:
+            use = lambda engine: grouped.unit_clipped_sums(engine, problem, batch, clip, units)
+        sums, norms, predictions = selection.run(method, problem, use, batch)
         return sums, norms, () if predictions is None else predictions
 
     if not tf.executing_eagerly():
@@ -139,7 +172,7 @@ def clipped_sums_and_predictions(
     def without_nonfinite(batch):  # run only for B > 0
         sums, norms, predictions = clipped_sums(batch)
         recompute = lambda batch: clipped_sums(batch)[:2]
-        return _without_nonfinite_examples(recompute, batch, sums, norms, problem.variables), norms, predictions
+        return _without_nonfinite_examples(recompute, batch, sums, norms, problem.variables, units), norms, predictions
 
     sums, norms, predictions = unless_empty(batch, without_nonfinite)
     if not isinstance(l2_norm_clip, (Mapping, list)):
@@ -153,7 +186,7 @@ def finite_examples(norms: Sequence[tf.Tensor]) -> tf.Tensor:
     return tf.reduce_all(tf.stack([tf.math.is_finite(n) for n in norms]), axis=0)
 
 
-def _without_nonfinite_examples(clipped_sums, batch, sums, norms, variables) -> list:
+def _without_nonfinite_examples(clipped_sums, batch, sums, norms, variables, units=None) -> list:
     """``sums``, or where some example's gradient is NaN or Inf, the sums over the other examples.
 
     Such an example gets clip factor 0. Its gradient cannot simply be
@@ -166,17 +199,25 @@ def _without_nonfinite_examples(clipped_sums, batch, sums, norms, variables) -> 
     sum no longer tells, without noise, whether such an example was in the
     batch. The recomputation runs only for batches that have such an
     example; the count is ``sum(~finite_examples(norms))`` (real rows only).
+
+    With ``units`` (``engines.grouped.Units``) the norms are per unit, and
+    every row of a unit with a non-finite norm is replaced so: that unit
+    contributes exactly zero, the others are unchanged.
     """
     finite = finite_examples(norms)
     if tf.executing_eagerly():
         bad = int(tf.reduce_sum(tf.cast(~finite, tf.int32)))
         if not bad:
             return sums
+        what = "unit(s) of the batch have" if units is not None else "example(s) of the batch have"
         warnings.warn(
-            f"{bad} example(s) of the batch have a non-finite (NaN or Inf) gradient; they were left "
+            f"{bad} {what} a non-finite (NaN or Inf) gradient; they were left "
             "out of the clipped sum (clip factor 0). Check their inputs and labels.",
             RuntimeWarning, stacklevel=3,
         )
+    all_finite = tf.reduce_all(finite)
+    if units is not None:
+        finite = tf.gather(finite, units.ids)  # per row: its unit's
     flat = tf.nest.flatten(sums, expand_composites=True)
 
     def recomputed():
@@ -204,7 +245,7 @@ def _without_nonfinite_examples(clipped_sums, batch, sums, norms, variables) -> 
         out = recomputed() if bool(tf.reduce_any(finite)) else zeros()
     else:
         out = tf.cond(
-            tf.reduce_all(finite),
+            all_finite,
             lambda: flat,
             lambda: tf.cond(tf.reduce_any(finite), recomputed, zeros),
         )

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from per_example_grads._core.batch import make_batch, unless_empty
 from per_example_grads.engines import selection
+from per_example_grads.engines import grouped
 from per_example_grads.engines import layerwise as layerwise
 from per_example_grads._core.problem import make_problem
 
@@ -25,6 +26,8 @@ def per_example_gradients(
     training: bool = False,
     allow_batch_coupling: bool = False,
     sparse_embeddings: bool = False,
+    unit_ids: Any = None,
+    num_units: int | None = None,
 ) -> list:
     """Every example's gradient, in one pass.
 
@@ -64,12 +67,18 @@ def per_example_gradients(
         ``clip_by_global_norm``, ``sum_examples``...) use the rows directly.
         Needs the layer-wise engine (``method="layerwise"``, or ``"auto"`` on
         a model it covers).
+      unit_ids: None, or ``[B]`` integers in ``[0, num_units)``: the unit
+        (a user, any group of rows) of each row. Then entry k is
+        ``[U, *variables[k].shape]``, row ``u`` the sum of unit ``u``'s rows'
+        gradients (zeros for a unit with no rows; a row of weight 0 adds
+        nothing). See ``per_example_grads.engines.grouped``.
+      num_units: ``U``; None infers ``max(unit_ids) + 1``. Only with ``unit_ids``.
 
     Returns:
       A list aligned with ``variables``; entry k has shape
-      ``[B, *variables[k].shape]`` and the variable's dtype (a
-      ``PerExampleSlices`` of that shape for an embedding table with
-      ``sparse_embeddings=True``).
+      ``[B, *variables[k].shape]`` (``[U, ...]`` with ``unit_ids``) and the
+      variable's dtype (a ``PerExampleSlices`` of that shape for an
+      embedding table with ``sparse_embeddings=True``).
 
     Raises:
       ValueError, TypeError: for bad inputs, naming the argument.
@@ -87,6 +96,11 @@ def per_example_gradients(
     selection.check_method(method)
     problem = make_problem(model, loss_fn, variables, training, allow_batch_coupling)
     batch = make_batch(model, x, y, sample_weight)
+    units = _units(unit_ids, num_units, batch)
+    if units is not None:
+        if sparse_embeddings:
+            raise ValueError("sparse_embeddings=True cannot be combined with unit_ids (per-unit gradients are dense).")
+        return unless_empty(batch, lambda batch: selection.run(method, problem, lambda e: grouped.unit_gradients(e, problem, batch, units), batch))
     if sparse_embeddings:
         reason = (
             layerwise.why_not(problem) if method in ("auto", "layerwise")
@@ -111,20 +125,27 @@ def per_example_norms(
     y: Any = None,
     *,
     by_variable: bool = False,
+    unit_ids: Any = None,
+    num_units: int | None = None,
     **kwargs: Any,
 ) -> tf.Tensor | list[tf.Tensor]:
-    """L2 norms of every example's gradient.
+    """L2 norms of every example's gradient (or, with ``unit_ids``, of every unit's).
 
     Args:
       model, loss_fn, x, y: as in ``per_example_gradients``.
       by_variable: False for one global norm per example; True for one norm
         per example and variable.
+      unit_ids, num_units: as in ``per_example_gradients``: the norms of each
+        unit's summed gradient, ``[U]``, indexed by unit id (0 for a unit
+        with no rows). The layer-wise engine computes them from closed forms
+        per layer without per-example gradients where a layer's rule has a
+        grouped form (``per_example_grads.rules.grouped``).
       **kwargs: ``sample_weight``, ``method``, ``variables``, ``training``,
         ``allow_batch_coupling``, as in ``per_example_gradients``.
 
     Returns:
       ``[B]`` global norms (float32), or with ``by_variable=True`` a list of
-      ``[B]`` tensors aligned with the variables.
+      ``[B]`` tensors aligned with the variables (``[U]`` with ``unit_ids``).
 
     Example:
       >>> import keras, numpy as np
@@ -143,5 +164,19 @@ def per_example_norms(
     batch = make_batch(model, x, y, kwargs.pop("sample_weight", None))
     if kwargs:
         raise TypeError(f"per_example_norms got unexpected arguments: {sorted(kwargs)}.")
+    units = _units(unit_ids, num_units, batch)
+    if units is not None:
+        return unless_empty(
+            batch, lambda batch: selection.run(method, problem, lambda e: grouped.unit_norms(e, problem, batch, units, by_variable), batch)
+        )
     # Engines with closed forms (layer-wise: ghost norms) never build B x P.
     return unless_empty(batch, lambda batch: selection.run(method, problem, lambda e: e.norms(problem, batch, by_variable), batch))
+
+
+def _units(unit_ids: Any, num_units: int | None, batch) -> "grouped.Units | None":
+    """``grouped.make_units`` for given ``unit_ids``; None without them (``num_units`` alone is refused)."""
+    if unit_ids is None:
+        if num_units is not None:
+            raise ValueError("num_units needs unit_ids.")
+        return None
+    return grouped.make_units(unit_ids, num_units, batch)

@@ -14,6 +14,10 @@ An engine has three capabilities, all aligned with ``problem.variables``:
   model's outputs on the batch when the engine ran it on the whole batch
   (else None), so a training step needs no second forward pass.
 
+The grouped capabilities (per-unit gradients, norms and clipped sums, a unit
+being a group of rows such as a user's) are in ``engines.grouped``; an engine
+may give its own (``native_unit_squared_norms``, ``native_unit_clipped_sums``).
+
 An engine that only computes per-example gradients gets the other two by
 materializing them (``B x P`` memory); the layer-wise engine has its own,
 which never build ``B x P``. Callers go through ``selection.run``, which
@@ -74,6 +78,11 @@ class Engine:
         squared norms per variable, or None to materialize the gradients.
       native_clipped_sums: the engine's own ``clipped_sums`` (module
         docstring), or None to materialize the gradients.
+      native_unit_squared_norms: ``(problem, batch, units) -> [U]`` squared
+        norms of each unit's gradient per variable, or None to segment-sum
+        the materialized gradients (``engines.grouped``).
+      native_unit_clipped_sums: ``(problem, batch, clip, units) ->
+        (sums, [U] norms per group, predictions)``, or None (``engines.grouped``).
     """
 
     name: str
@@ -83,6 +92,8 @@ class Engine:
     why_not_batch: Callable[[Problem, Batch], str | None] | None = None
     native_squared_norms: Callable[[Problem, Batch], list] | None = None
     native_clipped_sums: Callable[[Problem, Batch, ClipGroups], tuple] | None = None
+    native_unit_squared_norms: Callable[..., list] | None = None
+    native_unit_clipped_sums: Callable[..., tuple] | None = None
 
     def refusal(self, problem: Problem, batch: Batch | None = None) -> str | None:
         """``why_not(problem)``, else (given the batch) ``why_not_batch(problem, batch)``."""

@@ -341,7 +341,20 @@ class LayerwiseEngine(Engine):
         return example_norms(problem, batch, by_variable)
 
 
+def _grouped(name: str):
+    """``engines.grouped``'s function ``name``, imported when first called (that module builds on this one)."""
+
+    def run(*args):
+        from per_example_grads.engines import grouped
+
+        return getattr(grouped, name)(*args)
+
+    return run
+
+
 ENGINES["layerwise"] = LayerwiseEngine(
     name="layerwise", compute=layerwise, isolates_examples=True, why_not=why_not,
     native_squared_norms=squared_norms, native_clipped_sums=clipped_sums,
+    native_unit_squared_norms=_grouped("layerwise_unit_squared_norms"),
+    native_unit_clipped_sums=_grouped("layerwise_unit_clipped_sums"),
 )

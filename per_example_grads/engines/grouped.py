@@ -1,0 +1,202 @@
+"""Grouped capabilities of the engines: per-unit gradients, norms and clipped sums.
+
+A *unit* (a privacy unit: a user, an author, any group of rows; not the
+layer-wise engine's layer units of ``capture``) is given by ``ids`` ``[B]``,
+the unit of each row, in ``[0, U)``. Unit ``u``'s gradient is the sum of its
+rows' (weighted) per-example gradients, ``G_u = sum_{n: ids[n] = u} g_n``;
+its norm ``||G_u||``; and the clipped sum ``sum_u c_u G_u`` with
+``c_u = C / max(||G_u||, C)`` per clipping group. Outputs are indexed by unit
+id: ``[U, *var.shape]`` gradients, ``[U]`` norms; a unit with no rows has a
+zero gradient and norm 0 (factor 1, contributing nothing). Padding rows of
+weight 0 contribute nothing to their unit. Units of one row each
+(``ids = range(B)``) are the example-level quantities.
+
+Every engine gets them by segment-summing its materialized per-example
+gradients (``B x P`` memory, then ``U x P``). An engine may give its own
+(``Engine.native_unit_squared_norms``, ``Engine.native_unit_clipped_sums``);
+the layer-wise engine does (``layerwise_unit_squared_norms``,
+``layerwise_unit_clipped_sums``): per-unit squared norms per layer from the
+rules' grouped forms (``rules.grouped``; the exact per-layer fallback for the
+rest), and the clipped sum as the rules' own ``weighted_sum`` with each row
+weighted by its unit's factor, ``sum_u c_u G_u = sum_n c_{ids[n]} g_n``: one
+forward and one backward pass, never ``[B, P]`` for the closed forms.
+
+Callers go through ``selection.run`` with these functions, as for the
+example-level capabilities:
+
+    selection.run(method, problem, lambda e: grouped.unit_clipped_sums(e, problem, batch, clip, units), batch)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from per_example_grads import transforms
+from per_example_grads._core.batch import Batch, batch_size
+from per_example_grads._core.example_ops import WIDE, weighted_example_sum
+from per_example_grads._core.problem import Problem
+from per_example_grads.engines import layerwise
+from per_example_grads.engines.base import ClipGroups, Engine
+from per_example_grads.per_example_slices import PerExampleSlices
+from per_example_grads.rules import grouped as grouped_rules
+
+
+@dataclasses.dataclass(frozen=True)
+class Units:
+    """The unit of each row of a batch.
+
+    Attributes:
+      ids: ``[B]`` int32, each in ``[0, count)``.
+      count: ``U``, the number of units: a Python int, or a scalar int32
+        tensor when inferred inside a graph.
+    """
+
+    ids: tf.Tensor
+    count: Any
+
+
+def make_units(unit_ids: Any, num_units: int | None, batch: Batch) -> Units:
+    """Checks ``unit_ids`` against the batch and returns ``Units``.
+
+    Args:
+      unit_ids: ``[B]`` integers (array or tensor), each in ``[0, num_units)``.
+      num_units: ``U``; None infers ``max(unit_ids) + 1`` (0 for an empty batch).
+      batch: the checked batch (``_core.batch.make_batch``).
+
+    Raises:
+      TypeError: ``unit_ids`` is not integers, or ``num_units`` not an int.
+      ValueError: ``unit_ids`` is not ``[B]``, ``num_units`` is negative, or
+        (eagerly; inside a graph, when run: ``tf.errors.InvalidArgumentError``)
+        an id is outside ``[0, num_units)``.
+    """
+    if num_units is not None and (isinstance(num_units, bool) or not isinstance(num_units, (int, np.integer))):
+        raise TypeError(f"num_units must be an int or None; got {type(num_units).__name__}.")
+    if num_units is not None and num_units < 0:
+        raise ValueError(f"num_units must be >= 0; got {num_units}.")
+    if isinstance(unit_ids, (tf.RaggedTensor, tf.SparseTensor)):
+        raise TypeError("unit_ids must be one dense [B] integer tensor or array.")
+    ids = tf.convert_to_tensor(np.asarray(unit_ids) if isinstance(unit_ids, (list, tuple)) else unit_ids)
+    if not ids.dtype.is_integer:
+        raise TypeError(f"unit_ids must be integers, shape [B]; got dtype {ids.dtype.name}.")
+    b = batch_size(batch)
+    if ids.shape.rank != 1:
+        raise ValueError(f"unit_ids must have shape [B] (B = {b}); got shape {ids.shape}.")
+    if isinstance(b, int) and ids.shape[0] is not None and ids.shape[0] != b:
+        raise ValueError(f"unit_ids must have shape [B] with B = {b}, the batch size of x; got shape {ids.shape}.")
+    ids = tf.cast(ids, tf.int32)
+    if tf.executing_eagerly():
+        values = ids.numpy()
+        if values.size and values.min() < 0:
+            raise ValueError(f"unit_ids must be >= 0; got {int(values.min())}.")
+        count = int(values.max()) + 1 if num_units is None and values.size else (num_units or 0)
+        if values.size and values.max() >= count:
+            raise ValueError(f"unit_ids must be < num_units = {count}; got {int(values.max())}.")
+        return Units(ids, count)
+    largest = tf.reduce_max(tf.concat([ids, [-1]], 0))
+    count = largest + 1 if num_units is None else int(num_units)
+    checks = [
+        tf.debugging.assert_non_negative(ids, message="unit_ids must be >= 0"),
+        tf.debugging.assert_less(largest, tf.cast(count, tf.int32), message=f"unit_ids must be < num_units = {num_units}"),
+    ]
+    with tf.control_dependencies(checks):
+        ids = tf.identity(ids)
+    return Units(ids, count)
+
+
+def segment(t, units: Units) -> tf.Tensor:
+    """``[U, ...]``: ``sum_{n: ids[n] = u} t[n]`` of per-example ``t`` ``[B, ...]`` (a ``PerExampleSlices`` made dense)."""
+    if isinstance(t, PerExampleSlices):
+        t = tf.convert_to_tensor(t)
+    return tf.math.unsorted_segment_sum(t, units.ids, units.count)
+
+
+def unit_gradients(engine: Engine, problem: Problem, batch: Batch, units: Units) -> list:
+    """Per-unit gradients ``[U, *var.shape]`` aligned with ``problem.variables``, from the engine's per-example ones."""
+    return [segment(g, units) for g in engine.compute(problem, batch)]
+
+
+def unit_squared_norms(engine: Engine, problem: Problem, batch: Batch, units: Units) -> list:
+    """``[U]`` squared norms of each unit's gradient, per variable: the engine's own, else from ``unit_gradients``."""
+    if engine.native_unit_squared_norms is not None:
+        return engine.native_unit_squared_norms(problem, batch, units)
+    return [tf.square(n) for n in transforms.per_variable_norms(unit_gradients(engine, problem, batch, units))]
+
+
+def unit_norms(engine: Engine, problem: Problem, batch: Batch, units: Units, by_variable: bool = False):
+    """``[U]`` norms of each unit's whole gradient, or with ``by_variable`` a ``[U]`` per variable."""
+    if engine.native_unit_squared_norms is None:
+        per_unit = unit_gradients(engine, problem, batch, units)
+        return transforms.per_variable_norms(per_unit) if by_variable else transforms.global_norms(per_unit)
+    squared, dtype = engine.native_unit_squared_norms(problem, batch, units), layerwise.norm_dtype(problem)
+    return [layerwise.norms_of([s], dtype) for s in squared] if by_variable else layerwise.norms_of(squared, dtype)
+
+
+def unit_clipped_sums(engine: Engine, problem: Problem, batch: Batch, clip: ClipGroups, units: Units) -> tuple[list, list, Any]:
+    """``(sums per variable, [U] norms per group, predictions or None)``: ``sums[k] = sum_u c_ug G_u[k]``.
+
+    ``c_ug = C_g / max(n_ug, C_g)`` with ``n_ug`` unit ``u``'s norm over the
+    variables of clipping group ``g`` (0 for a non-finite norm,
+    ``transforms.clip_factors``). Each unit's contribution has norm at most
+    ``C_g`` per group, whatever its number of rows.
+    """
+    if engine.native_unit_clipped_sums is not None:
+        return engine.native_unit_clipped_sums(problem, batch, clip, units)
+    per_unit = unit_gradients(engine, problem, batch, units)
+    norms, factors = clip.factors([tf.square(n) for n in transforms.per_variable_norms(per_unit)])
+    sums = [None] * len(per_unit)
+    for idx, f in zip(clip.groups, factors):
+        for i in idx:
+            sums[i] = weighted_example_sum(f, per_unit[i])
+    return sums, norms, None
+
+
+# -- the layer-wise engine's own ------------------------------------------------
+
+
+def _squared_norms(problem: Problem, captured, units: Units) -> list:
+    """``[U]`` float64 squared norms aligned with ``problem.variables`` from one capture (zeros if unreached).
+
+    Layers are processed last first, as in ``layerwise.per_variable_squared_norms``;
+    a layer whose grouped norms build its per-example gradients (the
+    fallback) waits for the previous such layer, so at most one of those
+    tensors exists at a time, and every layer for the one ``CHAIN_WINDOW``
+    places before it.
+    """
+    found: dict[int, tf.Tensor] = {}
+    done: list = []
+    materialized: list = []
+    for unit, calls in reversed(list(captured.by_unit().items())):
+        if not calls:
+            continue
+        materializes = not grouped_rules.has_grouped_form(unit.rule)
+        waits_for = done[-layerwise.CHAIN_WINDOW] if len(done) >= layerwise.CHAIN_WINDOW else []
+        with tf.control_dependencies(list(waits_for) + (materialized if materializes else [])):
+            norms = grouped_rules.grouped_squared_norms(
+                unit.rule, unit.layer, [(record.saved, g) for record, g in calls], units.ids, units.count
+            )
+        done.append(norms)
+        if materializes:
+            materialized = list(norms)
+        for v, n in zip(unit.variables, norms):
+            found[id(v)] = n
+    return [found.get(id(v), tf.zeros(tf.reshape(units.count, [1]), WIDE)) for v in problem.variables]
+
+
+def layerwise_unit_squared_norms(problem: Problem, batch: Batch, units: Units) -> list:
+    """``[U]`` float64 squared norms per variable, from one forward and one backward pass (module docstring)."""
+    return _squared_norms(problem, layerwise.capture(problem, batch), units)
+
+
+def layerwise_unit_clipped_sums(problem: Problem, batch: Batch, clip: ClipGroups, units: Units) -> tuple[list, list, Any]:
+    """``unit_clipped_sums`` in one forward and one backward pass: each row weighted by its unit's factor."""
+    captured = layerwise.capture(problem, batch)
+    squared, dtype = _squared_norms(problem, captured, units), layerwise.norm_dtype(problem)
+    norms = [layerwise.norms_of([squared[i] for i in idx], dtype) for idx in clip.groups]
+    row_weights = [tf.gather(transforms.clip_factors(n, c), units.ids) for n, c in zip(norms, clip.clips)]
+    group_of = {id(problem.variables[i]): g for g, idx in enumerate(clip.groups) for i in idx}
+    sums = layerwise.weighted_sums(problem, captured, lambda v: row_weights[group_of[id(v)]])
+    return sums, norms, captured.predictions
