@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from typing import Any, Sequence
 
 import keras
@@ -220,8 +221,15 @@ class DPAggregator(keras.layers.Layer):
         """The clip norm in force: a number or dict, or (adaptive) the variable's current value."""
         return tf.convert_to_tensor(self.l2_norm_clip) if isinstance(self.l2_norm_clip, keras.Variable) else self.l2_norm_clip
 
-    def clipped_sum(self, model, loss_fn, x, y=None, sample_weight=None, *, variables=None) -> ClippedSum:
+    def clipped_sum(
+        self, model, loss_fn, x, y=None, sample_weight=None, *, variables=None, unit_ids=None, rows_per_unit=None
+    ) -> ClippedSum:
         """``sum_i clip_C(g_i)`` over the batch (in physical chunks if configured), with the ``[B]`` norms.
+
+        With ``unit_ids`` (a unit-level Poisson batch's, ``[B]``, each unit's
+        rows consecutive, padding ``-1``), each unit's summed gradient is
+        clipped instead (``_unit_clipped_sum``), and ``norms`` / ``real`` are
+        per unit.
 
         Rows of weight 0 (a Poisson batch's padding) contribute exactly
         nothing, so outside XLA most of them are not computed: the real rows
@@ -233,6 +241,10 @@ class DPAggregator(keras.layers.Layer):
         shapes, every row is computed.
         """
         args = dict(l2_norm_clip=self.clip(), method=self.method, training=self.training, variables=variables)
+        if unit_ids is not None:
+            return _unit_clipped_sum(
+                model, loss_fn, x, y, sample_weight, unit_ids, args, self.physical_batch_size, rows_per_unit
+            )
         rows = tf.shape(tf.nest.flatten(x)[0])[0]
         data = {"x": x} | ({} if y is None else {"y": y})
         if sample_weight is None:
@@ -293,8 +305,9 @@ class DPAggregator(keras.layers.Layer):
         variables = args["variables"] if args["variables"] is not None else model.trainable_variables
 
         def one_chunk(part):
+            units = {"unit_ids": part["unit_ids"]} if "unit_ids" in part else {}  # whole units (_unit_clipped_sum)
             s, m, pred = clipped_sums_and_predictions(
-                model, loss_fn, part["x"], part.get("y"), sample_weight=part["sample_weight"], **args
+                model, loss_fn, part["x"], part.get("y"), sample_weight=part["sample_weight"], **args, **units
             )
             return s, tf.cast(m, tf.float32), pred
 
@@ -412,6 +425,94 @@ class DPAggregator(keras.layers.Layer):
         """``(clipped, counted)``: real examples over the clip norm, and real examples, over all replicas."""
         over = tf.cast(clipped.norms > tf.cast(total_clip(self.clip()), tf.float32), tf.float32)
         return tuple(replicas.global_sum([tf.reduce_sum(over * clipped.real), tf.reduce_sum(clipped.real)]))
+
+
+def _unit_clipped_sum(model, loss_fn, x, y, sample_weight, unit_ids, args, physical_batch_size, rows_per_unit) -> ClippedSum:
+    """``sum_u clip_C(G_u)`` over the units of a unit-level Poisson batch, with the ``[U_b]`` unit norms.
+
+    ``G_u`` is the sum of unit ``u``'s rows' weighted gradients (the engine's
+    grouped clipped sums, ``clipped_gradients(..., unit_ids=...)``), so
+    removing a unit changes the sum by at most ``C``. The batch's ids are
+    made dense, ``0 .. U_b - 1`` in order of appearance, which needs each
+    unit's rows consecutive (as ``poisson_batches(..., unit_ids=...)`` gives
+    them; padding rows, id ``-1``, form one more unit of weight 0). The
+    result's ``norms`` and ``real`` are per dense unit (``real`` 1 for a
+    unit with a real row); ``predictions`` and ``rows`` are per row, as
+    without units.
+
+    Physical chunks keep units whole: each chunk holds ``m = floor(P / k)``
+    units in ``k = rows_per_unit`` slots each (``m k <= P`` rows, slots a
+    unit does not fill are zero rows of weight 0), so a unit's gradient is
+    summed before it is clipped, in one chunk. Every chunk has the same
+    shape. Outside XLA only the real rows are laid out (as without units);
+    under XLA every row of the batch, ``ceil(B / m)`` chunks.
+    """
+    rows = tf.shape(tf.nest.flatten(x)[0])[0]
+    data = {"x": x} | ({} if y is None else {"y": y})
+    data["sample_weight"] = tf.ones([rows]) if sample_weight is None else sample_weight
+    real = tf.cast(tf.not_equal(data["sample_weight"], 0), tf.float32)
+    data["ids"] = tf.reshape(tf.cast(unit_ids, tf.int64), [-1])
+    keep = None if in_xla_context() else _bucketed_real_rows(real)
+    if keep is not None:
+        data = tf.nest.map_structure(lambda t: tf.gather(t, keep), data)
+    ids = data.pop("ids")
+    kept_real = tf.cast(tf.not_equal(data["sample_weight"], 0), tf.float32)
+    n = tf.shape(ids)[0]
+    # dense unit of each row: a new unit wherever the id changes
+    dense = tf.cumsum(tf.cast(tf.concat([tf.zeros([tf.minimum(n, 1)], tf.bool), ids[1:] != ids[:-1]], 0), tf.int32))
+    count = tf.reduce_max(tf.concat([dense, [-1]], 0)) + 1
+    if physical_batch_size is None:
+        sums, norms, predictions = clipped_sums_and_predictions(
+            model, loss_fn, data["x"], data.get("y"), sample_weight=data["sample_weight"], unit_ids=dense, **args
+        )
+    else:
+        sums, norms, predictions = _whole_unit_chunks(model, loss_fn, data, dense, count, args, physical_batch_size, rows_per_unit)
+    if isinstance(norms, dict):
+        norms = tf.sqrt(tf.add_n([tf.square(tf.cast(v, tf.float32)) for v in norms.values()]))
+    norms = tf.cast(norms, tf.float32)
+    unit_real = tf.math.unsorted_segment_max(kept_real, dense, tf.shape(norms)[0])
+    return ClippedSum(sums, norms, tf.maximum(unit_real, 0.0), predictions, keep)
+
+
+def _whole_unit_chunks(model, loss_fn, data, dense, count, args, p, k):
+    """Physical chunks of whole units (``_unit_clipped_sum``): sums, ``[C m]`` unit norms, per-row predictions."""
+    if k is None or k > p:
+        raise ValueError(
+            f"physical chunks keep units whole: rows_per_unit ({k}) must be given and at most physical_batch_size ({p})."
+        )
+    m = p // k
+    n = tf.shape(dense)[0]
+    positions = tf.range(n)
+    first = tf.math.unsorted_segment_min(positions, dense, tf.maximum(count, 1))
+    within = positions - tf.gather(first, dense)
+    placed = tf.not_equal(data["sample_weight"], 0)  # rows of weight 0 add nothing and get no slot
+    check = tf.debugging.assert_less(
+        tf.where(placed, within, 0), k, message=f"a unit has more than rows_per_unit={k} rows in the batch"
+    )
+    with tf.control_dependencies([check]):
+        slot = tf.where(placed, dense * k + within, 0)  # [n]; unplaced rows read slot 0's predictions (weight 0)
+    static = tf.nest.flatten(data["x"])[0].shape[0]
+    if in_xla_context() and static is not None:
+        chunks = max(1, -(-static // m))
+    else:
+        chunks = tf.maximum(1, (count + m - 1) // m)
+    slots = chunks * m * k
+    # source row of every slot, 0 for an empty one (a zero row of weight 0 put in front)
+    source = tf.scatter_nd(
+        tf.boolean_mask(slot, placed)[:, None], tf.boolean_mask(positions, placed) + 1, tf.reshape(slots, [1])
+    )
+    laid = tf.nest.map_structure(
+        lambda t: tf.gather(tf.concat([tf.zeros_like(t[:1]), t], 0), source), data
+    )
+    laid["unit_ids"] = (tf.range(slots) // k) % m  # the unit's place within its chunk
+    sums, norms, predictions = _chunk_loop(model, loss_fn, laid, dict(args, num_units=m), m * k)
+    predictions = tf.nest.map_structure(lambda t: tf.gather(t, slot), predictions)
+    return sums, norms, predictions
+
+
+def _chunk_loop(model, loss_fn, data, args, p):
+    """``DPAggregator._chunked`` with physical batch size ``p``."""
+    return DPAggregator._chunked(types.SimpleNamespace(physical_batch_size=p), model, loss_fn, data, args)
 
 
 def _count_source(source):

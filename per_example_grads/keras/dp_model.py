@@ -96,6 +96,35 @@ class DPModel(keras.Model):
     mechanism's buffers are saved with the weights, so a restored run
     continues its noise sequence. ``epsilon()`` accounts the mechanism.
 
+    **User-level privacy** (``privacy_unit="unit"``). When one person (or
+    any other unit) contributes several rows, example-level DP protects each
+    row, and a person only through group privacy, with an epsilon that grows
+    with their number of rows. ``DPModel(..., privacy_unit="unit")`` protects
+    whole units: neighbouring datasets differ by all the rows of one unit.
+    It trains only on ``peg.dp.poisson_batches(x, y, unit_ids=...,
+    rows_per_unit=k, sampling_probability=q)``, which samples units at rate
+    ``q`` (each bringing at most ``k`` of its rows); each step then
+
+    1. sums the (weighted) gradients of each unit's rows and clips that sum
+       to ``l2_norm_clip`` (the engine's grouped clipped sums: removing a
+       unit changes the sum by at most ``C``);
+    2. adds ``N(0, (sigma C)^2)`` once, fresh at every step, as above;
+    3. divides by the expected number of *units*, ``q U`` (not of rows: the
+       sizes of the units are their owners' data, and ``q U`` is a constant
+       of the sampling; the release is an unbiased estimate of the mean
+       unit gradient, each unit's gradient being the sum over its rows).
+
+    ``epsilon()``, the budget and ``max_steps()`` are then per unit: the
+    Poisson-subsampled Gaussian over ``num_examples = U`` units (the
+    dataset's unit count; a ``num_examples`` that is not it is refused).
+    ``clipped_fraction`` and ``nonfinite_examples`` count units. With
+    ``physical_batch_size = P``, chunks keep units whole (a unit's gradient
+    must be summed before it is clipped), ``floor(P / k)`` units per chunk,
+    so ``k <= P`` is required. Correlated mechanisms take a
+    ``poisson_batches(..., unit_ids=..., cycle_length=b)`` dataset, whose
+    parts are sets of units, so each unit joins at most every ``b`` steps.
+    Adaptive clipping is not available per unit.
+
     **A budget that holds.** With ``budget=peg.dp.PrivacyBudget(epsilon=...,
     delta=...)`` (or ``steps=...``), ``fit`` never takes a step that would
     take the ledger past it: it stops before that step and warns, saying how
@@ -162,6 +191,8 @@ class DPModel(keras.Model):
       budget: a ``peg.dp.PrivacyBudget``, or None for no limit.
       mechanism: a ``peg.dp.NoiseMechanism`` (``GaussianNoise``, the
         default DP-SGD; ``BandMF``, ``BLT``), this DPModel's alone.
+      privacy_unit: ``"example"`` (each row is protected) or ``"unit"``
+        (all the rows of one unit: see "User-level privacy" above).
 
     Example:
       >>> import keras, numpy as np
@@ -191,9 +222,17 @@ class DPModel(keras.Model):
         physical_batch_size: int | None = None,
         budget: PrivacyBudget | None = None,
         mechanism: NoiseMechanism | None = None,
+        privacy_unit: str = "example",
         **kwargs,
     ):
         super().__init__(**kwargs)
+        if privacy_unit not in ("example", "unit"):
+            raise ValueError(f"privacy_unit must be 'example' or 'unit'; got {privacy_unit!r}.")
+        if privacy_unit == "unit" and adaptive_clipping is not None:
+            raise ValueError(
+                "adaptive_clipping is not available with privacy_unit='unit': give a fixed l2_norm_clip."
+            )
+        self.privacy_unit = privacy_unit
         if budget is not None and not isinstance(budget, PrivacyBudget):
             raise TypeError(f"budget must be a peg.dp.PrivacyBudget or None; got {type(budget).__name__} {budget!r}.")
         self.budget = budget
@@ -338,6 +377,7 @@ class DPModel(keras.Model):
 
     def _sampling_of(self, x, batch_size, validation_split: float) -> _FitSampling:
         source = getattr(x, "pegrad_sampling", None) if isinstance(x, tf.data.Dataset) else None
+        self._check_privacy_unit(source)
         cycle = self.mechanism.cycle_length
         if source is None and (cycle > 1 or self.mechanism.correlated):
             raise ValueError(
@@ -379,6 +419,39 @@ class DPModel(keras.Model):
             )
         divisor = self.expected_batch_size if self.expected_batch_size is not None else expected
         return _FitSampling(poisson=True, sampling_probability=q, divisor=divisor, source=source)
+
+    def _check_privacy_unit(self, source: PoissonSampling | None) -> None:
+        """Refuses data whose sampling is not over this DPModel's privacy unit (class docstring)."""
+        sampled = "example" if source is None else source.privacy_unit
+        if self.privacy_unit == "example":
+            if sampled == "unit":
+                raise ValueError(
+                    "the poisson_batches dataset samples units (it was given unit_ids), but DPModel has "
+                    "privacy_unit='example': its steps would clip rows, not units. Give "
+                    "DPModel(..., privacy_unit='unit'), or sample rows (poisson_batches without unit_ids)."
+                )
+            return
+        if sampled != "unit":
+            raise ValueError(
+                "DPModel(privacy_unit='unit') trains only on peg.dp.poisson_batches(x, y, unit_ids=..., "
+                "rows_per_unit=k, sampling_probability=q): the data given has no unit ids, so neither its "
+                "steps could clip per unit nor epsilon() count units."
+            )
+        if self.num_examples is not None and self.num_examples != source.num_examples:
+            raise ValueError(
+                f"DPModel(privacy_unit='unit') has num_examples={self.num_examples}, but the dataset samples "
+                f"{source.num_examples} units (from {source.num_rows} rows): num_examples must be the number "
+                "of units, over which epsilon() is accounted. Leave it out (it is taken from the data) or give "
+                f"num_examples={source.num_examples}."
+            )
+        p = self.aggregator.physical_batch_size
+        if p is not None and source.rows_per_unit > p:
+            raise ValueError(
+                f"the dataset's units bring up to rows_per_unit={source.rows_per_unit} rows, more than "
+                f"physical_batch_size={p}: a physical chunk holds whole units (a unit's gradient is summed "
+                f"before it is clipped). Give physical_batch_size >= {source.rows_per_unit}, or resample with "
+                f"a smaller rows_per_unit."
+            )
 
     def _check_num_examples(self, rows: int | None, what: str) -> None:
         """``num_examples`` from the data's ``rows``, or a ``ValueError`` where they disagree or neither is known."""
@@ -473,11 +546,12 @@ class DPModel(keras.Model):
         return self.budget.max_steps(noise_multiplier=sigma, sampling_probability=q, mechanism=self._accounted_mechanism())
 
     def train_step(self, data):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight, unit_ids = self._unpack(data)
         loss_fn = as_per_example_loss(self.loss)
         sampling = self._fit_sampling
         aggregator = self.aggregator
-        clipped = aggregator.clipped_sum(self.model, loss_fn, x, y, sample_weight)
+        units = {} if unit_ids is None else {"unit_ids": unit_ids, "rows_per_unit": sampling.source.rows_per_unit}
+        clipped = aggregator.clipped_sum(self.model, loss_fn, x, y, sample_weight, **units)
         rows = tf.shape(tf.nest.flatten(x)[0])[0]
         divisor = sampling.divisor if sampling.divisor is not None else aggregator.divisor(rows)
         q = sampling.sampling_probability
@@ -509,6 +583,23 @@ class DPModel(keras.Model):
         # for callbacks that plot per-step clipping.
         logs["step_clipped_fraction"] = step_clipped_fraction
         return logs
+
+    def _unpack(self, data):
+        """``(x, y, sample_weight, unit_ids)`` of a batch; ``unit_ids`` None for example-level privacy."""
+        if self.privacy_unit == "unit":
+            if not (isinstance(data, tuple) and len(data) == 4):
+                raise ValueError(
+                    "DPModel(privacy_unit='unit') takes batches (x, y, mask, unit_ids), as "
+                    "peg.dp.poisson_batches(..., unit_ids=...) gives them."
+                )
+            return data
+        return (*keras.utils.unpack_x_y_sample_weight(data), None)
+
+    def test_step(self, data):
+        """``keras.Model.test_step``; a unit-level batch's ``unit_ids`` play no part in evaluation."""
+        if isinstance(data, tuple) and len(data) == 4:
+            data = data[:3]
+        return super().test_step(data)
 
     def _predictions(self, clipped, x, y, weights):
         """``(y_pred, y, weights)`` for the loss and metrics, from the clipped pass when it gave its predictions.
