@@ -44,6 +44,8 @@ def private_gradients(
     method: str = "auto",
     variables: Sequence | None = None,
     training: bool = False,
+    unit_ids: Any = None,
+    num_units: int | None = None,
 ) -> list[tf.Tensor]:
     """The noised, averaged clipped gradient of one DP-SGD step.
 
@@ -68,6 +70,13 @@ def private_gradients(
         count of its real rows, which the noise would then reveal.
       sample_weight: ``[B]``; a Poisson batch's mask goes here (padded rows
         weigh 0 and contribute exactly nothing).
+      unit_ids, num_units: user-level DP (as in ``clipped_gradients``):
+        ``[B]`` integers in ``[0, num_units)``, the privacy unit of each row.
+        Each unit's summed gradient is clipped to ``C`` instead of each
+        row's, so the release protects all the rows of a unit (accounted
+        over the number of units, with units Poisson-sampled: see
+        ``poisson_batches(..., unit_ids=...)``). ``expected_batch_size`` is
+        then required, ``q U``: the number of units in a batch is data.
 
     Returns:
       list of ``[*var.shape]`` tensors aligned with the variables (plus the
@@ -89,10 +98,15 @@ def private_gradients(
     l2_norm_clip, noise_multiplier, expected_batch_size = check_dp_arguments(
         l2_norm_clip, noise_multiplier, expected_batch_size
     )
+    if unit_ids is not None and expected_batch_size is None:
+        raise ValueError(
+            "private_gradients with unit_ids needs expected_batch_size = q U, the expected number of units of "
+            "a batch (the divisor must not depend on how many units or rows the batch has)."
+        )
     _warn_if_noise_repeats(seed)
     sums = clipped_gradients(
         model, loss_fn, x, y, l2_norm_clip=l2_norm_clip, sample_weight=sample_weight,
-        method=method, variables=variables, training=training,
+        method=method, variables=variables, training=training, unit_ids=unit_ids, num_units=num_units,
     )
     if expected_batch_size is None:
         expected_batch_size = tf.maximum(replicas.global_sum(batch_size(make_batch(model, x))), 1)
