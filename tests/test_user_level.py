@@ -122,3 +122,188 @@ def test_too_small_max_batch_size_names_it():
     ds = poisson_batches(np.ones((6, 2)), unit_ids=[0, 0, 0, 1, 1, 1], sampling_probability=1.0, max_batch_size=4)
     with pytest.raises(tf.errors.InvalidArgumentError, match="max_batch_size=4"):
         next(iter(ds))
+
+
+# ---------------------------------------------------------------------------
+# Training per unit
+# ---------------------------------------------------------------------------
+
+import dp_accounting  # noqa: E402
+import keras  # noqa: E402
+
+from helpers import assert_close, reference_gradients, sparse_ce  # noqa: E402
+from tolerances import ACCOUNTING_SAME_RTOL, EPS32, clipped_sum_rtol, norm_rtol, rounding_rtol, sgd_steps_atol  # noqa: E402
+
+N_ROWS, Q, SIGMA, CLIP, LR = 40, 0.25, 1.0, 0.5, 0.1
+
+
+def _net():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(3)])
+
+
+def _xy(n=N_ROWS):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 4)).astype("float32"), rng.integers(0, 3, n)
+
+
+def _fit(ids=None, k=None, epochs=1, **options):
+    x, y = _xy()
+    net = _net()
+    unit = "unit" if ids is not None else "example"
+    dp = peg.keras.DPModel(net, l2_norm_clip=CLIP, noise_multiplier=SIGMA, seed=1, privacy_unit=unit, **options)
+    dp.compile(optimizer=keras.optimizers.SGD(LR), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    units = {} if ids is None else dict(unit_ids=ids, rows_per_unit=k)
+    history = dp.fit(poisson_batches(x, y, sampling_probability=Q, seed=2, **units), epochs=epochs, verbose=0)
+    return dp, net, history.history
+
+
+@pytest.mark.slow
+def test_units_of_one_row_train_as_examples():
+    rows, rows_net, rows_history = _fit()
+    units, units_net, units_history = _fit(ids=np.arange(N_ROWS) + 100)
+    steps = int(rows.dp_steps.numpy())
+    assert int(units.dp_steps.numpy()) == steps == round(1 / Q)
+    # Same batches, noise and divisor (q N = q U): the updates agree to the clipped sums' rounding.
+    update_rtol = clipped_sum_rtol(4 * 6 + 6 + 6 * 3 + 3, N_ROWS) / (Q * N_ROWS)
+    for a, b in zip(units_net.trainable_variables, rows_net.trainable_variables):
+        scale = N_ROWS * CLIP / (Q * N_ROWS) + SIGMA * CLIP * 6 / (Q * N_ROWS)  # clipped sum plus a 6-sd noise draw
+        atol = sgd_steps_atol(steps, LR, update_rtol, scale, np.abs(b.numpy()) + 1)
+        assert_close(a.numpy(), b.numpy(), atol=atol)
+    assert units_history["clipped_fraction"] == pytest.approx(rows_history["clipped_fraction"])
+    assert units.epsilon(1e-3) == rows.epsilon(1e-3)
+
+
+def _dp_accounting_epsilon(kind, q, sigma, steps, delta):
+    event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+    relation = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+    accountant = (
+        dp_accounting.pld.PLDAccountant(relation) if kind == "pld" else dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
+    )
+    return accountant.compose(event).get_epsilon(delta)
+
+
+@pytest.mark.slow
+def test_epsilon_is_per_unit_and_chunks_keep_units_whole():
+    ids = np.arange(N_ROWS) // 3  # 14 units of 3 rows (the last of 1)
+    dp, _, history = _fit(ids=ids, k=3, physical_batch_size=4)  # one unit per chunk
+    steps = int(dp.dp_steps.numpy())
+    assert dp.num_examples == 14 and steps == round(1 / Q)
+    expected = _dp_accounting_epsilon("rdp", Q, SIGMA, steps, 1e-2)
+    assert dp.epsilon(1e-2, accountant="rdp") == pytest.approx(expected, rel=ACCOUNTING_SAME_RTOL)
+    with pytest.warns(UserWarning, match="1/num_examples"):  # delta is judged against 1/U, not 1/rows
+        dp.epsilon(0.1, accountant="rdp")
+    assert all(np.isfinite(history["loss"])) and history["nonfinite_examples"] == [0.0]
+
+
+def _unit_dp(**options):
+    return peg.keras.DPModel(_net(), l2_norm_clip=CLIP, noise_multiplier=SIGMA, privacy_unit="unit", **options)
+
+
+@pytest.mark.parametrize(
+    "make, data, match",
+    [
+        (lambda: _unit_dp(), lambda x, y: poisson_batches(x, y, sampling_probability=Q), "has no unit ids"),
+        (lambda: _unit_dp(), lambda x, y: (x, y), "has no unit ids"),
+        (
+            lambda: peg.keras.DPModel(_net(), l2_norm_clip=CLIP, noise_multiplier=SIGMA),
+            lambda x, y: poisson_batches(x, y, unit_ids=np.arange(N_ROWS) // 4, sampling_probability=Q),
+            "privacy_unit='example'",
+        ),
+        (
+            lambda: _unit_dp(num_examples=N_ROWS),
+            lambda x, y: poisson_batches(x, y, unit_ids=np.arange(N_ROWS) // 4, sampling_probability=Q),
+            r"num_examples=40, but the dataset samples 10 units \(from 40 rows\)",
+        ),
+        (
+            lambda: _unit_dp(physical_batch_size=2),
+            lambda x, y: poisson_batches(x, y, unit_ids=np.arange(N_ROWS) // 4, rows_per_unit=3, sampling_probability=Q),
+            "rows_per_unit=3 rows, more than physical_batch_size=2",
+        ),
+        (
+            lambda: _unit_dp(mechanism=peg.dp.BandMF(bands=2, num_steps=2)),
+            lambda x, y: poisson_batches(x, y, unit_ids=np.arange(N_ROWS) // 4, sampling_probability=Q),
+            "cycle_length=1, but DPModel's BandMF mechanism is accounted for cycle_length=2",
+        ),
+    ],
+)
+def test_dp_model_refuses_unit_mismatches(make, data, match):
+    dp = make()
+    dp.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match=match):
+        dp.fit(data(*_xy()), verbose=0)
+
+
+def test_dp_model_refuses_bad_privacy_unit_settings():
+    with pytest.raises(ValueError, match="privacy_unit must be 'example' or 'unit'; got 'user'"):
+        peg.keras.DPModel(_net(), noise_multiplier=1.0, privacy_unit="user")
+    with pytest.raises(ValueError, match="adaptive_clipping is not available with privacy_unit='unit'"):
+        peg.keras.DPModel(_net(), noise_multiplier=1.0, privacy_unit="unit", adaptive_clipping=peg.dp.AdaptiveClipping())
+
+
+# Uneven units, rows of a unit consecutive (as the sampler gives them), then two padding rows (id -1, weight 0).
+BATCH_IDS = np.array([4, 4, 4, 9, 11, 11, 12, 12, 12, 20, -1, -1])
+BATCH_WEIGHTS = np.array([1.0] * 10 + [0.0, 0.0], "float32")
+
+
+def _unit_reference(net, x, y, ids, weights):
+    """float64 ``sum_u clip_C(G_u)`` from one-row tapes, and ``S_u``-weighted magnitudes for the tolerance."""
+    rows = [np.asarray(r, np.float64) for r in reference_gradients(net, sparse_ce, x, y, weights)]
+    total, magnitude = [np.zeros(r.shape[1:]) for r in rows], [np.zeros(r.shape[1:]) for r in rows]
+    for u in np.unique(ids[weights > 0]):
+        g = [r[ids == u].sum(axis=0) for r in rows]
+        factor = min(1.0, CLIP / np.sqrt(sum(np.sum(t**2) for t in g)))
+        for k, r in enumerate(rows):
+            total[k] += factor * g[k]
+            magnitude[k] += factor * np.abs(r[ids == u]).sum(axis=0)
+    return total, magnitude
+
+
+@pytest.mark.parametrize("physical_batch_size", [None, 3, 7])
+def test_step_clips_each_units_summed_gradient(physical_batch_size):
+    x, y = _xy(len(BATCH_IDS))
+    net = _net()
+    aggregator = peg.dp.DPAggregator(l2_norm_clip=CLIP, noise_multiplier=0.0, physical_batch_size=physical_batch_size)
+    clipped = aggregator.clipped_sum(net, sparse_ce, x, y, BATCH_WEIGHTS, unit_ids=BATCH_IDS, rows_per_unit=3)
+    expected, magnitude = _unit_reference(net, x, y, BATCH_IDS, BATCH_WEIGHTS)
+    p = sum(int(np.prod(v.shape)) for v in net.trainable_variables)
+    rtol = clipped_sum_rtol(p, len(BATCH_IDS)) + 2 * norm_rtol(p) + rounding_rtol(3)  # the factor's norm sums 3 rows
+    for got, want, mag in zip(clipped.sums, expected, magnitude):
+        assert_close(tf.convert_to_tensor(got).numpy(), want, atol=rtol * mag + EPS32 * np.abs(want))
+    # Per unit: 5 real units (the padding forms no real one), their norms before clipping.
+    real = clipped.real.numpy()
+    assert real.sum() == 5
+    assert np.all(clipped.norms.numpy()[real > 0] > 0)
+
+
+def test_removing_a_unit_changes_the_clipped_sum_by_at_most_c():
+    x, y = _xy(len(BATCH_IDS))
+    x[3] *= 50.0  # unit 9, one row with a large gradient
+    net = _net()
+    aggregator = peg.dp.DPAggregator(l2_norm_clip=CLIP, noise_multiplier=0.0)
+    full = aggregator.clipped_sum(net, sparse_ce, x, y, BATCH_WEIGHTS, unit_ids=BATCH_IDS, rows_per_unit=3).sums
+    p = sum(int(np.prod(v.shape)) for v in net.trainable_variables)
+    for unit in (4, 9, 12):
+        keep = BATCH_IDS != unit
+        without = aggregator.clipped_sum(
+            net, sparse_ce, x[keep], y[keep], BATCH_WEIGHTS[keep], unit_ids=BATCH_IDS[keep], rows_per_unit=3
+        ).sums
+        change = np.sqrt(sum(np.sum((tf.convert_to_tensor(a).numpy() - tf.convert_to_tensor(b).numpy()) ** 2) for a, b in zip(full, without)))
+        assert change <= CLIP * (1 + norm_rtol(p)) + clipped_sum_rtol(p, len(BATCH_IDS)) * 5 * CLIP
+
+
+def test_private_gradients_with_units_is_the_clipped_unit_sum_over_q_u():
+    x, y = _xy(len(BATCH_IDS))
+    net = _net()
+    dense = np.unique(BATCH_IDS, return_inverse=True)[1]
+    grads = peg.dp.private_gradients(
+        net, sparse_ce, x, y, l2_norm_clip=CLIP, noise_multiplier=0.0, sample_weight=BATCH_WEIGHTS,
+        unit_ids=dense, expected_batch_size=2.5,
+    )
+    expected, magnitude = _unit_reference(net, x, y, BATCH_IDS, BATCH_WEIGHTS)
+    p = sum(int(np.prod(v.shape)) for v in net.trainable_variables)
+    rtol = clipped_sum_rtol(p, len(BATCH_IDS)) + 2 * norm_rtol(p) + rounding_rtol(3) + EPS32
+    for got, want, mag in zip(grads, expected, magnitude):
+        assert_close(got.numpy(), want / 2.5, atol=rtol * mag / 2.5 + EPS32 * np.abs(want))
+    with pytest.raises(ValueError, match="unit_ids needs expected_batch_size"):
+        peg.dp.private_gradients(net, sparse_ce, x, y, l2_norm_clip=CLIP, noise_multiplier=1.0, unit_ids=dense)
