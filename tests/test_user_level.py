@@ -307,3 +307,26 @@ def test_private_gradients_with_units_is_the_clipped_unit_sum_over_q_u():
         assert_close(got.numpy(), want / 2.5, atol=rtol * mag / 2.5 + EPS32 * np.abs(want))
     with pytest.raises(ValueError, match="unit_ids needs expected_batch_size"):
         peg.dp.private_gradients(net, sparse_ce, x, y, l2_norm_clip=CLIP, noise_multiplier=1.0, unit_ids=dense)
+
+
+@pytest.mark.slow
+def test_keras_hub_gpt2_trains_a_step_per_user():
+    from per_example_grads.apps import zoo
+    from per_example_grads.data.text import VOCABULARY_SIZE, byte_tokens, reviews
+
+    t, users, per_user = 8, 6, 3
+    texts, _ = reviews(users * per_user, seed=1)
+    ids, mask = byte_tokens(texts, seq_len=t + 1)
+    x, y = {"token_ids": ids[:, :t], "padding_mask": mask[:, :t]}, ids[:, 1:]
+    author = np.repeat(np.arange(users), per_user)  # a user's texts are rows of one unit
+    model = zoo.build_model("gpt2_lm", vocabulary_size=VOCABULARY_SIZE, seq_len=t, num_layers=1, hidden_dim=16, intermediate_dim=32)
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    dp = peg.keras.DPModel(model, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0, privacy_unit="unit")
+    dp.compile(optimizer=keras.optimizers.Adam(1e-3),
+               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0))
+    data = poisson_batches(x, y, unit_ids=author, rows_per_unit=2, sampling_probability=0.5, steps=1, seed=0)
+    history = dp.fit(data, verbose=0)
+    assert int(dp.dp_steps.numpy()) == 1 and dp.num_examples == users
+    assert np.isfinite(history.history["loss"]).all()
+    assert all(not np.array_equal(v.numpy(), b) for v, b in zip(model.trainable_variables, before))
+    assert dp.epsilon(1e-2, accountant="rdp") == pytest.approx(_dp_accounting_epsilon("rdp", 0.5, 1.0, 1, 1e-2), rel=ACCOUNTING_SAME_RTOL)
