@@ -330,3 +330,13 @@ def test_keras_hub_gpt2_trains_a_step_per_user():
     assert np.isfinite(history.history["loss"]).all()
     assert all(not np.array_equal(v.numpy(), b) for v, b in zip(model.trainable_variables, before))
     assert dp.epsilon(1e-2, accountant="rdp") == pytest.approx(_dp_accounting_epsilon("rdp", 0.5, 1.0, 1, 1e-2), rel=ACCOUNTING_SAME_RTOL)
+
+
+def test_dp_model_per_unit_refuses_xla():
+    dp = _unit_dp()
+    dp.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert dp.jit_compile is False  # "auto" resolves to no XLA per unit
+    dp.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
+    x, y = _xy()
+    with pytest.raises(ValueError, match="does not train under XLA"):
+        dp.fit(poisson_batches(x, y, unit_ids=np.arange(N_ROWS) // 4, sampling_probability=Q), verbose=0)

@@ -32,10 +32,11 @@ class _FitSampling:
     divisor: float | None  # None: the aggregator's (expected_batch_size, else the rows of each batch)
     source: PoissonSampling | None = None
     largest_batch: int | None = None  # fixed-size batches: the most rows a step takes, when known
+    rows_per_unit: int | None = None  # unit-level sampling: the most rows a unit brings
 
     def traced_as(self) -> tuple:
         """What the traced train step depends on (the dataset object itself is not)."""
-        return self.poisson, self.sampling_probability, self.divisor
+        return self.poisson, self.sampling_probability, self.divisor, self.rows_per_unit
 
 
 class DPModel(keras.Model):
@@ -123,7 +124,9 @@ class DPModel(keras.Model):
     so ``k <= P`` is required. Correlated mechanisms take a
     ``poisson_batches(..., unit_ids=..., cycle_length=b)`` dataset, whose
     parts are sets of units, so each unit joins at most every ``b`` steps.
-    Adaptive clipping is not available per unit.
+    Not available per unit: adaptive clipping, XLA (``compile`` defaults to
+    ``jit_compile=False``) and several ``tf.distribute`` replicas (a unit's
+    rows could be split between them), each refused with an error.
 
     **A budget that holds.** With ``budget=peg.dp.PrivacyBudget(epsilon=...,
     delta=...)`` (or ``steps=...``), ``fit`` never takes a step that would
@@ -302,6 +305,8 @@ class DPModel(keras.Model):
         if isinstance(metrics, (list, tuple)):
             weighted_metrics = list(weighted_metrics or []) + list(metrics)
             metrics = None
+        if self.privacy_unit == "unit" and kwargs.get("jit_compile", "auto") == "auto":
+            kwargs["jit_compile"] = False  # the grouped clipped sums do not compile with XLA (see fit)
         super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights, metrics=metrics,
                         weighted_metrics=weighted_metrics, **kwargs)
 
@@ -418,7 +423,9 @@ class DPModel(keras.Model):
                 f"expected_batch_size={expected:g} (or leave it out) or resample at that q."
             )
         divisor = self.expected_batch_size if self.expected_batch_size is not None else expected
-        return _FitSampling(poisson=True, sampling_probability=q, divisor=divisor, source=source)
+        return _FitSampling(
+            poisson=True, sampling_probability=q, divisor=divisor, source=source, rows_per_unit=source.rows_per_unit
+        )
 
     def _check_privacy_unit(self, source: PoissonSampling | None) -> None:
         """Refuses data whose sampling is not over this DPModel's privacy unit (class docstring)."""
@@ -436,6 +443,17 @@ class DPModel(keras.Model):
                 "DPModel(privacy_unit='unit') trains only on peg.dp.poisson_batches(x, y, unit_ids=..., "
                 "rows_per_unit=k, sampling_probability=q): the data given has no unit ids, so neither its "
                 "steps could clip per unit nor epsilon() count units."
+            )
+        if getattr(self, "jit_compile", False):
+            raise ValueError(
+                "DPModel(privacy_unit='unit') does not train under XLA: compile it with jit_compile=False "
+                "(the engine's grouped clipped sums have data-dependent shapes)."
+            )
+        if self.distribute_strategy.num_replicas_in_sync > 1:
+            raise ValueError(
+                "DPModel(privacy_unit='unit') does not train under a tf.distribute strategy with several replicas: "
+                "the batch's rows are split between replicas, so a unit's rows could be clipped in two parts, "
+                "each up to the clip norm."
             )
         if self.num_examples is not None and self.num_examples != source.num_examples:
             raise ValueError(
@@ -550,7 +568,7 @@ class DPModel(keras.Model):
         loss_fn = as_per_example_loss(self.loss)
         sampling = self._fit_sampling
         aggregator = self.aggregator
-        units = {} if unit_ids is None else {"unit_ids": unit_ids, "rows_per_unit": sampling.source.rows_per_unit}
+        units = {} if unit_ids is None else {"unit_ids": unit_ids, "rows_per_unit": sampling.rows_per_unit}
         clipped = aggregator.clipped_sum(self.model, loss_fn, x, y, sample_weight, **units)
         rows = tf.shape(tf.nest.flatten(x)[0])[0]
         divisor = sampling.divisor if sampling.divisor is not None else aggregator.divisor(rows)
