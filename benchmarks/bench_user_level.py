@@ -58,8 +58,12 @@ D, CLASSES, TAU, ALPHA = 16, 4, 1.0, 0.5
 
 
 def make_users(num_users: int, k: int, rng: np.random.Generator, means: np.ndarray):
-    """``(x, y, user)`` rows of ``num_users`` users with 1..2k rows each (module docstring)."""
-    sizes = rng.integers(1, 2 * k + 1, num_users)
+    """``(x, y, user)`` rows of ``num_users`` users with 1..2k rows each (module docstring).
+
+    The users' sizes are the same for every seed (their own fixed draw), so
+    ``q`` and sigma are too; styles, labels and features vary with ``rng``.
+    """
+    sizes = np.random.default_rng(12345).integers(1, 2 * k + 1, num_users)
     xs, ys, users = [], [], []
     for u, n in enumerate(sizes):
         style = TAU * rng.normal(size=D)
