@@ -147,13 +147,39 @@ def padded_units(rows: tf.Tensor, row_ids: tf.Tensor, count) -> tf.Tensor:
 
 
 def kernel_squared_norms(a_rows: tf.Tensor, g_rows: tf.Tensor, row_ids: tf.Tensor, count) -> tf.Tensor:
-    """``[U]``: ``||sum_{r in u} a_r^T g_r||^2`` from ``[N, i]`` and ``[N, j]`` rows (module docstring for the two forms)."""
-    n, i, j = a_rows.shape[0], a_rows.shape[1], g_rows.shape[1]
-    if n is not None and i is not None and j is not None and n * (i + j) < i * j and n * n <= GRAM_LIMIT:
-        same = tf.equal(row_ids[:, None], row_ids[None, :])
-        gram = tf.matmul(a_rows, a_rows, transpose_b=True) * tf.matmul(g_rows, g_rows, transpose_b=True)
-        per_row = tf.reduce_sum(tf.where(same, gram, tf.zeros_like(gram)), axis=1)
-        return _nonnegative(tf.math.unsorted_segment_sum(per_row, row_ids, count))
+    """``[U]``: ``||sum_{r in u} a_r^T g_r||^2`` from ``[N, i]`` and ``[N, j]`` rows (module docstring for the two forms).
+
+    The form is picked from the static shapes (``N`` from ``row_ids`` when
+    the rows' is unknown), else by a ``tf.cond`` on ``N`` at run time.
+    """
+    i, j = a_rows.shape[1], g_rows.shape[1]
+    if i is None or j is None:
+        return _unit_kernels(a_rows, g_rows, row_ids, count)
+    n = a_rows.shape[0] if a_rows.shape[0] is not None else row_ids.shape[0]
+    if n is not None:
+        use_gram = n * (i + j) < i * j and n * n <= GRAM_LIMIT
+        return (_masked_gram if use_gram else _unit_kernels)(a_rows, g_rows, row_ids, count)
+    if i * j <= i + j:  # no N makes the Gram form cheaper
+        return _unit_kernels(a_rows, g_rows, row_ids, count)
+    n = tf.shape(row_ids)[0]
+    use_gram = tf.logical_and(n * (i + j) < i * j, n * n <= GRAM_LIMIT)
+    return tf.cond(
+        use_gram,
+        lambda: _masked_gram(a_rows, g_rows, row_ids, count),
+        lambda: _unit_kernels(a_rows, g_rows, row_ids, count),
+    )
+
+
+def _masked_gram(a_rows, g_rows, row_ids, count) -> tf.Tensor:
+    """``[U]``: ``sum_{r, s in u} (a_r . a_s)(g_r . g_s)``, the row Gram matrices masked to pairs of one unit."""
+    same = tf.equal(row_ids[:, None], row_ids[None, :])
+    gram = tf.matmul(a_rows, a_rows, transpose_b=True) * tf.matmul(g_rows, g_rows, transpose_b=True)
+    per_row = tf.reduce_sum(tf.where(same, gram, tf.zeros_like(gram)), axis=1)
+    return _nonnegative(tf.math.unsorted_segment_sum(per_row, row_ids, count))
+
+
+def _unit_kernels(a_rows, g_rows, row_ids, count) -> tf.Tensor:
+    """``[U]``: the squared norms of each unit's ``[i, j]`` kernel, built from its rows laid out as one padded example."""
     a_units, g_units = padded_units(a_rows, row_ids, count), padded_units(g_rows, row_ids, count)
     kernels = tf.matmul(a_units, g_units, transpose_a=True)  # [U, i, j]
     return tf.reduce_sum(tf.square(kernels), axis=[1, 2])
