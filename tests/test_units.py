@@ -20,8 +20,6 @@ then normed and clipped in numpy. Tolerances (``tests/tolerances.py``):
 
 from __future__ import annotations
 
-import functools
-
 import keras
 import numpy as np
 import pytest
@@ -29,7 +27,7 @@ import tensorflow as tf
 
 import per_example_grads as peg
 from helpers import assert_close, reference_gradients, sparse_ce
-from model_zoo import ZOO
+from model_zoo import LAYER_CASES, ZOO
 from per_example_grads.apps import zoo as apps_zoo
 from per_example_grads.rules import grouped as grouped_rules
 from tolerances import EPS32, GRADIENT_RTOL, clipped_sum_rtol, norm_rtol, rounding_rtol
@@ -96,8 +94,8 @@ def _check(model, loss_fn, x, y, ids, num_units, *, clip, method="layerwise", po
 
 
 # name -> the most positions a grouped Gram form runs over (the norm tolerance's pair terms)
-ZOO_CASES = {"mlp": 1, "cnn1d": 6, "embedding_mask_zero_pooled": 8, "transformer_block": 6, "shared_layer": 1}
-SLOW_ZOO_CASES = {"transformer_block", "cnn1d", "embedding_mask_zero_pooled"}
+ZOO_CASES = {"mlp": 1, "cnn2d": 64, "embedding_mask_zero_pooled": 8, "transformer_block": 6, "shared_layer": 1}
+SLOW_ZOO_CASES = {"transformer_block", "cnn2d", "embedding_mask_zero_pooled"}
 
 
 @pytest.mark.parametrize(
@@ -128,17 +126,21 @@ def _shared_model():
     return model, x, rng.integers(0, 3, B).astype("int32")
 
 
-@functools.cache
-def _shared_with_reference():
+@pytest.mark.slow
+def test_shared_layers_and_embeddings():
     model, x, y = _shared_model()
-    return model, x, y, _reference(model, sparse_ce, x, y, IDS, NUM_UNITS)
+    _check(model, sparse_ce, x, y, IDS, NUM_UNITS, clip=0.1, positions=10)
 
 
-@pytest.mark.parametrize("gram_limit", [grouped_rules.GRAM_LIMIT, 0], ids=["gram_where_cheaper", "per_unit_kernels"])
-def test_shared_layers_and_embeddings(monkeypatch, gram_limit):
-    monkeypatch.setattr(grouped_rules, "GRAM_LIMIT", gram_limit)
-    model, x, y, reference = _shared_with_reference()
-    _check(model, sparse_ce, x, y, IDS, NUM_UNITS, clip=0.1, positions=10, reference=reference)
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["reversible_tied", "reversible_untied"])
+def test_reversible_embeddings(name):
+    """KerasHub's tied lookup and output projection: the rule's own form on each unit's rows as one example."""
+    model, x, _ = LAYER_CASES[name](np.random.default_rng(8))
+    rng = np.random.default_rng(9)
+    x = _resampled(x, B, rng)
+    y = rng.integers(0, 11, (B, 6)).astype("int32")
+    _check(model, sparse_ce, x, y, IDS, NUM_UNITS, clip=0.05, positions=6)
 
 
 @pytest.mark.slow
@@ -289,3 +291,23 @@ def test_keras_hub_models(name):
     model, x, y = apps_zoo.build(name, 8, vocabulary_size=32, num_layers=1, hidden_dim=16, intermediate_dim=16, seq_len=6)
     ids = np.array([0, 1, 1, 2, 2, 2, 0, 3], np.int32)  # 2, 2, 3 and 1 rows
     _check(model, sparse_ce, x, y, ids, 4, clip=0.05, positions=6)
+
+
+def test_the_three_dense_forms_agree_with_numpy():
+    """``rules.grouped``'s masked Gram, per-unit Gram and per-unit kernels, each against numpy, on uneven units."""
+    rng = np.random.default_rng(7)
+    a, g = rng.normal(size=(B, 5)).astype("float32"), rng.normal(size=(B, 3)).astype("float32")
+    ids = tf.constant(IDS)
+    want = np.array([np.sum((a[IDS == u].astype(np.float64).T @ g[IDS == u]) ** 2) for u in range(NUM_UNITS)])
+    layout = grouped_rules._layout(ids, NUM_UNITS)
+    forms = {
+        "masked_gram": grouped_rules._masked_gram(a, g, ids, NUM_UNITS),
+        "unit_gram": grouped_rules._unit_gram(a, g, ids, NUM_UNITS, layout),
+        "unit_kernels": grouped_rules._unit_kernels(a, g, ids, NUM_UNITS, layout),
+        "picked": grouped_rules.kernel_squared_norms(a, g, ids, NUM_UNITS),
+    }
+    # sums of at most 64 pair terms (8 rows squared), each at most |a_r||g_r||a_s||g_s|
+    terms = np.linalg.norm(a, axis=1) * np.linalg.norm(g, axis=1)
+    scale = np.array([terms[IDS == u].sum() ** 2 for u in range(NUM_UNITS)])
+    for name, got in forms.items():
+        assert_close(got, want, atol=(rounding_rtol(64) + 2 * rounding_rtol(5)) * scale, err_msg=name)

@@ -22,15 +22,20 @@ Grouped forms (never ``[B, *var.shape]``):
 - Dense, and EinsumDense equations that are a Dense in disguise
   (``rules.einsum_dense``): with the rows ``r = (n, t)`` (example, position)
   of ``a`` ``[B, T, i]`` and ``g`` ``[B, T, j]`` over every call,
-  ``||G_u||^2 = sum_{r, s in u} (a_r . a_s)(g_r . g_s)``: the Gram matrices
-  of the ``N = B T`` rows masked to pairs of one unit (cost ``N^2 (i + j)``),
-  or, where that is dearer (``N (i + j) >= i j``) or the mask would exceed
-  ``GRAM_LIMIT`` entries, each unit's ``[i, j]`` kernel built from its rows
-  laid out as one padded example (``[U, R, i]``, ``R`` the most rows of any
-  unit: memory ``U (R (i + j) + i j)``, cost ``U R i j``). The bias's is
-  the unit's summed ``g``, ``[U, j]``.
+  ``||G_u||^2 = sum_{r, s in u} (a_r . a_s)(g_r . g_s)``, by the cheapest
+  of three forms for the batch's units (``kernel_squared_norms``): the Gram
+  matrices of all ``N = B T`` rows masked to pairs of one unit, the Gram
+  form within each unit's rows laid out as one padded example (``[U, R, i]``,
+  ``R`` the most rows of any unit), or each unit's ``[i, j]`` kernel built
+  from those. The bias's is the unit's summed ``g``, ``[U, j]``.
+- Conv1D/2D/3D (``groups = 1``, channels last): the Dense form on the
+  input patches (``rules.conv.patches``: ``[B, positions, kh kw c_in]``), up
+  to ``PATCH_LIMIT`` elements of patches; larger ones take the fallback.
 - Embedding: ``||G_u||^2 = sum_v ||sum_{r in u: x_r = v} g_r||^2``, the rows
   grouped by (unit, id) by one sort of ``B T`` keys, cost ``O(B T D)``.
+- ReversibleEmbedding (a table used as lookup and tied output projection):
+  each unit's rows laid end to end as the positions of one example
+  (``unit_examples``), and the rule's own example-level form on those.
 
 They are computed in the rules' compute dtype (float32, or float64 for
 float64 layers) and returned as float64; unlike the example-level forms they
@@ -54,7 +59,10 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from per_example_grads._core.example_ops import WIDE, compute_dtype, squares_part, widened
-from per_example_grads.per_example_slices import PerExampleSlices
+from per_example_grads._core.xla_context import in_xla_context
+from per_example_grads.per_example_slices import PerExampleSlices, repeated_rows
+from per_example_grads.rules import conv
+from per_example_grads.rules import reversible_embedding as rev
 from per_example_grads.rules.dense import DenseRule
 from per_example_grads.rules.einsum_dense import EinsumDenseRule
 from per_example_grads.rules.embedding import EmbeddingRule
@@ -66,6 +74,7 @@ GroupedNorms = Callable[[LayerRule, Any, Sequence[tuple[Any, Sequence[tf.Tensor]
 GROUPED: dict[type, GroupedNorms] = {}
 
 GRAM_LIMIT = 1 << 22  # most entries of a masked [N, N] row Gram matrix (16 MiB in float32)
+PATCH_LIMIT = 1 << 25  # most elements of a convolution's patches [B, positions, f] (128 MiB in float32)
 
 
 def register_grouped_norms(rule_class: type, fn: GroupedNorms) -> None:
@@ -130,44 +139,58 @@ def _nonnegative(t: tf.Tensor) -> tf.Tensor:
     return tf.maximum(t, tf.zeros_like(t))
 
 
-def padded_units(rows: tf.Tensor, row_ids: tf.Tensor, count) -> tf.Tensor:
-    """``[U, R, f]``: each unit's rows in order, zeros after its last (``R`` the most rows of any unit).
-
-    ``rows`` ``[N, f]``, ``row_ids`` ``[N]`` int32 in ``[0, count)``.
-    """
+def _layout(row_ids: tf.Tensor, count):
+    """``(scatter indices [N, 2], order [N], R)``: where each row goes in a ``[U, R, ...]`` padded layout, ``R`` the most rows of any unit."""
     n = tf.shape(row_ids)[0]
     counts = tf.math.unsorted_segment_sum(tf.ones_like(row_ids), row_ids, count)
     order = tf.argsort(row_ids, stable=True)
     unit = tf.gather(row_ids, order)
-    starts = tf.cumsum(counts, exclusive=True)
-    rank = tf.range(n) - tf.gather(starts, unit)
+    rank = tf.range(n) - tf.gather(tf.cumsum(counts, exclusive=True), unit)
     r = tf.maximum(tf.reduce_max(tf.concat([counts, [0]], 0)), 1)
+    return tf.stack([unit, rank], 1), order, r
+
+
+def padded_units(rows: tf.Tensor, row_ids: tf.Tensor, count, layout=None) -> tf.Tensor:
+    """``[U, R, f]``: each unit's rows in order, zeros after its last (``R`` the most rows of any unit).
+
+    ``rows`` ``[N, f]``, ``row_ids`` ``[N]`` int32 in ``[0, count)``;
+    ``layout``: ``_layout(row_ids, count)`` when already computed.
+    """
+    index, order, r = _layout(row_ids, count) if layout is None else layout
     shape = tf.stack([tf.cast(count, tf.int32), r, tf.shape(rows)[1]])
-    return tf.scatter_nd(tf.stack([unit, rank], 1), tf.gather(rows, order), shape)
+    return tf.scatter_nd(index, tf.gather(rows, order), shape)
 
 
 def kernel_squared_norms(a_rows: tf.Tensor, g_rows: tf.Tensor, row_ids: tf.Tensor, count) -> tf.Tensor:
-    """``[U]``: ``||sum_{r in u} a_r^T g_r||^2`` from ``[N, i]`` and ``[N, j]`` rows (module docstring for the two forms).
+    """``[U]``: ``||sum_{r in u} a_r^T g_r||^2`` from ``[N, i]`` and ``[N, j]`` rows.
 
-    The form is picked from the static shapes (``N`` from ``row_ids`` when
-    the rows' is unknown), else by a ``tf.cond`` on ``N`` at run time.
+    Three forms, the cheapest for the batch's units picked at run time
+    (``tf.switch_case`` on their costs; ``R`` the most rows of any unit):
+
+    - the Gram matrices of all ``N`` rows masked to pairs of one unit:
+      ``N^2 (i + j)``, only while ``N^2 <= GRAM_LIMIT`` (the best for very
+      uneven units);
+    - each unit's rows as one padded example and the Gram form within it:
+      ``U R^2 (i + j)``, memory ``U R^2``;
+    - each unit's ``[i, j]`` kernel built from its padded rows, then squared:
+      ``U R i j`` and ``U i j`` memory, counted twice (written and read).
     """
     i, j = a_rows.shape[1], g_rows.shape[1]
+    layout = _layout(row_ids, count)
     if i is None or j is None:
-        return _unit_kernels(a_rows, g_rows, row_ids, count)
-    n = a_rows.shape[0] if a_rows.shape[0] is not None else row_ids.shape[0]
-    if n is not None:
-        use_gram = n * (i + j) < i * j and n * n <= GRAM_LIMIT
-        return (_masked_gram if use_gram else _unit_kernels)(a_rows, g_rows, row_ids, count)
-    if i * j <= i + j:  # no N makes the Gram form cheaper
-        return _unit_kernels(a_rows, g_rows, row_ids, count)
-    n = tf.shape(row_ids)[0]
-    use_gram = tf.logical_and(n * (i + j) < i * j, n * n <= GRAM_LIMIT)
-    return tf.cond(
-        use_gram,
+        return _unit_kernels(a_rows, g_rows, row_ids, count, layout)
+    n = tf.cast(tf.shape(row_ids)[0], tf.float64)
+    r = tf.cast(layout[2], tf.float64)
+    units = tf.cast(count, tf.float64)
+    masked = tf.where(n * n <= GRAM_LIMIT, n * n * (i + j), tf.constant(float("inf"), tf.float64))
+    unit_gram = units * r * r * (i + j)
+    kernels = units * r * i * j + 2 * units * i * j
+    choice = tf.argmin(tf.stack([masked, unit_gram, kernels]), output_type=tf.int32)
+    return tf.switch_case(choice, [
         lambda: _masked_gram(a_rows, g_rows, row_ids, count),
-        lambda: _unit_kernels(a_rows, g_rows, row_ids, count),
-    )
+        lambda: _unit_gram(a_rows, g_rows, row_ids, count, layout),
+        lambda: _unit_kernels(a_rows, g_rows, row_ids, count, layout),
+    ])
 
 
 def _masked_gram(a_rows, g_rows, row_ids, count) -> tf.Tensor:
@@ -178,9 +201,16 @@ def _masked_gram(a_rows, g_rows, row_ids, count) -> tf.Tensor:
     return _nonnegative(tf.math.unsorted_segment_sum(per_row, row_ids, count))
 
 
-def _unit_kernels(a_rows, g_rows, row_ids, count) -> tf.Tensor:
-    """``[U]``: the squared norms of each unit's ``[i, j]`` kernel, built from its rows laid out as one padded example."""
-    a_units, g_units = padded_units(a_rows, row_ids, count), padded_units(g_rows, row_ids, count)
+def _unit_gram(a_rows, g_rows, row_ids, count, layout) -> tf.Tensor:
+    """``[U]``: the Gram form within each unit's padded rows (``[U, R, R]``)."""
+    a_units, g_units = padded_units(a_rows, row_ids, count, layout), padded_units(g_rows, row_ids, count, layout)
+    gram = tf.matmul(a_units, a_units, transpose_b=True) * tf.matmul(g_units, g_units, transpose_b=True)
+    return _nonnegative(tf.reduce_sum(gram, axis=[1, 2]))
+
+
+def _unit_kernels(a_rows, g_rows, row_ids, count, layout) -> tf.Tensor:
+    """``[U]``: the squared norms of each unit's ``[i, j]`` kernel, built from its padded rows."""
+    a_units, g_units = padded_units(a_rows, row_ids, count, layout), padded_units(g_rows, row_ids, count, layout)
     kernels = tf.matmul(a_units, g_units, transpose_a=True)  # [U, i, j]
     return tf.reduce_sum(tf.square(kernels), axis=[1, 2])
 
@@ -251,6 +281,31 @@ def _einsum_dense_norms(rule, layer, calls, ids, count):
     return out
 
 
+def _conv_norms(rule, layer, calls, ids, count):
+    """A convolution as the Dense layer it is on its input patches (``rules.conv``): ``kernel_squared_norms`` on those rows.
+
+    Patches beyond ``PATCH_LIMIT`` elements (or of unknown size) take the exact fallback.
+    """
+    spec = conv.ConvSpec.of(layer)
+    a_rows, g_rows, row_ids, bias_rows, bias_ids = [], [], [], [], []
+    for saved, grads in calls:
+        a, g = rule.convolution_operands(saved, grads)
+        p = conv.patches(spec, a)  # [B, positions, f]
+        per_example, b = p.shape[1:].num_elements(), p.shape[0] if p.shape[0] is not None else ids.shape[0]
+        if per_example is None or b is None or per_example * b > PATCH_LIMIT:
+            return fallback_squared_norms(rule, layer, calls, ids, count)
+        g = tf.cast(g, p.dtype)
+        a_rows.append(_rows(p))
+        g_rows.append(_rows(g))
+        row_ids.append(_row_ids(p, ids))
+        bias_rows.append(tf.reduce_sum(tf.reshape(g, [tf.shape(g)[0], -1, g.shape[-1]]), axis=1))
+        bias_ids.append(ids)
+    out = [kernel_squared_norms(tf.concat(a_rows, 0), tf.concat(g_rows, 0), tf.concat(row_ids, 0), count)]
+    if layer.use_bias:
+        out.append(_segment_squares(tf.concat(bias_rows, 0), tf.concat(bias_ids, 0), count))
+    return out
+
+
 # -- Embedding ------------------------------------------------------------------
 
 
@@ -283,6 +338,48 @@ def _embedding_norms(rule, layer, calls, ids, count):
     return [embedding_squared_norms(tf.concat(flat, 0), tf.concat(rows, 0), tf.concat(row_ids, 0), layer.input_dim, count)]
 
 
+# -- ReversibleEmbedding: each unit's rows as one padded example ----------------
+
+
+def unit_examples(t: tf.Tensor, ids: tf.Tensor, count) -> tf.Tensor:
+    """``[B, P, ...]`` -> ``[U, R P, ...]``: each unit's rows laid end to end as the positions of one example.
+
+    Rows keep their order within a unit; a unit with fewer than ``R`` rows
+    (``R`` the most of any unit) is padded with zero rows.
+    """
+    rest = t.shape[2:]
+    flat = tf.reshape(t, [tf.shape(t)[0], -1])
+    padded = padded_units(flat, ids, count)  # [U, R, P * prod(rest)]
+    return tf.reshape(padded, tf.concat([[tf.shape(padded)[0], -1], tf.constant(rest.as_list(), tf.int32)], 0))
+
+
+def _reversible_embedding_norms(rule, layer, calls, ids, count):
+    """The rule's own ``shared_squared_norms`` on unit examples (``unit_examples``).
+
+    A unit's gradient is the example-level gradient of the example made of
+    its rows' positions: every part of the rule's form (rows grouped by id,
+    the projection's Gram form over positions, the cross term) is a sum over
+    positions, and a zero padding position (id 0 with a zero gradient, zero
+    inputs and gradients for a reversed call) adds nothing to any of them.
+    Cost: the projection's Gram form runs over ``R S`` positions per unit,
+    ``U (R S)^2 (V + D)`` in all (``R`` times the example-level form's).
+    """
+    grouped = []
+    for saved, grads in calls:
+        if saved[0] == rev._LOOKUP:
+            flat = unit_examples(saved[1], ids, count)
+            g = tf.reshape(grads[0], [tf.shape(saved[1])[0], -1, layer.output_dim])
+            saved = (rev._LOOKUP, flat, repeated_rows(flat, only_repeated=not in_xla_context()))
+            grouped.append((saved, [unit_examples(g, ids, count)]))
+        else:
+            h = tf.reshape(saved[1], [tf.shape(saved[1])[0], -1, saved[1].shape[-1]])
+            g = tf.reshape(grads[0], [tf.shape(grads[0])[0], -1, grads[0].shape[-1]])
+            grouped.append(((rev._REVERSE, unit_examples(h, ids, count)), [unit_examples(g, ids, count)]))
+    return rule.shared_squared_norms(layer, grouped)
+
+
+register_grouped_norms(rev.ReversibleEmbeddingRule, _reversible_embedding_norms)
 register_grouped_norms(DenseRule, _dense_norms)
+register_grouped_norms(conv.ConvPatchesRule, _conv_norms)
 register_grouped_norms(EinsumDenseRule, _einsum_dense_norms)
 register_grouped_norms(EmbeddingRule, _embedding_norms)
