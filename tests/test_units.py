@@ -294,20 +294,25 @@ def test_keras_hub_models(name):
 
 
 def test_the_three_dense_forms_agree_with_numpy():
-    """``rules.grouped``'s masked Gram, per-unit Gram and per-unit kernels, each against numpy, on uneven units."""
+    """``rules.grouped``'s masked Gram, per-unit Gram and per-unit kernels, each against numpy, on uneven units and two calls."""
     rng = np.random.default_rng(7)
-    a, g = rng.normal(size=(B, 5)).astype("float32"), rng.normal(size=(B, 3)).astype("float32")
+    pairs = [(rng.normal(size=(B, t, 5)).astype("float32"), rng.normal(size=(B, t, 3)).astype("float32")) for t in (1, 3)]
     ids = tf.constant(IDS)
-    want = np.array([np.sum((a[IDS == u].astype(np.float64).T @ g[IDS == u]) ** 2) for u in range(NUM_UNITS)])
+
+    def kernel(u):
+        return sum(np.einsum("nti,ntj->ij", a[IDS == u].astype(np.float64), g[IDS == u]) for a, g in pairs)
+
+    want = np.array([np.sum(kernel(u) ** 2) for u in range(NUM_UNITS)])
     layout = grouped_rules._layout(ids, NUM_UNITS)
+    tf_pairs = [(tf.constant(a), tf.constant(g)) for a, g in pairs]
     forms = {
-        "masked_gram": grouped_rules._masked_gram(a, g, ids, NUM_UNITS),
-        "unit_gram": grouped_rules._unit_gram(a, g, ids, NUM_UNITS, layout),
-        "unit_kernels": grouped_rules._unit_kernels(a, g, ids, NUM_UNITS, layout),
-        "picked": grouped_rules.kernel_squared_norms(a, g, ids, NUM_UNITS),
+        "masked_gram": grouped_rules._masked_gram(tf_pairs, ids, NUM_UNITS),
+        "unit_gram": grouped_rules._unit_gram(tf_pairs, ids, NUM_UNITS, layout),
+        "unit_kernels": grouped_rules._unit_kernels(tf_pairs, ids, NUM_UNITS, layout),
+        "picked": grouped_rules.kernel_squared_norms(tf_pairs, ids, NUM_UNITS),
     }
-    # sums of at most 64 pair terms (8 rows squared), each at most |a_r||g_r||a_s||g_s|
-    terms = np.linalg.norm(a, axis=1) * np.linalg.norm(g, axis=1)
+    # sums of at most (8 rows x 4 positions)^2 pair terms, each at most |a_r||g_r||a_s||g_s|
+    terms = sum(np.sum(np.linalg.norm(a, axis=2) * np.linalg.norm(g, axis=2), axis=1) for a, g in pairs)
     scale = np.array([terms[IDS == u].sum() ** 2 for u in range(NUM_UNITS)])
     for name, got in forms.items():
-        assert_close(got, want, atol=(rounding_rtol(64) + 2 * rounding_rtol(5)) * scale, err_msg=name)
+        assert_close(got, want, atol=(rounding_rtol(32**2) + 2 * rounding_rtol(5)) * scale, err_msg=name)
