@@ -14,7 +14,9 @@ summed over the calls, segment-summed into units and squared (this layer
 only: ``B x (layer's parameters)`` for the time of that layer). That is what
 the normalization, scale, bias-like and other small rules use (their
 per-example gradients are as small as the layer's outputs per example, so a
-closed form would save nothing), and what convolutions, recurrent layers and
+closed form would save nothing), and what convolutions (the Dense form on
+their input patches was slower than this fallback: the patches are built
+whole, where the example-level conv forms avoid them), recurrent layers and
 the layer-local fallback use.
 
 Grouped forms (never ``[B, *var.shape]``):
@@ -25,17 +27,14 @@ Grouped forms (never ``[B, *var.shape]``):
   ``||G_u||^2 = sum_{r, s in u} (a_r . a_s)(g_r . g_s)``, by the cheapest
   of three forms for the batch's units (``kernel_squared_norms``): the Gram
   matrices of all ``N = B T`` rows masked to pairs of one unit, the Gram
-  form within each unit's rows laid out as one padded example (``[U, R, i]``,
-  ``R`` the most rows of any unit), or each unit's ``[i, j]`` kernel built
-  from those. The bias's is the unit's summed ``g``, ``[U, j]``.
-- Conv1D/2D/3D (``groups = 1``, channels last): the Dense form on the
-  input patches (``rules.conv.patches``: ``[B, positions, kh kw c_in]``), up
-  to ``PATCH_LIMIT`` elements of patches; larger ones take the fallback.
+  form over each unit's examples laid end to end as one padded example
+  (``unit_examples``: ``[U, R T, i]``, ``R`` the most examples of any unit),
+  or each unit's ``[i, j]`` kernel built from those. The bias's is the unit's summed ``g``, ``[U, j]``.
 - Embedding: ``||G_u||^2 = sum_v ||sum_{r in u: x_r = v} g_r||^2``, the rows
   grouped by (unit, id) by one sort of ``B T`` keys, cost ``O(B T D)``.
 - ReversibleEmbedding (a table used as lookup and tied output projection):
-  each unit's rows laid end to end as the positions of one example
-  (``unit_examples``), and the rule's own example-level form on those.
+  each unit's examples laid end to end as one example (``unit_examples``),
+  and the rule's own example-level form on those.
 
 Under XLA (``jit_compile``), which needs static shapes, the forms that lay
 units out as padded examples (``R`` rows, known only at run time) give way
@@ -66,7 +65,6 @@ import tensorflow as tf
 from per_example_grads._core.example_ops import WIDE, compute_dtype, squares_part, widened
 from per_example_grads._core.xla_context import in_xla_context
 from per_example_grads.per_example_slices import PerExampleSlices, repeated_rows
-from per_example_grads.rules import conv
 from per_example_grads.rules import reversible_embedding as rev
 from per_example_grads.rules.dense import DenseRule
 from per_example_grads.rules.einsum_dense import EinsumDenseRule
@@ -79,7 +77,6 @@ GroupedNorms = Callable[[LayerRule, Any, Sequence[tuple[Any, Sequence[tf.Tensor]
 GROUPED: dict[type, GroupedNorms] = {}
 
 GRAM_LIMIT = 1 << 22  # most entries of a masked [N, N] row Gram matrix (16 MiB in float32)
-PATCH_LIMIT = 1 << 25  # most elements of a convolution's patches [B, positions, f] (128 MiB in float32)
 
 
 def register_grouped_norms(rule_class: type, fn: GroupedNorms) -> None:
@@ -258,7 +255,7 @@ def _kernel_and_bias(rule, layer, calls, pairs, biases, ids, count) -> list:
     return [kernel] + ([] if biases is None else [_bias_squares(biases, ids, count)])
 
 
-# -- Dense, EinsumDense, convolutions -------------------------------------------
+# -- Dense and EinsumDense -------------------------------------------
 
 
 def _dense_norms(rule, layer, calls, ids, count):
@@ -309,25 +306,6 @@ def _einsum_dense_norms(rule, layer, calls, ids, count):
         if layer.bias is not None:
             biases.append(sum_to_shape(g, layer.bias.shape))
     return _kernel_and_bias(rule, layer, calls, pairs, biases if layer.bias is not None else None, ids, count)
-
-
-def _conv_norms(rule, layer, calls, ids, count):
-    """A convolution as the Dense layer it is on its input patches (``rules.conv``): ``kernel_squared_norms`` on those.
-
-    Patches beyond ``PATCH_LIMIT`` elements (or of unknown size) take the exact fallback.
-    """
-    spec = conv.ConvSpec.of(layer)
-    pairs, biases = [], []
-    for saved, grads in calls:
-        a, g = rule.convolution_operands(saved, grads)
-        p = conv.patches(spec, a)  # [B, positions, f]
-        per_example, b = p.shape[1:].num_elements(), p.shape[0] if p.shape[0] is not None else ids.shape[0]
-        if per_example is None or b is None or per_example * b > PATCH_LIMIT:
-            return fallback_squared_norms(rule, layer, calls, ids, count)
-        g = tf.cast(_btf(g), p.dtype)
-        pairs.append((p, g))
-        biases.append(tf.reduce_sum(g, axis=1))
-    return _kernel_and_bias(rule, layer, calls, pairs, biases if layer.use_bias else None, ids, count)
 
 
 # -- Embedding ------------------------------------------------------------------
@@ -397,6 +375,5 @@ def _reversible_embedding_norms(rule, layer, calls, ids, count):
 
 register_grouped_norms(rev.ReversibleEmbeddingRule, _reversible_embedding_norms)
 register_grouped_norms(DenseRule, _dense_norms)
-register_grouped_norms(conv.ConvPatchesRule, _conv_norms)
 register_grouped_norms(EinsumDenseRule, _einsum_dense_norms)
 register_grouped_norms(EmbeddingRule, _embedding_norms)
