@@ -14,7 +14,9 @@ summed over the calls, segment-summed into units and squared (this layer
 only: ``B x (layer's parameters)`` for the time of that layer). That is what
 the normalization, scale, bias-like and other small rules use (their
 per-example gradients are as small as the layer's outputs per example, so a
-closed form would save nothing), and what convolutions, recurrent layers and
+closed form would save nothing), and what convolutions (the Dense form on
+their input patches was slower than this fallback: the patches are built
+whole, where the example-level conv forms avoid them), recurrent layers and
 the layer-local fallback use.
 
 Grouped forms (never ``[B, *var.shape]``):
@@ -22,15 +24,22 @@ Grouped forms (never ``[B, *var.shape]``):
 - Dense, and EinsumDense equations that are a Dense in disguise
   (``rules.einsum_dense``): with the rows ``r = (n, t)`` (example, position)
   of ``a`` ``[B, T, i]`` and ``g`` ``[B, T, j]`` over every call,
-  ``||G_u||^2 = sum_{r, s in u} (a_r . a_s)(g_r . g_s)``: the Gram matrices
-  of the ``N = B T`` rows masked to pairs of one unit (cost ``N^2 (i + j)``),
-  or, where that is dearer (``N (i + j) >= i j``) or the mask would exceed
-  ``GRAM_LIMIT`` entries, each unit's ``[i, j]`` kernel built from its rows
-  laid out as one padded example (``[U, R, i]``, ``R`` the most rows of any
-  unit: memory ``U (R (i + j) + i j)``, cost ``U R i j``). The bias's is
-  the unit's summed ``g``, ``[U, j]``.
+  ``||G_u||^2 = sum_{r, s in u} (a_r . a_s)(g_r . g_s)``, by the cheapest
+  of three forms for the batch's units (``kernel_squared_norms``): the Gram
+  matrices of all ``N = B T`` rows masked to pairs of one unit, the Gram
+  form over each unit's examples laid end to end as one padded example
+  (``unit_examples``: ``[U, R T, i]``, ``R`` the most examples of any unit),
+  or each unit's ``[i, j]`` kernel built from those. The bias's is the unit's summed ``g``, ``[U, j]``.
 - Embedding: ``||G_u||^2 = sum_v ||sum_{r in u: x_r = v} g_r||^2``, the rows
   grouped by (unit, id) by one sort of ``B T`` keys, cost ``O(B T D)``.
+- ReversibleEmbedding (a table used as lookup and tied output projection):
+  each unit's examples laid end to end as one example (``unit_examples``),
+  and the rule's own example-level form on those.
+
+Under XLA (``jit_compile``), which needs static shapes, the forms that lay
+units out as padded examples (``R`` rows, known only at run time) give way
+to the masked Gram form or the exact fallback; ``num_units`` must then be
+given (a Python int), not inferred.
 
 They are computed in the rules' compute dtype (float32, or float64 for
 float64 layers) and returned as float64; unlike the example-level forms they
@@ -54,7 +63,9 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from per_example_grads._core.example_ops import WIDE, compute_dtype, squares_part, widened
-from per_example_grads.per_example_slices import PerExampleSlices
+from per_example_grads._core.xla_context import in_xla_context
+from per_example_grads.per_example_slices import PerExampleSlices, repeated_rows
+from per_example_grads.rules import reversible_embedding as rev
 from per_example_grads.rules.dense import DenseRule
 from per_example_grads.rules.einsum_dense import EinsumDenseRule
 from per_example_grads.rules.embedding import EmbeddingRule
@@ -113,70 +124,144 @@ def fallback_squared_norms(rule: LayerRule, layer, calls, ids: tf.Tensor, count)
 # -- shared maths --------------------------------------------------------------
 
 
-def _rows(t: tf.Tensor) -> tf.Tensor:
-    """``[B, ..., f]`` -> ``[B T, f]`` in the compute dtype (``T`` the product of the middle axes)."""
+def _btf(t: tf.Tensor) -> tf.Tensor:
+    """``[B, ..., f]`` -> ``[B, T, f]`` in the compute dtype, ``T`` (the product of the middle axes) static when known."""
     t = tf.cast(t, compute_dtype(t.dtype))
-    return tf.reshape(t, [-1, t.shape[-1] if t.shape[-1] is not None else tf.shape(t)[-1]])
-
-
-def _row_ids(t: tf.Tensor, ids: tf.Tensor) -> tf.Tensor:
-    """``[B T]``: each row's unit, for ``t`` ``[B, ..., f]`` flattened by ``_rows``."""
-    positions = t.shape[1:-1]
-    per = positions.num_elements() if positions.is_fully_defined() else tf.reduce_prod(tf.shape(t)[1:-1])
-    return tf.repeat(ids, per)
+    positions, f = t.shape[1:-1], t.shape[-1]
+    if positions.is_fully_defined() and f is not None:
+        return tf.reshape(t, [-1, positions.num_elements(), f])
+    return tf.reshape(t, [tf.shape(t)[0], -1, f if f is not None else tf.shape(t)[-1]])
 
 
 def _nonnegative(t: tf.Tensor) -> tf.Tensor:
     return tf.maximum(t, tf.zeros_like(t))
 
 
-def padded_units(rows: tf.Tensor, row_ids: tf.Tensor, count) -> tf.Tensor:
-    """``[U, R, f]``: each unit's rows in order, zeros after its last (``R`` the most rows of any unit).
-
-    ``rows`` ``[N, f]``, ``row_ids`` ``[N]`` int32 in ``[0, count)``.
-    """
-    n = tf.shape(row_ids)[0]
-    counts = tf.math.unsorted_segment_sum(tf.ones_like(row_ids), row_ids, count)
-    order = tf.argsort(row_ids, stable=True)
-    unit = tf.gather(row_ids, order)
-    starts = tf.cumsum(counts, exclusive=True)
-    rank = tf.range(n) - tf.gather(starts, unit)
+def _layout(ids: tf.Tensor, count):
+    """``(scatter indices [B, 2], order [B], R)``: where each example goes in a ``[U, R, ...]`` padded layout, ``R`` the most examples of any unit."""
+    counts = tf.math.unsorted_segment_sum(tf.ones_like(ids), ids, count)
+    order = tf.argsort(ids, stable=True)
+    unit = tf.gather(ids, order)
+    rank = tf.range(tf.shape(ids)[0]) - tf.gather(tf.cumsum(counts, exclusive=True), unit)
     r = tf.maximum(tf.reduce_max(tf.concat([counts, [0]], 0)), 1)
-    shape = tf.stack([tf.cast(count, tf.int32), r, tf.shape(rows)[1]])
-    return tf.scatter_nd(tf.stack([unit, rank], 1), tf.gather(rows, order), shape)
+    return tf.stack([unit, rank], 1), order, r
 
 
-def kernel_squared_norms(a_rows: tf.Tensor, g_rows: tf.Tensor, row_ids: tf.Tensor, count) -> tf.Tensor:
-    """``[U]``: ``||sum_{r in u} a_r^T g_r||^2`` from ``[N, i]`` and ``[N, j]`` rows (module docstring for the two forms)."""
-    n, i, j = a_rows.shape[0], a_rows.shape[1], g_rows.shape[1]
-    if n is not None and i is not None and j is not None and n * (i + j) < i * j and n * n <= GRAM_LIMIT:
-        same = tf.equal(row_ids[:, None], row_ids[None, :])
-        gram = tf.matmul(a_rows, a_rows, transpose_b=True) * tf.matmul(g_rows, g_rows, transpose_b=True)
-        per_row = tf.reduce_sum(tf.where(same, gram, tf.zeros_like(gram)), axis=1)
-        return _nonnegative(tf.math.unsorted_segment_sum(per_row, row_ids, count))
-    a_units, g_units = padded_units(a_rows, row_ids, count), padded_units(g_rows, row_ids, count)
-    kernels = tf.matmul(a_units, g_units, transpose_a=True)  # [U, i, j]
-    return tf.reduce_sum(tf.square(kernels), axis=[1, 2])
+def unit_examples(t: tf.Tensor, ids: tf.Tensor, count, layout=None) -> tf.Tensor:
+    """``[B, P, ...]`` -> ``[U, R P, ...]``: each unit's examples laid end to end as the positions of one example.
+
+    Examples keep their order within a unit; a unit with fewer than ``R``
+    examples (``R`` the most of any unit) is padded with zeros. ``layout``:
+    ``_layout(ids, count)`` when already computed.
+    """
+    index, order, r = _layout(ids, count) if layout is None else layout
+    rest = t.shape[2:]
+    flat = tf.reshape(t, [tf.shape(t)[0], -1])
+    shape = tf.stack([tf.cast(count, tf.int32), r, tf.shape(flat)[1]])
+    padded = tf.scatter_nd(index, tf.gather(flat, order), shape)  # [U, R, P * prod(rest)]
+    return tf.reshape(padded, tf.concat([[tf.shape(padded)[0], -1], tf.constant(rest.as_list(), tf.int32)], 0))
 
 
-def _segment_squares(t: tf.Tensor, row_ids: tf.Tensor, count) -> tf.Tensor:
-    """``[U]``: ``||sum_{r in u} t_r||^2`` of ``[N, ...]`` rows."""
-    per_unit = tf.math.unsorted_segment_sum(t, row_ids, count)
+def kernel_squared_norms(pairs: Sequence[tuple[tf.Tensor, tf.Tensor]], ids: tf.Tensor, count) -> tf.Tensor | None:
+    """``[U]``: ``||sum_{n in u} sum_c sum_t a_cnt^T g_cnt||^2`` over the calls ``c``, from ``(a [B, T_c, i], g [B, T_c, j])`` pairs.
+
+    Three forms, the cheapest for the batch's units picked at run time
+    (``tf.switch_case`` on their costs; ``N = B sum_c T_c`` rows, ``R`` the
+    most examples of any unit, ``S = R sum_c T_c`` a unit's padded positions):
+
+    - the Gram matrices of all ``N`` rows masked to pairs of one unit:
+      ``N^2 (i + j)``, only while ``N^2 <= GRAM_LIMIT`` (the best for very
+      uneven units);
+    - each unit's examples as one padded example (``unit_examples``) and the
+      Gram form over its positions: ``U S^2 (i + j)``, memory ``U S^2``;
+    - each unit's ``[i, j]`` kernel built from those: ``U S i j``, and
+      ``U i j`` memory counted twice (written and read).
+
+    Under XLA (static shapes; ``R`` is known only at run time) only the
+    masked Gram, where ``N`` is static and ``N^2 <= GRAM_LIMIT``; else None,
+    and the caller takes the exact fallback. Also None when ``i`` or ``j``
+    is unknown.
+    """
+    i, j = pairs[0][0].shape[-1], pairs[0][1].shape[-1]
+    if i is None or j is None:
+        return None
+    b = pairs[0][0].shape[0] if pairs[0][0].shape[0] is not None else ids.shape[0]
+    positions = [a.shape[1] for a, _ in pairs]
+    n_static = b * sum(positions) if b is not None and None not in positions else None
+    masked_ok = n_static is None or n_static * n_static <= GRAM_LIMIT
+    if in_xla_context():
+        return _masked_gram(pairs, ids, count) if n_static is not None and masked_ok else None
+    if n_static is not None and not masked_ok:
+        masked_cost = tf.constant(float("inf"), tf.float64)
+    else:
+        n = tf.cast(sum(tf.shape(a)[0] * tf.shape(a)[1] for a, _ in pairs), tf.float64)
+        masked_cost = tf.where(n * n <= GRAM_LIMIT, n * n * (i + j), tf.constant(float("inf"), tf.float64))
+    layout = _layout(ids, count)
+    total_t = tf.cast(sum(tf.shape(a)[1] for a, _ in pairs), tf.float64)
+    units, s = tf.cast(count, tf.float64), tf.cast(layout[2], tf.float64) * total_t
+    costs = tf.stack([masked_cost, units * s * s * (i + j), units * s * i * j + 2 * units * i * j])
+    choice = tf.argmin(costs, output_type=tf.int32)
+    branches = [
+        lambda: _unit_gram(pairs, ids, count, layout),
+        lambda: _unit_kernels(pairs, ids, count, layout),
+    ]
+    if masked_ok:
+        return tf.switch_case(choice, [lambda: _masked_gram(pairs, ids, count)] + branches)
+    return tf.switch_case(choice - 1, branches)
+
+
+def _masked_gram(pairs, ids, count) -> tf.Tensor:
+    """``[U]``: ``sum_{r, s in u} (a_r . a_s)(g_r . g_s)`` over rows (example, call, position), the Gram matrices masked to pairs of one unit."""
+    a = tf.concat([tf.reshape(a, [-1, a.shape[-1]]) for a, _ in pairs], 0)
+    g = tf.concat([tf.reshape(g, [-1, g.shape[-1]]) for _, g in pairs], 0)
+    row_ids = tf.concat([tf.repeat(ids, a.shape[1] if a.shape[1] is not None else tf.shape(a)[1]) for a, _ in pairs], 0)
+    same = tf.equal(row_ids[:, None], row_ids[None, :])
+    gram = tf.matmul(a, a, transpose_b=True) * tf.matmul(g, g, transpose_b=True)
+    gram = tf.where(same, gram, tf.zeros([], gram.dtype))  # not a product with the mask: a NaN row stays in its unit
+    return _nonnegative(tf.math.unsorted_segment_sum(tf.reduce_sum(gram, axis=1), row_ids, count))
+
+
+def _unit_views(pairs, ids, count, layout) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(a [U, S, i], g [U, S, j])``: every call's unit examples, calls end to end."""
+    a = tf.concat([unit_examples(a, ids, count, layout) for a, _ in pairs], 1)
+    g = tf.concat([unit_examples(g, ids, count, layout) for _, g in pairs], 1)
+    return a, g
+
+
+def _unit_gram(pairs, ids, count, layout) -> tf.Tensor:
+    """``[U]``: the Gram form over each unit example's positions (``[U, S, S]``)."""
+    a, g = _unit_views(pairs, ids, count, layout)
+    gram = tf.matmul(a, a, transpose_b=True) * tf.matmul(g, g, transpose_b=True)
+    return _nonnegative(tf.reduce_sum(gram, axis=[1, 2]))
+
+
+def _unit_kernels(pairs, ids, count, layout) -> tf.Tensor:
+    """``[U]``: the squared norms of each unit's ``[i, j]`` kernel, built from its unit example."""
+    a, g = _unit_views(pairs, ids, count, layout)
+    return tf.reduce_sum(tf.square(tf.matmul(a, g, transpose_a=True)), axis=[1, 2])
+
+
+def _bias_squares(biases: Sequence[tf.Tensor], ids: tf.Tensor, count) -> tf.Tensor:
+    """``[U]``: ``||sum_{n in u} sum_c b_cn||^2`` from per-example ``[B, ...]`` parts of each call."""
+    per_unit = tf.math.unsorted_segment_sum(tf.add_n(list(biases)), ids, count)
     return tf.reduce_sum(tf.square(per_unit), axis=list(range(1, per_unit.shape.rank)))
 
 
-# -- Dense and EinsumDense ----------------------------------------------------
+def _kernel_and_bias(rule, layer, calls, pairs, biases, ids, count) -> list:
+    """``[kernel's [U], bias's [U]]`` (no bias: ``biases`` None), or the exact fallback where ``kernel_squared_norms`` gives None."""
+    kernel = kernel_squared_norms(pairs, ids, count)
+    if kernel is None:
+        return fallback_squared_norms(rule, layer, calls, ids, count)
+    return [kernel] + ([] if biases is None else [_bias_squares(biases, ids, count)])
+
+
+# -- Dense and EinsumDense -------------------------------------------
 
 
 def _dense_norms(rule, layer, calls, ids, count):
-    a = [_rows(saved) for saved, _ in calls]
-    g = [_rows(grads[0]) for _, grads in calls]
-    row_ids = tf.concat([_row_ids(saved, ids) for saved, _ in calls], 0)
-    a, g = tf.concat(a, 0), tf.concat(g, 0)
-    out = [kernel_squared_norms(a, g, row_ids, count)]
-    if layer.bias is not None:
-        out.append(_segment_squares(g, row_ids, count))
-    return out
+    pairs = [(_btf(saved), _btf(grads[0])) for saved, grads in calls]
+    biases = None if layer.bias is None else [tf.reduce_sum(g, axis=1) for _, g in pairs]
+    return _kernel_and_bias(rule, layer, calls, pairs, biases, ids, count)
 
 
 def _equation(equation: str, rank: int) -> tuple[str, str, str]:
@@ -202,27 +287,25 @@ def _as_dense(layer, a: tf.Tensor, g: tf.Tensor):
     dims = dict(zip(kern, layer.kernel.shape))
     a = tf.einsum(f"{inp}->{b}{positions}{contracted}", a)
     g = tf.einsum(f"{out}->{b}{positions}{outputs}", g)
-    a = tf.reshape(a, [tf.shape(a)[0], -1, math.prod(dims[x] for x in contracted)])
-    g = tf.reshape(g, [tf.shape(g)[0], -1, math.prod(dims[x] for x in outputs)])
-    return a, g
+    m = a.shape[1 : 1 + len(positions)].num_elements()  # static when known (the forms' costs use it)
+    c, k = math.prod(dims[x] for x in contracted), math.prod(dims[x] for x in outputs)
+    if m is not None:
+        return tf.reshape(a, [-1, m, c]), tf.reshape(g, [-1, m, k])
+    return tf.reshape(a, [tf.shape(a)[0], -1, c]), tf.reshape(g, [tf.shape(g)[0], -1, k])
 
 
 def _einsum_dense_norms(rule, layer, calls, ids, count):
-    views = []
+    pairs, biases = [], []
     for saved, grads in calls:
         dtype = compute_dtype(saved.dtype)
-        view = _as_dense(layer, tf.cast(saved, dtype), tf.cast(grads[0], dtype))
+        g = tf.cast(grads[0], dtype)
+        view = _as_dense(layer, tf.cast(saved, dtype), g)
         if view is None:
             return fallback_squared_norms(rule, layer, calls, ids, count)
-        views.append((view, grads[0]))
-    a = tf.concat([_rows(va) for (va, _), _ in views], 0)
-    g = tf.concat([_rows(vg) for (_, vg), _ in views], 0)
-    row_ids = tf.concat([tf.repeat(ids, tf.shape(va)[1]) for (va, _), _ in views], 0)
-    out = [kernel_squared_norms(a, g, row_ids, count)]
-    if layer.bias is not None:
-        bias = tf.concat([sum_to_shape(tf.cast(raw, a.dtype), layer.bias.shape) for _, raw in views], 0)
-        out.append(_segment_squares(bias, tf.tile(ids, [len(views)]), count))
-    return out
+        pairs.append(view)
+        if layer.bias is not None:
+            biases.append(sum_to_shape(g, layer.bias.shape))
+    return _kernel_and_bias(rule, layer, calls, pairs, biases if layer.bias is not None else None, ids, count)
 
 
 # -- Embedding ------------------------------------------------------------------
@@ -257,6 +340,40 @@ def _embedding_norms(rule, layer, calls, ids, count):
     return [embedding_squared_norms(tf.concat(flat, 0), tf.concat(rows, 0), tf.concat(row_ids, 0), layer.input_dim, count)]
 
 
+# -- ReversibleEmbedding: each unit's rows as one padded example ----------------
+
+
+def _reversible_embedding_norms(rule, layer, calls, ids, count):
+    """The rule's own ``shared_squared_norms`` on unit examples (``unit_examples``).
+
+    A unit's gradient is the example-level gradient of the example made of
+    its rows' positions: every part of the rule's form (rows grouped by id,
+    the projection's Gram form over positions, the cross term) is a sum over
+    positions, and a zero padding position (id 0 with a zero gradient, zero
+    inputs and gradients for a reversed call) adds nothing to any of them.
+    Cost: the projection's Gram form runs over ``R S`` positions per unit,
+    ``U (R S)^2 (V + D)`` in all (``R`` times the example-level form's).
+    Under XLA (``R`` is known only at run time) the exact fallback.
+    """
+    if in_xla_context():
+        return fallback_squared_norms(rule, layer, calls, ids, count)
+    layout = _layout(ids, count)
+    unit_examples_ = lambda t, ids, count: unit_examples(t, ids, count, layout)  # noqa: E731
+    grouped = []
+    for saved, grads in calls:
+        if saved[0] == rev._LOOKUP:
+            flat = unit_examples_(saved[1], ids, count)
+            g = tf.reshape(grads[0], [tf.shape(saved[1])[0], -1, layer.output_dim])
+            saved = (rev._LOOKUP, flat, repeated_rows(flat, only_repeated=not in_xla_context()))
+            grouped.append((saved, [unit_examples_(g, ids, count)]))
+        else:
+            h = tf.reshape(saved[1], [tf.shape(saved[1])[0], -1, saved[1].shape[-1]])
+            g = tf.reshape(grads[0], [tf.shape(grads[0])[0], -1, grads[0].shape[-1]])
+            grouped.append(((rev._REVERSE, unit_examples_(h, ids, count)), [unit_examples_(g, ids, count)]))
+    return rule.shared_squared_norms(layer, grouped)
+
+
+register_grouped_norms(rev.ReversibleEmbeddingRule, _reversible_embedding_norms)
 register_grouped_norms(DenseRule, _dense_norms)
 register_grouped_norms(EinsumDenseRule, _einsum_dense_norms)
 register_grouped_norms(EmbeddingRule, _embedding_norms)
