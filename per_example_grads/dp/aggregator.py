@@ -39,7 +39,7 @@ import keras
 import tensorflow as tf
 
 from per_example_grads._core import replicas
-from per_example_grads._core.arguments import check_dp_arguments, total_clip
+from per_example_grads._core.arguments import check_dp_arguments, check_positive_int, total_clip
 from per_example_grads.clipping import clipped_sums_and_predictions, dense_sums
 from per_example_grads.dp import adaptive as adaptive_clipping
 from per_example_grads.dp.accounting import adaptive_clipping_noise_multiplier
@@ -187,8 +187,7 @@ class DPAggregator(keras.layers.Layer):
         check_method(method)
         self.method, self.training = method, training
         if physical_batch_size is not None:
-            if isinstance(physical_batch_size, bool) or not isinstance(physical_batch_size, int) or physical_batch_size < 1:
-                raise ValueError(f"physical_batch_size must be a positive int; got {physical_batch_size!r}.")
+            physical_batch_size = check_positive_int("physical_batch_size", physical_batch_size)
             if not isinstance(clip, float) and not tf.is_tensor(clip):
                 raise ValueError("physical_batch_size supports a single (flat) l2_norm_clip.")
         self.physical_batch_size = physical_batch_size

@@ -11,6 +11,7 @@ import keras
 import tensorflow as tf
 
 from per_example_grads._core import replicas
+from per_example_grads._core.arguments import check_positive_int
 from per_example_grads.dp import adaptive as adaptive_clipping
 from per_example_grads.dp import validation
 from per_example_grads.dp.accounting import PrivacyAccountant, check_run_delta
@@ -205,9 +206,7 @@ class DPModel(keras.Model):
         validation.check_model(model, training=True)
         self.aggregator.attach(model.trainable_variables)
         self.model = model
-        if num_examples is not None and (isinstance(num_examples, bool) or int(num_examples) != num_examples or num_examples < 1):
-            raise ValueError(f"num_examples must be a positive integer; got {num_examples!r}.")
-        self.num_examples = None if num_examples is None else int(num_examples)
+        self.num_examples = None if num_examples is None else check_positive_int("num_examples", num_examples)
         self._clipped_fraction = keras.metrics.Mean(name="clipped_fraction")
         self._nonfinite = keras.metrics.Sum(name="nonfinite_examples")
         self._fit_sampling = _FitSampling(poisson=False, sampling_probability=None, divisor=None)
