@@ -144,6 +144,14 @@ from per_example_grads._core.arguments import (
 from per_example_grads._core.quiet import quiet_accounting
 
 ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
+
+
+class AccountantFallbackWarning(UserWarning):
+    """The PLD accountant was past its cost bounds, so the RDP accountant answered: a valid, looser bound.
+
+    Its own class so that a caller (``pegrad epsilon``) can tell which
+    accountant gave the epsilon it reports.
+    """
 SAMPLINGS: tuple[str, ...] = ("poisson", "shuffle")
 
 # The PLD accountant's bounds (see "Bounded cost" in the module docstring).
@@ -889,7 +897,7 @@ def _epsilon(accountant: str, segments: list[_Segment], delta: float) -> float:
                 f"{what}: the PLD accountant would need {cost} (estimated, past the bound of {_bounds()}), so "
                 "epsilon comes from the RDP accountant: a valid upper bound, looser than PLD's. "
                 "accountant='rdp' skips the estimate.",
-                UserWarning,
+                AccountantFallbackWarning,
                 stacklevel=3,
             )
             return epsilon
