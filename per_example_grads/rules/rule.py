@@ -207,13 +207,13 @@ class LayerRule:
         return self
 
     def outer_factors(self, layer, saved, grads) -> list | None:
-        """Optional, for the diagnostics' closed forms: per variable ``(A, G)`` with ``grad_n = A_n^T G_n``.
+        """Optional, for the engine's moments and features: per variable ``(A, G)`` with ``grad_n = A_n^T G_n``.
 
         ``A`` ``[B, i]`` and ``G`` ``[B, j]`` (``A`` None: ``grad_n = G_n``, a
         bias). Means, variances, norms and dot products of such gradients
-        need only ``A`` and ``G`` (``diagnostics.moments``,
-        ``diagnostics.similarity``). None (the default): the gradients have
-        no such form, and the diagnostics materialize them.
+        need only ``A`` and ``G`` (``engines.moments``, which the diagnostics
+        use). None (the default): the gradients have no such form, and the
+        engine materializes this layer's.
         """
         return None
 
