@@ -235,7 +235,7 @@ def test_dp_model_refuses_unit_mismatches(make, data, match):
 
 
 def test_dp_model_refuses_bad_privacy_unit_settings():
-    with pytest.raises(ValueError, match="privacy_unit must be 'example' or 'unit'; got 'user'"):
+    with pytest.raises(ValueError, match="privacy_unit must be one of 'example', 'unit'; got 'user'"):
         peg.keras.DPModel(_net(), noise_multiplier=1.0, privacy_unit="user")
     with pytest.raises(ValueError, match="adaptive_clipping is not available with privacy_unit='unit'"):
         peg.keras.DPModel(_net(), noise_multiplier=1.0, privacy_unit="unit", adaptive_clipping=peg.dp.AdaptiveClipping())
