@@ -65,6 +65,8 @@ class ClippedSum:
         is None); ``()`` when that pass gave none (an engine that runs no
         forward pass of the batch).
       rows: ``[b]`` int64 indices of the rows that were computed, or None.
+      selection: with sparse embedding noise, the ``(keys, counts)`` of the
+        batch's row contributions (``SparseSelection.contribution_counts``).
     """
 
     sums: list
@@ -72,6 +74,7 @@ class ClippedSum:
     real: tf.Tensor
     predictions: Any = ()
     rows: tf.Tensor | None = None
+    selection: Any = None
 
     @property
     def nonfinite(self) -> tf.Tensor:
@@ -157,6 +160,11 @@ class DPAggregator(keras.layers.Layer):
         (``peg.dp.audit.GradientCanaries``, set by its ``attach``): the one
         hook of this class, read by ``release`` only. None (the default) leaves
         every release exactly as without it.
+      sparse: None, or the ``SparseSelection`` of sparse embedding noise
+        (``per_example_grads.dp.sparse_embeddings``, set by the owner from its
+        ``sparse_embeddings``): ``clipped_sum`` then also counts the rows each
+        example looks up, and ``release`` updates only the selected rows of
+        those tables. None (the default) leaves every step as without it.
     """
 
     def __init__(
@@ -208,6 +216,7 @@ class DPAggregator(keras.layers.Layer):
         self.poisson = _ledger_variable(1, "int64", "poisson")
         self._noise = noise_source(seed)
         self.canaries = None  # a privacy audit's hook (see ``release``); not a weight, never saved
+        self.sparse = None  # sparse embedding noise (see ``release``); set by the owner
         self.built = True
 
     # -- the step --------------------------------------------------------
@@ -254,7 +263,11 @@ class DPAggregator(keras.layers.Layer):
         norms = tf.cast(norms, tf.float32)
         if keep is not None:  # back to the batch's rows; padding has norm 0
             norms = tf.scatter_nd(keep[:, None], norms, [rows])
-        return ClippedSum(sums, norms, real, predictions, keep)
+        selection = None
+        if self.sparse is not None:  # the rows each real example looks up, clipped (the whole logical batch at once)
+            self.sparse.check_context()
+            selection = self.sparse.contribution_counts(x, real)
+        return ClippedSum(sums, norms, real, predictions, keep, selection)
 
     def _chunked(self, model, loss_fn, data, args):
         """Clipped sums, norms and predictions of ``data``'s rows, ``physical_batch_size`` at a time, in a loop.
@@ -379,14 +392,17 @@ class DPAggregator(keras.layers.Layer):
         sums = clipped.sums
         if self.canaries is not None:  # an audit: canaries' clipped gradients (norm C each) join the sum
             sums = self.canaries.insert(sums, step=step, l2_norm_clip=total_clip(clip), sampling_probability=sampling_probability)
-        grads = noised_average(
-            sums, self._gradient_noise_multiplier * total_clip(clip), divisor, self._noise, step=step,
-            mechanism=self.mechanism,
-        )
+        if self.sparse is not None:
+            grads = self._sparse_release(clipped, sums, clip, divisor, step)
+        else:
+            grads = noised_average(
+                sums, self._gradient_noise_multiplier * total_clip(clip), divisor, self._noise, step=step,
+                mechanism=self.mechanism,
+            )
         if self.canaries is not None:  # and what the release shows of them, for their scores
             self.canaries.observe(grads, clipped.sums, divisor, step=step)
-        if regularization is not None:
-            grads = [g + tf.cast(r, g.dtype) for g, r in zip(grads, regularization)]
+        if regularization is not None:  # a sparse table has no regularizer (SparseEmbeddings.bind refuses one)
+            grads = [g if isinstance(g, tf.IndexedSlices) else g + tf.cast(r, g.dtype) for g, r in zip(grads, regularization)]
         if self.adaptive is not None:
             self.l2_norm_clip.assign(
                 adaptive_clipping.updated_clip(
@@ -396,6 +412,30 @@ class DPAggregator(keras.layers.Layer):
             )
         self.record_step(sampling_probability, poisson)
         return grads
+
+    def _sparse_release(self, clipped: ClippedSum, sums, clip, divisor, step) -> list:
+        """The step with sparse embedding noise: selected rows of the covered tables, dense noise elsewhere.
+
+        The split of the noise and why epsilon is DP-SGD's are stated in
+        ``per_example_grads.dp.sparse_embeddings``.
+        """
+        if clipped.selection is None:
+            raise ValueError(
+                "sparse embedding noise needs the rows each example looked up, which only a DPModel step "
+                "(DPAggregator.clipped_sum) counts; GradientAccumulator does not support sparse_embeddings."
+            )
+        if self.canaries is not None:
+            raise ValueError("a privacy audit's canaries assume the dense release; audit without sparse_embeddings.")
+        sparse = self.sparse
+        selected = sparse.selected_rows(*clipped.selection, self._noise, step)
+        rows = sparse.release(sums, selected, total_clip(clip), divisor, self._noise, step)
+        others = [i for i in range(len(sums)) if i not in rows]
+        dense = noised_average(
+            [sums[i] for i in others], sparse.gradient_noise_multiplier * total_clip(clip), divisor, self._noise,
+            step=step,
+        )
+        grads = dict(zip(others, dense)) | rows
+        return [grads[i] for i in range(len(sums))]
 
     def record_step(self, sampling_probability=None, poisson: bool = True) -> None:
         """Adds one step to the counter and the ledger."""

@@ -18,6 +18,7 @@ from per_example_grads.dp.aggregator import DPAggregator, regularization_gradien
 from per_example_grads.dp.budget import PrivacyBudget
 from per_example_grads.dp.mechanisms import NoiseMechanism
 from per_example_grads.dp.sampling import PoissonSampling
+from per_example_grads.dp.sparse_embeddings import SparseEmbeddings
 from per_example_grads._core.losses import as_per_example_loss
 from per_example_grads.keras import network_guard
 from per_example_grads.keras.training_data import rows_of_fit_data
@@ -162,6 +163,10 @@ class DPModel(keras.Model):
       budget: a ``peg.dp.PrivacyBudget``, or None for no limit.
       mechanism: a ``peg.dp.NoiseMechanism`` (``GaussianNoise``, the
         default DP-SGD; ``BandMF``, ``BLT``), this DPModel's alone.
+      sparse_embeddings: a ``peg.dp.SparseEmbeddings``: embedding tables
+        get noise only on the rows a noisy count of the batch's lookups
+        selects, as a sparse update, at the same epsilon
+        (``per_example_grads.dp.sparse_embeddings``); None: dense noise.
 
     Example:
       >>> import keras, numpy as np
@@ -191,6 +196,7 @@ class DPModel(keras.Model):
         physical_batch_size: int | None = None,
         budget: PrivacyBudget | None = None,
         mechanism: NoiseMechanism | None = None,
+        sparse_embeddings: SparseEmbeddings | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -204,6 +210,13 @@ class DPModel(keras.Model):
         )
         validation.check_model(model, training=True)
         self.aggregator.attach(model.trainable_variables)
+        if sparse_embeddings is not None:
+            if not isinstance(sparse_embeddings, SparseEmbeddings):
+                raise TypeError(f"sparse_embeddings must be a peg.dp.SparseEmbeddings or None; got {sparse_embeddings!r}.")
+            self.aggregator.sparse = sparse_embeddings.bind(
+                model, model.trainable_variables, noise_multiplier=self.aggregator.noise_multiplier,
+                mechanism=self.aggregator.mechanism, adaptive_clipping=adaptive_clipping,
+            )
         self.model = model
         if num_examples is not None and (isinstance(num_examples, bool) or int(num_examples) != num_examples or num_examples < 1):
             raise ValueError(f"num_examples must be a positive integer; got {num_examples!r}.")
