@@ -274,7 +274,7 @@ class SparseSelection:
         elif self.selection_noise_multiplier > 0:
             self.threshold = self.selection_noise_multiplier * _inverse_tail(settings.false_positive_rate)
         else:
-            self.threshold = 0.5  # no noise: the rows some example looked up (every count is at least 1/sqrt(|U_n|) > 0)
+            self.threshold = 1e-6  # no noise: the rows some example looked up (every such count is at least 1/sqrt(|U_n|))
         self.false_positive_rate = (
             gaussian_tail(self.threshold / self.selection_noise_multiplier) if self.selection_noise_multiplier > 0 else 0.0
         )
@@ -388,11 +388,11 @@ class SparseSelection:
             dtype = s.dtype
             m = tf.size(rows)
             if isinstance(s, tf.IndexedSlices):
-                idx = tf.cast(s.indices, tf.int64)
+                idx = tf.reshape(tf.cast(s.indices, tf.int64), [-1])  # rank unknown after physical chunks
                 at = tf.searchsorted(rows, idx)
                 hit = _member(rows, idx)
                 values = tf.math.unsorted_segment_sum(
-                    tf.boolean_mask(s.values, hit), tf.boolean_mask(at, hit), m
+                    tf.boolean_mask(tf.reshape(s.values, [-1, d]), hit), tf.boolean_mask(at, hit), m
                 )
             else:  # a dense sum (the table is also used elsewhere): restricting it to S is still a projection
                 values = tf.gather(s, rows)
