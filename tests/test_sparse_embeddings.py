@@ -195,6 +195,7 @@ def test_untied_reversible_embedding_rows_are_sparse_and_its_projection_dense():
 # -- the DP step: chunks, Poisson padding, distribution, refusals -----------------
 
 
+@pytest.mark.slow
 def test_physical_chunks_and_poisson_padding_give_the_same_release():
     rng = np.random.default_rng(4)
     x, y = _ids(rng, 50, 24), rng.integers(0, 2, 24)
@@ -231,34 +232,32 @@ def test_epsilon_is_dense_dp_sgds_for_the_same_sigma_q_and_steps():
 
 
 @pytest.mark.slow
-def test_fit_under_mirrored_strategy_without_noise_equals_one_device():
+def test_fit_under_mirrored_strategy_without_noise_is_the_clipped_mean_on_the_looked_up_rows():
     from test_distribute_mirrored import _strategy
 
     strategy = _strategy()
     rng = np.random.default_rng(6)
-    x, y = _ids(rng, 50, 32), rng.integers(0, 2, 32)
-    single = _bag()
+    x, y = _ids(rng, 50, B), rng.integers(0, 2, B)
     with strategy.scope():
         model = _bag()
-        model.set_weights(single.get_weights())
-        start = single.get_weights()
-        args = dict(noise_multiplier=0.0, sparse_embeddings=SparseEmbeddings(), num_examples=32, expected_batch_size=B)
-
-        def run(m):
-            dp = peg.keras.DPModel(m, l2_norm_clip=0.5, seed=5, **args)
-            dp.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-            dp.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
-
-        run(model)
-    run(single)
-    p = sum(int(np.prod(v.shape)) for v in single.trainable_variables)
-    for got, want, w0 in zip(model.get_weights(), single.get_weights(), start):
-        atol = sgd_steps_atol(2, 0.5, clipped_sum_rtol(p, B), 0.5, np.abs(w0) + 1.0)
-        np.testing.assert_allclose(got, want, rtol=0, atol=float(np.max(atol)))
+        start = model.get_weights()
+        dp = peg.keras.DPModel(model, l2_norm_clip=0.5, noise_multiplier=0.0, seed=5, num_examples=B, expected_batch_size=B,
+                               sparse_embeddings=SparseEmbeddings())
+        dp.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        with pytest.warns(UserWarning, match="fixed-size batches"):
+            dp.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)  # one step, 8 rows per replica
+    reference = _bag()
+    reference.set_weights(start)
+    ref = [tf.convert_to_tensor(g).numpy() for g in peg.clipped_gradients(reference, sparse_ce, x, y, l2_norm_clip=0.5)]
+    p = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    for got, w0, g in zip(model.get_weights(), start, ref):  # one SGD(0.5) step of the clipped sum over B
+        atol = sgd_steps_atol(1, 0.5, clipped_sum_rtol(p, B), 0.5, np.abs(w0) + 1.0)
+        np.testing.assert_allclose(got, w0 - 0.5 * g / B, rtol=0, atol=float(np.max(atol)))
     untouched = np.setdiff1d(np.arange(50), np.unique(x))
     np.testing.assert_array_equal(model.layers[0].embeddings.numpy()[untouched], start[0][untouched])
 
 
+@pytest.mark.slow
 def test_refused_combinations_say_why():
     model = _bag()
     make = lambda **kw: peg.keras.DPModel(model, noise_multiplier=1.0, sparse_embeddings=SparseEmbeddings(), **kw)  # noqa: E731
@@ -290,3 +289,7 @@ def test_refused_combinations_say_why():
             SparseEmbeddings(**bad)
     with pytest.raises(TypeError, match="SparseEmbeddings"):
         peg.keras.DPModel(_bag(), noise_multiplier=1.0, sparse_embeddings={"threshold": 2})
+    dp = peg.keras.DPModel(_bag(), noise_multiplier=1.0, sparse_embeddings=SparseEmbeddings(), num_examples=B)
+    dp.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
+    with pytest.raises(ValueError, match="XLA"), pytest.warns(UserWarning, match="fixed-size batches"):
+        dp.fit(np.zeros((B, T), "int32"), np.zeros(B), batch_size=B, verbose=0)

@@ -69,7 +69,10 @@ the ids each table is called on are read by a sub-model from the model's
 inputs to those calls (usually the inputs themselves: nothing is
 computed); for any other model give ``ids_fn(x)``, returning one
 ``[B, ...]`` integer tensor (or a list, one per call) per covered table, in
-the order of ``tables``.
+the order of ``tables``. The guarantee holds whatever ids are counted (each
+example's contribution is clipped to norm 1, and restricting the gradient
+to any selected rows is a projection, which cannot raise its norm): ids
+that are not the ones looked up cost utility, never privacy.
 
 **Optimizers** (Keras 3, TensorFlow backend) given the sparse update:
 ``SGD()`` without momentum and ``Adagrad`` scatter into the selected rows
@@ -334,15 +337,17 @@ class SparseSelection:
                 parts.append(tf.where(keep, ids + int(self.offsets[k]), -tf.ones_like(ids)))
         keys = tf.concat(parts, axis=1) if len(parts) > 1 else parts[0]  # [B, T_total], -1 for nothing
         keys = tf.where(tf.cast(real, tf.bool)[:, None], keys, -tf.ones_like(keys))
-        keys = tf.sort(keys, axis=1)
-        first = tf.concat([tf.ones_like(keys[:, :1], tf.bool), tf.not_equal(keys[:, 1:], keys[:, :-1])], axis=1)
-        first = first & (keys >= 0)
-        distinct = tf.reduce_sum(tf.cast(first, tf.float32), axis=1, keepdims=True)
-        weights = tf.cast(first, tf.float32) * tf.math.rsqrt(tf.maximum(distinct, 1.0))
-        where = tf.where(first)
-        flat_keys, flat_weights = tf.gather_nd(keys, where), tf.gather_nd(weights, where)
-        unique, slot = tf.unique(flat_keys, out_idx=tf.int64)
-        return unique, tf.math.unsorted_segment_sum(flat_weights, slot, tf.size(unique, out_type=tf.int64))
+        # Distinct (example, key) pairs by hashing (tf.unique), not sorting: one key per pair.
+        b, total = tf.shape(keys, out_type=tf.int64)[0], int(self.offsets[-1])
+        example = tf.repeat(tf.range(b), tf.shape(keys, out_type=tf.int64)[1])
+        flat = tf.reshape(keys, [-1])
+        valid = flat >= 0
+        pairs, _ = tf.unique(tf.boolean_mask(example, valid) * total + tf.boolean_mask(flat, valid))
+        owner, key = pairs // total, pairs % total
+        distinct = tf.math.unsorted_segment_sum(tf.ones_like(owner, tf.float32), owner, b)  # |U_n|
+        weights = tf.math.rsqrt(tf.gather(distinct, owner))
+        unique, slot = tf.unique(key, out_idx=tf.int64)
+        return unique, tf.math.unsorted_segment_sum(weights, slot, tf.size(unique, out_type=tf.int64))
 
     # -- selection and release ---------------------------------------------
 
