@@ -97,6 +97,14 @@ class DPModel(keras.Model):
     mechanism's buffers are saved with the weights, so a restored run
     continues its noise sequence. ``epsilon()`` accounts the mechanism.
 
+    **Sparse embedding noise.** With ``sparse_embeddings=peg.dp.SparseEmbeddings()``
+    the embedding tables get gradient noise only on the rows that a noisy
+    count of the batch's lookups selects, and the update of each table is a
+    ``tf.IndexedSlices`` on those rows (DP-AdaFEST,
+    ``per_example_grads.dp.sparse_embeddings``, which states the guarantee):
+    the noise is split between the count and the gradient so that
+    ``epsilon()`` is that of dense DP-SGD with the same ``noise_multiplier``.
+
     **A budget that holds.** With ``budget=peg.dp.PrivacyBudget(epsilon=...,
     delta=...)`` (or ``steps=...``), ``fit`` never takes a step that would
     take the ledger past it: it stops before that step and warns, saying how
