@@ -23,10 +23,10 @@ from typing import Callable, NamedTuple
 import keras
 import numpy as np
 import pytest
-from helpers import assert_clipped_sums_close, assert_grads_close, reference_gradients, reference_norms
-from tolerances import GRADIENT_RTOL, norm_rtol
 
 import per_example_grads as peg
+from helpers import assert_clipped_sums_close, assert_grads_close, reference_gradients, reference_norms
+from tolerances import GRADIENT_RTOL, norm_rtol
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 SKIP_MARK = "# Not run by the tests:"
@@ -109,7 +109,9 @@ def check_quick_example(ns, out, capsys):
     expected = reference_gradients(model, loss_fn, x, y)
     assert_grads_close(ns["grads"], expected)
     norms = reference_norms(expected)
-    np.testing.assert_allclose(ns["norms"], norms, rtol=norm_rtol(sum(v.numpy().size for v in model.trainable_variables)))
+    np.testing.assert_allclose(
+        ns["norms"], norms, rtol=norm_rtol(sum(v.numpy().size for v in model.trainable_variables))
+    )
     factors = np.minimum(1.0, 1.0 / np.maximum(norms, 1e-30))
     assert_clipped_sums_close(ns["update"], expected, factors)
 
