@@ -273,3 +273,15 @@ def test_readme_names_every_public_name(module):
     names = importlib.import_module(module).__all__
     missing = [n for n in names if not re.search(rf"\b{re.escape(n)}\b", code)]
     assert not missing, f"README.md does not mention these public names of {module} (as code): {missing}"
+
+
+def test_ci_runs_the_readme_test_command():
+    """.ci/run ends with the README's test command, character for character (the README says it is what CI runs)."""
+    text = README.read_text()
+    quickstart = text[text.index("\n## Quickstart\n") : text.index("\n## API\n")]
+    commands = [c.strip() for c in re.findall(r"^```bash\n(.*?)^```", quickstart, re.M | re.S) if "pytest" in c]
+    assert len(commands) == 1, "the Quickstart has one bash block that runs the tests"
+    ci = [
+        line for line in (README.parent / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")
+    ]
+    assert ci[-1] == commands[0]
