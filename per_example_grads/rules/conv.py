@@ -394,7 +394,7 @@ class ConvPatchesRule(KernelBiasRule):
         out = [tf.reshape(kernels, [-1, *layer.kernel.shape])]
         if layer.use_bias:
             out.append(tf.reduce_sum(op.as_btf(grads[0]), axis=1))
-        return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
+        return out
 
     def convolution_operands(self, saved, grads) -> tuple[tf.Tensor, tf.Tensor]:
         """``(a, g)``: the input and output gradient of the convolution whose kernel gradient is the layer's."""
@@ -428,7 +428,7 @@ class ConvPatchesRule(KernelBiasRule):
             out = [weighted_kernel_sum(ConvSpec.of(layer), layer.kernel, *self.convolution_operands(saved, grads), weights)]
             if layer.use_bias:
                 out.append(op.weighted_bias_sum(op.as_btf(grads[0]), weights))
-        return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
+        return out
 
 
 PATCHES_RULE = ConvPatchesRule()

@@ -169,7 +169,7 @@ class DepthwiseConvRule(KernelBiasRule):
         return channels_last_only(layer, "depthwise")
 
     def per_example(self, layer, saved, grads):
-        return [tf.cast(t, v.dtype) for t, v in zip(self._per_example_compute_dtype(layer, saved, grads), self.variables(layer))]
+        return self._per_example_compute_dtype(layer, saved, grads)
 
     def squared_norms(self, layer, saved, grads, cache=None):
         """Norms of the per-example kernels and biases, which a following clipped sum reads from ``cache``."""
@@ -194,7 +194,7 @@ class DepthwiseConvRule(KernelBiasRule):
             out = [tf.reduce_sum(depthwise_kernels(_spec(layer), saved, g, layer.depth_multiplier), axis=0)]
             if layer.use_bias:
                 out.append(tf.reduce_sum(op.as_btf(g), axis=[0, 1]))
-        return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
+        return out
 
 
 class SeparableConvRule(LayerRule):
@@ -246,7 +246,7 @@ class SeparableConvRule(LayerRule):
         ]
         if layer.use_bias:
             out.append(tf.reduce_sum(g_z, axis=1))
-        return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
+        return out
 
     def squared_norms(self, layer, saved, grads, cache=None):
         a, d, g_d, g_z = self._parts(layer, saved, grads)
@@ -268,7 +268,7 @@ class SeparableConvRule(LayerRule):
         out = [depthwise, tf.reshape(op.weighted_kernel_sum(d, g_z, weights), layer.pointwise_kernel.shape)]
         if layer.use_bias:
             out.append(op.weighted_bias_sum(g_z, weights))
-        return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
+        return out
 
 
 def _pointwise(d: tf.Tensor, kernel, rank: int) -> tf.Tensor:
@@ -306,7 +306,7 @@ class GroupedConvRule(KernelBiasRule):
         return out
 
     def per_example(self, layer, saved, grads):
-        return [tf.cast(t, v.dtype) for t, v in zip(self._per_example(layer, saved, grads[0]), self.variables(layer))]
+        return self._per_example(layer, saved, grads[0])
 
     def squared_norms(self, layer, saved, grads, cache=None):
         """Norms of the per-example gradients, which a following clipped sum reads from ``cache`` when small."""
@@ -328,7 +328,7 @@ class GroupedConvRule(KernelBiasRule):
             out = [weighted_kernel_sum(ConvSpec.of(layer), layer.kernel, a, g, weights)]
             if layer.use_bias:
                 out.append(op.weighted_bias_sum(op.as_btf(g), weights))
-        return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
+        return out
 
 
 class _ConvRule(LayerRule):

@@ -333,7 +333,7 @@ class MoEBlockRule(LayerRule):
     def per_example(self, layer, saved, grads):
         steps, split = self._split(layer, saved, grads)
         values = [t for p, s, g in split for t in p.per_example(s, g, steps)]
-        return [tf.cast(t, v.dtype) for t, v in zip(values, self.variables(layer))]
+        return values
 
     def squared_norms(self, layer, saved, grads, cache=None):
         steps, split = self._split(layer, saved, grads)
@@ -342,7 +342,7 @@ class MoEBlockRule(LayerRule):
     def weighted_sum(self, layer, saved, grads, weights, cache=None):
         steps, split = self._split(layer, saved, grads)
         values = [t for p, s, g in split for t in p.weighted_sum(s, g, steps, weights)]
-        return [tf.cast(t, v.dtype) for t, v in zip(values, self.variables(layer))]
+        return values
 
 
 class _Declined(Exception):

@@ -98,7 +98,7 @@ class LayerNormRule(LayerRule):
             out.append(tf.reduce_sum(g * xh, axis=other) if other else g * xh)
         if layer.beta is not None:
             out.append(tf.reduce_sum(g, axis=other) if other else g)
-        return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
+        return out
 
     def weighted_sum(self, layer, saved, grads, weights, cache=None):
         if cache and "per_example" in cache:  # the [B, D] gradients the norms built
@@ -112,7 +112,7 @@ class LayerNormRule(LayerRule):
             out.append(tf.reduce_sum(g * xh, axis=summed))
         if layer.beta is not None:
             out.append(tf.reduce_sum(g, axis=summed))
-        return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
+        return out
 
 
 class BatchNormRule(LayerNormRule):

@@ -42,7 +42,7 @@ from per_example_grads._core.xla_context import in_xla_context
 from per_example_grads.per_example_slices import PerExampleSlices, grouped_squared_norms, repeated_rows
 from per_example_grads.rules import outer_products as op
 from per_example_grads.errors import EngineError
-from per_example_grads.rules.embedding import _flat_ids
+from per_example_grads.rules.embedding import flat_ids
 from per_example_grads.rules.rule import LayerRule, register_layer_rule, reparametrized
 
 _LOOKUP, _REVERSE = "lookup", "reverse"
@@ -82,7 +82,7 @@ class ReversibleEmbeddingRule(LayerRule):
             # The layer's own lookup (its keras mask included); the table's
             # gradient is g scattered into the looked-up rows.
             out = call(*args, **kwargs)
-            flat = _flat_ids(args[0])
+            flat = flat_ids(args[0])
             return out, (_LOOKUP, flat, repeated_rows(flat, only_repeated=not in_xla_context())), [out]
         h = args[0]
         kernel = keras.ops.transpose(layer.embeddings) if layer.tie_weights else layer.reverse_embeddings
