@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 from per_example_grads import _lazy
 
 _EXPORTS = {
+    "GradientAccumulator": "per_example_grads.dp.accumulation",
+    "AccountantFallbackWarning": "per_example_grads.dp.accounting",
     "PrivacyAccountant": "per_example_grads.dp.accounting",
     "adaptive_clipping_noise_multiplier": "per_example_grads.dp.accounting",
     "compute_epsilon": "per_example_grads.dp.accounting",
@@ -38,6 +40,7 @@ _EXPORTS = {
     "physical_chunks_dataset": "per_example_grads.dp.sampling",
     "poisson_batches": "per_example_grads.dp.sampling",
     "poisson_batches_from_dataset": "per_example_grads.dp.sampling",
+    "SparseEmbeddings": "per_example_grads.dp.sparse_embeddings",
     "ValidationReport": "per_example_grads.dp.validation",
     "check_model": "per_example_grads.dp.validation",
     "validate": "per_example_grads.dp.validation",
@@ -50,6 +53,8 @@ __all__ = sorted([*_EXPORTS, *_SUBPACKAGES], key=str.lower)
 
 if _TYPE_CHECKING:  # what static tools see; at run time __getattr__ does this
     from per_example_grads.dp import audit  # noqa: F401
+    from per_example_grads.dp.accumulation import GradientAccumulator  # noqa: F401
+    from per_example_grads.dp.accounting import AccountantFallbackWarning  # noqa: F401
     from per_example_grads.dp.accounting import PrivacyAccountant  # noqa: F401
     from per_example_grads.dp.accounting import adaptive_clipping_noise_multiplier  # noqa: F401
     from per_example_grads.dp.accounting import compute_epsilon  # noqa: F401
@@ -70,6 +75,7 @@ if _TYPE_CHECKING:  # what static tools see; at run time __getattr__ does this
     from per_example_grads.dp.sampling import physical_chunks_dataset  # noqa: F401
     from per_example_grads.dp.sampling import poisson_batches  # noqa: F401
     from per_example_grads.dp.sampling import poisson_batches_from_dataset  # noqa: F401
+    from per_example_grads.dp.sparse_embeddings import SparseEmbeddings  # noqa: F401
     from per_example_grads.dp.validation import ValidationReport  # noqa: F401
     from per_example_grads.dp.validation import check_model  # noqa: F401
     from per_example_grads.dp.validation import validate  # noqa: F401
