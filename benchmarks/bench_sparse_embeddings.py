@@ -79,6 +79,7 @@ def configurations(name: str):
     import keras
 
     import per_example_grads as peg
+    from per_example_grads.dp.sparse_embeddings import SparseEmbeddings
 
     vocab, dim, n = MODELS[name]
     x, y = _data(vocab, n)
@@ -96,7 +97,7 @@ def configurations(name: str):
         m = _bag(vocab, dim)
         m.set_weights(first.get_weights())
         dp = peg.keras.DPModel(m, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0,
-                               sparse_embeddings=peg.dp.SparseEmbeddings() if sparse else None)
+                               sparse_embeddings=SparseEmbeddings() if sparse else None)
         dp.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
         data = peg.dp.poisson_batches(x, y, sampling_probability=B / n, seed=0)
         return lambda cb: dp.fit(data, epochs=1, verbose=0, callbacks=[cb])
@@ -180,6 +181,7 @@ def utility(args) -> None:
     import numpy as np
 
     import per_example_grads as peg
+    from per_example_grads.dp.sparse_embeddings import SparseEmbeddings
 
     vocab, n, epochs, lr = 20_000, 20_000, 5, 1.0
     q = B / n
@@ -195,7 +197,7 @@ def utility(args) -> None:
                                         keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
                 sparse = method == "sparse selection"
                 dp = peg.keras.DPModel(net, l2_norm_clip=1.0, noise_multiplier=sigma, seed=seed,
-                                       sparse_embeddings=peg.dp.SparseEmbeddings() if sparse else None)
+                                       sparse_embeddings=SparseEmbeddings() if sparse else None)
                 dp.compile(optimizer=keras.optimizers.SGD(lr), loss=keras.losses.BinaryCrossentropy(from_logits=True))
                 fractions = []
 

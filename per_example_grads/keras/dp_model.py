@@ -98,7 +98,7 @@ class DPModel(keras.Model):
     mechanism's buffers are saved with the weights, so a restored run
     continues its noise sequence. ``epsilon()`` accounts the mechanism.
 
-    **Sparse embedding noise.** With ``sparse_embeddings=peg.dp.SparseEmbeddings()``
+    **Sparse embedding noise.** With ``sparse_embeddings=SparseEmbeddings()``
     the embedding tables get gradient noise only on the rows that a noisy
     count of the batch's lookups selects, and the update of each table is a
     ``tf.IndexedSlices`` on those rows (DP-AdaFEST,
@@ -172,7 +172,7 @@ class DPModel(keras.Model):
       budget: a ``peg.dp.PrivacyBudget``, or None for no limit.
       mechanism: a ``peg.dp.NoiseMechanism`` (``GaussianNoise``, the
         default DP-SGD; ``BandMF``, ``BLT``), this DPModel's alone.
-      sparse_embeddings: a ``peg.dp.SparseEmbeddings``: embedding tables
+      sparse_embeddings: a ``per_example_grads.dp.sparse_embeddings.SparseEmbeddings``: embedding tables
         get noise only on the rows a noisy count of the batch's lookups
         selects, as a sparse update, at the same epsilon
         (``per_example_grads.dp.sparse_embeddings``); None: dense noise.
@@ -221,7 +221,7 @@ class DPModel(keras.Model):
         self.aggregator.attach(model.trainable_variables)
         if sparse_embeddings is not None:
             if not isinstance(sparse_embeddings, SparseEmbeddings):
-                raise TypeError(f"sparse_embeddings must be a peg.dp.SparseEmbeddings or None; got {sparse_embeddings!r}.")
+                raise TypeError(f"sparse_embeddings must be a per_example_grads.dp.sparse_embeddings.SparseEmbeddings or None; got {sparse_embeddings!r}.")
             self.aggregator.sparse = sparse_embeddings.bind(
                 model, model.trainable_variables, noise_multiplier=self.aggregator.noise_multiplier,
                 mechanism=self.aggregator.mechanism, adaptive_clipping=adaptive_clipping,
