@@ -19,6 +19,7 @@ from per_example_grads.dp.aggregator import DPAggregator
 from per_example_grads.dp.budget import PrivacyBudget
 from per_example_grads.dp.mechanisms import NoiseMechanism
 from per_example_grads.dp.sampling import PoissonSampling
+from per_example_grads.dp.sparse_embeddings import SparseEmbeddings
 from per_example_grads._core.losses import as_per_example_loss
 from per_example_grads.keras import network_guard
 from per_example_grads.keras.training_data import rows_of_fit_data
@@ -98,6 +99,13 @@ class DPModel(keras.Model):
     mechanism's buffers are saved with the weights, so a restored run
     continues its noise sequence. ``epsilon()`` accounts the mechanism.
 
+    **Sparse embedding noise.** With ``sparse_embeddings=SparseEmbeddings()``
+    the embedding tables get gradient noise only on the rows that a noisy
+    count of the batch's lookups selects, and the update of each table is a
+    ``tf.IndexedSlices`` on those rows (DP-AdaFEST,
+    ``per_example_grads.dp.sparse_embeddings``, which states the guarantee):
+    the noise is split between the count and the gradient so that
+    ``epsilon()`` is that of dense DP-SGD with the same ``noise_multiplier``.
     **User-level privacy** (``privacy_unit="unit"``). When one person (or
     any other unit) contributes several rows, example-level DP protects each
     row, and a person only through group privacy, with an epsilon that grows
@@ -125,7 +133,7 @@ class DPModel(keras.Model):
     so ``k <= P`` is required. Correlated mechanisms take a
     ``poisson_batches(..., unit_ids=..., cycle_length=b)`` dataset, whose
     parts are sets of units, so each unit joins at most every ``b`` steps.
-    Not available per unit: adaptive clipping, XLA (``compile`` defaults to
+    Not available per unit: adaptive clipping, sparse embedding noise, XLA (``compile`` defaults to
     ``jit_compile=False``) and several ``tf.distribute`` replicas (a unit's
     rows could be split between them), each refused with an error.
 
@@ -197,6 +205,10 @@ class DPModel(keras.Model):
         default DP-SGD; ``BandMF``, ``BLT``), this DPModel's alone.
       privacy_unit: ``"example"`` (each row is protected) or ``"unit"``
         (all the rows of one unit: see "User-level privacy" above).
+      sparse_embeddings: a ``per_example_grads.dp.sparse_embeddings.SparseEmbeddings``: embedding tables
+        get noise only on the rows a noisy count of the batch's lookups
+        selects, as a sparse update, at the same epsilon
+        (``per_example_grads.dp.sparse_embeddings``); None: dense noise.
 
     Example:
       >>> import keras, numpy as np
@@ -227,10 +239,16 @@ class DPModel(keras.Model):
         budget: PrivacyBudget | None = None,
         mechanism: NoiseMechanism | None = None,
         privacy_unit: str = "example",
+        sparse_embeddings: SparseEmbeddings | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
         check_choice("privacy_unit", privacy_unit, ("example", "unit"))
+        if privacy_unit == "unit" and sparse_embeddings is not None:
+            raise ValueError(
+                "sparse_embeddings is not available with privacy_unit='unit': its noisy lookup count is "
+                "bounded per example, not per unit."
+            )
         if privacy_unit == "unit" and adaptive_clipping is not None:
             raise ValueError(
                 "adaptive_clipping is not available with privacy_unit='unit': give a fixed l2_norm_clip."
@@ -246,6 +264,13 @@ class DPModel(keras.Model):
         )
         validation.check_model(model, training=True)
         self.aggregator.attach(model.trainable_variables)
+        if sparse_embeddings is not None:
+            if not isinstance(sparse_embeddings, SparseEmbeddings):
+                raise TypeError(f"sparse_embeddings must be a per_example_grads.dp.sparse_embeddings.SparseEmbeddings or None; got {sparse_embeddings!r}.")
+            self.aggregator.sparse = sparse_embeddings.bind(
+                model, model.trainable_variables, noise_multiplier=self.aggregator.noise_multiplier,
+                mechanism=self.aggregator.mechanism, adaptive_clipping=adaptive_clipping,
+            )
         self.model = model
         self.num_examples = None if num_examples is None else check_positive_int("num_examples", num_examples)
         self._clipped_fraction = keras.metrics.Mean(name="clipped_fraction")
