@@ -16,7 +16,9 @@ and a small KerasHub GPT-2 built from its classes; the sizes of
   (``poisson_batches(..., steps=1)``);
 - ``traces``: how many times Python ran ``train_step`` over two ``fit``
   calls (the second on a new ``poisson_batches`` dataset of the same ``q``),
-  then a third on another ``q``: ``1 + 0 + 1`` is the floor;
+  then a third on another ``q``, reported as ``traces of the first two + those
+  of the third`` (``1 + 1``: the second ``fit`` adds none; ``--no-trace-count``
+  skips these fits, each retrace of a large model takes minutes);
 - ``nodes``: the operations of the traced step (its graph and every function
   it calls, counted once each), for Keras's step and the DP step, and how
   many of the DP step's are ``Const``.
@@ -143,7 +145,7 @@ def _rows(x, b):
     return tf.nest.map_structure(lambda t: t[:b], x)
 
 
-def dp_first_step(copy, x, y, b, optimizer, method="auto"):
+def dp_first_step(copy, x, y, b, optimizer, method="auto", count_traces=True):
     import per_example_grads as peg
 
     n = len(y)
@@ -154,6 +156,8 @@ def dp_first_step(copy, x, y, b, optimizer, method="auto"):
     data = peg.dp.poisson_batches(x, y, sampling_probability=b / n, steps=1, seed=0)
     dp.fit(data, epochs=1, verbose=0, callbacks=[clock.callback])
     first = clock.seconds
+    if not count_traces:
+        return first, dp, None, data
     dp.fit(peg.dp.poisson_batches(x, y, sampling_probability=b / n, steps=1, seed=1), epochs=1, verbose=0)
     same_q = len(traces)
     dp.fit(peg.dp.poisson_batches(x, y, sampling_probability=b / (2 * n), steps=1, seed=2), epochs=1, verbose=0)
@@ -190,7 +194,7 @@ def _instrumented(counts: collections.Counter):
         for method in ("squared_norms", "shared_squared_norms", "weighted_sum"):
             if method in vars(rule_class):
                 wrap(rule_class, method, f"rule {rule_class.__name__}.{method}")
-    wrap(aggregator.DPAggregator, "clipped_sum", "aggregator: clipped_sum (all of the above)")
+    wrap(aggregator.DPAggregator, "clipped_sum", "aggregator: clipped_sum (its own ops; the engine's are in a function of their own)")
     wrap(aggregator.DPAggregator, "release", "aggregator: release (noise, divide, ledger)")
     try:
         yield
@@ -199,7 +203,7 @@ def _instrumented(counts: collections.Counter):
             setattr(owner, name, original)
 
 
-def run(models, b, optimizer, repeats, breakdown):
+def run(models, b, optimizer, repeats, breakdown, count_traces=True):
     print(f"B = {b} (expected batch), {optimizer}; first step: trace plus one run, median of {repeats}; "
           f"`python {' '.join(sys.argv)}`\n")
     print("| model | plain first step s | dp first step s | dp / plain | traces (2 fits, then new q) | "
@@ -211,12 +215,12 @@ def run(models, b, optimizer, repeats, breakdown):
         for _ in range(repeats):  # alternated, so load hits both alike
             seconds, plain_model, _ = plain_first_step(copy, x, y, b, optimizer)
             plain_s.append(seconds)
-            seconds, dp_model, traces, data = dp_first_step(copy, x, y, b, optimizer)
+            seconds, dp_model, traces, data = dp_first_step(copy, x, y, b, optimizer, count_traces=count_traces)
             dp_s.append(seconds)
         plain_nodes, _ = nodes(_step_concrete(plain_model, (_rows(x, b), y[:b])))
         dp_nodes, dp_const = nodes(_step_concrete(dp_model, next(iter(data))))
         p, d = statistics.median(plain_s), statistics.median(dp_s)
-        print(f"| {name} | {p:.2f} | {d:.2f} | {d / p:.2f} | {traces[0]} + {traces[1] - traces[0]} | "
+        print(f"| {name} | {p:.2f} | {d:.2f} | {d / p:.2f} | {f'{traces[0]} + {traces[1] - traces[0]}' if traces else ''} | "
               f"{plain_nodes} | {dp_nodes} | {dp_const} |", flush=True)
         if breakdown:
             counts = collections.Counter()
@@ -233,9 +237,10 @@ def main():
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--breakdown", action="store_true")
+    parser.add_argument("--no-trace-count", action="store_true", help="skip the two extra fits (each retrace of a large model is minutes)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
-    run(args.models.split(","), args.batch_size, args.optimizer, args.repeats, args.breakdown)
+    run(args.models.split(","), args.batch_size, args.optimizer, args.repeats, args.breakdown, not args.no_trace_count)
 
 
 if __name__ == "__main__":
