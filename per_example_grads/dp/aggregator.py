@@ -78,6 +78,8 @@ class ClippedSum:
         is None); ``()`` when that pass gave none (an engine that runs no
         forward pass of the batch).
       rows: ``[b]`` int64 indices of the rows that were computed, or None.
+      selection: with sparse embedding noise, the ``(keys, counts)`` of the
+        batch's row contributions (``SparseSelection.contribution_counts``).
     """
 
     sums: list
@@ -85,6 +87,7 @@ class ClippedSum:
     real: tf.Tensor
     predictions: Any = ()
     rows: tf.Tensor | None = None
+    selection: Any = None
 
     @property
     def nonfinite(self) -> tf.Tensor:
@@ -144,10 +147,15 @@ def batch_divisor(rows) -> tf.Tensor:
 
 
 def add_regularization(grads: Sequence, regularization: Sequence | None) -> list:
-    """``grads[k] + regularization[k]`` (cast to the gradient's dtype); ``grads`` when there is none."""
+    """``grads[k] + regularization[k]`` (cast to the gradient's dtype); ``grads`` when there is none.
+
+    A ``tf.IndexedSlices`` entry (a table under sparse embedding noise, which
+    ``SparseEmbeddings.bind`` allows only without a regularizer, so its entry
+    is zeros) is kept as it is: adding a dense tensor would make it dense.
+    """
     if regularization is None:
         return list(grads)
-    return [g + tf.cast(r, g.dtype) for g, r in zip(grads, regularization)]
+    return [g if isinstance(g, tf.IndexedSlices) else g + tf.cast(r, g.dtype) for g, r in zip(grads, regularization)]
 
 
 def clipped_sum(
@@ -266,6 +274,11 @@ class DPAggregator(keras.layers.Layer):
         (``peg.dp.audit.GradientCanaries``, set by its ``attach``): the one
         hook of this class, read by ``release`` only. None (the default) leaves
         every release exactly as without it.
+      sparse: None, or the ``SparseSelection`` of sparse embedding noise
+        (``per_example_grads.dp.sparse_embeddings``, set by the owner from its
+        ``sparse_embeddings``): ``clipped_sum`` then also counts the rows each
+        example looks up, and ``release`` updates only the selected rows of
+        those tables. None (the default) leaves every step as without it.
     """
 
     def __init__(
@@ -316,6 +329,7 @@ class DPAggregator(keras.layers.Layer):
         self.poisson = _ledger_variable(1, "int64", "poisson")
         self._noise = noise_source(seed)
         self.canaries = None  # a privacy audit's hook (see ``release``); not a weight, never saved
+        self.sparse = None  # sparse embedding noise (see ``release``); set by the owner
         self.built = True
 
     # -- the step --------------------------------------------------------
@@ -329,11 +343,20 @@ class DPAggregator(keras.layers.Layer):
         return tf.convert_to_tensor(self.l2_norm_clip) if isinstance(self.l2_norm_clip, keras.Variable) else self.l2_norm_clip
 
     def clipped_sum(self, model, loss_fn, x, y=None, sample_weight=None, *, variables=None) -> ClippedSum:
-        """The module's ``clipped_sum`` at this aggregator's clip norm, engine and physical batch size."""
-        return clipped_sum(
+        """The module's ``clipped_sum`` at this aggregator's clip norm, engine and physical batch size.
+
+        With sparse embedding noise (``sparse``), also the contributions of
+        the rows each real example looks up, over the whole logical batch
+        (``ClippedSum.selection``).
+        """
+        clipped = clipped_sum(
             model, loss_fn, x, y, sample_weight, l2_norm_clip=self.clip(), method=self.method,
             training=self.training, variables=variables, physical_batch_size=self.physical_batch_size,
         )
+        if self.sparse is not None:
+            self.sparse.check_context()
+            clipped.selection = self.sparse.contribution_counts(x, clipped.real)
+        return clipped
 
     def step(
         self,
@@ -426,10 +449,13 @@ class DPAggregator(keras.layers.Layer):
         sums = clipped_sums
         if self.canaries is not None:  # an audit: canaries' clipped gradients (norm C each) join the sum
             sums = self.canaries.insert(sums, step=step, l2_norm_clip=total_clip(clip), sampling_probability=sampling_probability)
-        grads = noised_average(
-            sums, self._gradient_noise_multiplier * total_clip(clip), divisor, self._noise, step=step,
-            mechanism=self.mechanism,
-        )
+        if self.sparse is not None:
+            grads = self._sparse_release(given, sums, clip, divisor, step)
+        else:
+            grads = noised_average(
+                sums, self._gradient_noise_multiplier * total_clip(clip), divisor, self._noise, step=step,
+                mechanism=self.mechanism,
+            )
         if self.canaries is not None:  # and what the release shows of them, for their scores
             self.canaries.observe(grads, clipped_sums, divisor, step=step)
         grads = add_regularization(grads, regularization)
@@ -442,6 +468,30 @@ class DPAggregator(keras.layers.Layer):
             )
         self.record_step(sampling_probability, poisson)
         return grads
+
+    def _sparse_release(self, clipped: ClippedSum | None, sums, clip, divisor, step) -> list:
+        """The step with sparse embedding noise: selected rows of the covered tables, dense noise elsewhere.
+
+        The split of the noise and why epsilon is DP-SGD's are stated in
+        ``per_example_grads.dp.sparse_embeddings``.
+        """
+        if clipped is None or clipped.selection is None:
+            raise ValueError(
+                "sparse embedding noise needs the rows each example looked up, which only a DPModel step "
+                "(DPAggregator.clipped_sum) counts; GradientAccumulator does not support sparse_embeddings."
+            )
+        if self.canaries is not None:
+            raise ValueError("a privacy audit's canaries assume the dense release; audit without sparse_embeddings.")
+        sparse = self.sparse
+        selected = sparse.selected_rows(*clipped.selection, self._noise, step)
+        rows = sparse.release(sums, selected, total_clip(clip), divisor, self._noise, step)
+        others = [i for i in range(len(sums)) if i not in rows]
+        dense = noised_average(
+            [sums[i] for i in others], sparse.gradient_noise_multiplier * total_clip(clip), divisor, self._noise,
+            step=step,
+        )
+        grads = dict(zip(others, dense)) | rows
+        return [grads[i] for i in range(len(sums))]
 
     def record_step(self, sampling_probability=None, poisson: bool = True) -> None:
         """Adds one step to the counter and the ledger."""

@@ -201,12 +201,10 @@ def per_variable_squared_norms(problem: Problem, captured: Captured, for_sums: b
     run at once: a unit's norms wait for those of the unit ``CHAIN_WINDOW``
     places before it, and a unit whose norms build its per-example gradients
     (the rules' defaults: the layer-local fallback) also for the previous
-    such unit, so at most one of those tensors exists at a time. With a
-    window of one (every unit after the previous) the norms lagged behind the
-    backward pass and held its tensors: MobileNetV2's clipped sum peaked at
-    1.46x the batch gradient's memory; with none, ConvNeXt-Tiny's at 1.66x
-    (0.94x with one). A window of three gave 1.05x and 0.93x (B=32,
-    ``benchmarks/RESULTS.md``).
+    such unit, so at most one of those tensors exists at a time. Too small a
+    window lets the norms lag behind the backward pass and hold its
+    tensors; none lets the layer-local fallback's tensors pile up (peak
+    memory of each choice: ``benchmarks/RESULTS.md``).
 
     Args:
       for_sums: a clipped sum follows: each call's rule gets its record's

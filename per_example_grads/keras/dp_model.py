@@ -19,6 +19,7 @@ from per_example_grads.dp.aggregator import DPAggregator
 from per_example_grads.dp.budget import PrivacyBudget
 from per_example_grads.dp.mechanisms import NoiseMechanism
 from per_example_grads.dp.sampling import PoissonSampling
+from per_example_grads.dp.sparse_embeddings import SparseEmbeddings
 from per_example_grads._core.losses import as_per_example_loss
 from per_example_grads.keras import network_guard
 from per_example_grads.keras.training_data import rows_of_fit_data
@@ -97,6 +98,14 @@ class DPModel(keras.Model):
     mechanism's buffers are saved with the weights, so a restored run
     continues its noise sequence. ``epsilon()`` accounts the mechanism.
 
+    **Sparse embedding noise.** With ``sparse_embeddings=SparseEmbeddings()``
+    the embedding tables get gradient noise only on the rows that a noisy
+    count of the batch's lookups selects, and the update of each table is a
+    ``tf.IndexedSlices`` on those rows (DP-AdaFEST,
+    ``per_example_grads.dp.sparse_embeddings``, which states the guarantee):
+    the noise is split between the count and the gradient so that
+    ``epsilon()`` is that of dense DP-SGD with the same ``noise_multiplier``.
+
     **A budget that holds.** With ``budget=peg.dp.PrivacyBudget(epsilon=...,
     delta=...)`` (or ``steps=...``), ``fit`` never takes a step that would
     take the ledger past it: it stops before that step and warns, saying how
@@ -163,6 +172,10 @@ class DPModel(keras.Model):
       budget: a ``peg.dp.PrivacyBudget``, or None for no limit.
       mechanism: a ``peg.dp.NoiseMechanism`` (``GaussianNoise``, the
         default DP-SGD; ``BandMF``, ``BLT``), this DPModel's alone.
+      sparse_embeddings: a ``per_example_grads.dp.sparse_embeddings.SparseEmbeddings``: embedding tables
+        get noise only on the rows a noisy count of the batch's lookups
+        selects, as a sparse update, at the same epsilon
+        (``per_example_grads.dp.sparse_embeddings``); None: dense noise.
 
     Example:
       >>> import keras, numpy as np
@@ -192,6 +205,7 @@ class DPModel(keras.Model):
         physical_batch_size: int | None = None,
         budget: PrivacyBudget | None = None,
         mechanism: NoiseMechanism | None = None,
+        sparse_embeddings: SparseEmbeddings | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -205,6 +219,13 @@ class DPModel(keras.Model):
         )
         validation.check_model(model, training=True)
         self.aggregator.attach(model.trainable_variables)
+        if sparse_embeddings is not None:
+            if not isinstance(sparse_embeddings, SparseEmbeddings):
+                raise TypeError(f"sparse_embeddings must be a per_example_grads.dp.sparse_embeddings.SparseEmbeddings or None; got {sparse_embeddings!r}.")
+            self.aggregator.sparse = sparse_embeddings.bind(
+                model, model.trainable_variables, noise_multiplier=self.aggregator.noise_multiplier,
+                mechanism=self.aggregator.mechanism, adaptive_clipping=adaptive_clipping,
+            )
         self.model = model
         self.num_examples = None if num_examples is None else check_positive_int("num_examples", num_examples)
         self._clipped_fraction = keras.metrics.Mean(name="clipped_fraction")

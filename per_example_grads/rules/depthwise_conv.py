@@ -33,20 +33,20 @@ three exact formulations:
 The groups trick is used only for 3x3 kernels (2-D) on inputs at least as
 large as the kernel's reach ``(k - 1) d + 1``, outside XLA, and not with
 both strides and dilation above 1 (which ``tf.nn.depthwise_conv2d`` does not
-take): on this project's CPU, TensorFlow's depthwise backprop-filter op was
-far slower than the alternatives for the folded batch (``B C`` channels)
+take): TensorFlow's depthwise backprop-filter op is far slower than the
+alternatives for the folded batch (``B C`` channels)
 with any other kernel size (the 5x5 kernels of EfficientNetB0, 1-D kernels
 as 1 x k) and on inputs smaller than the kernel ("same" padding on the 1x1
 and 2x2 maps at the end of MobileNetV2 on 32x32 images). It takes batches
-of any size, known or not when traced (a DP step's realized batch is not):
-on the seven 3x3 layers of MobileNetV2 (32x32 images, B=256) that take it,
-29.8 ms against 74.2 ms for the shifts (a 2-CPU AVX-512 Intel Xeon). The other cases
-with static spatial sizes take the shifts outside XLA (on EfficientNetB0
-they cut the patches' peak memory and time, ``benchmarks/RESULTS.md``);
+of any size, known or not when traced (a DP step's realized batch is not),
+and where it applies it is faster than the shifts. The other cases with
+static spatial sizes take the shifts outside XLA (less peak memory and time
+than the patches); the timings behind these choices are in
+``benchmarks/RESULTS.md``;
 under XLA (``jit_compile=True``), which fuses the patches' product and sum,
 and with unknown spatial sizes, the patches. Under XLA the grouped
-convolution with one example and ``B C`` groups compiled and ran far slower
-still.
+convolution with one example and ``B C`` groups compiles and runs far
+slower still.
 
 The bias gradient is ``sum_t g_n[t]`` ``[B, C m]``.
 

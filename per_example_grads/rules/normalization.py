@@ -164,8 +164,7 @@ class GroupNormRule(LayerNormRule):
         """``y`` by Keras's own formula (``x * s + (beta - mean * s)``, ``s = gamma / sqrt(var + eps)``) and ``xh``, from one set of moments.
 
         Running the layer's call for ``y`` and computing the moments again for
-        ``xh`` cost MobileNetV2 (GroupNormalization, B=256, training) 45 ms
-        of its 600 ms clipped step (1.39x the batch step, now 1.28x).
+        ``xh`` would take the moments twice (``benchmarks/RESULTS.md``).
         """
         x = args[0]
         rank = x.shape.rank

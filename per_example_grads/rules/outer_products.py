@@ -110,6 +110,6 @@ def weighted_bias_sum(g: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
     """``[j]``: ``sum_n weights[n] sum_t g[n, t]``, a bias's weighted sum, from ``[B, T, j]``.
 
     The positions are summed first, then one matrix-vector product over the
-    examples (on CPU 2-6x faster than the equivalent ``einsum``).
+    examples (faster on CPU than the equivalent ``einsum``, ``benchmarks/RESULTS.md``).
     """
     return weighted_example_sum(weights, tf.reduce_sum(g, axis=1))
