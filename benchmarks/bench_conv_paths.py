@@ -19,7 +19,9 @@ function once, the starting one rotating), medians reported:
    (``gram:<builder>`` with the kernel VJP, ``patches:<builder>`` and
    ``offsets`` with the kept kernels), by the chosen path, and by
    materialize-clip-sum (``per_example_kernels``, their norms, their weighted
-   sum). Reported: the chosen path's time over the fastest path's, and over
+   sum). The chosen path is the one of these the cost model picks (the same
+   function, so that the ratios measure the choice alone). Reported: the
+   chosen path's time over the fastest path's, and over
    materialize-clip-sum's.
 """
 
@@ -124,7 +126,7 @@ def random_config(rng) -> tuple[conv.ConvSpec, tuple, int]:
         return conv.ConvSpec(rank, kernel, strides, dilation, padding), (*spatial, c_in), c_out
 
 
-def layer_paths(spec: conv.ConvSpec, a: tf.Tensor, g: tf.Tensor, kernel_shape) -> dict:
+def layer_paths(spec: conv.ConvSpec, a: tf.Tensor, g: tf.Tensor, kernel_shape, chosen: str) -> dict:
     """Every path's clipped sum (clip 1) of one layer, as functions of ``(a, g)``; names as ``path_costs``'."""
     f = math.prod(spec.kernel_size) * a.shape[-1]
     t = math.prod(g.shape[1:-1])
@@ -140,19 +142,16 @@ def layer_paths(spec: conv.ConvSpec, a: tf.Tensor, g: tf.Tensor, kernel_shape) -
             return conv.weighted_kernel_sum(spec, zeros, a, g, factors(squared))
         return fn
 
-    def kept(builder):
+    def kept(builder, vjp=False):
         def fn(a, g):
             if builder == "offsets":
                 squared, kernels = conv._shifted_norms(spec, spatial, a, g)
             else:
                 squared, kernels = conv._patch_norms(spec, a, g, t, f, builder)
+            if vjp:
+                return conv.weighted_kernel_sum(spec, zeros, a, g, factors(squared))
             return conv.kept_weighted_sum(kernels, factors(squared), kernel_shape)
         return fn
-
-    def chosen(a, g):
-        squared, kernels = conv.kernel_squared_norms(spec, a, g, keep=True)
-        w = factors(squared)
-        return conv.kept_weighted_sum(kernels, w, kernel_shape) if kernels is not None else conv.weighted_kernel_sum(spec, zeros, a, g, w)
 
     def materialized(a, g):
         kernels = conv.per_example_kernels(spec, a, g)
@@ -161,7 +160,9 @@ def layer_paths(spec: conv.ConvSpec, a: tf.Tensor, g: tf.Tensor, kernel_shape) -
     paths = {f"gram:{b}": gram(b) for b in path_costs.PATCH_BUILDERS}
     paths.update({f"patches:{b}+kept": kept(b) for b in path_costs.PATCH_BUILDERS})
     paths["offsets+kept"] = kept("offsets")
-    return {"chosen": chosen, "materialize-clip-sum": materialized, **paths}
+    if chosen not in paths:  # materialized norms, then the VJP
+        paths[chosen] = kept(chosen.partition(":")[2] or chosen, vjp=True)
+    return {"materialize-clip-sum": materialized, **paths}
 
 
 def random_layers(count: int, b: int, repeats: int, seed: int) -> list[str]:
@@ -175,15 +176,15 @@ def random_layers(count: int, b: int, repeats: int, seed: int) -> list[str]:
                               padding=conv._padding(spec), dilations=list(spec.dilation_rate))
         g = tf.random.stateless_normal(z.shape, [seed, i + 10_000])
         choice = path_costs.conv_norm_path(conv.conv_shape(spec, a, g), True, True, path_costs.machine())
-        fns = {n: tf.function(fn) for n, fn in layer_paths(spec, a, g, kernel_shape).items()}
+        chosen = choice.norms + ("+kept" if choice.keep else "")
+        fns = {n: tf.function(fn) for n, fn in layer_paths(spec, a, g, kernel_shape, chosen).items()}
         medians = round_robin(fns, (a, g), repeats)
-        alternatives = {n: t for n, t in medians.items() if n not in ("chosen", "materialize-clip-sum")}
+        alternatives = {n: t for n, t in medians.items() if n != "materialize-clip-sum"}
         best = min(alternatives, key=alternatives.get)
-        over_best.append(medians["chosen"] / alternatives[best])
-        over_materialized.append(medians["chosen"] / medians["materialize-clip-sum"])
-        chosen = choice.norms + ("+kept" if choice.keep else (" + VJP" if not choice.norms.startswith("gram") else ""))
+        over_best.append(alternatives[chosen] / alternatives[best])
+        over_materialized.append(alternatives[chosen] / medians["materialize-clip-sum"])
         rows.append(f"| {spec.rank}-D k{spec.kernel_size} s{spec.strides} d{spec.dilation_rate} {spec.padding} | {shape} -> {c_out} "
-                    f"| {chosen} | {medians['chosen'] * 1e3:.2f} | {best} | {alternatives[best] * 1e3:.2f} | {over_best[-1]:.2f} "
+                    f"| {chosen} | {alternatives[chosen] * 1e3:.2f} | {best} | {alternatives[best] * 1e3:.2f} | {over_best[-1]:.2f} "
                     f"| {medians['materialize-clip-sum'] * 1e3:.2f} | {over_materialized[-1]:.2f} |")
         print(rows[-1], file=sys.stderr, flush=True)
     q = lambda v, p: float(np.quantile(v, p))  # noqa: E731
