@@ -42,7 +42,14 @@ def as_btf(t: tf.Tensor) -> tf.Tensor:
 
 
 def per_example_kernel(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
-    """``[B, i, j]``: ``sum_t a[:, t, :]^T g[:, t, :]``, from ``[B, T, i]`` and ``[B, T, j]``."""
+    """``[B, i, j]``: ``sum_t a[:, t, :]^T g[:, t, :]``, from ``[B, T, i]`` and ``[B, T, j]``.
+
+    For ``T = 1`` an outer product, taken as a broadcast multiply (each entry
+    one rounded product, as in the batched matrix product, which on CPU is
+    slower at writing the same ``B i j`` floats).
+    """
+    if a.shape[1] == 1 and g.shape[1] == 1:
+        return a[:, 0, :, None] * g[:, 0, None, :]
     return tf.einsum("bti,btj->bij", a, g)
 
 
