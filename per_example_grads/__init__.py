@@ -20,7 +20,7 @@ _EXPORTS = {
     "METHODS": "per_example_grads.engines.selection",
     "EngineError": "per_example_grads.errors",
     "EngineFallbackWarning": "per_example_grads.errors",
-    "GradientAccumulator": "per_example_grads.accumulation",
+    "GradientAccumulator": "per_example_grads.dp.accumulation",  # the same class as peg.dp.GradientAccumulator
     "InvalidLossError": "per_example_grads.errors",
     "LayerRule": "per_example_grads.rules",
     "PerExampleSlices": "per_example_grads.per_example_slices",
@@ -44,7 +44,7 @@ __all__ = sorted([*_EXPORTS, *_SUBPACKAGES], key=str.lower)
 
 if _TYPE_CHECKING:  # what static tools and IDEs see; at run time __getattr__ does this
     from per_example_grads import diagnostics, dp, keras, rules  # noqa: F401
-    from per_example_grads.accumulation import GradientAccumulator  # noqa: F401
+    from per_example_grads.dp.accumulation import GradientAccumulator  # noqa: F401
     from per_example_grads.clipping import clipped_gradients  # noqa: F401
     from per_example_grads.engines.selection import METHODS  # noqa: F401
     from per_example_grads.errors import EngineError, EngineFallbackWarning, InvalidLossError  # noqa: F401

@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from per_example_grads._core.batch import make_batch, unless_empty
 from per_example_grads.engines import selection
-from per_example_grads.engines import layerwise as layerwise
+from per_example_grads.engines import ENGINES
 from per_example_grads._core.problem import make_problem
 
 
@@ -88,19 +88,25 @@ def per_example_gradients(
     problem = make_problem(model, loss_fn, variables, training, allow_batch_coupling)
     batch = make_batch(model, x, y, sample_weight)
     if sparse_embeddings:
-        reason = (
-            layerwise.why_not(problem) if method in ("auto", "layerwise")
-            else f"method={method!r} is not the layer-wise engine"
-        )
-        if reason:
-            raise ValueError(f"sparse_embeddings=True needs method='layerwise' or 'auto' on a model it covers: {reason}.")
+        engine = _sparse_engine(method, problem)
 
     def compute(batch):  # run only for B > 0
         if sparse_embeddings:
-            return layerwise.per_example_gradients(problem, batch, sparse=True)
+            return engine.sparse_compute(problem, batch)
         return selection.compute(method, problem, batch)
 
     return unless_empty(batch, compute)
+
+
+def _sparse_engine(method: str, problem):
+    """The engine ``sparse_embeddings=True`` runs: ``method``, or for ``"auto"`` its first choice; ValueError if it cannot."""
+    name = selection.AUTO_ORDER[0] if method == "auto" else method
+    engine = ENGINES[name]
+    able = " or ".join(repr(n) for n, e in ENGINES.items() if e.supports_sparse)
+    reason = engine.why_not(problem) if engine.supports_sparse else f"method={method!r} gives no embedding rows"
+    if reason:
+        raise ValueError(f"sparse_embeddings=True needs method={able} or 'auto' on a model it covers: {reason}.")
+    return engine
 
 
 @tf.autograph.experimental.do_not_convert

@@ -70,6 +70,22 @@ def test_parsing_imports_no_tensorflow():
     assert proc.stdout.split()[0] == "[]", proc.stdout
 
 
+@pytest.mark.slow  # a subprocess that imports dp_accounting
+def test_epsilon_imports_no_tensorflow():
+    # pegrad epsilon (the accountant and its argument checks) runs without loading TensorFlow.
+    code = (
+        "import sys\n"
+        "from per_example_grads.apps import cli\n"
+        "status = cli.main(['epsilon', '--num-examples', '1000', '--batch-size', '10', '--epochs', '1',\n"
+        "                   '--noise-multiplier', '1', '--delta', '1e-5'])\n"
+        "heavy = sorted(m for m in ('tensorflow', 'keras') if m in sys.modules)\n"
+        "print(status, heavy)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "0 []", proc.stdout
+
+
 def test_public_names_resolve_lazily():
     import per_example_grads as peg
 

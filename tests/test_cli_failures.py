@@ -260,6 +260,20 @@ def test_epochs_beyond_the_pld_accountant_answer_with_rdp_and_say_so(capsys):
     assert f"epsilon = {expected:.6g} at delta" in captured.out
 
 
+@pytest.mark.slow  # two accountings, one past PLD's bounds
+def test_epsilon_names_the_accountant_that_answered(capsys):
+    # Past PLD's cost bounds the RDP accountant answers: the line says rdp, not the pld asked for.
+    assert cli.main([*EPSILON, "--epochs", "1e12", "--noise-multiplier", "1"]) == 0
+    line = [l for l in capsys.readouterr().out.splitlines() if l.startswith("epsilon = ")]
+    assert line and line[0].endswith("(rdp accountant)"), line
+    # Within them, PLD answers and says so.
+    assert cli.main([*EPSILON, "--epochs", "2", "--noise-multiplier", "1"]) == 0
+    line = [l for l in capsys.readouterr().out.splitlines() if l.startswith("epsilon = ")]
+    assert line and line[0].endswith("(pld accountant)"), line
+    expected = accounting.compute_epsilon(1000, 10, 2, 1.0, 1e-5, accountant="pld")
+    assert line[0].startswith(f"epsilon = {expected:.6g} at delta")
+
+
 @pytest.mark.slow  # a subprocess; needs the accounting to give up on a hopeless target at once
 def test_an_unreachable_target_epsilon_is_one_line_and_status_2():
     proc = subprocess.run(

@@ -5,11 +5,12 @@ import pytest
 import tensorflow as tf
 
 import per_example_grads as peg
+from per_example_grads.engines import ENGINES
 from helpers import assert_grads_close, reference_gradients
 from model_zoo import ZOO, zoo_params
 from tolerances import GRADIENT_RTOL, weighted_sum_rtol
 
-METHODS = ["layerwise", "vectorized", "jacobian", "weight_copies", "loop", "auto"]
+METHODS = [*sorted(ENGINES), "auto"]  # every registered engine, and auto's choice
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -1,45 +1,129 @@
-"""The README's runnable examples run as written."""
+"""The README's Python examples run as written, and it names every public entry point.
 
+Every ```python block of README.md is extracted and run, so a new block is
+tested without anything added here. Each runs in a fresh namespace (so it
+must define what it uses) in the test process, with a temporary working
+directory; the blocks in ``SUBPROCESS`` run in a child Python instead, for
+the reason given there. A block whose first line is a comment starting
+``# Not run by the tests:`` is skipped; the comment must say why (it is in
+the README, for the reader). ``CHECKS`` adds, for some blocks, assertions
+against an independent reference; every other block must only run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
 import pathlib
 import re
+import subprocess
+import sys
+from typing import Callable, NamedTuple
 
+import keras
 import numpy as np
 import pytest
 
 import per_example_grads as peg
+from helpers import assert_clipped_sums_close, assert_grads_close, reference_gradients, reference_norms
+from tolerances import GRADIENT_RTOL, norm_rtol
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+SKIP_MARK = "# Not run by the tests:"
 
 
-def _first_python_block_under(heading: str) -> str:
-    text = README.read_text()
-    section = text[text.index(f"\n## {heading}\n"):]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+class Block(NamedTuple):
+    heading: str  # the nearest "## " or "### " heading above the block
+    index: int  # its position among the Python blocks under that heading, from 0
+    code: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.heading} #{self.index}"
+
+    def skip_reason(self) -> str | None:
+        """The comment lines that open a skipped block (without the mark), or None if it runs."""
+        lines = self.code.splitlines()
+        if not lines or not lines[0].startswith(SKIP_MARK):
+            return None
+        reason = [lines[0][len(SKIP_MARK) :]]
+        for line in lines[1:]:
+            if not line.startswith("#"):
+                break
+            reason.append(line.lstrip("#"))
+        return " ".join(part.strip() for part in reason).strip()
 
 
-def _run_first_python_block_under(heading: str) -> dict:
-    """Runs the block as written; returns the names it defined."""
-    namespace: dict = {}
-    exec(compile(_first_python_block_under(heading), str(README), "exec"), namespace)
-    return namespace
+def readme_python_blocks(text: str) -> list[Block]:
+    """Every fenced ```python block of ``text``, in order, with its heading."""
+    blocks: list[Block] = []
+    heading, counts = "(top)", {}
+    fence = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
+    pos = 0
+    for match in fence.finditer(text):
+        for line in text[pos : match.start()].splitlines():
+            if line.startswith("## ") or line.startswith("### "):
+                heading = line.lstrip("#").strip()
+        pos = match.end()
+        if match.group(1) == "python":
+            index = counts.get(heading, 0)
+            counts[heading] = index + 1
+            blocks.append(Block(heading, index, match.group(2)))
+    return blocks
 
 
-@pytest.mark.slow
-def test_private_fine_tuning_of_a_keras_hub_model_runs(capsys):
-    namespace = _run_first_python_block_under("Private fine-tuning of a KerasHub model")
-    dp = namespace["dp"]
-    assert int(dp.dp_steps.numpy()) == 2 * 8  # two epochs of round(1/q) = 8 Poisson steps
-    assert namespace["lm"].backbone.token_embedding.trainable_variables == []  # LoRA: only adapters train
-    printed = float(capsys.readouterr().out.split("epsilon = ")[1])
-    # The same 16 Poisson steps accounted independently of the model (ceil(2 / q) = 16).
-    expected = peg.dp.compute_epsilon(256, 32, 2, noise_multiplier=0.8, delta=1e-3)
-    assert printed == pytest.approx(expected, abs=0.005)  # printed to 2 decimals
+BLOCKS = readme_python_blocks(README.read_text())
+
+# Blocks run in a child process, and why.
+SUBPROCESS: dict[str, str] = {}
+# Blocks that take well under a second; every other block is marked slow.
+FAST = {"(top) #0", "The layer-wise engine #0", "Gradients computed here, applied elsewhere #0"}
 
 
-@pytest.mark.slow
-def test_dp_sgd_example_takes_n_from_the_data_and_holds_its_budget(capsys):
-    namespace = _run_first_python_block_under("DP-SGD")
-    dp, x = namespace["dp"], namespace["x"]
+def run_block(block: Block, tmp_path: pathlib.Path, monkeypatch) -> tuple[dict, str]:
+    """Runs ``block`` as written from ``tmp_path``; returns ``(namespace, stdout)``.
+
+    In-process blocks print to the captured stdout (read by the checks with
+    capsys); a child's stdout is returned.
+    """
+    monkeypatch.chdir(tmp_path)
+    if block.id in SUBPROCESS:
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+        done = subprocess.run(
+            [sys.executable, "-c", block.code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, f"{block.id} exited {done.returncode}:\n{done.stderr[-4000:]}"
+        return {}, done.stdout
+    namespace: dict = {"__name__": "__readme__"}
+    exec(compile(block.code, f"{README}: {block.id}", "exec"), namespace)
+    return namespace, ""
+
+
+# --- the checks of particular blocks --------------------------------------------------------
+
+
+def check_quick_example(ns, out, capsys):
+    model, loss_fn, x, y = ns["model"], ns["loss_fn"], ns["x"], ns["y"]
+    expected = reference_gradients(model, loss_fn, x, y)
+    assert_grads_close(ns["grads"], expected)
+    norms = reference_norms(expected)
+    np.testing.assert_allclose(
+        ns["norms"], norms, rtol=norm_rtol(sum(v.numpy().size for v in model.trainable_variables))
+    )
+    factors = np.minimum(1.0, 1.0 / np.maximum(norms, 1e-30))
+    assert_clipped_sums_close(ns["update"], expected, factors)
+
+
+def check_layer_rule(ns, out, capsys):
+    model, x, y, scale = ns["model"], ns["x"], ns["y"], ns["model"].layers[0]
+    assert isinstance(peg.rules.rule_for(scale), ns["ScaleRule"])  # the user's rule, not the fallback
+    loss = keras.losses.get("sparse_categorical_crossentropy")
+    assert_grads_close(ns["grads"], reference_gradients(model, loss, x, y))
+    assert ns["grads"][0].shape == [8, 4]
+
+
+def check_dp_sgd(ns, out, capsys):
+    dp, x = ns["dp"], ns["x"]
     assert dp.num_examples == len(x)
     steps = int(dp.dp_steps.numpy())
     printed = capsys.readouterr().out
@@ -50,21 +134,8 @@ def test_dp_sgd_example_takes_n_from_the_data_and_holds_its_budget(capsys):
     assert expected <= 3.0
 
 
-def test_gradients_applied_elsewhere_example_updates_the_server():
-    namespace = _run_first_python_block_under("Gradients computed here, applied elsewhere")
-    server, worker = namespace["server"], namespace["worker"]
-    assert server is not worker
-    # The server moved by -0.1 times the worker's clipped sum: recompute it independently.
-    x, y, loss = namespace["x"], namespace["y"], namespace["loss"]
-    grads = peg.clipped_gradients(worker, loss, x, y, l2_norm_clip=1.0)
-    for w_server, w_worker, g in zip(server.trainable_variables, worker.trainable_variables, grads):
-        np.testing.assert_allclose(w_server.numpy(), w_worker.numpy() - 0.1 * g.numpy(), rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.slow
-def test_correlated_noise_example_meets_its_epsilon_with_bandmf(capsys):
-    namespace = _run_first_python_block_under("Correlated noise (BandMF, BLT)")
-    dp, x, sigma = namespace["dp"], namespace["x"], namespace["sigma"]
+def check_correlated_noise(ns, out, capsys):
+    dp, x, sigma = ns["dp"], ns["x"], ns["sigma"]
     assert int(dp.dp_steps.numpy()) == 112 and dp.num_examples == len(x)
     # Independently: 112 BandMF steps with 4 bands are ceil(112 / 4) = 28 DP-SGD steps at the part's rate.
     accountant = peg.dp.PrivacyAccountant(sigma, 64 * 4 / len(x))
@@ -74,13 +145,142 @@ def test_correlated_noise_example_meets_its_epsilon_with_bandmf(capsys):
     assert float(printed.split("epsilon = ")[1]) == pytest.approx(accountant.epsilon(1e-5), abs=0.005)
 
 
-@pytest.mark.slow
-def test_audit_example_bounds_epsilon_below_the_accountant(capsys):
-    namespace = _run_first_python_block_under("Auditing the privacy (`peg.dp.audit`)")
-    report, dp = namespace["report"], namespace["dp"]
+def check_audit(ns, out, capsys):
+    report, dp = ns["report"], ns["dp"]
     assert report.epsilon_accountant == dp.epsilon(1e-5)
     # Full-batch steps with Dirac canaries: the Gaussian-DP bound is exact here, so it must not exceed the claim
     # (a valid audit errs only with probability 0.05 at a fixed seed; this seed's run is deterministic).
     assert 0 < report.threshold_test.epsilon <= report.epsilon_accountant
-    printed = capsys.readouterr().out
-    assert f"{report.epsilon_accountant:.2f}" in printed
+    assert f"{report.epsilon_accountant:.2f}" in capsys.readouterr().out
+
+
+def check_keras_hub(ns, out, capsys):
+    dp = ns["dp"]
+    assert int(dp.dp_steps.numpy()) == 2 * 8  # two epochs of round(1/q) = 8 Poisson steps
+    assert ns["lm"].backbone.token_embedding.trainable_variables == []  # LoRA: only adapters train
+    printed = float(capsys.readouterr().out.split("epsilon = ")[1])
+    # The same 16 Poisson steps accounted independently of the model (ceil(2 / q) = 16).
+    expected = peg.dp.compute_epsilon(256, 32, 2, noise_multiplier=0.8, delta=1e-3)
+    assert printed == pytest.approx(expected, abs=0.005)  # printed to 2 decimals
+
+
+def check_keras_applications(ns, out, capsys):
+    changes, model, dp = ns["changes"], ns["model"], ns["dp"]
+    assert len(changes) == 52 and all("GroupNormalization" in c for c in changes)  # the comment's count
+    kinds = {type(layer).__name__ for layer in model.layers}
+    assert "BatchNormalization" not in kinds and "GroupNormalization" in kinds
+    assert dp.model is model and peg.dp.validate(model).errors == []
+
+
+def check_gradients_elsewhere(ns, out, capsys):
+    server, worker = ns["server"], ns["worker"]
+    assert server is not worker
+    # The server moved by -0.1 times the worker's clipped sum: recompute it from the one-example loop.
+    x, y, loss = ns["x"], ns["y"], ns["loss"]
+    expected = reference_gradients(worker, loss, x, y)
+    factors = np.minimum(1.0, 1.0 / np.maximum(reference_norms(expected), 1e-30))
+    for w_server, w_worker, e in zip(server.trainable_variables, worker.trainable_variables, expected):
+        step = np.tensordot(factors, e, axes=1)
+        np.testing.assert_allclose(
+            w_server.numpy(), w_worker.numpy() - 0.1 * step, rtol=1e-6, atol=GRADIENT_RTOL * np.abs(step).max()
+        )
+
+
+def check_mirrored(ns, out, capsys):
+    out = capsys.readouterr().out
+    # One epoch of ceil(1797 / 256) = 8 batches, each one step at q = 256 / 1797.
+    steps = int(out.split(" steps")[0])
+    assert steps == 8
+    expected = peg.dp.compute_epsilon(1797, 256, None, 1.1, 1e-5, steps=steps)  # as if Poisson, as the ledger does
+    assert float(out.split("epsilon = ")[1]) == pytest.approx(expected, abs=0.005)
+
+
+def check_diagnostics(ns, out, capsys):
+    report, model, loss_fn, x, y = ns["report"], ns["model"], ns["loss_fn"], ns["x"], ns["y"]
+    assert report.num_examples == len(x) and np.isfinite(report.noise_scale_full_data)
+    expected = reference_gradients(model, loss_fn, x[:8], y[:8])
+    p = sum(v.numpy().size for v in model.trainable_variables)
+    np.testing.assert_allclose(report.per_example_norms[:8], reference_norms(expected), rtol=norm_rtol(p))
+    assert pathlib.Path("diagnostics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+CHECKS: dict[str, Callable] = {
+    "(top) #0": check_quick_example,
+    "The layer-wise engine #0": check_layer_rule,
+    "DP-SGD #0": check_dp_sgd,
+    "Correlated noise (BandMF, BLT) #0": check_correlated_noise,
+    "Auditing the privacy (`peg.dp.audit`) #0": check_audit,
+    "Private fine-tuning of a KerasHub model #0": check_keras_hub,
+    "Private training of keras.applications models #0": check_keras_applications,
+    "Gradients computed here, applied elsewhere #0": check_gradients_elsewhere,
+    "Scaling out (tf.distribute) #0": check_mirrored,
+    "Gradient diagnostics #0": check_diagnostics,
+}
+
+
+@pytest.mark.parametrize(
+    "block",
+    [pytest.param(b, id=b.id, marks=() if b.id in FAST else pytest.mark.slow) for b in BLOCKS],
+)
+def test_readme_python_block_runs(block, tmp_path, monkeypatch, capsys):
+    reason = block.skip_reason()
+    if reason is not None:
+        assert len(reason) > 20, f"{block.id}: a skipped block must say why, after {SKIP_MARK!r}"
+        pytest.skip(reason)
+    namespace, out = run_block(block, tmp_path, monkeypatch)
+    check = CHECKS.get(block.id)
+    if check is not None:
+        check(namespace, out, capsys)
+
+
+def test_every_check_names_a_block():
+    """A renamed heading must not silently drop its block's checks (or its subprocess or fast marking)."""
+    ids = {b.id for b in BLOCKS}
+    assert set(CHECKS) <= ids and set(SUBPROCESS) <= ids and FAST <= ids
+
+
+def test_block_extraction():
+    text = "intro\n```python\na = 1\n```\n## One\n```bash\nls\n```\n```python\nb = 2\n```\n### Two\n```python\n# Not run by the tests: needs a cluster\n```\n"
+    blocks = readme_python_blocks(text)
+    assert [(b.heading, b.index, b.code) for b in blocks] == [
+        ("(top)", 0, "a = 1\n"),
+        ("One", 0, "b = 2\n"),
+        ("Two", 0, "# Not run by the tests: needs a cluster\n"),
+    ]
+    assert blocks[0].skip_reason() is None and blocks[2].skip_reason() == "needs a cluster"
+
+
+PUBLIC_MODULES = (
+    "per_example_grads",
+    "per_example_grads.dp",
+    "per_example_grads.dp.audit",
+    "per_example_grads.diagnostics",
+    "per_example_grads.keras",
+)
+
+
+def _code_text(text: str) -> str:
+    """The README's code: fenced blocks and inline code spans, where an API name is written as code."""
+    fenced = re.findall(r"^```\w*\n(.*?)^```", text, re.M | re.S)
+    prose = re.sub(r"^```\w*\n.*?^```", "", text, flags=re.M | re.S)
+    return "\n".join(fenced + re.findall(r"`([^`]+)`", prose))
+
+
+@pytest.mark.parametrize("module", PUBLIC_MODULES)
+def test_readme_names_every_public_name(module):
+    code = _code_text(README.read_text())
+    names = importlib.import_module(module).__all__
+    missing = [n for n in names if not re.search(rf"\b{re.escape(n)}\b", code)]
+    assert not missing, f"README.md does not mention these public names of {module} (as code): {missing}"
+
+
+def test_ci_runs_the_readme_test_command():
+    """.ci/run ends with the README's test command, character for character (the README says it is what CI runs)."""
+    text = README.read_text()
+    quickstart = text[text.index("\n## Quickstart\n") : text.index("\n## API\n")]
+    commands = [c.strip() for c in re.findall(r"^```bash\n(.*?)^```", quickstart, re.M | re.S) if "pytest" in c]
+    assert len(commands) == 1, "the Quickstart has one bash block that runs the tests"
+    ci = [
+        line for line in (README.parent / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")
+    ]
+    assert ci[-1] == commands[0]

@@ -20,7 +20,8 @@ from model_zoo import RULE_FAMILIES, layer_case, layer_case_params, randomize_lo
 from per_example_grads.apps import zoo
 from per_example_grads.engines.capture import plan_units
 from per_example_grads.rules.local import LocalRule
-from per_example_grads.rules.lora import DenseLoraRule, EinsumDenseLoraRule
+from per_example_grads.rules.dense import DenseLoraRule
+from per_example_grads.rules.einsum_dense import EinsumDenseLoraRule
 from per_example_grads.rules.reversible_embedding import REVERSIBLE_EMBEDDING_RULE
 from per_example_grads.rules.rule import rule_for
 from per_example_grads.rules.hub_layers import RMS_NORMALIZATIONS

@@ -55,3 +55,30 @@ def test_materialized_norms_are_kept_for_the_clipped_sum_only_when_no_larger(nam
         for got, want, t in sums:
             rtol = weighted_sum_rtol(B, GRADIENT_RTOL)
             np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.max(np.tensordot(w, np.abs(t), axes=1)))
+
+
+@pytest.mark.slow
+def test_prelu_needs_no_rule_of_its_own_the_fallback_is_the_same_rule_and_result(monkeypatch):
+    from per_example_grads.engines.capture import plan_units
+    from per_example_grads.rules import rule as rule_module
+    from per_example_grads.rules.local import LOCAL_RULE
+
+    model, x, y = layer_case("prelu")
+    prelu = next(l for l in model.layers if isinstance(l, keras.layers.PReLU))
+    assert rule_module.rule_for(prelu) is None  # nothing registered: the plan's fallback takes it
+    assert next(u.rule for u in plan_units(model, model.trainable_variables) if u.layer is prelu) is LOCAL_RULE
+    import per_example_grads as peg
+
+    def results():
+        return [
+            np.asarray(t) for t in [
+                *peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise"),
+                *peg.per_example_norms(model, sparse_ce, x, y, method="layerwise", by_variable=True),
+                *peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.1, method="layerwise"),
+            ]
+        ]
+
+    unregistered = results()
+    monkeypatch.setitem(rule_module.RULES, keras.layers.PReLU, LOCAL_RULE)  # what rules/prelu.py registered
+    registered = results()
+    assert all(np.array_equal(a, b) for a, b in zip(unregistered, registered))

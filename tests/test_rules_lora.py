@@ -9,7 +9,8 @@ from model_zoo import LAYER_B as B
 from model_zoo import RULE_FAMILIES, layer_case, layer_case_params, randomize_lora
 from per_example_grads.engines.capture import plan_units
 from per_example_grads.rules.local import LocalRule
-from per_example_grads.rules.lora import DenseLoraRule, EinsumDenseLoraRule
+from per_example_grads.rules.dense import DenseLoraRule
+from per_example_grads.rules.einsum_dense import EinsumDenseLoraRule
 
 
 def _lora_layers(model):

@@ -235,7 +235,7 @@ def test_one_inner_tensor_tapped_twice_is_refused():
 def test_the_wrapper_applies_once_per_class_and_keeps_the_docstring():
     from per_example_grads.rules.dense import DenseRule
     from per_example_grads.rules.local import LocalRule
-    from per_example_grads.rules.lora import DenseLoraRule
+    from per_example_grads.rules.dense import DenseLoraRule
 
     for cls in (DenseRule, LocalRule):
         assert getattr(cls.forward, "_separates_taps", False)

@@ -1,28 +1,134 @@
-"""Checking the numbers a DP step is configured with.
+"""The one home of scalar argument checks: every error names the argument.
 
-Every DP entry point (``private_gradients``, ``GradientAccumulator``,
-``DPModel``, ``clipped_gradients``) takes its clip norm, noise multiplier and
-expected batch size through these functions, so they accept the same values
-and refuse the same ones with the same messages:
+Importable without TensorFlow (``pegrad epsilon`` and the accountant use it
+and never load TensorFlow): a value can only be a tensor once TensorFlow is
+imported, so the tensor branches look TensorFlow up in ``sys.modules``.
 
-- accepted: Python numbers, NumPy scalars and 0-d arrays, 0-d tensors;
-- refused, naming the argument: NaN, infinities, and values out of range
-  (a clip norm or expected batch size ``<= 0``, a noise multiplier ``< 0``),
-  booleans and anything that is not a number;
-- a symbolic tensor (inside ``tf.function``) cannot be checked when the
-  function is traced, so it is returned with a run-time check attached
-  (``tf.debugging``), which fails the step instead of, say, flipping the
-  sign of every gradient with a negative clip norm.
+Two families:
+
+- **Accounting numbers** (``check_real``, ``check_noise_multiplier``,
+  ``check_sampling_probability``, ``check_delta``, ``check_integer``,
+  ``check_count``, ``check_choice``): Python or NumPy scalars only, returned
+  as ``float``, ``int`` or ``str``.
+- **DP step numbers** (``check_number``, ``check_clip``,
+  ``check_dp_arguments``): every DP entry point (``private_gradients``,
+  ``GradientAccumulator``, ``DPModel``, ``clipped_gradients``) takes its clip
+  norm, noise multiplier and expected batch size through these, so they
+  accept the same values and refuse the same ones with the same messages:
+
+  - accepted: Python numbers, NumPy scalars and 0-d arrays, 0-d tensors;
+  - refused, naming the argument: NaN, infinities, and values out of range
+    (a clip norm or expected batch size ``<= 0``, a noise multiplier
+    ``< 0``), booleans and anything that is not a number;
+  - a symbolic tensor (inside ``tf.function``) cannot be checked when the
+    function is traced, so it is returned with a run-time check attached
+    (``tf.debugging``), which fails the step instead of, say, flipping the
+    sign of every gradient with a negative clip norm.
+
+Errors: ``TypeError`` for a value of the wrong kind, ``ValueError`` for one
+out of range (NaN and infinities included).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import sys
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-import tensorflow as tf
+
+
+def _tensorflow():
+    """The TensorFlow module if something imported it, else None (then no value is a tensor)."""
+    return sys.modules.get("tensorflow")
+
+
+def _is_tensor(value: Any) -> bool:
+    tf = _tensorflow()
+    return tf is not None and (tf.is_tensor(value) or isinstance(value, tf.Variable))
+
+
+# -- accounting numbers -----------------------------------------------------
+
+
+def check_real(name: str, value: Any, *, expected: str = "a number") -> float:
+    """``value`` as a finite float: a Python or NumPy real number, not a bool.
+
+    Raises:
+      TypeError: not a real number (``"{name} must be {expected}; got ..."``).
+      ValueError: NaN or infinite.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {expected}; got {value!r}.")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite; got {value!r}.")
+    return value
+
+
+def check_noise_multiplier(value: Any, name: str = "noise_multiplier") -> float:
+    """``sigma >= 0`` as a float (0 means no noise, epsilon = inf)."""
+    sigma = check_real(name, value)
+    if sigma < 0:
+        raise ValueError(f"{name} must be >= 0 (0 means no noise, epsilon = inf); got {value!r}.")
+    return sigma
+
+
+def check_sampling_probability(value: Any, name: str = "sampling_probability") -> float:
+    """``q`` in ``(0, 1]`` as a float."""
+    q = check_real(name, value, expected="a number in (0, 1]")
+    if not 0 < q <= 1:
+        raise ValueError(f"{name} must be in (0, 1]; got {value!r}.")
+    return q
+
+
+def check_delta(value: Any, name: str = "delta") -> float:
+    """``delta`` in ``(0, 1)`` as a float."""
+    delta = check_real(name, value)
+    if not 0 < delta < 1:
+        raise ValueError(f"{name} must be in (0, 1); got {value!r}.")
+    return delta
+
+
+def check_integer(name: str, value: Any, *, minimum: int = 1, maximum: int | None = None) -> int:
+    """``value`` as an int in ``[minimum, maximum]``: a Python or NumPy integer, not a bool.
+
+    The message says ``a positive integer`` for ``minimum=1``, ``a
+    non-negative integer`` for 0, else ``an integer >= minimum``.
+
+    Raises:
+      TypeError: not an integer (a float such as ``2.0`` included).
+      ValueError: out of range.
+    """
+    what = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be {what}; got {type(value).__name__} {value!r}.")
+    if value < minimum:
+        raise ValueError(f"{name} must be {what}; got {value!r}.")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum:.0e}; got {value!r}.")
+    return int(value)
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    """``check_integer(name, value, minimum=1)``."""
+    return check_integer(name, value, minimum=1)
+
+
+def check_count(name: str, value: Any, maximum: int | None = None) -> int:
+    """A number of steps or events: ``check_integer(name, value, minimum=0, maximum=maximum)``."""
+    return check_integer(name, value, minimum=0, maximum=maximum)
+
+
+def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
+    """``value`` if it is one of ``choices``, else a ``ValueError`` listing them."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}.")
+    return value
+
+
+# -- DP step numbers ----------------------------------------------------------
 
 
 def check_number(name: str, value: Any, *, minimum: float = 0.0, inclusive: bool = False):
@@ -33,7 +139,8 @@ def check_number(name: str, value: Any, *, minimum: float = 0.0, inclusive: bool
       ValueError: NaN, infinite or out of range, naming ``name``.
     """
     bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
-    if tf.is_tensor(value) or isinstance(value, tf.Variable):
+    if _is_tensor(value):
+        tf = _tensorflow()
         if value.shape.rank not in (0, None):
             raise ValueError(f"{name} must be a scalar; got a tensor of shape {value.shape}.")
         if not (value.dtype.is_floating or value.dtype.is_integer):
@@ -51,7 +158,8 @@ def check_number(name: str, value: Any, *, minimum: float = 0.0, inclusive: bool
     return value
 
 
-def _checked_tensor(name, value, minimum, inclusive, bound) -> tf.Tensor:
+def _checked_tensor(name, value, minimum, inclusive, bound):
+    tf = _tensorflow()
     value = tf.cast(value, tf.float32)
     ok = tf.logical_and(
         tf.math.is_finite(value),

@@ -33,9 +33,8 @@ def per_example_squared_norms(t: tf.Tensor) -> tf.Tensor:
     One fused reduction (``reduce_euclidean_norm``, squared): it never holds
     a squared copy of ``t`` (for an output gradient ``g`` that copy is as
     large as ``g``, which the clipped sum keeps alive until every norm is
-    known), and on CPU it is 1.5-3x faster than ``reduce_sum(square(t))`` and
-    2-6x faster than a batched dot product of each row with itself
-    (``benchmarks/RESULTS.md``). Squaring the norm costs at most two roundings.
+    known), and on CPU it is faster than ``reduce_sum(square(t))`` and than a
+    batched dot product of each row with itself (``benchmarks/RESULTS.md``). Squaring the norm costs at most two roundings.
     XLA has no such kernel; it fuses ``reduce_sum(square(t))`` into one instead.
 
     In float32 the squares overflow for entries beyond about 1.8e19 (the

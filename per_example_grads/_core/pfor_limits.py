@@ -6,10 +6,9 @@ graph sees rank ``r + 1`` in the vectorized one. Some CPU kernels accept only a
 bounded rank. TensorFlow's x86 builds run ``Softmax`` through oneDNN
 (``_MklSoftmax``), which takes inputs of rank 1 to 5 ("Input dims must be <=
 5 and >=1"): grouped-query attention's rank-5 scores ``[b, kv_heads, groups,
-T, S]`` (KerasHub Gemma) become rank 6 under pfor. Here that is an
-``AbortedError``; on other CPUs (an AMD EPYC with AVX-512) the same graph took
-the process down with SIGSEGV/SIGABRT inside oneDNN, which no ``except`` can
-catch. Whether it crashes depends on the CPU, so the decision must not: the
+T, S]`` (KerasHub Gemma) become rank 6 under pfor. On some CPUs that is an
+``AbortedError``; on others the same graph takes the process down with
+SIGSEGV/SIGABRT inside oneDNN, which no ``except`` can catch. Whether it crashes depends on the CPU, so the decision must not: the
 one-example graph is traced (cheap: no kernel runs) and any op whose rank
 after pfor would exceed its kernel's limit makes the function unvectorizable.
 
@@ -27,8 +26,8 @@ differ (it broadcasts) and include an axis of size 1 (or unknown size) is a
 hazard too (``broadcast_matmul_hazard``, conservatively: any batch axis of
 size 1 or unknown size).
 
-``RANK_LIMITS`` lists the ops with a rank limit. It was measured on TF 2.21 (x86,
-oneDNN on): every op below ran at rank 6 and 7 in a ``tf.function`` except
+``RANK_LIMITS`` lists the ops with a rank limit. On TF 2.21 (x86, oneDNN
+on) every op below runs at rank 6 and 7 in a ``tf.function`` except
 ``Softmax``: LogSoftmax, Transpose, BatchMatMulV2, Einsum, Relu, Gelu, Tanh,
 Sigmoid, Swish, AddV2, Mul, LeakyRelu, Elu, Sum, Mean, SquaredDifference,
 Rsqrt.

@@ -5,7 +5,7 @@ Some closed forms need another formulation under XLA: it wants static shapes
 without an error), and it cannot compile ``tf.vectorized_map`` over a layer
 that runs its own loop (an LSTM: it raises). TensorFlow only says so through
 its private ``control_flow_util``; this module is the one place that reads
-it, and ``tests/test_layerwise.py`` fails loudly if it stops working.
+it, and ``tests/test_layerwise_xla.py`` fails loudly if it stops working.
 """
 
 from __future__ import annotations

@@ -275,13 +275,16 @@ def _run_epsilon(args: argparse.Namespace) -> int:
         ) from e
     for message in dict.fromkeys(str(w.message) for w in caught):
         print(f"warning: {message}", file=sys.stderr)
+    # The accountant that gave epsilon: RDP where PLD was past its cost bounds.
+    fell_back = any(issubclass(w.category, accounting.AccountantFallbackWarning) for w in caught)
+    answered = "rdp" if fell_back else args.accountant
 
     length = f"{args.epochs:g} epochs" if args.steps is None else "given"
     print(f"sampling probability q = {q:.6g} (batch size {args.batch_size:g} / {args.num_examples} examples, {args.sampling} sampling)")
     print(f"steps = {steps} ({length})")
     if args.target_epsilon is not None:
         print(f"noise multiplier = {sigma:.6g} for epsilon <= {args.target_epsilon:g} at delta = {args.delta:g} ({args.accountant} accountant)")
-    print(f"epsilon = {epsilon:.6g} at delta = {args.delta:g} with noise multiplier {sigma:g} ({args.accountant} accountant)")
+    print(f"epsilon = {epsilon:.6g} at delta = {args.delta:g} with noise multiplier {sigma:g} ({answered} accountant)")
     return 0
 
 

@@ -17,8 +17,13 @@ elementwise; the second term for the bias), with ``A_a`` ``[Ba, i]`` and
 ``G_a`` ``[Ba, j]`` from one forward+backward pass per batch. Cost
 ``Ba Bb (i + j)`` per layer; nothing of size ``B x P`` is built.
 
-*Fallback.* Otherwise both batches' per-example gradients are materialized
-(``per_example_gradients``), flattened to ``[B, P]`` and multiplied.
+*Fallback.* Otherwise both batches' per-example gradients are materialized,
+flattened to ``[B, P]`` and multiplied.
+
+Both are the engines' ``features`` capability (``Engine.features``,
+``per_example_grads.engines.moments.GradientFeatures``: the layer-wise engine
+gives factors, every engine can materialize), with the engine picked as for
+every capability (``selection.run``: ``method="auto"`` with its fallbacks).
 
 ``tracin_scores`` (Pruthi et al., 2020, "Estimating Training Data Influence
 by Tracing Gradient Descent", the TracInCP form) sums, over checkpoints ``c``
@@ -39,80 +44,25 @@ import numpy as np
 import tensorflow as tf
 
 from per_example_grads._core.batch import common_rows, make_batch
-from per_example_grads.diagnostics.moments import outer_factors
 from per_example_grads.engines import selection
-from per_example_grads.engines import layerwise as layerwise
+from per_example_grads.engines.moments import GradientFeatures
 from per_example_grads._core.problem import Problem
 from per_example_grads._core.problem import make_problem
 
 F64 = tf.float64
 
 
-@dataclasses.dataclass
-class _Features:
-    """What the dot products of one batch need.
-
-    ``factors``: per requested variable ``(A [B, i] or None, G [B, j])`` with
-    example n's gradient ``A_n^T G_n`` (or ``G_n``); ``flat``: ``[B, P]``
-    materialized gradients. Exactly one is set.
-    """
-
-    factors: list[tuple[tf.Tensor | None, tf.Tensor]] | None = None
-    flat: tf.Tensor | None = None
-
-    def squared_norms(self) -> tf.Tensor:
-        """``[B]`` ``||g_n||^2``."""
-        if self.flat is not None:
-            return tf.reduce_sum(tf.square(self.flat), axis=1)
-        total = 0.0
-        for a, g in self.factors:
-            g2 = tf.reduce_sum(tf.square(g), axis=1)
-            total += g2 if a is None else tf.reduce_sum(tf.square(a), axis=1) * g2
-        return total
-
-
-def _features(problem: Problem, x: Any, y: Any, method: str, materialize: bool = False) -> _Features:
+def _features(problem: Problem, x: Any, y: Any, method: str, materialize: bool = False) -> GradientFeatures:
     batch = make_batch(problem.model, x, y)
-    if not materialize and layerwise.use_layerwise(method, problem):
-        captured = layerwise.capture(problem, batch)
-        wanted = {id(v) for v in problem.variables}
-        factors = []
-        for unit, calls in captured.by_unit().items():
-            if not any(id(v) in wanted for v in unit.variables):
-                continue
-            if not calls:
-                continue  # the loss does not reach this layer: zero gradients
-            unit_factors = outer_factors(unit, calls)
-            if unit_factors is None:
-                factors = None
-                break
-            factors += [
-                (None if a is None else tf.cast(a, F64), tf.cast(g, F64))
-                for v, (a, g) in zip(unit.variables, unit_factors) if id(v) in wanted
-            ]
-        if factors is not None:
-            return _Features(factors=factors)
-    grads = selection.compute(method, problem, batch)
-    b = tf.shape(grads[0])[0]
-    return _Features(flat=tf.concat([tf.reshape(tf.cast(t, F64), [b, -1]) for t in grads], axis=1))
+    return selection.run(method, problem, lambda engine: engine.features(problem, batch, factored=not materialize), batch)
 
 
-def _dots(fa: _Features, fb: _Features) -> tf.Tensor:
+def _dots(fa: GradientFeatures, fb: GradientFeatures) -> tf.Tensor:
     """``[Ba, Bb]`` gradient dot products."""
-    if fa.flat is not None:
-        return tf.matmul(fa.flat, fb.flat, transpose_b=True)
-    total = None
-    for (aa, ga), (ab, gb) in zip(fa.factors, fb.factors):
-        k = tf.matmul(ga, gb, transpose_b=True)
-        if aa is not None:
-            k = tf.matmul(aa, ab, transpose_b=True) * k
-        total = k if total is None else total + k
-    if total is None:
-        raise ValueError("no requested variable is reached by the loss.")
-    return total
+    return fa.dots(fb)
 
 
-def _cosine(k: tf.Tensor, fa: _Features, fb: _Features) -> tf.Tensor:
+def _cosine(k: tf.Tensor, fa: GradientFeatures, fb: GradientFeatures) -> tf.Tensor:
     na = tf.sqrt(fa.squared_norms())
     nb = tf.sqrt(fb.squared_norms())
     return tf.math.divide_no_nan(k, na[:, None] * nb[None, :])
@@ -140,8 +90,9 @@ def gradient_similarity(
       cosine: divide by both gradients' norms (0 where a norm is 0).
       method: ``"auto"`` uses the closed form when every watched layer is a
         Dense layer called once on a rank-2 input, else materializes with the
-        ``"auto"`` engine; ``"layerwise"`` behaves like ``"auto"`` and
-        every other engine name always materializes.
+        engine ``"auto"`` picks; ``"layerwise"`` does the same without
+        falling back to another engine, and every other engine name always
+        materializes.
 
     Returns:
       ``K[i, j] = <g_i, h_j>`` (or ``cos``), float64 ``[Ba, Bb]``.
@@ -152,7 +103,7 @@ def gradient_similarity(
     problem = make_problem(model, loss_fn, None, False, False)
     fa = _features(problem, xa, ya, method)
     fb = _features(problem, xb, yb, method)
-    if (fa.flat is None) != (fb.flat is None):  # one batch fell back: both must
+    if fa.factored != fb.factored:  # one batch fell back: both must
         fa = _features(problem, xa, ya, method, materialize=True)
         fb = _features(problem, xb, yb, method, materialize=True)
     k = _dots(fa, fb)
@@ -166,7 +117,7 @@ def _head(x: Any, y: Any, n: int = 2) -> tuple[Any, Any]:
 def uses_closed_form(model: Any, loss_fn: Callable | str, x: Any, y: Any) -> bool:
     """Whether ``gradient_similarity`` takes the Dense closed form on this model."""
     problem = make_problem(model, loss_fn, None, False, False)
-    return _features(problem, x, y, "auto").factors is not None
+    return _features(problem, x, y, "auto").factored
 
 
 @dataclasses.dataclass
@@ -238,7 +189,7 @@ def tracin_scores(
     problem = make_problem(model, loss_fn, None, False, False)
     # One kind of features for every block (whether the closed form holds
     # depends on the model, not on the batch).
-    materialize = _features(problem, *_head(x_train, y_train), method).factors is None
+    materialize = not _features(problem, *_head(x_train, y_train), method).factored
     original = model.get_weights()
 
     def chunk(x, y, start):

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 from per_example_grads import _lazy
 
 _EXPORTS = {
+    "GradientAccumulator": "per_example_grads.dp.accumulation",
+    "AccountantFallbackWarning": "per_example_grads.dp.accounting",
     "PrivacyAccountant": "per_example_grads.dp.accounting",
     "adaptive_clipping_noise_multiplier": "per_example_grads.dp.accounting",
     "compute_epsilon": "per_example_grads.dp.accounting",
@@ -50,6 +52,8 @@ __all__ = sorted([*_EXPORTS, *_SUBPACKAGES], key=str.lower)
 
 if _TYPE_CHECKING:  # what static tools see; at run time __getattr__ does this
     from per_example_grads.dp import audit  # noqa: F401
+    from per_example_grads.dp.accumulation import GradientAccumulator  # noqa: F401
+    from per_example_grads.dp.accounting import AccountantFallbackWarning  # noqa: F401
     from per_example_grads.dp.accounting import PrivacyAccountant  # noqa: F401
     from per_example_grads.dp.accounting import adaptive_clipping_noise_multiplier  # noqa: F401
     from per_example_grads.dp.accounting import compute_epsilon  # noqa: F401

@@ -132,9 +132,26 @@ import dp_accounting
 import scipy.fft
 from dp_accounting import pld, rdp
 
+from per_example_grads._core.arguments import (
+    check_choice,
+    check_count,
+    check_delta,
+    check_noise_multiplier,
+    check_positive_int,
+    check_real,
+    check_sampling_probability,
+)
 from per_example_grads._core.quiet import quiet_accounting
 
 ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
+
+
+class AccountantFallbackWarning(UserWarning):
+    """The PLD accountant was past its cost bounds, so the RDP accountant answered: a valid, looser bound.
+
+    Its own class so that a caller (``pegrad epsilon``) can tell which
+    accountant gave the epsilon it reports.
+    """
 SAMPLINGS: tuple[str, ...] = ("poisson", "shuffle")
 
 # The PLD accountant's bounds (see "Bounded cost" in the module docstring).
@@ -244,12 +261,12 @@ class PrivacyAccountant:
         sampling: str = "poisson",
         extra_noise_multipliers: Iterable[float] = (),
     ):
-        self._noise_multiplier = _check_noise_multiplier(noise_multiplier)
-        self._sampling_probability = _check_sampling_probability(sampling_probability)
-        self._accountant = _check_choice("accountant", accountant, ACCOUNTANTS)
-        self._sampling = _check_choice("sampling", sampling, SAMPLINGS)
+        self._noise_multiplier = check_noise_multiplier(noise_multiplier)
+        self._sampling_probability = check_sampling_probability(sampling_probability)
+        self._accountant = check_choice("accountant", accountant, ACCOUNTANTS)
+        self._sampling = check_choice("sampling", sampling, SAMPLINGS)
         self._extra = tuple(
-            _check_noise_multiplier(s, f"extra_noise_multipliers[{i}]")
+            check_noise_multiplier(s, f"extra_noise_multipliers[{i}]")
             for i, s in enumerate(_as_list("extra_noise_multipliers", extra_noise_multipliers))
         )
         self._segments: list[_Segment] = []
@@ -304,9 +321,9 @@ class PrivacyAccountant:
         accountant's defaults for these ``n`` steps only (the extra noise
         multipliers still apply).
         """
-        n = _check_count("n", n)
-        sigma = self._noise_multiplier if noise_multiplier is None else _check_noise_multiplier(noise_multiplier)
-        q = self._sampling_probability if sampling_probability is None else _check_sampling_probability(sampling_probability)
+        n = check_count("n", n, MAX_STEPS)
+        sigma = self._noise_multiplier if noise_multiplier is None else check_noise_multiplier(noise_multiplier)
+        q = self._sampling_probability if sampling_probability is None else check_sampling_probability(sampling_probability)
         self._record(_Segment(_STEP, (sigma, *self._extra), q, n))
 
     def compose_gaussian(
@@ -320,9 +337,9 @@ class PrivacyAccountant:
         batch as a step belongs in ``extra_noise_multipliers`` instead, which
         accounts for it exactly rather than as a separate release.
         """
-        sigma = _check_noise_multiplier(noise_multiplier)
-        q = _check_sampling_probability(sampling_probability)
-        self._record(_Segment(_RELEASE, (sigma,), q, _check_count("count", count)))
+        sigma = check_noise_multiplier(noise_multiplier)
+        q = check_sampling_probability(sampling_probability)
+        self._record(_Segment(_RELEASE, (sigma,), q, check_count("count", count, MAX_STEPS)))
 
     def _record(self, segment: _Segment) -> None:
         if segment.count == 0:
@@ -348,7 +365,7 @@ class PrivacyAccountant:
         the cost bounds of "Bounded cost" in the module docstring: beyond
         them the RDP accountant answers, with a ``UserWarning``.
         """
-        delta = _check_delta(delta)
+        delta = check_delta(delta)
         if delta not in self._epsilons:
             self._epsilons[delta] = _epsilon(self._accountant, self._segments, delta)
         return self._epsilons[delta]
@@ -388,13 +405,13 @@ class PrivacyAccountant:
         for i, seg in enumerate(_as_list("state['segments']", segments)):
             where = f"state['segments'][{i}]"
             try:
-                kind = _check_choice(f"{where}['kind']", seg["kind"], (_STEP, _RELEASE))
+                kind = check_choice(f"{where}['kind']", seg["kind"], (_STEP, _RELEASE))
                 sigmas = tuple(
-                    _check_noise_multiplier(s, f"{where}['noise_multipliers']")
+                    check_noise_multiplier(s, f"{where}['noise_multipliers']")
                     for s in _as_list(f"{where}['noise_multipliers']", seg["noise_multipliers"])
                 )
-                q = _check_sampling_probability(seg["sampling_probability"], f"{where}['sampling_probability']")
-                count = _check_count(f"{where}['count']", seg["count"])
+                q = check_sampling_probability(seg["sampling_probability"], f"{where}['sampling_probability']")
+                count = check_count(f"{where}['count']", seg["count"], MAX_STEPS)
             except (KeyError, TypeError) as e:
                 raise ValueError(f"{where} is not a segment from get_state(): {e!r}.") from None
             if not sigmas:
@@ -444,18 +461,18 @@ def dp_sgd_schedule(
       >>> dp_sgd_schedule(60_000, 256, 60)
       (0.004266666666666667, 14063)
     """
-    n = _check_positive_int("num_examples", num_examples)
-    b = _check_real("batch_size", batch_size)
+    n = check_positive_int("num_examples", num_examples)
+    b = check_real("batch_size", batch_size)
     if not b > 0:
         raise ValueError(f"batch_size must be > 0; got {batch_size!r}.")
-    cycle = _check_positive_int("cycle_length", cycle_length)
+    cycle = check_positive_int("cycle_length", cycle_length)
     if b * cycle > n:
         what = f"batch_size * cycle_length ({batch_size!r} * {cycle})" if cycle > 1 else f"batch_size ({batch_size!r})"
         raise ValueError(f"{what} must be <= num_examples ({num_examples!r}).")
     if sampling_probability is None:
         q = b * cycle / n
     else:
-        q = _check_sampling_probability(sampling_probability)
+        q = check_sampling_probability(sampling_probability)
         if abs(q - b * cycle / n) > 1e-9 * q:
             ratio = f"{cycle} * batch_size / num_examples = {cycle} * " if cycle > 1 else "batch_size / num_examples = "
             raise ValueError(
@@ -469,11 +486,11 @@ def dp_sgd_schedule(
                 f"give epochs or steps, not both (got epochs={epochs!r}, steps={steps!r}): steps would "
                 "silently win."
             )
-        steps = _check_count("steps", steps)
+        steps = check_count("steps", steps, MAX_STEPS)
     else:
         if epochs is None:
             raise ValueError("epochs is required unless steps is given.")
-        e = _check_real("epochs", epochs)
+        e = check_real("epochs", epochs)
         if not e > 0:
             raise ValueError(f"epochs must be > 0; got {epochs!r}.")
         steps = math.ceil(_exact(epochs) * n / _exact(batch_size))
@@ -529,11 +546,11 @@ def compute_epsilon(
       >>> 2 < eps < 4
       True
     """
-    sigma = _check_noise_multiplier(noise_multiplier)
+    sigma = check_noise_multiplier(noise_multiplier)
     q, steps = dp_sgd_schedule(num_examples, batch_size, epochs, steps, sampling_probability, _cycle_of(mechanism))
     delta = check_run_delta(delta, num_examples)
-    accountant = _check_choice("accountant", accountant, ACCOUNTANTS)
-    if _check_choice("sampling", sampling, SAMPLINGS) == "shuffle":
+    accountant = check_choice("accountant", accountant, ACCOUNTANTS)
+    if check_choice("sampling", sampling, SAMPLINGS) == "shuffle":
         warnings.warn(SHUFFLE_WARNING, UserWarning, stacklevel=2)
     return _epsilon(accountant, _run_segments(sigma, q, steps, mechanism), delta)
 
@@ -546,7 +563,7 @@ def _run_segments(sigma: float, q: float, steps: int, mechanism: Any = None) -> 
     """The ledger of ``steps`` steps at ``(sigma, q)`` with ``mechanism`` (None: DP-SGD), as ``_Segment`` s."""
     if mechanism is not None:
         sigma, q, steps = mechanism.accounted_as(sigma, q, steps)
-        sigma, q, steps = _check_noise_multiplier(sigma), _check_sampling_probability(q), _check_count("steps", steps)
+        sigma, q, steps = check_noise_multiplier(sigma), check_sampling_probability(q), check_count("steps", steps, MAX_STEPS)
     return [_Segment(_STEP, (sigma,), q, steps)] if steps else []
 
 
@@ -593,16 +610,16 @@ def noise_multiplier_for_epsilon(
       >>> compute_epsilon(60_000, 256, 5, sigma, 1e-5, accountant="rdp") <= 2.0
       True
     """
-    target = _check_real("target_epsilon", target_epsilon)
+    target = check_real("target_epsilon", target_epsilon)
     if not target > 0:
         raise ValueError(f"target_epsilon must be > 0; got {target_epsilon!r}.")
-    rtol = _check_real("rtol", rtol)
+    rtol = check_real("rtol", rtol)
     if not 0 < rtol < 1:
         raise ValueError(f"rtol must be in (0, 1); got {rtol!r}.")
     q, steps = dp_sgd_schedule(num_examples, batch_size, epochs, steps, sampling_probability, _cycle_of(mechanism))
     delta = check_run_delta(delta, num_examples)
-    accountant = _check_choice("accountant", accountant, ACCOUNTANTS)
-    if _check_choice("sampling", sampling, SAMPLINGS) == "shuffle":
+    accountant = check_choice("accountant", accountant, ACCOUNTANTS)
+    if check_choice("sampling", sampling, SAMPLINGS) == "shuffle":
         warnings.warn(SHUFFLE_WARNING, UserWarning, stacklevel=2)
     if steps == 0:
         raise ValueError("steps is 0: no noise is needed for zero steps.")
@@ -813,11 +830,11 @@ def adaptive_clipping_noise_multiplier(
       >>> round(adaptive_clipping_noise_multiplier(1.0, 5.0), 4)
       1.005
     """
-    sigma = _check_real("total_noise_multiplier", total_noise_multiplier)
+    sigma = check_real("total_noise_multiplier", total_noise_multiplier)
     if not sigma > 0:
         raise ValueError(f"total_noise_multiplier must be > 0; got {total_noise_multiplier!r}.")
     if expected_batch_size is not None:
-        batch = _check_real("expected_batch_size", expected_batch_size)
+        batch = check_real("expected_batch_size", expected_batch_size)
         if not batch > 0:
             raise ValueError(f"expected_batch_size must be > 0; got {expected_batch_size!r}.")
     if clipped_count_stddev is None:
@@ -825,7 +842,7 @@ def adaptive_clipping_noise_multiplier(
             raise ValueError("give clipped_count_stddev, or expected_batch_size for its default expected_batch_size / 20.")
         sigma_b = batch / 20
     else:
-        sigma_b = _check_real("clipped_count_stddev", clipped_count_stddev)
+        sigma_b = check_real("clipped_count_stddev", clipped_count_stddev)
         if not sigma_b > 0:
             raise ValueError(f"clipped_count_stddev must be > 0; got {clipped_count_stddev!r}.")
     if not sigma < 2 * sigma_b:
@@ -880,7 +897,7 @@ def _epsilon(accountant: str, segments: list[_Segment], delta: float) -> float:
                 f"{what}: the PLD accountant would need {cost} (estimated, past the bound of {_bounds()}), so "
                 "epsilon comes from the RDP accountant: a valid upper bound, looser than PLD's. "
                 "accountant='rdp' skips the estimate.",
-                UserWarning,
+                AccountantFallbackWarning,
                 stacklevel=3,
             )
             return epsilon
@@ -1093,7 +1110,7 @@ def _format_seconds(s: float) -> str:
 
 
 # --------------------------------------------------------------------------
-# Argument checks: every error names the argument.
+# Argument checks beyond the scalar ones of per_example_grads._core.arguments.
 # --------------------------------------------------------------------------
 
 
@@ -1102,38 +1119,8 @@ def _exact(x: Any) -> Fraction:
     return Fraction(int(x)) if isinstance(x, numbers.Integral) else Fraction(repr(float(x)))
 
 
-def _check_real(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number; got {value!r}.")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite; got {value!r}.")
-    return value
-
-
-def _check_noise_multiplier(value: Any, name: str = "noise_multiplier") -> float:
-    sigma = _check_real(name, value)
-    if sigma < 0:
-        raise ValueError(f"{name} must be >= 0 (0 means no noise, epsilon = inf); got {value!r}.")
-    return sigma
-
-
-def _check_sampling_probability(value: Any, name: str = "sampling_probability") -> float:
-    q = _check_real(name, value)
-    if not 0 < q <= 1:
-        raise ValueError(f"{name} must be in (0, 1]; got {value!r}.")
-    return q
-
-
-def _check_delta(value: Any) -> float:
-    delta = _check_real("delta", value)
-    if not 0 < delta < 1:
-        raise ValueError(f"delta must be in (0, 1); got {value!r}.")
-    return delta
-
-
 def check_run_delta(value: Any, num_examples: int) -> float:
-    delta = _check_delta(value)
+    delta = check_delta(value)
     if delta >= 1 / num_examples:
         warnings.warn(
             f"delta={delta:g} is >= 1/num_examples = {1 / num_examples:g}; publishing one "
@@ -1143,30 +1130,6 @@ def check_run_delta(value: Any, num_examples: int) -> float:
             stacklevel=3,
         )
     return delta
-
-
-def _check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer; got {value!r}.")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1; got {value!r}.")
-    return int(value)
-
-
-def _check_count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer; got {value!r}.")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0; got {value!r}.")
-    if value > MAX_STEPS:
-        raise ValueError(f"{name} must be <= {MAX_STEPS:.0e}; got {value!r}.")
-    return int(value)
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}.")
-    return value
 
 
 def _as_list(name: str, value: Any) -> list:

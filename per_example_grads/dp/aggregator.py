@@ -1,7 +1,19 @@
-"""``DPAggregator``: one DP-SGD step (clip, noise, divide, count), written once.
+"""The DP-SGD step (clip, noise, divide, count), written once.
 
-``DPModel``, ``GradientAccumulator`` (DP mode) and ``private_gradients`` all
-take their steps through this module:
+Every DP path takes its steps through this module, in two phases:
+
+1. the *contribution*: ``clipped_sum`` (the sum of the clipped per-example
+   gradients of one batch, with their norms);
+2. the *release*: ``noised_average`` (the noise, drawn once, and the
+   divisor), plus ``add_regularization``.
+
+``DPAggregator.step`` is both phases on one batch, with the step counter,
+the ledger, adaptive clipping and an audit's canaries (``DPModel``);
+``GradientAccumulator`` (DP mode) adds the contributions of its
+micro-batches and calls ``DPAggregator.release`` once per logical batch;
+``private_gradients``, one-shot and stateless, calls ``clipped_sum``,
+``batch_divisor``, ``noised_average`` and ``add_regularization``
+themselves. So all three compute:
 
     g_tilde_t = ( sum_{i in batch} clip_C(g_i) + N(0, (sigma C)^2 I) ) / D  (+ grad R)
 
@@ -39,7 +51,8 @@ import keras
 import tensorflow as tf
 
 from per_example_grads._core import replicas
-from per_example_grads._core.arguments import check_dp_arguments, total_clip
+from per_example_grads._core.arguments import check_dp_arguments, check_positive_int, total_clip
+from per_example_grads._core.batch import make_batch
 from per_example_grads.clipping import clipped_sums_and_predictions, dense_sums
 from per_example_grads.dp import adaptive as adaptive_clipping
 from per_example_grads.dp.accounting import adaptive_clipping_noise_multiplier
@@ -65,6 +78,8 @@ class ClippedSum:
         is None); ``()`` when that pass gave none (an engine that runs no
         forward pass of the batch).
       rows: ``[b]`` int64 indices of the rows that were computed, or None.
+      selection: with sparse embedding noise, the ``(keys, counts)`` of the
+        batch's row contributions (``SparseSelection.contribution_counts``).
     """
 
     sums: list
@@ -72,6 +87,7 @@ class ClippedSum:
     real: tf.Tensor
     predictions: Any = ()
     rows: tf.Tensor | None = None
+    selection: Any = None
 
     @property
     def nonfinite(self) -> tf.Tensor:
@@ -94,6 +110,107 @@ def noised_average(
     if mechanism is not None:
         noise = mechanism.correlate(noise, step)
     return [(s + n) / tf.cast(divisor, s.dtype) for s, n in zip(sums, noise)]
+
+
+@dataclasses.dataclass
+class DPStep:
+    """What ``DPAggregator.step`` did: the release and what the training loop reports of it.
+
+    Attributes:
+      gradients: the noisy average (plus the regularizers' gradient), one
+        ``[*var.shape]`` per variable, for ``optimizer.apply_gradients``.
+      clipped: the batch's ``ClippedSum`` (norms, predictions, rows).
+      clipped_count, counted: scalar float32, over all replicas: the real
+        examples whose norm exceeded the clip norm in force *before* the
+        release (an adaptive one moves in it), and the real examples.
+    """
+
+    gradients: list
+    clipped: ClippedSum
+    clipped_count: tf.Tensor
+    counted: tf.Tensor
+
+    @property
+    def clipped_fraction(self) -> tf.Tensor:
+        """``clipped_count / counted``, 0 for a step without real examples."""
+        return tf.math.divide_no_nan(self.clipped_count, self.counted)
+
+
+def batch_divisor(rows) -> tf.Tensor:
+    """The divisor when no ``expected_batch_size`` is given: the rows of the (global) batch, at least 1.
+
+    ``rows`` counts the rows the batch was padded or cut to, a constant of
+    the input pipeline, never its realized (real-row) count, which the
+    noise's scale would reveal. Inside ``strategy.run``, summed over replicas.
+    """
+    return tf.maximum(replicas.global_sum(tf.cast(rows, tf.float32)), 1.0)
+
+
+def add_regularization(grads: Sequence, regularization: Sequence | None) -> list:
+    """``grads[k] + regularization[k]`` (cast to the gradient's dtype); ``grads`` when there is none.
+
+    A ``tf.IndexedSlices`` entry (a table under sparse embedding noise, which
+    ``SparseEmbeddings.bind`` allows only without a regularizer, so its entry
+    is zeros) is kept as it is: adding a dense tensor would make it dense.
+    """
+    if regularization is None:
+        return list(grads)
+    return [g if isinstance(g, tf.IndexedSlices) else g + tf.cast(r, g.dtype) for g, r in zip(grads, regularization)]
+
+
+def clipped_sum(
+    model,
+    loss_fn,
+    x,
+    y=None,
+    sample_weight=None,
+    *,
+    l2_norm_clip,
+    method: str = "auto",
+    training: bool = True,
+    variables: Sequence | None = None,
+    physical_batch_size: int | None = None,
+) -> ClippedSum:
+    """``sum_i clip_C(g_i)`` over the batch (in physical chunks if given), with the ``[B]`` norms.
+
+    ``l2_norm_clip`` is checked already (``check_clip``). Rows of weight 0
+    (a Poisson batch's padding) contribute exactly nothing, so outside XLA
+    most of them are not computed: the real rows are gathered first, padded
+    with zero-weight rows to a multiple of a bucket size
+    (``_bucketed_real_rows``), and physical chunks cover only them. The
+    result is the same; the *time* a step takes then grows with the realized
+    batch size, which an observer of the timing could learn (as with
+    Opacus's Poisson sampling). Under XLA, which needs static shapes, every
+    row is computed.
+
+    Raises:
+      TypeError, ValueError: the inputs, as ``make_batch`` checks them.
+    """
+    batch = make_batch(model, x, y, sample_weight)
+    args = dict(l2_norm_clip=l2_norm_clip, method=method, training=training, variables=variables)
+    x, y, sample_weight = batch["x"], batch.get("y"), batch.get("sample_weight")
+    rows = tf.shape(tf.nest.flatten(x)[0])[0]
+    data = {"x": x} | ({} if y is None else {"y": y})
+    if sample_weight is None:
+        real, keep = tf.ones([rows]), None
+    else:
+        real = tf.cast(tf.not_equal(sample_weight, 0), tf.float32)
+        data["sample_weight"] = sample_weight
+        keep = None if in_xla_context() else _bucketed_real_rows(real)
+    if keep is not None:
+        data = tf.nest.map_structure(lambda t: tf.gather(t, keep), data)
+    if physical_batch_size is None:
+        sums, norms, predictions = clipped_sums_and_predictions(
+            model, loss_fn, data["x"], data.get("y"), sample_weight=data.get("sample_weight"), **args
+        )
+    else:
+        sums, norms, predictions = _chunked(model, loss_fn, data, args, physical_batch_size)
+    if isinstance(norms, dict):
+        norms = tf.sqrt(tf.add_n([tf.square(tf.cast(n, tf.float32)) for n in norms.values()]))
+    norms = tf.cast(norms, tf.float32)
+    if keep is not None:  # back to the batch's rows; padding has norm 0
+        norms = tf.scatter_nd(keep[:, None], norms, [rows])
+    return ClippedSum(sums, norms, real, predictions, keep)
 
 
 def regularization_gradients(model: Any, variables: Sequence) -> list | None:
@@ -157,6 +274,11 @@ class DPAggregator(keras.layers.Layer):
         (``peg.dp.audit.GradientCanaries``, set by its ``attach``): the one
         hook of this class, read by ``release`` only. None (the default) leaves
         every release exactly as without it.
+      sparse: None, or the ``SparseSelection`` of sparse embedding noise
+        (``per_example_grads.dp.sparse_embeddings``, set by the owner from its
+        ``sparse_embeddings``): ``clipped_sum`` then also counts the rows each
+        example looks up, and ``release`` updates only the selected rows of
+        those tables. None (the default) leaves every step as without it.
     """
 
     def __init__(
@@ -187,8 +309,7 @@ class DPAggregator(keras.layers.Layer):
         check_method(method)
         self.method, self.training = method, training
         if physical_batch_size is not None:
-            if isinstance(physical_batch_size, bool) or not isinstance(physical_batch_size, int) or physical_batch_size < 1:
-                raise ValueError(f"physical_batch_size must be a positive int; got {physical_batch_size!r}.")
+            physical_batch_size = check_positive_int("physical_batch_size", physical_batch_size)
             if not isinstance(clip, float) and not tf.is_tensor(clip):
                 raise ValueError("physical_batch_size supports a single (flat) l2_norm_clip.")
         self.physical_batch_size = physical_batch_size
@@ -208,6 +329,7 @@ class DPAggregator(keras.layers.Layer):
         self.poisson = _ledger_variable(1, "int64", "poisson")
         self._noise = noise_source(seed)
         self.canaries = None  # a privacy audit's hook (see ``release``); not a weight, never saved
+        self.sparse = None  # sparse embedding noise (see ``release``); set by the owner
         self.built = True
 
     # -- the step --------------------------------------------------------
@@ -221,135 +343,66 @@ class DPAggregator(keras.layers.Layer):
         return tf.convert_to_tensor(self.l2_norm_clip) if isinstance(self.l2_norm_clip, keras.Variable) else self.l2_norm_clip
 
     def clipped_sum(self, model, loss_fn, x, y=None, sample_weight=None, *, variables=None) -> ClippedSum:
-        """``sum_i clip_C(g_i)`` over the batch (in physical chunks if configured), with the ``[B]`` norms.
+        """The module's ``clipped_sum`` at this aggregator's clip norm, engine and physical batch size.
 
-        Rows of weight 0 (a Poisson batch's padding) contribute exactly
-        nothing, so outside XLA most of them are not computed: the real rows
-        are gathered first, padded with zero-weight rows to a multiple of a
-        bucket size (``_bucketed_real_rows``), and physical chunks cover only
-        them. The result is the same; the *time* a step takes then grows with
-        the realized batch size, which an observer of the timing could learn
-        (as with Opacus's Poisson sampling). Under XLA, which needs static
-        shapes, every row is computed.
+        With sparse embedding noise (``sparse``), also the contributions of
+        the rows each real example looks up, over the whole logical batch
+        (``ClippedSum.selection``).
         """
-        args = dict(l2_norm_clip=self.clip(), method=self.method, training=self.training, variables=variables)
-        rows = tf.shape(tf.nest.flatten(x)[0])[0]
-        data = {"x": x} | ({} if y is None else {"y": y})
-        if sample_weight is None:
-            real, keep = tf.ones([rows]), None
-        else:
-            real = tf.cast(tf.not_equal(sample_weight, 0), tf.float32)
-            data["sample_weight"] = sample_weight
-            keep = None if in_xla_context() else _bucketed_real_rows(real)
-        if keep is not None:
-            data = tf.nest.map_structure(lambda t: tf.gather(t, keep), data)
-        if self.physical_batch_size is None:
-            sums, norms, predictions = clipped_sums_and_predictions(
-                model, loss_fn, data["x"], data.get("y"), sample_weight=data.get("sample_weight"), **args
-            )
-        else:
-            sums, norms, predictions = self._chunked(model, loss_fn, data, args)
-        if isinstance(norms, dict):
-            norms = tf.sqrt(tf.add_n([tf.square(tf.cast(n, tf.float32)) for n in norms.values()]))
-        norms = tf.cast(norms, tf.float32)
-        if keep is not None:  # back to the batch's rows; padding has norm 0
-            norms = tf.scatter_nd(keep[:, None], norms, [rows])
-        return ClippedSum(sums, norms, real, predictions, keep)
-
-    def _chunked(self, model, loss_fn, data, args):
-        """Clipped sums, norms and predictions of ``data``'s rows, ``physical_batch_size`` at a time, in a loop.
-
-        Outside XLA the chunks are the rows ``[i P, (i + 1) P)``, the last
-        one shorter: no padding is computed beyond the bucket that
-        ``clipped_sum`` rounded the real rows up to, so the last chunk takes
-        one of a few sizes (multiples of that bucket) and TensorFlow's
-        per-shape kernel set-up is reused (``_bucketed_real_rows``). Padded
-        to whole chunks, the last chunk computed ``P / 2`` padding rows per
-        step on average. Under XLA, which needs static shapes, every chunk
-        has ``P`` rows, the last zero-padded (weight 0).
-
-        The predictions of every chunk's pass are kept (``()`` when its
-        engine gives none), so a training step needs no extra forward pass
-        for its loss and metrics (they hold the logical batch's outputs, as
-        that pass did: for a language model its ``[B, T, V]`` logits). An
-        embedding table's ``tf.IndexedSlices`` sums are kept as rows, made
-        dense once (with the noise), not per chunk. One chunk's step is
-        traced once, as a function, so that the loop knows the structure of
-        its outputs before it starts.
-        """
-        n = tf.shape(tf.nest.flatten(data)[0])[0]
-        p = self.physical_batch_size
-        # Every row weighs 1 unless weighted; zero padding then weighs 0.
-        rows = {"sample_weight": tf.ones([n])} | data
-        fixed = in_xla_context()
-        if fixed:
-            chunks, count = split_into_chunks(rows, p)
-            spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), chunks)
-            take = lambda i: tf.nest.map_structure(lambda t: t[i], chunks)  # noqa: E731
-        else:
-            count = tf.maximum(1, (n + p - 1) // p)
-            spec = tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), rows)
-            take = lambda i: tf.nest.map_structure(lambda t: t[i * p : (i + 1) * p], rows)  # noqa: E731
-        variables = args["variables"] if args["variables"] is not None else model.trainable_variables
-
-        def one_chunk(part):
-            s, m, pred = clipped_sums_and_predictions(
-                model, loss_fn, part["x"], part.get("y"), sample_weight=part["sample_weight"], **args
-            )
-            return s, tf.cast(m, tf.float32), pred
-
-        step = tf.function(one_chunk, autograph=False).get_concrete_function(spec)
-        sums_spec, _, predictions_spec = step.structured_outputs
-        sliced = [isinstance(t, tf.IndexedSlices) for t in sums_spec]
-
-        def array(t, rows_vary=not fixed):
-            return tf.TensorArray(t.dtype, size=count, element_shape=None if rows_vary else t.shape, infer_shape=not rows_vary)
-
-        def start(t, is_sliced):  # a dense running sum, or the rows (values, indices) of every chunk
-            return (array(t.values, True), array(t.indices, True)) if is_sliced else tf.zeros(t.shape, t.dtype)
-
-        def add(i, total, t, is_sliced):
-            return (total[0].write(i, t.values), total[1].write(i, t.indices)) if is_sliced else total + t
-
-        def body(i, sums, norms, predictions):
-            s, m, pred = step(take(i))
-            written = tf.nest.map_structure(lambda a, t: a.write(i, t), predictions, pred)
-            return i + 1, [add(i, a, b, k) for a, b, k in zip(sums, s, sliced)], norms.write(i, m), written
-
-        _, sums, norms, predictions = tf.while_loop(
-            lambda i, *_: i < count,
-            body,
-            (
-                tf.constant(0),
-                [start(t, k) for t, k in zip(sums_spec, sliced)],
-                array(tf.TensorSpec([None])),
-                tf.nest.map_structure(array, predictions_spec),
-            ),
+        clipped = clipped_sum(
+            model, loss_fn, x, y, sample_weight, l2_norm_clip=self.clip(), method=self.method,
+            training=self.training, variables=variables, physical_batch_size=self.physical_batch_size,
         )
+        if self.sparse is not None:
+            self.sparse.check_context()
+            clipped.selection = self.sparse.contribution_counts(x, clipped.real)
+        return clipped
 
-        def rows_of(a, t):  # the n rows: chunks concatenated, or [C, P, ...] stacked and the padding cut
-            if fixed:
-                stacked = a.stack()
-                return tf.reshape(stacked, tf.concat([[-1], tf.shape(stacked)[2:]], 0))[:n]
-            out = a.concat()
-            out.set_shape(t.shape)  # [None, ...] as one chunk's
-            return out
+    def step(
+        self,
+        model,
+        loss_fn,
+        x,
+        y=None,
+        sample_weight=None,
+        *,
+        variables: Sequence | None = None,
+        divisor=None,
+        sampling_probability=None,
+        poisson: bool = True,
+    ) -> DPStep:
+        """One whole DP step on one batch: its clipped sum, then one ``release`` of it.
 
-        sums = [
-            tf.IndexedSlices(total[0].concat(), total[1].concat(), tf.constant([int(d) for d in v.shape], tf.int64)) if k else total
-            for total, k, v in zip(sums, sliced, variables)
-        ]
-        return sums, rows_of(norms, tf.TensorSpec([None])), tf.nest.map_structure(rows_of, predictions, predictions_spec)
+        Args:
+          variables: what the gradients are of (default
+            ``model.trainable_variables``); the regularizers' gradient is
+            taken w.r.t. them.
+          divisor: default ``divisor(rows)``.
+          sampling_probability, poisson: for the ledger, as in ``release``.
+
+        Returns:
+          a ``DPStep``; its ``clipped_count`` is measured against the clip
+          norm the step clipped with (before an adaptive one moves).
+        """
+        clipped = self.clipped_sum(model, loss_fn, x, y, sample_weight, variables=variables)
+        if divisor is None:
+            divisor = self.divisor(tf.shape(clipped.real)[0])
+        clipped_count, counted = self.clipped_fraction(clipped)
+        regularization = regularization_gradients(model, model.trainable_variables if variables is None else variables)
+        grads = self.release(
+            clipped, divisor, sampling_probability=sampling_probability, poisson=poisson, regularization=regularization
+        )
+        return DPStep(grads, clipped, clipped_count, counted)
 
     def divisor(self, rows):
         """``expected_batch_size``, else the rows of the (global) batch (a constant of the pipeline), at least 1."""
         if self.expected_batch_size is not None:
             return self.expected_batch_size
-        return tf.maximum(replicas.global_sum(tf.cast(rows, tf.float32)), 1.0)
+        return batch_divisor(rows)
 
     def release(
         self,
-        clipped: ClippedSum,
+        clipped: ClippedSum | Sequence,
         divisor,
         *,
         sampling_probability=None,
@@ -370,32 +423,75 @@ class DPAggregator(keras.layers.Layer):
         release. The noise, divisor, ledger and mechanism are unchanged.
 
         Args:
+          clipped: the batch's ``ClippedSum``, or only its sums (one
+            ``[*var.shape]`` per variable, ``sum_i clip_C(g_i)`` at this
+            aggregator's clip norm: a ``GradientAccumulator``'s, added over
+            micro-batches). Adaptive clipping needs the norms, hence a
+            ``ClippedSum``.
           sampling_probability: ``q`` this step was sampled with (None: 1,
             the worst case).
           poisson: whether the batch was Poisson sampled.
+          regularization: the regularizers' gradient, added after the noise
+            (``add_regularization``).
+
+        Raises:
+          ValueError: adaptive clipping given the sums alone.
         """
+        given = clipped if isinstance(clipped, ClippedSum) else None
+        if given is None and self.adaptive is not None:
+            raise ValueError(
+                "adaptive clipping moves its clip norm from the batch's norms: release needs the "
+                "ClippedSum of clipped_sum, not the sums alone."
+            )
+        clipped_sums = given.sums if given is not None else list(clipped)
         step = tf.convert_to_tensor(self.steps)
         clip = self.clip()
-        sums = clipped.sums
+        sums = clipped_sums
         if self.canaries is not None:  # an audit: canaries' clipped gradients (norm C each) join the sum
             sums = self.canaries.insert(sums, step=step, l2_norm_clip=total_clip(clip), sampling_probability=sampling_probability)
-        grads = noised_average(
-            sums, self._gradient_noise_multiplier * total_clip(clip), divisor, self._noise, step=step,
-            mechanism=self.mechanism,
-        )
+        if self.sparse is not None:
+            grads = self._sparse_release(given, sums, clip, divisor, step)
+        else:
+            grads = noised_average(
+                sums, self._gradient_noise_multiplier * total_clip(clip), divisor, self._noise, step=step,
+                mechanism=self.mechanism,
+            )
         if self.canaries is not None:  # and what the release shows of them, for their scores
-            self.canaries.observe(grads, clipped.sums, divisor, step=step)
-        if regularization is not None:
-            grads = [g + tf.cast(r, g.dtype) for g, r in zip(grads, regularization)]
+            self.canaries.observe(grads, clipped_sums, divisor, step=step)
+        grads = add_regularization(grads, regularization)
         if self.adaptive is not None:
             self.l2_norm_clip.assign(
                 adaptive_clipping.updated_clip(
-                    self.adaptive, clip, clipped.norms, clipped.real, divisor,
+                    self.adaptive, clip, given.norms, given.real, divisor,
                     _count_source(self._noise), step=step,
                 )
             )
         self.record_step(sampling_probability, poisson)
         return grads
+
+    def _sparse_release(self, clipped: ClippedSum | None, sums, clip, divisor, step) -> list:
+        """The step with sparse embedding noise: selected rows of the covered tables, dense noise elsewhere.
+
+        The split of the noise and why epsilon is DP-SGD's are stated in
+        ``per_example_grads.dp.sparse_embeddings``.
+        """
+        if clipped is None or clipped.selection is None:
+            raise ValueError(
+                "sparse embedding noise needs the rows each example looked up, which only a DPModel step "
+                "(DPAggregator.clipped_sum) counts; GradientAccumulator does not support sparse_embeddings."
+            )
+        if self.canaries is not None:
+            raise ValueError("a privacy audit's canaries assume the dense release; audit without sparse_embeddings.")
+        sparse = self.sparse
+        selected = sparse.selected_rows(*clipped.selection, self._noise, step)
+        rows = sparse.release(sums, selected, total_clip(clip), divisor, self._noise, step)
+        others = [i for i in range(len(sums)) if i not in rows]
+        dense = noised_average(
+            [sums[i] for i in others], sparse.gradient_noise_multiplier * total_clip(clip), divisor, self._noise,
+            step=step,
+        )
+        grads = dict(zip(others, dense)) | rows
+        return [grads[i] for i in range(len(sums))]
 
     def record_step(self, sampling_probability=None, poisson: bool = True) -> None:
         """Adds one step to the counter and the ledger."""
@@ -412,6 +508,91 @@ class DPAggregator(keras.layers.Layer):
         """``(clipped, counted)``: real examples over the clip norm, and real examples, over all replicas."""
         over = tf.cast(clipped.norms > tf.cast(total_clip(self.clip()), tf.float32), tf.float32)
         return tuple(replicas.global_sum([tf.reduce_sum(over * clipped.real), tf.reduce_sum(clipped.real)]))
+
+
+def _chunked(model, loss_fn, data, args, p):
+    """Clipped sums, norms and predictions of ``data``'s rows, ``p`` (the physical batch size) at a time, in a loop.
+
+    Outside XLA the chunks are the rows ``[i P, (i + 1) P)``, the last
+    one shorter: no padding is computed beyond the bucket that
+    ``clipped_sum`` rounded the real rows up to, so the last chunk takes
+    one of a few sizes (multiples of that bucket) and TensorFlow's
+    per-shape kernel set-up is reused (``_bucketed_real_rows``). Padded
+    to whole chunks, the last chunk computed ``P / 2`` padding rows per
+    step on average. Under XLA, which needs static shapes, every chunk
+    has ``P`` rows, the last zero-padded (weight 0).
+
+    The predictions of every chunk's pass are kept (``()`` when its
+    engine gives none), so a training step needs no extra forward pass
+    for its loss and metrics (they hold the logical batch's outputs, as
+    that pass did: for a language model its ``[B, T, V]`` logits). An
+    embedding table's ``tf.IndexedSlices`` sums are kept as rows, made
+    dense once (with the noise), not per chunk. One chunk's step is
+    traced once, as a function, so that the loop knows the structure of
+    its outputs before it starts.
+    """
+    n = tf.shape(tf.nest.flatten(data)[0])[0]
+    # Every row weighs 1 unless weighted; zero padding then weighs 0.
+    rows = {"sample_weight": tf.ones([n])} | data
+    fixed = in_xla_context()
+    if fixed:
+        chunks, count = split_into_chunks(rows, p)
+        spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), chunks)
+        take = lambda i: tf.nest.map_structure(lambda t: t[i], chunks)  # noqa: E731
+    else:
+        count = tf.maximum(1, (n + p - 1) // p)
+        spec = tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), rows)
+        take = lambda i: tf.nest.map_structure(lambda t: t[i * p : (i + 1) * p], rows)  # noqa: E731
+    variables = args["variables"] if args["variables"] is not None else model.trainable_variables
+
+    def one_chunk(part):
+        s, m, pred = clipped_sums_and_predictions(
+            model, loss_fn, part["x"], part.get("y"), sample_weight=part["sample_weight"], **args
+        )
+        return s, tf.cast(m, tf.float32), pred
+
+    step = tf.function(one_chunk, autograph=False).get_concrete_function(spec)
+    sums_spec, _, predictions_spec = step.structured_outputs
+    sliced = [isinstance(t, tf.IndexedSlices) for t in sums_spec]
+
+    def array(t, rows_vary=not fixed):
+        return tf.TensorArray(t.dtype, size=count, element_shape=None if rows_vary else t.shape, infer_shape=not rows_vary)
+
+    def start(t, is_sliced):  # a dense running sum, or the rows (values, indices) of every chunk
+        return (array(t.values, True), array(t.indices, True)) if is_sliced else tf.zeros(t.shape, t.dtype)
+
+    def add(i, total, t, is_sliced):
+        return (total[0].write(i, t.values), total[1].write(i, t.indices)) if is_sliced else total + t
+
+    def body(i, sums, norms, predictions):
+        s, m, pred = step(take(i))
+        written = tf.nest.map_structure(lambda a, t: a.write(i, t), predictions, pred)
+        return i + 1, [add(i, a, b, k) for a, b, k in zip(sums, s, sliced)], norms.write(i, m), written
+
+    _, sums, norms, predictions = tf.while_loop(
+        lambda i, *_: i < count,
+        body,
+        (
+            tf.constant(0),
+            [start(t, k) for t, k in zip(sums_spec, sliced)],
+            array(tf.TensorSpec([None])),
+            tf.nest.map_structure(array, predictions_spec),
+        ),
+    )
+
+    def rows_of(a, t):  # the n rows: chunks concatenated, or [C, P, ...] stacked and the padding cut
+        if fixed:
+            stacked = a.stack()
+            return tf.reshape(stacked, tf.concat([[-1], tf.shape(stacked)[2:]], 0))[:n]
+        out = a.concat()
+        out.set_shape(t.shape)  # [None, ...] as one chunk's
+        return out
+
+    sums = [
+        tf.IndexedSlices(total[0].concat(), total[1].concat(), tf.constant([int(d) for d in v.shape], tf.int64)) if k else total
+        for total, k, v in zip(sums, sliced, variables)
+    ]
+    return sums, rows_of(norms, tf.TensorSpec([None])), tf.nest.map_structure(rows_of, predictions, predictions_spec)
 
 
 def _count_source(source):

@@ -29,7 +29,8 @@ import functools
 from typing import Any
 import math
 
-from per_example_grads.dp.accounting import ACCOUNTANTS, PrivacyAccountant, _check_choice, _check_count, _check_delta, _check_real
+from per_example_grads._core.arguments import check_choice, check_count, check_delta, check_real
+from per_example_grads.dp.accounting import ACCOUNTANTS, MAX_STEPS, PrivacyAccountant
 
 # The largest number of steps a budget is searched up to.
 MAX_SEARCHED_STEPS = 10**9
@@ -69,15 +70,15 @@ class PrivacyBudget:
         if self.steps is not None:
             if self.epsilon is not None or self.delta is not None:
                 raise ValueError("PrivacyBudget takes either steps or (epsilon, delta), not both.")
-            _check_count("steps", self.steps)
+            check_count("steps", self.steps, MAX_STEPS)
         elif self.epsilon is None or self.delta is None:
             raise ValueError("PrivacyBudget needs epsilon and delta, or steps.")
         else:
-            if not _check_real("epsilon", self.epsilon) > 0:
+            if not check_real("epsilon", self.epsilon) > 0:
                 raise ValueError(f"epsilon must be > 0; got {self.epsilon!r}.")
-            _check_delta(self.delta)
-        _check_choice("accountant", self.accountant, ACCOUNTANTS)
-        if not 0 < _check_real("rtol", self.rtol) < 1:
+            check_delta(self.delta)
+        check_choice("accountant", self.accountant, ACCOUNTANTS)
+        if not 0 < check_real("rtol", self.rtol) < 1:
             raise ValueError(f"rtol must be in (0, 1); got {self.rtol!r}.")
 
     def max_steps(self, *, noise_multiplier: float, sampling_probability: float, mechanism: Any = None) -> int:

@@ -57,6 +57,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from per_example_grads._core.arguments import check_positive_int
 
 
 def _strategies():
@@ -140,12 +141,6 @@ class GaussianNoise(NoiseMechanism):
 
     def get_config(self) -> dict:
         return {}
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer; got {value!r}.")
-    return int(value)
 
 
 class _BufferedMechanism(NoiseMechanism):
@@ -269,9 +264,9 @@ class BandMF(_BufferedMechanism):
     """
 
     def __init__(self, bands: int, num_steps: int, *, cycle_length: int | None = None, name: str = "band_mf"):
-        bands = _positive_int("bands", bands)
-        num_steps = _positive_int("num_steps", num_steps)
-        cycle = bands if cycle_length is None else _positive_int("cycle_length", cycle_length)
+        bands = check_positive_int("bands", bands)
+        num_steps = check_positive_int("num_steps", num_steps)
+        cycle = bands if cycle_length is None else check_positive_int("cycle_length", cycle_length)
         if cycle < bands:
             raise ValueError(
                 f"cycle_length ({cycle}) must be at least bands ({bands}): participations closer than the "
@@ -349,9 +344,9 @@ class BLT(_BufferedMechanism):
         omega: Sequence[float] | None = None,
         name: str = "blt",
     ):
-        buffers = _positive_int("buffers", buffers)
-        num_steps = _positive_int("num_steps", num_steps)
-        cycle = _positive_int("cycle_length", cycle_length)
+        buffers = check_positive_int("buffers", buffers)
+        num_steps = check_positive_int("num_steps", num_steps)
+        cycle = check_positive_int("cycle_length", cycle_length)
         if cycle > num_steps:
             raise ValueError(f"cycle_length ({cycle}) must be at most num_steps ({num_steps}).")
         super().__init__(buffers, cycle, name)

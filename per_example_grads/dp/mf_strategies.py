@@ -88,10 +88,11 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 from typing import Any
 
 import numpy as np
+
+from per_example_grads._core.arguments import check_positive_int
 
 __all__ = [
     "banded_coefficients",
@@ -123,14 +124,6 @@ _MAX_ITERATIONS = 100
 # ----------------------------------------------------------------------------
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be a positive int; got {type(value).__name__} {value!r}.")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int; got {value!r}.")
-    return int(value)
-
-
 def _float_vector(name: str, value: Any) -> np.ndarray:
     """``value`` as a new 1-D finite float64 array, non-empty; real numbers only."""
     array = np.asarray(value)
@@ -156,8 +149,8 @@ def _check_coefficients(coefficients: Any) -> np.ndarray:
 
 
 def _check_schema(n: int, min_separation: Any, max_participations: Any) -> tuple[int, int]:
-    s = _positive_int("min_separation", min_separation)
-    k = _positive_int("max_participations", max_participations)
+    s = check_positive_int("min_separation", min_separation)
+    k = check_positive_int("max_participations", max_participations)
     most = (n - 1) // s + 1
     if k > most:
         raise ValueError(
@@ -242,7 +235,7 @@ def inverse_coefficients(coefficients: np.ndarray, n: int) -> np.ndarray:
       array([ 1.   , -0.5  ,  0.25 , -0.125])
     """
     c = _check_coefficients(coefficients)
-    n = _positive_int("n", n)
+    n = check_positive_int("n", n)
     return _series_inverse(c[:n], n) + 0.0  # + 0.0: no negative zeros
 
 
@@ -274,7 +267,7 @@ def prefix_sum_error(coefficients: np.ndarray, n: int) -> float:
       1.0
     """
     c = _check_coefficients(coefficients)
-    n = _positive_int("n", n)
+    n = check_positive_int("n", n)
     return _prefix_error(_series_inverse(c[:n], n))
 
 
@@ -442,7 +435,7 @@ def sensitivity(
       2.96
     """
     c = _check_coefficients(coefficients)
-    n = _positive_int("n", n)
+    n = check_positive_int("n", n)
     s, k = _check_schema(n, min_separation, max_participations)
     c = c[:n]
     tail = c[1:]
@@ -639,8 +632,8 @@ def banded_coefficients(num_steps: int, bands: int) -> np.ndarray:
       >>> round(prefix_sum_error(c, 64), 2), round(prefix_sum_error([1.0], 64), 2)
       (2.66, 5.7)
     """
-    num_steps = _positive_int("num_steps", num_steps)
-    bands = _positive_int("bands", bands)
+    num_steps = check_positive_int("num_steps", num_steps)
+    bands = check_positive_int("bands", bands)
     if bands > num_steps:
         raise ValueError(f"bands must be at most num_steps={num_steps}; got bands={bands}.")
     return np.array(_banded(num_steps, bands), dtype=np.float64)
@@ -728,8 +721,8 @@ def blt_parameters(
       >>> bool(merit < prefix_sum_error([1.0], n) / 2)
       True
     """
-    num_steps = _positive_int("num_steps", num_steps)
-    buffers = _positive_int("buffers", buffers)
+    num_steps = check_positive_int("num_steps", num_steps)
+    buffers = check_positive_int("buffers", buffers)
     s, k = _check_schema(num_steps, min_separation, max_participations)
     theta, omega = _blt(num_steps, buffers, num_steps if k == 1 else s, k)  # s is moot for k = 1
     return np.array(theta, dtype=np.float64), np.array(omega, dtype=np.float64)
@@ -754,7 +747,7 @@ def blt_coefficients(theta: np.ndarray, omega: np.ndarray, n: int) -> np.ndarray
       array([1.     , 0.25   , 0.125  , 0.0625 , 0.03125])
     """
     theta, omega = _check_blt(theta, omega)
-    n = _positive_int("n", n)
+    n = check_positive_int("n", n)
     powers = theta[None, :] ** np.arange(n - 1, dtype=np.float64)[:, None]  # [n-1, d]
     return np.concatenate([[1.0], powers @ omega])
 
@@ -767,7 +760,7 @@ def _blt_inverse_coefficients(theta: np.ndarray, omega: np.ndarray, n: int) -> n
     Krylov doubling: ``O(n d^2)``.
     """
     theta, omega = _check_blt(theta, omega)
-    n = _positive_int("n", n)
+    n = check_positive_int("n", n)
     transition = np.diag(theta) - np.outer(np.ones_like(theta), omega)
     krylov = np.ones((theta.size, 1))
     power = transition

@@ -23,9 +23,13 @@ import tensorflow as tf
 
 from per_example_grads._core import replicas
 from per_example_grads._core.arguments import check_dp_arguments, total_clip
-from per_example_grads._core.batch import batch_size, make_batch
-from per_example_grads.clipping import clipped_gradients
-from per_example_grads.dp.aggregator import noised_average, regularization_gradients
+from per_example_grads.dp.aggregator import (
+    add_regularization,
+    batch_divisor,
+    clipped_sum,
+    noised_average,
+    regularization_gradients,
+)
 from per_example_grads.dp.noise import NoiseSeed, RepeatedNoiseWarning, stateless_key
 from per_example_grads._core.problem import resolve_variables
 
@@ -90,17 +94,14 @@ def private_gradients(
         l2_norm_clip, noise_multiplier, expected_batch_size
     )
     _warn_if_noise_repeats(seed)
-    sums = clipped_gradients(
-        model, loss_fn, x, y, l2_norm_clip=l2_norm_clip, sample_weight=sample_weight,
-        method=method, variables=variables, training=training,
+    # The DP step's two phases (per_example_grads.dp.aggregator), without its counter and ledger.
+    clipped = clipped_sum(
+        model, loss_fn, x, y, sample_weight, l2_norm_clip=l2_norm_clip, method=method,
+        training=training, variables=variables,
     )
-    if expected_batch_size is None:
-        expected_batch_size = tf.maximum(replicas.global_sum(batch_size(make_batch(model, x))), 1)
-    grads = noised_average(sums, noise_multiplier * total_clip(l2_norm_clip), expected_batch_size, seed)
-    regularization = regularization_gradients(model, resolve_variables(model, variables))
-    if regularization is not None:
-        grads = [g + r for g, r in zip(grads, regularization)]
-    return grads
+    divisor = expected_batch_size if expected_batch_size is not None else batch_divisor(tf.shape(clipped.real)[0])
+    grads = noised_average(clipped.sums, noise_multiplier * total_clip(l2_norm_clip), divisor, seed)
+    return add_regularization(grads, regularization_gradients(model, resolve_variables(model, variables)))
 
 
 _seeds_used: set = set()

@@ -70,6 +70,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import numpy as np
 import tensorflow as tf
 
+from per_example_grads._core.arguments import check_positive_int, check_sampling_probability
 from per_example_grads._core.batch import _check_leading_dims, _to_tensors
 from per_example_grads.dp.noise import hashed_key
 
@@ -147,25 +148,6 @@ class PoissonSampling:
 # --------------------------------------------------------------------------
 
 
-def _check_probability(q: Any) -> float:
-    if isinstance(q, bool) or not isinstance(q, (int, float, np.integer, np.floating)):
-        raise TypeError(
-            f"sampling_probability must be a number in (0, 1]; got {type(q).__name__}."
-        )
-    q = float(q)
-    if not (0.0 < q <= 1.0):  # also rejects NaN
-        raise ValueError(f"sampling_probability must be in (0, 1]; got {q}.")
-    return q
-
-
-def _check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be a positive integer; got {type(value).__name__}.")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive integer; got {value}.")
-    return int(value)
-
-
 def _sampling_key(seed: int | None) -> tf.Tensor:
     """``[2]`` int64 key of the sampling stream: hashed from ``seed``, or from OS entropy."""
     if seed is None:
@@ -204,8 +186,8 @@ def default_max_batch_size(
       >>> default_max_batch_size(60_000, 256 / 60_000)
       376
     """
-    n = _check_positive_int("num_examples", num_examples)
-    q = _check_probability(sampling_probability)
+    n = check_positive_int("num_examples", num_examples)
+    q = check_sampling_probability(sampling_probability)
     if not (0.0 < overflow_probability < 1.0):
         raise ValueError(f"overflow_probability must be in (0, 1); got {overflow_probability}.")
     if q == 1.0:
@@ -356,7 +338,7 @@ def poisson_batches(
       ...     print(xb["ids"].shape, yb, mask.shape, mask.dtype.name)
       (20, 1) None (20,) float32
     """
-    q = _check_probability(sampling_probability)
+    q = check_sampling_probability(sampling_probability)
     xs = _to_tensors("x", x)
     inputs = {"x": xs}
     if y is not None:
@@ -365,15 +347,15 @@ def poisson_batches(
     n = tf.nest.flatten(xs)[0].shape[0]
     if n is None or n == 0:
         raise ValueError(f"x must hold at least one example (leading dimension N >= 1); got N={n}.")
-    cycle = _check_positive_int("cycle_length", cycle_length)
+    cycle = check_positive_int("cycle_length", cycle_length)
     if cycle > n:
         raise ValueError(f"cycle_length ({cycle}) must be at most the number of examples N={n}: every part needs one.")
     if max_batch_size is None:
         max_batch_size = default_max_batch_size(-(-n // cycle), q)
-    m = _check_positive_int("max_batch_size", max_batch_size)
+    m = check_positive_int("max_batch_size", max_batch_size)
     if steps is None:
         steps = max(1, int(math.floor(cycle / q + 0.5)))
-    steps = _check_positive_int("steps", steps)
+    steps = check_positive_int("steps", steps)
     key = _sampling_key(seed)
     if isinstance(first_step, bool) or not isinstance(first_step, (int, np.integer)) or first_step < 0:
         raise ValueError(f"first_step must be a non-negative integer; got {first_step!r}.")
@@ -501,13 +483,13 @@ def poisson_batches_from_dataset(
     """
     if not isinstance(dataset, tf.data.Dataset):
         raise TypeError(f"dataset must be a tf.data.Dataset; got {type(dataset).__name__}.")
-    _check_probability(sampling_probability)
+    check_sampling_probability(sampling_probability)
     cardinality = int(dataset.cardinality())
     if cardinality == tf.data.INFINITE_CARDINALITY:
         raise ValueError("dataset is infinite; Poisson sampling needs a finite set of N examples.")
     limit = None
     if num_examples is not None:
-        num_examples = _check_positive_int("num_examples", num_examples)
+        num_examples = check_positive_int("num_examples", num_examples)
         if cardinality >= 0 and cardinality != num_examples:
             raise ValueError(
                 f"num_examples={num_examples} but the dataset has {cardinality} elements."
@@ -603,7 +585,7 @@ def _stack_chunks(x: Any, y: Any, mask: tf.Tensor, p: int):
 
 
 def _check_chunk_inputs(x: Any, y: Any, mask: Any, physical_batch_size: Any):
-    p = _check_positive_int("physical_batch_size", physical_batch_size)
+    p = check_positive_int("physical_batch_size", physical_batch_size)
     mask = tf.convert_to_tensor(mask)
     if mask.shape.rank != 1:
         raise ValueError(f"mask must have shape [M]; got shape {mask.shape}.")
@@ -701,7 +683,7 @@ def physical_chunks_dataset(
       >>> chunks.element_spec.x.shape, chunks.element_spec.is_last.dtype.name
       (TensorShape([4, 1]), 'bool')
     """
-    p = _check_positive_int("physical_batch_size", physical_batch_size)
+    p = check_positive_int("physical_batch_size", physical_batch_size)
     spec = dataset.element_spec
     if not (isinstance(spec, tuple) and len(spec) == 3):
         raise ValueError(

@@ -27,8 +27,8 @@ from typing import Any
 import keras
 
 from per_example_grads._core import model_inspection
-from per_example_grads.engines.capture import NotCoverable, plan_units
-from per_example_grads.rules.local import LocalRule
+from per_example_grads._core.problem import Problem
+from per_example_grads.engines import ENGINES
 from per_example_grads.rules.rule import RULES, rule_for
 
 
@@ -87,17 +87,18 @@ def validate(model: Any, *, training: bool = True) -> ValidationReport:
     ]
     slow = []
     fallback = []
-    try:
-        units = plan_units(model, model.trainable_variables)
-    except NotCoverable as err:
+    engine = ENGINES["layerwise"]
+    problem = Problem(model, None, None, tuple(model.trainable_variables), training)  # what the engine plans over
+    reason = engine.why_not(problem)
+    if reason:
         slow.append(
-            f"the layer-wise engine cannot cover the model ({err}); per-example gradients "
+            f"the layer-wise engine cannot cover the model ({reason}); per-example gradients "
             "are materialized by a generic engine (B x P memory)"
         )
     else:
-        for u in units:  # one unit per layer, however often it is called
-            if isinstance(u.rule, LocalRule) and u.layer not in coupling:
-                fallback.append(Fallback(u.layer.name, type(u.layer).__name__, why_fallback(u.layer)))
+        for layer in engine.slow_layers(problem):  # one entry per layer, however often it is called
+            if layer not in coupling:
+                fallback.append(Fallback(layer.name, type(layer).__name__, why_fallback(layer)))
         slow += [str(f) for f in fallback]
     return ValidationReport(errors, slow, fallback)
 

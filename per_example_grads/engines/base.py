@@ -12,13 +12,23 @@ An engine has three capabilities, all aligned with ``problem.variables``:
   clipping group ``g`` of variable ``k`` (``clip``, a ``ClipGroups``),
   ``norms`` the ``[B]`` norms ``n_ig`` per group, and ``predictions`` the
   model's outputs on the batch when the engine ran it on the whole batch
-  (else None), so a training step needs no second forward pass.
+  (else None), so a training step needs no second forward pass;
+- ``moments(problem, batch, reference)``: per-variable sums and sums of
+  squares over the batch, per-example squared norms, and dot products with
+  ``reference``; ``features(problem, batch)``: what dot products between two
+  batches' per-example gradients need (both float64, ``engines.moments``);
+- ``sparse_compute(problem, batch)``: ``compute`` with embedding tables'
+  entries as ``PerExampleSlices``, for the engines that have it
+  (``supports_sparse``);
+- ``slow_layers(problem)``: the layers the engine covers by an exact but
+  slower fallback of its own (none by default).
 
-An engine that only computes per-example gradients gets the other two by
-materializing them (``B x P`` memory); the layer-wise engine has its own,
-which never build ``B x P``. Callers go through ``selection.run``, which
-picks the engine (``method="auto"``, with its fallbacks) the same way for
-every capability.
+An engine that only computes per-example gradients gets norms, clipped sums,
+moments and features by materializing them (``B x P`` memory); the
+layer-wise engine has its own, which never build ``B x P`` where its rules
+have closed forms. Callers go through ``selection.run``, which picks the
+engine (``method="auto"``, with its fallbacks) the same way for every
+capability.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from per_example_grads import transforms
+from per_example_grads.engines.moments import GradientFeatures, moments_of
 from per_example_grads._core.batch import Batch
 from per_example_grads._core.example_ops import weighted_example_sum
 from per_example_grads._core.tape import dense_or_zeros, watch_variables
@@ -74,6 +85,14 @@ class Engine:
         squared norms per variable, or None to materialize the gradients.
       native_clipped_sums: the engine's own ``clipped_sums`` (module
         docstring), or None to materialize the gradients.
+      native_moments: the engine's own ``(problem, batch, reference) ->
+        moments dict`` (``engines.moments``), or None to materialize.
+      native_features: the engine's own ``(problem, batch) ->
+        GradientFeatures``, or None to materialize.
+      native_sparse_compute: ``compute`` with embedding tables' entries as
+        ``PerExampleSlices``, or None when the engine has no such form.
+      native_slow_layers: ``problem -> list of layers`` the engine covers by
+        a slower fallback of its own, or None for none.
     """
 
     name: str
@@ -83,6 +102,10 @@ class Engine:
     why_not_batch: Callable[[Problem, Batch], str | None] | None = None
     native_squared_norms: Callable[[Problem, Batch], list] | None = None
     native_clipped_sums: Callable[[Problem, Batch, ClipGroups], tuple] | None = None
+    native_moments: Callable[[Problem, Batch, list], dict] | None = None
+    native_features: Callable[[Problem, Batch], GradientFeatures] | None = None
+    native_sparse_compute: EngineFn | None = None
+    native_slow_layers: Callable[[Problem], list] | None = None
 
     def refusal(self, problem: Problem, batch: Batch | None = None) -> str | None:
         """``why_not(problem)``, else (given the batch) ``why_not_batch(problem, batch)``."""
@@ -110,6 +133,37 @@ class Engine:
             for i in idx:
                 sums[i] = weighted_example_sum(f, grads[i])
         return sums, norms, None
+
+    def moments(self, problem: Problem, batch: Batch, reference: list) -> dict:
+        """``{"sum", "sumsq": lists of [*var.shape], "sqnorms": [n_vars, B], "dots": [B]}``, float64 (``engines.moments``).
+
+        ``reference``: one ``[*var.shape]`` tensor per variable, the other
+        side of ``dots``.
+        """
+        if self.native_moments is not None:
+            return self.native_moments(problem, batch, reference)
+        return moments_of(problem.variables, self.compute(problem, batch), reference)
+
+    def features(self, problem: Problem, batch: Batch, factored: bool = True) -> GradientFeatures:
+        """The batch's ``GradientFeatures``: factors where the engine has them and ``factored``, else materialized."""
+        if factored and self.native_features is not None:
+            return self.native_features(problem, batch)
+        return GradientFeatures.of(self.compute(problem, batch))
+
+    @property
+    def supports_sparse(self) -> bool:
+        """Whether ``sparse_compute`` is available."""
+        return self.native_sparse_compute is not None
+
+    def sparse_compute(self, problem: Problem, batch: Batch) -> list:
+        """Per-example gradients with embedding tables' entries as ``PerExampleSlices`` (``supports_sparse`` engines only)."""
+        if self.native_sparse_compute is None:
+            raise NotImplementedError(f"the {self.name!r} engine has no sparse per-example gradients.")
+        return self.native_sparse_compute(problem, batch)
+
+    def slow_layers(self, problem: Problem) -> list:
+        """The layers of a problem the engine covers (``why_not`` is None) that it runs by a slower fallback of its own."""
+        return [] if self.native_slow_layers is None else self.native_slow_layers(problem)
 
 
 ENGINES: dict[str, Engine] = {}

@@ -5,7 +5,7 @@ Keras 3 has no forward hooks, so capturing replaces a layer's ``call`` on the
 ``self.call`` up on the instance, whatever the model type: Sequential,
 Functional, subclassed, or a layer called inside another layer's ``call``) and
 restores it afterwards. That lookup is the one Keras behaviour this module
-relies on; ``tests/test_layerwise_capture.py`` fails loudly if it changes.
+relies on; the capturing tests of ``tests/test_engine_interface.py`` fail loudly if it changes.
 
 A unit must be called on tensors whose leading axis is the batch. One that is
 not (a mixture-of-experts block flattens ``[B, T, D]`` to ``[B*T, D]`` before

@@ -17,6 +17,7 @@ from per_example_grads import rules as _builtin_rules  # noqa: F401  (registers 
 from per_example_grads._core.batch import Batch, batch_size
 from per_example_grads import transforms
 from per_example_grads.engines.base import ENGINES, ClipGroups, Engine
+from per_example_grads.engines.moments import GradientFeatures, assemble, factored_moments, materialized_moments
 from per_example_grads.errors import EngineError
 from per_example_grads.engines.capture import (
     NotCoverable,
@@ -27,6 +28,7 @@ from per_example_grads.engines.capture import (
     containers_of,
     plan_units,
 )
+from per_example_grads.rules.local import LocalRule
 from per_example_grads.rules.rule import LayerRule
 from per_example_grads._core.example_ops import WIDE, compute_dtype
 from per_example_grads.per_example_slices import PerExampleSlices
@@ -73,10 +75,12 @@ def why_not(problem: Problem) -> str | None:
 
 
 def use_layerwise(method: str, problem: Problem) -> bool:
-    """Whether ``method`` means the layer-wise engine for this problem (for the diagnostics' closed forms).
+    """Whether ``method`` means the layer-wise engine for this problem.
 
     True for ``"layerwise"`` (raising ``EngineError`` with the reason if it
-    cannot cover the model) and for ``"auto"`` when it can.
+    cannot cover the model) and for ``"auto"`` when it can. Deprecated: the
+    diagnostics ask the engine interface (``Engine.moments``,
+    ``Engine.features``) through ``selection.run`` instead.
     """
     if method not in ("auto", "layerwise"):
         return False
@@ -197,12 +201,10 @@ def per_variable_squared_norms(problem: Problem, captured: Captured, for_sums: b
     run at once: a unit's norms wait for those of the unit ``CHAIN_WINDOW``
     places before it, and a unit whose norms build its per-example gradients
     (the rules' defaults: the layer-local fallback) also for the previous
-    such unit, so at most one of those tensors exists at a time. With a
-    window of one (every unit after the previous) the norms lagged behind the
-    backward pass and held its tensors: MobileNetV2's clipped sum peaked at
-    1.46x the batch gradient's memory; with none, ConvNeXt-Tiny's at 1.66x
-    (0.94x with one). A window of three gave 1.05x and 0.93x (B=32,
-    ``benchmarks/RESULTS.md``).
+    such unit, so at most one of those tensors exists at a time. Too small a
+    window lets the norms lag behind the backward pass and hold its
+    tensors; none lets the layer-local fallback's tensors pile up (peak
+    memory of each choice: ``benchmarks/RESULTS.md``).
 
     Args:
       for_sums: a clipped sum follows: each call's rule gets its record's
@@ -333,6 +335,71 @@ def layerwise(problem: Problem, batch: Batch) -> list:
     return per_example_gradients(problem, batch)
 
 
+def _outer_factors(unit: Unit, calls: list) -> list | None:
+    """The rule's ``(A, G)`` per variable of a unit called once, or None (``LayerRule.outer_factors``)."""
+    if len(calls) != 1:
+        return None
+    record, g = calls[0]
+    return unit.rule.outer_factors(unit.layer, record.saved, g)
+
+
+def moments(problem: Problem, batch: Batch, reference: list) -> dict:
+    """``Engine.moments`` from one capture: outer factors where the rule gives them, else that one unit's per-example gradients.
+
+    Units are chained by control dependencies, so one unit's
+    ``[B, *var.shape]`` tensors exist at a time.
+    """
+    refs = {id(v): r for v, r in zip(problem.variables, reference)}
+    captured = capture(problem, batch)
+    found: dict[int, tuple] = {}
+    previous: list = []
+    for unit, calls in captured.by_unit().items():
+        if not calls:
+            continue
+        with tf.control_dependencies(previous):
+            factors = _outer_factors(unit, calls)
+            part = {}
+            if factors is not None:
+                for v, (a, g) in zip(unit.variables, factors):
+                    if id(v) in refs:
+                        part[id(v)] = factored_moments(a, g, refs[id(v)])
+            else:
+                for v, pe in zip(unit.variables, unit_per_example(unit, calls)):
+                    if id(v) in refs:
+                        part[id(v)] = materialized_moments(pe, refs[id(v)])
+        found.update(part)
+        previous = [t for stats in part.values() for t in stats]
+    return assemble(problem.variables, found, captured.batch_size)
+
+
+def features(problem: Problem, batch: Batch) -> GradientFeatures:
+    """``Engine.features``: the outer factors of every reached unit when all have them, else materialized gradients."""
+    captured = capture(problem, batch)
+    wanted = {id(v) for v in problem.variables}
+    factors = []
+    for unit, calls in captured.by_unit().items():
+        if not calls or not any(id(v) in wanted for v in unit.variables):
+            continue  # not requested, or the loss does not reach it (zero gradients)
+        unit_factors = _outer_factors(unit, calls)
+        if unit_factors is None:
+            return GradientFeatures.of(per_example_gradients(problem, batch))
+        factors += [
+            (None if a is None else tf.cast(a, tf.float64), tf.cast(g, tf.float64))
+            for v, (a, g) in zip(unit.variables, unit_factors) if id(v) in wanted
+        ]
+    return GradientFeatures(factors=factors)
+
+
+def sparse_per_example_gradients(problem: Problem, batch: Batch) -> list:
+    """``per_example_gradients`` with embedding tables' entries as ``PerExampleSlices``."""
+    return per_example_gradients(problem, batch, sparse=True)
+
+
+def slow_layers(problem: Problem) -> list:
+    """The layers of the unit plan on the layer-local rule (one VJP per example): exact, slower than a closed form."""
+    return [u.layer for u in units_of(problem) if isinstance(u.rule, LocalRule)]
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerwiseEngine(Engine):
     """The layer-wise engine; its norms are ``example_norms``' (``Engine.norms`` would return float64 norms of its float64 squared norms)."""
@@ -344,4 +411,6 @@ class LayerwiseEngine(Engine):
 ENGINES["layerwise"] = LayerwiseEngine(
     name="layerwise", compute=layerwise, isolates_examples=True, why_not=why_not,
     native_squared_norms=squared_norms, native_clipped_sums=clipped_sums,
+    native_moments=moments, native_features=features,
+    native_sparse_compute=sparse_per_example_gradients, native_slow_layers=slow_layers,
 )

@@ -15,8 +15,8 @@ The rule, in order of preference:
    reach it, whatever the CPU.
 3. ``weight_copies``, the fallback the design asks for when vectorization is
    impossible, unless a variable is not a Keras variable, or the model has
-   active random layers in training mode. (``benchmarks/RESULTS.md`` measures
-   it 1.3-2.7x slower than ``loop`` on CPU.)
+   active random layers in training mode (its cost against ``loop``:
+   ``benchmarks/RESULTS.md``).
 4. ``loop``, which runs anything that runs on one example.
 
 ``jacobian`` is never chosen automatically: it costs ``O(B^2)`` and does not

@@ -11,13 +11,15 @@ import keras
 import tensorflow as tf
 
 from per_example_grads._core import replicas
+from per_example_grads._core.arguments import check_positive_int
 from per_example_grads.dp import adaptive as adaptive_clipping
 from per_example_grads.dp import validation
 from per_example_grads.dp.accounting import PrivacyAccountant, check_run_delta
-from per_example_grads.dp.aggregator import DPAggregator, regularization_gradients
+from per_example_grads.dp.aggregator import DPAggregator
 from per_example_grads.dp.budget import PrivacyBudget
 from per_example_grads.dp.mechanisms import NoiseMechanism
 from per_example_grads.dp.sampling import PoissonSampling
+from per_example_grads.dp.sparse_embeddings import SparseEmbeddings
 from per_example_grads._core.losses import as_per_example_loss
 from per_example_grads.keras import network_guard
 from per_example_grads.keras.training_data import rows_of_fit_data
@@ -96,6 +98,14 @@ class DPModel(keras.Model):
     mechanism's buffers are saved with the weights, so a restored run
     continues its noise sequence. ``epsilon()`` accounts the mechanism.
 
+    **Sparse embedding noise.** With ``sparse_embeddings=SparseEmbeddings()``
+    the embedding tables get gradient noise only on the rows that a noisy
+    count of the batch's lookups selects, and the update of each table is a
+    ``tf.IndexedSlices`` on those rows (DP-AdaFEST,
+    ``per_example_grads.dp.sparse_embeddings``, which states the guarantee):
+    the noise is split between the count and the gradient so that
+    ``epsilon()`` is that of dense DP-SGD with the same ``noise_multiplier``.
+
     **A budget that holds.** With ``budget=peg.dp.PrivacyBudget(epsilon=...,
     delta=...)`` (or ``steps=...``), ``fit`` never takes a step that would
     take the ledger past it: it stops before that step and warns, saying how
@@ -162,6 +172,10 @@ class DPModel(keras.Model):
       budget: a ``peg.dp.PrivacyBudget``, or None for no limit.
       mechanism: a ``peg.dp.NoiseMechanism`` (``GaussianNoise``, the
         default DP-SGD; ``BandMF``, ``BLT``), this DPModel's alone.
+      sparse_embeddings: a ``per_example_grads.dp.sparse_embeddings.SparseEmbeddings``: embedding tables
+        get noise only on the rows a noisy count of the batch's lookups
+        selects, as a sparse update, at the same epsilon
+        (``per_example_grads.dp.sparse_embeddings``); None: dense noise.
 
     Example:
       >>> import keras, numpy as np
@@ -191,6 +205,7 @@ class DPModel(keras.Model):
         physical_batch_size: int | None = None,
         budget: PrivacyBudget | None = None,
         mechanism: NoiseMechanism | None = None,
+        sparse_embeddings: SparseEmbeddings | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -204,10 +219,15 @@ class DPModel(keras.Model):
         )
         validation.check_model(model, training=True)
         self.aggregator.attach(model.trainable_variables)
+        if sparse_embeddings is not None:
+            if not isinstance(sparse_embeddings, SparseEmbeddings):
+                raise TypeError(f"sparse_embeddings must be a per_example_grads.dp.sparse_embeddings.SparseEmbeddings or None; got {sparse_embeddings!r}.")
+            self.aggregator.sparse = sparse_embeddings.bind(
+                model, model.trainable_variables, noise_multiplier=self.aggregator.noise_multiplier,
+                mechanism=self.aggregator.mechanism, adaptive_clipping=adaptive_clipping,
+            )
         self.model = model
-        if num_examples is not None and (isinstance(num_examples, bool) or int(num_examples) != num_examples or num_examples < 1):
-            raise ValueError(f"num_examples must be a positive integer; got {num_examples!r}.")
-        self.num_examples = None if num_examples is None else int(num_examples)
+        self.num_examples = None if num_examples is None else check_positive_int("num_examples", num_examples)
         self._clipped_fraction = keras.metrics.Mean(name="clipped_fraction")
         self._nonfinite = keras.metrics.Sum(name="nonfinite_examples")
         self._fit_sampling = _FitSampling(poisson=False, sampling_probability=None, divisor=None)
@@ -476,25 +496,22 @@ class DPModel(keras.Model):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         loss_fn = as_per_example_loss(self.loss)
         sampling = self._fit_sampling
-        aggregator = self.aggregator
-        clipped = aggregator.clipped_sum(self.model, loss_fn, x, y, sample_weight)
         rows = tf.shape(tf.nest.flatten(x)[0])[0]
-        divisor = sampling.divisor if sampling.divisor is not None else aggregator.divisor(rows)
         q = sampling.sampling_probability
         if q is None and self.num_examples is not None:
             q = tf.minimum(tf.cast(replicas.global_sum(rows), tf.float64) / self.num_examples, 1.0)
-        clipped_count, counted = aggregator.clipped_fraction(clipped)
-        step_clipped_fraction = tf.math.divide_no_nan(clipped_count, counted)
-        # An empty Poisson step has no examples to be clipped: it is not a 0.
-        self._clipped_fraction.update_state(step_clipped_fraction, sample_weight=tf.cast(counted > 0, tf.float32))
-        self._nonfinite.update_state(replicas.global_sum(clipped.nonfinite) / replicas.num_replicas())
-        grads = aggregator.release(
-            clipped, divisor, sampling_probability=q, poisson=sampling.poisson,
-            regularization=regularization_gradients(self.model, self.model.trainable_variables),
+        step = self.aggregator.step(
+            self.model, loss_fn, x, y, sample_weight, divisor=sampling.divisor, sampling_probability=q,
+            poisson=sampling.poisson,
         )
+        clipped = step.clipped
+        step_clipped_fraction = step.clipped_fraction
+        # An empty Poisson step has no examples to be clipped: it is not a 0.
+        self._clipped_fraction.update_state(step_clipped_fraction, sample_weight=tf.cast(step.counted > 0, tf.float32))
+        self._nonfinite.update_state(replicas.global_sum(clipped.nonfinite) / replicas.num_replicas())
         # DP gradients are never loss-scaled: apply them with the loss-scale optimizer's inner one.
         optimizer = getattr(self.optimizer, "inner_optimizer", self.optimizer)
-        optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
+        optimizer.apply_gradients(zip(step.gradients, self.model.trainable_variables))
 
         weights = tf.ones([rows]) if sample_weight is None else tf.cast(sample_weight, tf.float32)
         y_pred, y_seen, weights = self._predictions(clipped, x, y, weights)

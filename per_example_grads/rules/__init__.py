@@ -30,7 +30,6 @@ from per_example_grads.rules import (  # noqa: F401,E402  (each registers its ru
     moe,
     normalization,
     patch_embedding,
-    prelu,
     reversible_embedding,
     scale,
     t5_attention,

@@ -22,13 +22,12 @@ meets, the slice ``a[:, i d_h : i d_h + (oh - 1) s_h + 1 : s_h, j d_w : ...
 : s_w, :]`` of the (explicitly padded) input, gives the rows ``(i, j, :)`` of
 ``G_n`` by one batched product with ``g`` (``over_offsets``: one slice at a
 time, each a contiguous copy; a strided axis is first reshaped to ``[o,
-s]``). On this project's CPU that was 1.5-1.7x faster than the patches for
-both convolutions of the benchmark CNN. Otherwise the patches are used:
+s]``), which avoids building the patches. Otherwise the patches are used:
 built in batch chunks of at most ``PATCH_CHUNK_ELEMENTS`` elements outside
 XLA (the patches of all ``B`` examples never exist at once), and under XLA,
 when ``f <= c_out``, as the concatenation of those slices (``sliced_patches``,
 in the ``(i, j, c_in)`` order of ``tf.image.extract_patches``), which XLA
-fuses into the product's operand (``extract_patches`` inside XLA was slower);
+fuses into the product's operand (``extract_patches`` inside XLA is slower);
 the product takes the smaller of ``f`` and ``c_out`` first.
 ``NORMS_JIT_COMPILE = False`` runs the XLA-compiled pieces without XLA.
 ``"same"`` padding pads ``pad = max((o - 1) s + (k - 1) d + 1 - n, 0)``,
@@ -48,12 +47,9 @@ always uses the convolution VJP. The bias part is ``sum_{n,t} c_n g_nt``.
 
 Materialized per-example kernels are ``G_n`` from the patches, one batched
 product (``per_example_kernels``); a 1x1 kernel with unit strides takes ``a``
-as its patches. On a 2-CPU AVX-512 Intel Xeon (2026-12-01) that was
-0.2-0.8x the time of the layer-local VJP under ``tf.vectorized_map`` on
-every convolution of MobileNetV2 and ResNet50, and faster than the products
-per offset for kernels larger than 1x1.
+as its patches.
 
-Measured costs: ``benchmarks/RESULTS.md`` (the runs behind these choices: its git history).
+Measured costs of each path: ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -206,7 +202,7 @@ def kernel_part(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, keep: bool = False)
         norms, kernels = _patch_norms(layer, a, g, t, f)
     elif not in_xla_context():
         norms, kernels = _shifted_norms(layer, spatial, a, g)
-    elif f > k:  # under XLA, measured slower than the patches
+    elif f > k:  # under XLA the slices are slower than the patches here (benchmarks/RESULTS.md)
         norms, kernels = _patch_norms(layer, a, g, t, f)
     else:
         fn = _sliced_norms_xla if NORMS_JIT_COMPILE else _sliced_norms
@@ -244,7 +240,7 @@ def _patch_norms(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, t: int | None, f: 
 
     ``t`` positions and ``f`` patch width (None if unknown) set the chunk:
     at most ``PATCH_CHUNK_ELEMENTS`` patch elements exist at a time,
-    not ``B`` times them (the CNN's second convolution: 17.8 MB at B=256).
+    not ``B`` times them.
     One chunk when the size is unknown or under XLA (static shapes).
     """
     materialized = _materialized_norms_xla if NORMS_JIT_COMPILE else _materialized_norms
@@ -288,9 +284,7 @@ def per_example_kernels(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor) -> tf.Tenso
 
     Outside XLA, when an example's patches are larger than its kernel
     gradient (``positions > k``), in batch chunks of at most
-    ``PATCH_CHUNK_ELEMENTS`` patch elements, as for the norms (on the
-    benchmark CNN, side by side, as fast as one piece: 9.8 against 9.7 ms at
-    B=64, 36.5 against 35.7 ms at B=256).
+    ``PATCH_CHUNK_ELEMENTS`` patch elements, as for the norms.
     """
     t = g.shape[1:-1].num_elements() if g.shape[1:-1].is_fully_defined() else None
     f = math.prod(layer.kernel_size) * a.shape[-1] if a.shape[-1] is not None else None
@@ -337,7 +331,7 @@ def over_offsets(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor, fn) ->
     if all(s == 1 for s in layer.strides):
         index = lambda offset: [slice(i * d, i * d + o) for i, d, o in zip(offset, layer.dilation_rate, out)]
     else:
-        # Strided slices copy element by element (10x slower here than a contiguous slice). Instead each
+        # Strided slices copy element by element (slower than a contiguous slice). Instead each
         # axis of size s m becomes [m, s]: position j s + r is (j, r), so offset i, at i d, meets (j + i d // s, i d % s).
         blocks = [o + (kk - 1) * d // s for o, kk, d, s in zip(out, layer.kernel_size, layer.dilation_rate, layer.strides)]
         a = a[(slice(None), *[slice(0, m * s) for m, s in zip(blocks, layer.strides)], slice(None))]
@@ -450,7 +444,7 @@ class ConvPatchesRule(KernelBiasRule):
         out = [tf.reshape(kernels, [-1, *layer.kernel.shape])]
         if layer.use_bias:
             out.append(tf.reduce_sum(op.as_btf(grads[0]), axis=1))
-        return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
+        return out
 
     def convolution_operands(self, saved, grads) -> tuple[tf.Tensor, tf.Tensor]:
         """``(a, g)``: the input and output gradient of the convolution whose kernel gradient is the layer's."""
@@ -484,7 +478,7 @@ class ConvPatchesRule(KernelBiasRule):
             out = [weighted_kernel_sum(ConvSpec.of(layer), layer.kernel, *self.convolution_operands(saved, grads), weights)]
             if layer.use_bias:
                 out.append(op.weighted_bias_sum(op.as_btf(grads[0]), weights))
-        return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
+        return out
 
 
 PATCHES_RULE = ConvPatchesRule()

@@ -33,20 +33,20 @@ three exact formulations:
 The groups trick is used only for 3x3 kernels (2-D) on inputs at least as
 large as the kernel's reach ``(k - 1) d + 1``, outside XLA, and not with
 both strides and dilation above 1 (which ``tf.nn.depthwise_conv2d`` does not
-take): on this project's CPU, TensorFlow's depthwise backprop-filter op was
-far slower than the alternatives for the folded batch (``B C`` channels)
+take): TensorFlow's depthwise backprop-filter op is far slower than the
+alternatives for the folded batch (``B C`` channels)
 with any other kernel size (the 5x5 kernels of EfficientNetB0, 1-D kernels
 as 1 x k) and on inputs smaller than the kernel ("same" padding on the 1x1
 and 2x2 maps at the end of MobileNetV2 on 32x32 images). It takes batches
-of any size, known or not when traced (a DP step's realized batch is not):
-on the seven 3x3 layers of MobileNetV2 (32x32 images, B=256) that take it,
-29.8 ms against 74.2 ms for the shifts (a 2-CPU AVX-512 Intel Xeon). The other cases
-with static spatial sizes take the shifts outside XLA (on EfficientNetB0
-they cut the patches' peak memory and time, ``benchmarks/RESULTS.md``);
+of any size, known or not when traced (a DP step's realized batch is not),
+and where it applies it is faster than the shifts. The other cases with
+static spatial sizes take the shifts outside XLA (less peak memory and time
+than the patches); the timings behind these choices are in
+``benchmarks/RESULTS.md``;
 under XLA (``jit_compile=True``), which fuses the patches' product and sum,
 and with unknown spatial sizes, the patches. Under XLA the grouped
-convolution with one example and ``B C`` groups compiled and ran far slower
-still.
+convolution with one example and ``B C`` groups compiles and runs far
+slower still.
 
 The bias gradient is ``sum_t g_n[t]`` ``[B, C m]``.
 
@@ -169,7 +169,7 @@ class DepthwiseConvRule(KernelBiasRule):
         return channels_last_only(layer, "depthwise")
 
     def per_example(self, layer, saved, grads):
-        return [tf.cast(t, v.dtype) for t, v in zip(self._per_example_compute_dtype(layer, saved, grads), self.variables(layer))]
+        return self._per_example_compute_dtype(layer, saved, grads)
 
     def squared_norms(self, layer, saved, grads, cache=None):
         """Norms of the per-example kernels and biases, which a following clipped sum reads from ``cache``."""
@@ -194,7 +194,7 @@ class DepthwiseConvRule(KernelBiasRule):
             out = [tf.reduce_sum(depthwise_kernels(_spec(layer), saved, g, layer.depth_multiplier), axis=0)]
             if layer.use_bias:
                 out.append(tf.reduce_sum(op.as_btf(g), axis=[0, 1]))
-        return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
+        return out
 
 
 class SeparableConvRule(LayerRule):
@@ -246,7 +246,7 @@ class SeparableConvRule(LayerRule):
         ]
         if layer.use_bias:
             out.append(tf.reduce_sum(g_z, axis=1))
-        return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
+        return out
 
     def squared_norms(self, layer, saved, grads, cache=None):
         a, d, g_d, g_z = self._parts(layer, saved, grads)
@@ -268,7 +268,7 @@ class SeparableConvRule(LayerRule):
         out = [depthwise, tf.reshape(op.weighted_kernel_sum(d, g_z, weights), layer.pointwise_kernel.shape)]
         if layer.use_bias:
             out.append(op.weighted_bias_sum(g_z, weights))
-        return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
+        return out
 
 
 def _pointwise(d: tf.Tensor, kernel, rank: int) -> tf.Tensor:
@@ -306,7 +306,7 @@ class GroupedConvRule(KernelBiasRule):
         return out
 
     def per_example(self, layer, saved, grads):
-        return [tf.cast(t, v.dtype) for t, v in zip(self._per_example(layer, saved, grads[0]), self.variables(layer))]
+        return self._per_example(layer, saved, grads[0])
 
     def squared_norms(self, layer, saved, grads, cache=None):
         """Norms of the per-example gradients, which a following clipped sum reads from ``cache`` when small."""
@@ -328,7 +328,7 @@ class GroupedConvRule(KernelBiasRule):
             out = [weighted_kernel_sum(ConvSpec.of(layer), layer.kernel, a, g, weights)]
             if layer.use_bias:
                 out.append(op.weighted_bias_sum(op.as_btf(g), weights))
-        return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
+        return out
 
 
 class _ConvRule(LayerRule):

@@ -36,7 +36,7 @@ from per_example_grads.per_example_slices import PerExampleSlices, grouped_squar
 from per_example_grads._core.xla_context import in_xla_context
 
 
-def _flat_ids(ids: tf.Tensor) -> tf.Tensor:
+def flat_ids(ids: tf.Tensor) -> tf.Tensor:
     """``ids`` ``[B, *positions]`` -> ``[B, T]`` int32, T static when known."""
     positions = ids.shape[1:]
     t = positions.num_elements() if positions.is_fully_defined() else -1
@@ -56,7 +56,7 @@ class EmbeddingRule(LayerRule):
         if ids.dtype not in (tf.int32, tf.int64):
             ids = tf.cast(ids, tf.int32)
         out = keras.ops.cast(keras.ops.take(layer.embeddings, ids, axis=0), layer.compute_dtype)
-        flat = _flat_ids(ids)
+        flat = flat_ids(ids)
         # Only squared_norms uses the repeats (graph mode prunes them otherwise).
         return out, (flat, repeated_rows(flat, only_repeated=not in_xla_context())), [out]
 

@@ -257,8 +257,8 @@ class RelativeEmbeddingRule(LayerRule):
         return y, None, [y]
 
     def _keep(self, layer, values: list) -> list:
-        """``values`` aligned with ``_all(layer)`` -> those of the trainable variables, cast to their dtypes."""
-        return [tf.cast(t, v.dtype) for t, v in zip(values, self._all(layer)) if v.trainable]
+        """``values`` aligned with ``_all(layer)`` -> those of the trainable variables."""
+        return [t for t, v in zip(values, self._all(layer)) if v.trainable]
 
     def per_example(self, layer, saved, grads):
         norm, table = layer.layer_norm, layer.rel_embeddings

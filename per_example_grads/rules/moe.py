@@ -57,7 +57,7 @@ import tensorflow as tf
 
 from per_example_grads._core import model_inspection
 from per_example_grads._core.example_ops import WIDE, compute_dtype, widened
-from per_example_grads.rules import outer_products as op
+from per_example_grads.rules import outer_products
 from per_example_grads.rules.rule import LayerRule, register_layer_rule, reparametrized
 
 _HUB = "keras_hub.src.models"
@@ -118,17 +118,17 @@ class _DensePart:
 
     def per_example(self, saved, grads, steps) -> list:
         a, g = _rows(saved, steps), _rows(grads[0], steps)
-        return [op.per_example_kernel(a, g)] + ([tf.reduce_sum(g, axis=1)] if self.layer.bias is not None else [])
+        return [outer_products.per_example_kernel(a, g)] + ([tf.reduce_sum(g, axis=1)] if self.layer.bias is not None else [])
 
     def norm_parts(self, saved, grads, steps) -> list:
         a, g = _rows(saved, steps), _rows(grads[0], steps)
-        return op.kernel_and_bias_parts(a, g) if self.layer.bias is not None else [op.kernel_part(a, g)]
+        return outer_products.kernel_and_bias_parts(a, g) if self.layer.bias is not None else [outer_products.kernel_part(a, g)]
 
     def weighted_sum(self, saved, grads, steps, weights) -> list:
         a, g = _rows(saved, steps), _rows(grads[0], steps)
-        out = [op.weighted_kernel_sum(a, g, weights)]
+        out = [outer_products.weighted_kernel_sum(a, g, weights)]
         if self.layer.bias is not None:
-            out.append(op.weighted_bias_sum(g, weights))
+            out.append(outer_products.weighted_bias_sum(g, weights))
         return out
 
 
@@ -174,7 +174,7 @@ class _ExpertsPart:
     def per_example(self, saved, grads, steps) -> list:
         x, hidden = saved
         a = _rows(x, steps)
-        out = [self._unflatten_per_example(op.per_example_kernel(a, _side_by_side(g, steps)), g) for g in grads[:-1]]
+        out = [self._unflatten_per_example(outer_products.per_example_kernel(a, _side_by_side(g, steps)), g) for g in grads[:-1]]
         h, g = _expert_rows(hidden, steps), _expert_rows(grads[-1], steps)
         out.append(tf.einsum("ebtm,ebtd->bemd", h, g))
         return out
@@ -188,7 +188,7 @@ class _ExpertsPart:
     def norm_parts(self, saved, grads, steps) -> list:
         x, hidden = saved
         a = _rows(x, steps)
-        parts = [op.kernel_part(a, _side_by_side(g, steps)) for g in grads[:-1]]
+        parts = [outer_products.kernel_part(a, _side_by_side(g, steps)) for g in grads[:-1]]
         parts.append(_per_expert_kernel_part(_expert_rows(hidden, steps), _expert_rows(grads[-1], steps)))
         return parts
 
@@ -333,7 +333,7 @@ class MoEBlockRule(LayerRule):
     def per_example(self, layer, saved, grads):
         steps, split = self._split(layer, saved, grads)
         values = [t for p, s, g in split for t in p.per_example(s, g, steps)]
-        return [tf.cast(t, v.dtype) for t, v in zip(values, self.variables(layer))]
+        return values
 
     def squared_norms(self, layer, saved, grads, cache=None):
         steps, split = self._split(layer, saved, grads)
@@ -342,7 +342,7 @@ class MoEBlockRule(LayerRule):
     def weighted_sum(self, layer, saved, grads, weights, cache=None):
         steps, split = self._split(layer, saved, grads)
         values = [t for p, s, g in split for t in p.weighted_sum(s, g, steps, weights)]
-        return [tf.cast(t, v.dtype) for t, v in zip(values, self.variables(layer))]
+        return values
 
 
 class _Declined(Exception):

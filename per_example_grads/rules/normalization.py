@@ -98,7 +98,7 @@ class LayerNormRule(LayerRule):
             out.append(tf.reduce_sum(g * xh, axis=other) if other else g * xh)
         if layer.beta is not None:
             out.append(tf.reduce_sum(g, axis=other) if other else g)
-        return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
+        return out
 
     def weighted_sum(self, layer, saved, grads, weights, cache=None):
         if cache and "per_example" in cache:  # the [B, D] gradients the norms built
@@ -112,7 +112,7 @@ class LayerNormRule(LayerRule):
             out.append(tf.reduce_sum(g * xh, axis=summed))
         if layer.beta is not None:
             out.append(tf.reduce_sum(g, axis=summed))
-        return [tf.cast(t, v.dtype) for t, v in zip(out, self.variables(layer))]
+        return out
 
 
 class BatchNormRule(LayerNormRule):
@@ -164,8 +164,7 @@ class GroupNormRule(LayerNormRule):
         """``y`` by Keras's own formula (``x * s + (beta - mean * s)``, ``s = gamma / sqrt(var + eps)``) and ``xh``, from one set of moments.
 
         Running the layer's call for ``y`` and computing the moments again for
-        ``xh`` cost MobileNetV2 (GroupNormalization, B=256, training) 45 ms
-        of its 600 ms clipped step (1.39x the batch step, now 1.28x).
+        ``xh`` would take the moments twice (``benchmarks/RESULTS.md``).
         """
         x = args[0]
         rank = x.shape.rank

@@ -32,13 +32,16 @@ from per_example_grads._core.example_ops import (
 )
 
 
-def as_btf(t: tf.Tensor) -> tf.Tensor:
-    """``[B, ..., f]`` -> ``[B, T, f]`` in the compute dtype."""
+def flat_positions(t: tf.Tensor) -> tf.Tensor:
+    """``[B, ..., f]`` -> ``[B, T, f]`` in the compute dtype: every axis between the first and the last flattened into one of positions."""
     t = tf.cast(t, compute_dtype(t.dtype))
     positions = t.shape[1:-1]
     if positions.is_fully_defined():  # keep T static: it picks the norm formula
         return tf.reshape(t, [-1, positions.num_elements(), t.shape[-1]])
     return tf.reshape(t, [tf.shape(t)[0], -1, t.shape[-1]])
+
+
+as_btf = flat_positions  # deprecated name of flat_positions
 
 
 def per_example_kernel(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
@@ -120,6 +123,6 @@ def weighted_bias_sum(g: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
     """``[j]``: ``sum_n weights[n] sum_t g[n, t]``, a bias's weighted sum, from ``[B, T, j]``.
 
     The positions are summed first, then one matrix-vector product over the
-    examples (on CPU 2-6x faster than the equivalent ``einsum``).
+    examples (faster on CPU than the equivalent ``einsum``, ``benchmarks/RESULTS.md``).
     """
     return weighted_example_sum(weights, tf.reduce_sum(g, axis=1))

@@ -137,7 +137,7 @@ class PatchEmbeddingRule(LayerRule):
         conv_parts = PATCHES_RULE.per_example(conv, *self._conv_operands(layer, value, grads))
         unused = [tf.zeros(tf.concat([tf.shape(g)[:1], v.shape], 0), v.dtype) for v in self.unused(layer)]
         values = [*tokens, *conv_parts, position, *unused]
-        return self._keep(layer, [tf.cast(t, v.dtype) for t, v in zip(values, self._all(layer))])
+        return self._keep(layer, values)
 
     def squared_norms(self, layer, saved, grads, cache=None):
         kind, value = saved
@@ -166,7 +166,7 @@ class PatchEmbeddingRule(LayerRule):
         small = [weighted_example_sum(w, tf.cast(t, dtype)) for t in [*tokens, position]]
         unused = [tf.zeros(v.shape, v.dtype) for v in self.unused(layer)]
         values = [*small[: len(tokens)], *conv_sums, small[-1], *unused]
-        return self._keep(layer, [tf.cast(t, v.dtype) for t, v in zip(values, self._all(layer))])
+        return self._keep(layer, values)
 
 
 class DeiTEmbeddingsRule(PatchEmbeddingRule):

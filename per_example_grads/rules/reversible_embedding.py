@@ -40,9 +40,9 @@ import tensorflow as tf
 from per_example_grads._core.example_ops import WIDE, compute_dtype, widened
 from per_example_grads._core.xla_context import in_xla_context
 from per_example_grads.per_example_slices import PerExampleSlices, grouped_squared_norms, repeated_rows
-from per_example_grads.rules import outer_products as op
+from per_example_grads.rules import outer_products
 from per_example_grads.errors import EngineError
-from per_example_grads.rules.embedding import _flat_ids
+from per_example_grads.rules.embedding import flat_ids
 from per_example_grads.rules.rule import LayerRule, register_layer_rule, reparametrized
 
 _LOOKUP, _REVERSE = "lookup", "reverse"
@@ -82,7 +82,7 @@ class ReversibleEmbeddingRule(LayerRule):
             # The layer's own lookup (its keras mask included); the table's
             # gradient is g scattered into the looked-up rows.
             out = call(*args, **kwargs)
-            flat = _flat_ids(args[0])
+            flat = flat_ids(args[0])
             return out, (_LOOKUP, flat, repeated_rows(flat, only_repeated=not in_xla_context())), [out]
         h = args[0]
         kernel = keras.ops.transpose(layer.embeddings) if layer.tie_weights else layer.reverse_embeddings
@@ -108,7 +108,7 @@ class ReversibleEmbeddingRule(LayerRule):
     def _projection(self, layer, saved, grads) -> tuple[tf.Tensor, tf.Tensor]:
         """``(h', g)``: ``[B, S, D]`` and ``[B, S, V]`` in the compute dtype."""
         dtype = self._dtype(layer)
-        return tf.cast(op.as_btf(saved[1]), dtype), tf.cast(op.as_btf(grads[0]), dtype)
+        return tf.cast(outer_products.flat_positions(saved[1]), dtype), tf.cast(outer_products.flat_positions(grads[0]), dtype)
 
     def _no_rows(self, layer, b) -> PerExampleSlices:
         """An example's gradient with no rows (the lookup part of a reversed call)."""
@@ -209,9 +209,9 @@ class ReversibleEmbeddingRule(LayerRule):
         h, g = self._projection(layer, saved, grads)
         # weighted_kernel_sum scales h ([B, T, D]), not g ([B, T, V], V >> D).
         if layer.tie_weights:
-            return [tf.cast(op.weighted_kernel_sum(g, h, weights), layer.embeddings.dtype)]
+            return [tf.cast(outer_products.weighted_kernel_sum(g, h, weights), layer.embeddings.dtype)]
         v = layer.reverse_embeddings
-        return [self._no_rows(layer, tf.shape(h)[0]).sum_examples(), tf.cast(op.weighted_kernel_sum(h, g, weights), v.dtype)]
+        return [self._no_rows(layer, tf.shape(h)[0]).sum_examples(), tf.cast(outer_products.weighted_kernel_sum(h, g, weights), v.dtype)]
 
 
 REVERSIBLE_EMBEDDING_RULE = ReversibleEmbeddingRule()

@@ -81,11 +81,17 @@ class LayerRule:
 
     def __init_subclass__(cls, **kwargs):
         # Every rule's forward, built-in or a user's, hands its taps to
-        # separate_taps: no rule can forget it.
+        # separate_taps, and every rule's per-example gradients and weighted
+        # sums come in the variables' dtypes (in_variable_dtypes): no rule can
+        # forget either.
         super().__init_subclass__(**kwargs)
         forward = cls.__dict__.get("forward")
         if forward is not None and not getattr(forward, "_separates_taps", False):
             cls.forward = _separating(forward)
+        for name in ("per_example", "weighted_sum"):
+            method = cls.__dict__.get(name)
+            if method is not None and not getattr(method, "_casts_to_variables", False):
+                setattr(cls, name, _casting(method))
 
     def unsupported(self, layer: keras.layers.Layer) -> str | None:
         """Why this rule cannot handle ``layer`` (e.g. LoRA enabled), or None."""
@@ -201,13 +207,13 @@ class LayerRule:
         return self
 
     def outer_factors(self, layer, saved, grads) -> list | None:
-        """Optional, for the diagnostics' closed forms: per variable ``(A, G)`` with ``grad_n = A_n^T G_n``.
+        """Optional, for the engine's moments and features: per variable ``(A, G)`` with ``grad_n = A_n^T G_n``.
 
         ``A`` ``[B, i]`` and ``G`` ``[B, j]`` (``A`` None: ``grad_n = G_n``, a
         bias). Means, variances, norms and dot products of such gradients
-        need only ``A`` and ``G`` (``diagnostics.moments``,
-        ``diagnostics.similarity``). None (the default): the gradients have
-        no such form, and the diagnostics materialize them.
+        need only ``A`` and ``G`` (``engines.moments``, which the diagnostics
+        use). None (the default): the gradients have no such form, and the
+        engine materializes this layer's.
         """
         return None
 
@@ -288,6 +294,35 @@ def _separating(forward):
     return wrapped
 
 
+def in_variable_dtypes(values: Sequence, variables: Sequence) -> list:
+    """``values`` with each dense tensor cast to its variable's dtype (a no-op where it has it already).
+
+    What every rule's ``per_example`` and ``weighted_sum`` return passes
+    through this (``LayerRule.__init_subclass__``), so a rule computes in its
+    compute dtype (``example_ops.compute_dtype``) and returns that.
+    ``PerExampleSlices`` and ``tf.IndexedSlices`` are returned as they are.
+    """
+    values, variables = list(values), list(variables)
+    if len(values) != len(variables):
+        return values  # not aligned with the variables: the engine reports the mismatch
+    return [
+        tf.cast(t, v.dtype) if isinstance(t, tf.Tensor) and t.dtype != v.dtype else t
+        for t, v in zip(values, variables)
+    ]
+
+
+def _casting(method):
+    """``method`` (``per_example`` or ``weighted_sum``) whose outputs go through ``in_variable_dtypes``."""
+
+    @functools.wraps(method)
+    def wrapped(self, layer, *args, **kwargs):
+        variables = kwargs.get("variables")  # LocalRule.per_example's override of self.variables(layer)
+        return in_variable_dtypes(method(self, layer, *args, **kwargs), self.variables(layer) if variables is None else variables)
+
+    wrapped._casts_to_variables = True
+    return wrapped
+
+
 RULES: dict[type | str, LayerRule] = {}
 
 
@@ -343,7 +378,7 @@ def reparametrized(layer: keras.layers.Layer) -> str | None:
 
     Such layers compute their kernel from other variables; the layer-local
     fallback handles them exactly, unless the rule hands LoRA-enabled layers
-    to a LoRA rule (``rules.lora``, through ``LayerRule.for_layer``).
+    to a LoRA rule (``rules.lora_forms``, through ``LayerRule.for_layer``).
     """
     if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
         return "LoRA or quantized layers use the layer-local fallback"

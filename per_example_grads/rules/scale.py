@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from per_example_grads.rules import outer_products as op
+from per_example_grads.rules import outer_products
 from per_example_grads.rules.rule import LayerRule, register_layer_rule, weighted_example_sum
 
 
@@ -30,11 +30,11 @@ class LayerScaleRule(LayerRule):
         return y, args[0], [y]
 
     def per_example(self, layer, saved, grads):
-        x, g = op.as_btf(saved), op.as_btf(grads[0])
+        x, g = outer_products.flat_positions(saved), outer_products.flat_positions(grads[0])
         return [tf.cast(tf.reduce_sum(x * g, axis=1), layer.gamma.dtype)]
 
     def weighted_sum(self, layer, saved, grads, weights, cache=None):
-        x, g = op.as_btf(saved), op.as_btf(grads[0])
+        x, g = outer_products.flat_positions(saved), outer_products.flat_positions(grads[0])
         return [tf.cast(weighted_example_sum(weights, tf.reduce_sum(x * g, axis=1)), layer.gamma.dtype)]
 
 

@@ -76,7 +76,7 @@ class T5AttentionRule(LayerRule):
         return [v for v in self._all(layer) if v.trainable]
 
     def _keep(self, layer, values):
-        return [tf.cast(t, v.dtype) for t, v in zip(values, self._all(layer)) if v.trainable]
+        return [t for t, v in zip(values, self._all(layer)) if v.trainable]
 
     def forward(self, layer, call, args, kwargs):
         names = ["hidden_states", "mask", "key_value_states", "position_bias", "cache", "cache_update_index"]

@@ -1,0 +1,244 @@
+"""Sparse embedding noise against dense DP-SGD: epoch time, step memory, utility on Zipf-distributed ids.
+
+    python benchmarks/bench_sparse_embeddings.py speed     # epochs, round-robin (~5 min on 2 CPUs)
+    python benchmarks/bench_sparse_embeddings.py memory    # one process per configuration
+    python benchmarks/bench_sparse_embeddings.py utility   # eps 1, 3, 8; 3 seeds (~10 min)
+
+``speed``: for the zoo's embedding bag (20,000 x 32 table, 64 ids per
+example) and a large bag (10^6 x 64 table, 64 ids per example), expected
+batch 256, SGD: one plain Keras epoch (``fit(x, y, batch_size=256)``), one
+``DPModel`` epoch on ``poisson_batches`` with dense noise, and one with
+``sparse_embeddings=SparseEmbeddings()``, each on its own copy of the model.
+Epochs are timed round-robin from ``on_epoch_begin`` to ``on_epoch_end``
+(the first, tracing epoch untimed); medians, and their ratio to the plain
+epoch.
+
+``memory``: each configuration in its own process: the peak resident
+memory (``ru_maxrss``) it reaches over two epochs, less the resident memory
+once the model is built.
+
+``utility``: a synthetic recommendation task. Items ``v < V = 20,000`` have
+hidden scores ``s_v ~ N(0, 1)``; an example is 8 items drawn from a Zipf
+law (``P(v) ~ (v + 1)^-1.1``, item 0 the most popular) and its label is
+``1[mean s + N(0, 0.5^2) > 0]``. The model is an 8-dimensional embedding
+averaged over the items and a logistic unit; 20,000 training examples,
+expected batch 256, 5 epochs of Poisson batches, SGD(1.0); the noise
+multiplier gives epsilon 1, 3 or 8 at delta = 1e-5 for those steps (RDP accountant). Reported
+per epsilon and method: test accuracy (mean and spread over 3 seeds) and,
+for the sparse runs, the fraction of the table's rows a step updated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+MODELS = {"embedding_bag": (20_000, 32, 12_000), "large_bag": (1_000_000, 64, 2_560)}  # vocabulary, dim, examples
+B, T = 256, 64
+
+
+def _bag(vocab: int, dim: int):
+    import keras
+
+    return keras.Sequential([keras.Input((T,), dtype="int32"), keras.layers.Embedding(vocab, dim),
+                             keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)])
+
+
+def _data(vocab: int, n: int, seed: int = 0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab, (n, T)).astype("int32"), rng.integers(0, 2, n)
+
+
+class _EpochTimer:
+    def __init__(self):
+        import keras
+
+        class Timer(keras.callbacks.Callback):
+            def on_epoch_begin(s, epoch, logs=None):
+                s.start = time.perf_counter()
+
+            def on_epoch_end(s, epoch, logs=None):
+                self.times.append(time.perf_counter() - s.start)
+
+        self.times: list[float] = []
+        self.callback = Timer()
+
+
+def configurations(name: str):
+    """``{label: fit one epoch}``, each on its own copy of the model (same initial weights)."""
+    import keras
+
+    import per_example_grads as peg
+    from per_example_grads.dp.sparse_embeddings import SparseEmbeddings
+
+    vocab, dim, n = MODELS[name]
+    x, y = _data(vocab, n)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    first = _bag(vocab, dim)
+    out = {}
+
+    def plain():
+        m = _bag(vocab, dim)
+        m.set_weights(first.get_weights())
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+        return lambda cb: m.fit(x, y, batch_size=B, epochs=1, verbose=0, shuffle=False, callbacks=[cb])
+
+    def private(sparse):
+        m = _bag(vocab, dim)
+        m.set_weights(first.get_weights())
+        dp = peg.keras.DPModel(m, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0,
+                               sparse_embeddings=SparseEmbeddings() if sparse else None)
+        dp.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+        data = peg.dp.poisson_batches(x, y, sampling_probability=B / n, seed=0)
+        return lambda cb: dp.fit(data, epochs=1, verbose=0, callbacks=[cb])
+
+    out["plain"] = plain()
+    out["dp dense noise"] = private(False)
+    out["dp sparse selection"] = private(True)
+    return out
+
+
+def speed(args) -> None:
+    for name in args.models.split(","):
+        configs = configurations(name)
+        timers = {k: _EpochTimer() for k in configs}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for k, fit in configs.items():  # tracing epoch, untimed
+                fit(timers[k].callback)
+            for k in timers:
+                timers[k].times.clear()
+            for _ in range(args.repeats):
+                for k, fit in configs.items():
+                    fit(timers[k].callback)
+        plain = statistics.median(timers["plain"].times)
+        print(f"\n{name} (vocabulary {MODELS[name][0]:,}, dim {MODELS[name][1]}, {MODELS[name][2]:,} examples, "
+              f"expected batch {B}; median of {args.repeats} epochs)")
+        print("| configuration | epoch (s) | / plain |")
+        print("|---|---|---|")
+        for k, t in timers.items():
+            med = statistics.median(t.times)
+            print(f"| {k} | {med:.3f} | {med / plain:.2f}x |")
+
+
+def _memory_child(name: str, label: str) -> None:
+    import gc
+
+    fit = configurations(name)[label]
+    gc.collect()
+    base = _rss_kb()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        timer = _EpochTimer()
+        fit(timer.callback)
+        fit(timer.callback)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(f"RESULT {(peak - base) / 1024:.0f}")
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def memory(args) -> None:
+    print("| model | configuration | peak RSS over the build (MiB) |")
+    print("|---|---|---|")
+    for name in args.models.split(","):
+        for label in ("plain", "dp dense noise", "dp sparse selection"):
+            out = subprocess.run([sys.executable, __file__, "_memory", name, label], capture_output=True, text=True)
+            got = [l.split()[1] for l in out.stdout.splitlines() if l.startswith("RESULT")]
+            print(f"| {name} | {label} | {got[0] if got else 'failed: ' + out.stderr[-300:]} |")
+
+
+def _zipf_task(seed: int, vocab: int = 20_000, n: int = 20_000, n_test: int = 5_000, k: int = 8):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    p = (np.arange(vocab) + 1.0) ** -1.1
+    p /= p.sum()
+    scores = rng.normal(size=vocab)
+    ids = rng.choice(vocab, size=(n + n_test, k), p=p).astype("int32")
+    y = (scores[ids].mean(axis=1) + 0.5 * rng.normal(size=n + n_test) > 0).astype("int32")
+    return (ids[:n], y[:n]), (ids[n:], y[n:])
+
+
+def utility(args) -> None:
+    import keras
+    import numpy as np
+
+    import per_example_grads as peg
+    from per_example_grads.dp.sparse_embeddings import SparseEmbeddings
+
+    vocab, n, epochs, lr = 20_000, 20_000, 5, 1.0
+    q = B / n
+    steps = epochs * round(1 / q)
+    rows = {}
+    for eps in (1.0, 3.0, 8.0):
+        sigma = peg.dp.noise_multiplier_for_epsilon(eps, 1e-5, n, B, None, steps=steps, accountant="rdp")
+        for seed in range(args.seeds):
+            (x, y), (xt, yt) = _zipf_task(seed, vocab, n)
+            for method in ("dense DP-SGD", "sparse selection"):
+                keras.utils.set_random_seed(seed)
+                net = keras.Sequential([keras.Input((8,), dtype="int32"), keras.layers.Embedding(vocab, 8),
+                                        keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+                sparse = method == "sparse selection"
+                dp = peg.keras.DPModel(net, l2_norm_clip=1.0, noise_multiplier=sigma, seed=seed,
+                                       sparse_embeddings=SparseEmbeddings() if sparse else None)
+                dp.compile(optimizer=keras.optimizers.SGD(lr), loss=keras.losses.BinaryCrossentropy(from_logits=True))
+                fractions = []
+
+                class Rows(keras.callbacks.Callback):
+                    def on_train_batch_begin(self, batch, logs=None):
+                        self.before = net.layers[0].embeddings.numpy()
+
+                    def on_train_batch_end(self, batch, logs=None):
+                        changed = np.any(net.layers[0].embeddings.numpy() != self.before, axis=1)
+                        fractions.append(changed.mean())
+
+                data = peg.dp.poisson_batches(x, y[:, None].astype("float32"), sampling_probability=q, seed=seed)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    dp.fit(data, epochs=epochs, verbose=0, callbacks=[Rows()])
+                pred = net.predict(xt, verbose=0, batch_size=1024)[:, 0] > 0
+                acc = float(np.mean(pred == yt))
+                rows.setdefault((eps, method), []).append((acc, float(np.mean(fractions))))
+                print(f"eps {eps} seed {seed} {method}: sigma {sigma:.3f} accuracy {acc:.4f} rows/step {np.mean(fractions):.4%}",
+                      flush=True)
+    print(f"\n| epsilon | method | test accuracy (mean +- sd, {args.seeds} seeds) | table rows updated per step |")
+    print("|---|---|---|---|")
+    for (eps, method), runs in rows.items():
+        accs = [a for a, _ in runs]
+        fr = statistics.mean(f for _, f in runs)
+        sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
+        print(f"| {eps:g} | {method} | {statistics.mean(accs):.4f} +- {sd:.4f} | {fr:.3%} |")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_memory":
+        _memory_child(sys.argv[2], sys.argv[3])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("what", choices=["speed", "memory", "utility"])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=3)
+    args = parser.parse_args()
+    {"speed": speed, "memory": memory, "utility": utility}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()

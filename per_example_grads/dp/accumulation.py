@@ -1,0 +1,253 @@
+"""``GradientAccumulator``: large logical batches from micro-batches, plain or private.
+
+Micro-batches of any sizes are added into non-trainable ``tf.Variable`` sums,
+so accumulation works eagerly, inside one ``tf.function`` and in a Keras
+``train_step``, and the state checkpoints with ``tf.train.Checkpoint``.
+
+- Plain mode: ``sum`` holds ``sum_i w_i grad loss_i`` and ``count`` holds
+  ``sum_i w_i`` (``w_i = 1`` without sample weights), so ``result()`` is the
+  full-batch gradient of the (weighted) mean loss, however the batch was split.
+- DP mode (``l2_norm_clip`` given): ``sum`` holds the clipped per-example
+  gradients' sum; ``result()`` adds ``N(0, (sigma C)^2)`` noise *once* and
+  divides by ``expected_batch_size``, which is required: a divisor counted
+  from the data (the realized Poisson batch size) would be revealed by the
+  noise std. Adding noise per micro-batch instead would multiply the noise
+  by ``sqrt(k)``. The step (clip, noise, count) is a
+  ``per_example_grads.dp.DPAggregator``'s, as in ``DPModel``: each
+  ``accumulate`` adds the aggregator's ``clipped_sum`` of a micro-batch, and
+  each ``result()`` is one ``release`` of the total, with fresh noise,
+  counted in ``steps``.
+
+Both modes add the gradient of the model's weight regularizers (Keras adds
+them to the loss it trains on; they do not depend on the data, so they need
+neither clipping nor noise).
+
+It lives in ``dp/`` because DP mode is a ``DPAggregator``'s step (the
+layering points API <- dp); ``peg.GradientAccumulator`` is the same class,
+and the old module path ``per_example_grads.accumulation`` still imports it
+(deprecated).
+
+For non-private training, Keras 3 optimizers already accumulate with
+``gradient_accumulation_steps=k`` (they average ``k`` consecutive batches'
+gradients and apply every k-th step); use that with ``fit``. This class is for
+custom loops, for unequal micro-batches, and for DP, where clipping and noise
+must follow per-example rules across the micro-batches.
+
+Under ``tf.distribute`` (create the accumulator inside ``strategy.scope()``
+and call ``accumulate``/``apply`` inside ``strategy.run``): the sums and the
+count are sync-on-read variables, so each replica adds its own micro-batches
+locally with no communication. ``result()`` on a replica returns its share
+(its sums over the global count, plus ``1/sqrt(R)`` of the DP noise); the
+optimizer's all-reduce in ``apply`` adds the shares (``P`` floats each). Read
+in cross-replica code, ``sums`` and ``count`` are the totals over replicas.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import tensorflow as tf
+
+from per_example_grads._core import replicas
+from per_example_grads._core.batch import batch_size, make_batch, unless_empty
+from per_example_grads.dp.aggregator import DPAggregator, add_regularization, regularization_gradients
+from per_example_grads.dp.applied_steps import AppliedSteps
+from per_example_grads.dp.noise import NoiseSeed
+from per_example_grads._core.problem import make_problem
+from per_example_grads.engines.selection import check_method
+
+
+class GradientAccumulator(tf.Module):
+    """Accumulates micro-batch gradients and applies them once.
+
+    Args:
+      model: a Keras model (or callable with ``variables``).
+      loss_fn: per-example loss, as in ``per_example_gradients``.
+      variables: defaults to ``model.trainable_variables``.
+      l2_norm_clip: enables DP mode: each example's gradient is clipped to it.
+      noise_multiplier: DP noise multiplier ``sigma`` (DP mode only).
+      seed: noise source (see ``per_example_grads.dp.noise``); an int or pair
+        is folded with the step counter, so every logical batch gets fresh noise.
+      expected_batch_size: DP mode's divisor (``q N`` for Poisson sampling);
+        required in DP mode.
+      method: per-example engine for DP mode.
+      mechanism: DP mode's ``peg.dp.NoiseMechanism`` (default independent
+        noise, DP-SGD). With a correlated one (``BandMF``, ``BLT``) each
+        ``result()`` adds the noise of the next step of its sequence; sample
+        the logical batches as its accounting needs (``poisson_batches(...,
+        cycle_length=mechanism.cycle_length)``) and account them with
+        ``compute_epsilon(..., mechanism=...)``.
+
+    ``noise_multiplier``, ``expected_batch_size``, ``seed``, ``method`` and
+    ``mechanism`` apply in DP mode only: without ``l2_norm_clip`` they raise ``ValueError``
+    rather than being ignored.
+      training: passed to the model (``True`` runs Dropout as ``fit`` does).
+
+    Attributes:
+      sums: list of non-trainable ``[*var.shape]`` variables.
+      count: scalar float32 variable, examples (or summed weights) so far.
+      steps: int64 variable: in DP mode the releases (``result()`` calls, what
+        an accountant counts), else the logical batches applied.
+      strategy: the ``tf.distribute`` strategy in scope when it was created.
+
+    Example:
+      >>> import keras, numpy as np
+      >>> import per_example_grads as peg
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+      >>> acc = peg.dp.GradientAccumulator(model, "mse")
+      >>> acc.accumulate(np.ones((5, 3)), np.zeros((5, 2)))
+      >>> acc.accumulate(np.ones((2, 3)), np.zeros((2, 2)))
+      >>> float(acc.count.numpy())
+      7.0
+      >>> acc.apply(keras.optimizers.SGD(0.1))
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        loss_fn: Any,
+        *,
+        variables: Sequence | None = None,
+        l2_norm_clip: Any = None,
+        noise_multiplier: float | None = None,
+        seed: NoiseSeed = None,
+        expected_batch_size: float | None = None,
+        method: str = "auto",
+        training: bool = False,
+        mechanism: Any = None,
+    ):
+        super().__init__(name="gradient_accumulator")
+        self._problem = make_problem(model, loss_fn, variables, training, False)
+        self._model, self._loss_fn = model, loss_fn
+        self.private = l2_norm_clip is not None
+        self.variables_ = list(self._problem.variables)
+        if self.private:
+            if noise_multiplier is None:
+                raise ValueError("noise_multiplier is required with l2_norm_clip (use 0.0 for no noise).")
+            if expected_batch_size is None:
+                raise ValueError(
+                    "expected_batch_size is required with l2_norm_clip: the noisy sum is divided by it "
+                    "(q * N for Poisson sampling, or the fixed batch size). Dividing by the number of "
+                    "examples accumulated would reveal it through the noise."
+                )
+            self.aggregator = DPAggregator(
+                l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
+                expected_batch_size=expected_batch_size, seed=seed, method=method, training=training,
+                mechanism=mechanism,
+            )
+            self.aggregator.attach(self.variables_)
+        else:
+            dp_only = dict(
+                noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size, seed=seed, mechanism=mechanism
+            )
+            given = [name for name, value in dp_only.items() if value is not None] + (["method"] if method != "auto" else [])
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} in DP mode, which l2_norm_clip enables; without it they "
+                    "would be ignored (no clipping, no noise, the plain mean). Give l2_norm_clip, or leave "
+                    f"{', '.join(given)} out."
+                )
+            check_method(method)
+            self.applied = AppliedSteps(name="steps")
+        self._regularization = lambda: regularization_gradients(model, self.variables_)
+        local = dict(
+            trainable=False,
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.SUM,
+        )
+        self.strategy = tf.distribute.get_strategy()  # the one the variables belong to
+        with tf.init_scope():
+            self.sums = [tf.Variable(tf.zeros(v.shape, v.dtype), name="sum", **local) for v in self.variables_]
+            self.count = tf.Variable(0.0, name="count", **local)
+
+    def accumulate(self, x: Any, y: Any = None, sample_weight: Any = None) -> None:
+        """Adds one micro-batch (``[b, ...]``, any ``b``, 0 included)."""
+        _check_replica_context(self, "accumulate")
+        batch = make_batch(self._model, x, y, sample_weight)
+        if self.private:
+            contribution = self.aggregator.clipped_sum(
+                self._model, self._loss_fn, x, y, sample_weight, variables=self.variables_
+            ).sums
+        else:
+            contribution = unless_empty(batch, self._summed_gradient)
+        for s, c in zip(self.sums, contribution):
+            # An embedding table's clipped sum: add its rows only, except into a
+            # sync-on-read variable (multi-replica strategy), which cannot scatter.
+            if isinstance(c, tf.IndexedSlices) and not isinstance(s, tf.distribute.DistributedValues):
+                s.scatter_add(tf.IndexedSlices(tf.cast(c.values, s.dtype), c.indices, c.dense_shape))
+            else:
+                s.assign_add(tf.cast(tf.convert_to_tensor(c), s.dtype))
+        if sample_weight is None:
+            added = tf.cast(batch_size(batch), tf.float32)
+        else:
+            w = tf.cast(batch["sample_weight"], tf.float32)
+            added = tf.reduce_sum(tf.cast(tf.not_equal(w, 0), tf.float32)) if self.private else tf.reduce_sum(w)
+        self.count.assign_add(added)
+
+    def _summed_gradient(self, batch) -> list[tf.Tensor]:
+        """``sum_i w_i grad loss_i``, ``[*var.shape]`` per variable (zeros where the loss does not reach)."""
+        with tf.GradientTape() as tape:
+            total = tf.reduce_sum(self._problem.losses(batch))
+        grads = tape.gradient(total, self.variables_)
+        return [tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, self.variables_)]
+
+    def result(self) -> list[tf.Tensor]:
+        """The gradient of the logical batch: ``[*var.shape]`` per variable.
+
+        Plain: ``sum / count`` (zeros if nothing was added). DP: ``(sum +
+        noise) / expected_batch_size``: a release, with fresh noise, counted
+        in ``steps`` (call it once per logical batch; ``apply`` does).
+        Both add the weight regularizers' gradient.
+        Inside ``strategy.run``, this replica's share (see the module docstring).
+        """
+        # This replica's own values inside strategy.run. tf.identity: on TF 2.21 a
+        # sync-on-read variable's value() cannot be all-reduced across workers directly.
+        sums = [tf.identity(s.value()) for s in self.sums]
+        regularization = self._regularization()
+        if self.private:
+            return self.aggregator.release(sums, self.aggregator.expected_batch_size, regularization=regularization)
+        count = replicas.global_sum(tf.identity(self.count.value()))
+        mean = [tf.math.divide_no_nan(s, tf.cast(count, s.dtype)) for s in sums]
+        return add_regularization(mean, regularization)
+
+    def apply(self, optimizer) -> None:
+        """``optimizer.apply_gradients(result())``, one step counted, then ``reset()``.
+
+        The step is counted before it is applied, so a crash in between can
+        only over-count what an accountant reads from ``steps``.
+        """
+        _check_replica_context(self, "apply")
+        if not hasattr(optimizer, "apply_gradients"):
+            raise TypeError(
+                f"optimizer must be an optimizer object such as keras.optimizers.SGD(0.1); got "
+                f"{type(optimizer).__name__} {optimizer!r}. (A name would make a new optimizer, and lose "
+                "its state, at every call: keras.optimizers.get(name) once, then pass that.)"
+            )
+        if self.private:
+            optimizer.apply_gradients(zip(self.result(), self.variables_))
+        else:
+            self.applied.apply_gradients(optimizer, zip(self.result(), self.variables_))
+        self.reset()
+
+    @property
+    def steps(self) -> tf.Variable:
+        return self.aggregator.steps if self.private else self.applied.count
+
+    def reset(self) -> None:
+        """Zeros the sums and the count (not ``steps``)."""
+        for s in self.sums:
+            s.assign(tf.zeros_like(s))
+        self.count.assign(0.0)
+
+
+def _check_replica_context(accumulator: GradientAccumulator, method: str) -> None:
+    """The variables of an accumulator made under a multi-replica strategy change only inside its ``run``."""
+    strategy = accumulator.strategy
+    if strategy.num_replicas_in_sync > 1 and (
+        tf.distribute.in_cross_replica_context() or tf.distribute.get_strategy() is not strategy
+    ):
+        raise ValueError(
+            f"GradientAccumulator.{method} was called outside strategy.run of the "
+            f"{strategy.num_replicas_in_sync}-replica strategy it was created under; call it inside "
+            "strategy.run(...), so that each replica adds its own shard."
+        )
