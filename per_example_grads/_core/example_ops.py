@@ -42,7 +42,7 @@ def per_example_squared_norms(t: tf.Tensor) -> tf.Tensor:
     float64) and flush to 0 below about 1e-19.
     """
     t = tf.cast(t, compute_dtype(t.dtype))
-    return _sum_of_squares(tf.reshape(t, [tf.shape(t)[0], -1]))
+    return _sum_of_squares(_rows(t))
 
 
 WIDE = tf.float64  # the dtype of [B] squared norms beyond float32's range (``widened``)
@@ -130,6 +130,22 @@ def _sum_of_squares(t: tf.Tensor, axis=1) -> tf.Tensor:
     return tf.square(tf.math.reduce_euclidean_norm(t, axis=axis))
 
 
+def _rows(t: tf.Tensor) -> tf.Tensor:
+    """``t`` as ``[B, n]`` rows, ``n`` the product of its other axes.
+
+    With those axes static (the rules' tensors: a layer's outputs and its
+    variables' shapes) the target shape is one constant, ``[-1, n]``;
+    ``[tf.shape(t)[0], -1]`` took six more graph nodes per call, which over
+    every norm and sum of a large model were a good part of its graph.
+    """
+    inner = t.shape[1:]
+    if t.shape.rank == 2:
+        return t
+    if inner.is_fully_defined() and inner.num_elements() > 0:
+        return tf.reshape(t, [-1, inner.num_elements()])
+    return tf.reshape(t, [tf.shape(t)[0], -1])
+
+
 def weighted_example_sum(weights: tf.Tensor, t: tf.Tensor) -> tf.Tensor:
     """``sum_i weights[i] * t[i]``: ``[*t.shape[1:]]`` from ``[B]`` weights and ``[B, ...]`` ``t``.
 
@@ -137,7 +153,7 @@ def weighted_example_sum(weights: tf.Tensor, t: tf.Tensor) -> tf.Tensor:
     builds the same from a dozen shape ops, which cost more than the product
     on small layers.
     """
-    flat = tf.reshape(t, [tf.shape(t)[0], -1])
+    flat = _rows(t)
     total = tf.linalg.matvec(flat, tf.cast(weights, t.dtype), transpose_a=True)
     return tf.reshape(total, t.shape[1:] if t.shape[1:].is_fully_defined() else tf.shape(t)[1:])
 

@@ -360,8 +360,7 @@ class PrivacyAccountant:
     def epsilon(self, delta: float) -> float:
         """The epsilon spent so far at ``delta``; ``0.0`` before any step.
 
-        Recomputed (and cached) after each change: with ``"pld"`` that is a
-        fraction of a second to a few seconds for a long run, and never past
+        Recomputed (and cached) after each change: with ``"pld"`` never past
         the cost bounds of "Bounded cost" in the module docstring: beyond
         them the RDP accountant answers, with a ``UserWarning``.
         """

@@ -608,8 +608,8 @@ def _bucketed_real_rows(real: tf.Tensor) -> tf.Tensor:
     The row count of the computed batch then takes only a few values (one
     per bucket) instead of a new one at every step. TensorFlow's CPU kernels
     (oneDNN) set up each convolution and matrix product per input shape and
-    cache that; a new shape at every step measured 7x slower on the CNN of
-    ``benchmarks/`` than a repeated one. The bucket is the power of two
+    cache that, so a new shape at every step is much slower than a repeated
+    one (``benchmarks/RESULTS.md``). The bucket is the power of two
     nearest ``sqrt(rows)`` (16 for 375 rows: about 8 extra rows on average);
     physical chunks then have ``P`` rows but the last, a multiple of it (or
     a few sizes more when ``P`` is not).

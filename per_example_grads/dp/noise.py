@@ -154,11 +154,12 @@ def standard_normal(n: int | tf.Tensor, source: tf.Tensor | tf.random.Generator)
     the transform ``tf.random.normal`` applies inside its kernel, with the
     same float32 uniforms (so about the same tails: ``1 - u >= 2^-23`` bounds
     ``|z|`` by 5.65, where the kernel's floor of 1e-7 bounds it by 5.68),
-    written as vectorized elementwise ops, which are faster on CPU than the
-    fused kernel (``benchmarks/RESULTS.md``). Under XLA, which compiles and
-    fuses its own, the stateless normal op with the Threefry algorithm is
-    used (XLA's Philox on CPU drew 670k numbers in 177 ms against Threefry's
-    1.2 ms). A generator supplies a fresh key from its stream.
+    written as vectorized elementwise ops, chosen for speed on CPU over the
+    fused kernel (timings in ``benchmarks/RESULTS.md``). Under XLA, which
+    compiles and fuses its own, the stateless normal op with the Threefry
+    algorithm is used, which XLA compiles far faster on CPU than Philox
+    (``benchmarks/RESULTS.md``). A generator supplies a fresh key from its
+    stream.
 
     Args:
       n: a Python int (static sizes make no shape arithmetic in the graph)

@@ -232,7 +232,7 @@ def per_variable_squared_norms(problem: Problem, captured: Captured, for_sums: b
             materialized = list(norms)
         for v, n in zip(unit.variables, norms):
             found[id(v)] = tf.cast(n, WIDE)
-    return [found.get(id(v), tf.zeros([captured.batch_size], WIDE)) for v in problem.variables]
+    return [found[id(v)] if id(v) in found else tf.zeros([captured.batch_size], WIDE) for v in problem.variables]
 
 
 def norms_of(squared: list[tf.Tensor], dtype) -> tf.Tensor:
@@ -280,7 +280,7 @@ def weighted_sums(problem: Problem, captured: Captured, weights_for) -> list[tf.
                 for v, s in zip(unit.variables, outputs):
                     if id(v) in requested and weights_for(v) is w:
                         sums[id(v)] = s if id(v) not in sums else add_sums(sums[id(v)], s)
-    return [sums.get(id(v), tf.zeros(v.shape, v.dtype)) for v in problem.variables]
+    return [sums[id(v)] if id(v) in sums else tf.zeros(v.shape, v.dtype) for v in problem.variables]
 
 
 def add_sums(a, b):

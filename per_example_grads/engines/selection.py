@@ -47,21 +47,37 @@ fails gets the same check: a data error is raised as itself, the engine's
 own refusal or failure as an ``EngineError`` naming the engine. None of this
 runs when the first engine tried succeeds, so the happy path calls the model
 no more often than that engine does.
+
+What ``auto`` learns is remembered per model (``_plans``): each engine's
+refusal (the pfor hazard check traces the one-example graph) and the engine
+it ended up using, keyed by everything they depend on (``_plan_key``: the
+model's layers and the requested variables, the training flag, the loss,
+the rules registered, the batch's structure, shapes and dtypes, and whether
+it runs eagerly or under XLA). A later call with the same key (a retrace of
+a training step, the next ``fit``) starts at that engine and traces nothing
+for the engines before it; any change to the key plans anew. A remembered
+engine that fails is not trusted: the whole order is tried again, as on a
+first call. The memory only says where to start, never what to compute, so
+it cannot change a result.
 """
 
 from __future__ import annotations
 
 import re
 import warnings
-from typing import Callable, TypeVar
+import weakref
+from typing import Any, Callable, TypeVar
 
 import tensorflow as tf
 
+from per_example_grads._core import model_inspection
 from per_example_grads._core.batch import Batch
+from per_example_grads._core.xla_context import in_xla_context
 from per_example_grads.engines.base import ENGINES, Engine
 from per_example_grads.errors import EngineError, EngineFallbackWarning, InvalidLossError
 from per_example_grads._core.problem import Problem
 from per_example_grads._core.tape import watch_variables
+from per_example_grads.rules.rule import RULES
 
 AUTO_ORDER = ("layerwise", "vectorized", "weight_copies", "loop")
 # The built-in choices of ``method=``. Engines registered later with
@@ -108,9 +124,10 @@ def run(method: str, problem: Problem, use: Callable[[Engine], T], batch: Batch 
         data error), as it raises it; and, unchanged, any exception an engine
         raises that is not one of ``_FALLBACK_ERRORS``.
     """
+    plan = _plan(problem, batch, use)
     if method != "auto":
         engine = ENGINES[method]
-        reason = engine.refusal(problem, batch)
+        reason = _refusal(engine, problem, batch, plan)
         if reason:
             _raise_if_batch_gradient_fails(problem, batch)  # a refusal can stem from the data (a one-example graph that fails to trace)
             raise EngineError(f"method={method!r} cannot run on this model: {reason}.")
@@ -125,16 +142,26 @@ def run(method: str, problem: Problem, use: Callable[[Engine], T], batch: Batch 
             "on one example."
         ) from err
 
+    if plan is not None and "auto" in plan:  # this key's engine, the others' refusals not traced again
+        name, skipped = plan["auto"]
+        result, err = (None, True) if _refusal(ENGINES[name], problem, batch, plan) else _attempt(use, ENGINES[name])
+        if err is None:
+            if skipped:
+                _warn_once(name, skipped)
+            return result
+        del plan["auto"]
     skipped = []
     checked = False
     for name in AUTO_ORDER:
         engine = ENGINES[name]
-        reason = engine.refusal(problem, batch)
+        reason = _refusal(engine, problem, batch, plan)
         if reason is None:
             result, err = _attempt(use, engine)
             if err is None:
                 if skipped:
                     _warn_once(name, skipped)
+                if plan is not None:
+                    plan["auto"] = (name, list(skipped))
                 return result
             if not checked:
                 _raise_if_batch_gradient_fails(problem, batch)
@@ -145,6 +172,80 @@ def run(method: str, problem: Problem, use: Callable[[Engine], T], batch: Batch 
         "No engine could compute per-example gradients for this model:\n"
         + "\n".join(f"  {n}: {r}" for n, r in skipped)
     )
+
+
+# model -> {plan key: {"auto": (engine, skipped), ("refusal", engine): reason}}, with the objects the
+# key names by id kept alive beside it (so no id is reused while the entry exists); few keys per model.
+_PLANS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_MAX_PLANS_PER_MODEL = 32
+
+
+def _plan(problem: Problem, batch: Batch | None, use: Callable) -> dict | None:
+    """The remembered plan of ``problem`` on ``batch`` for this capability (``use``), or None when it cannot be kept.
+
+    Nothing is kept for a model that cannot be weakly referenced, or a batch
+    whose leaves are not tensors or arrays.
+    """
+    key, keep = _plan_key(problem, batch, use)
+    if key is None:
+        return None
+    try:
+        plans = _PLANS.setdefault(problem.model, {})
+    except TypeError:  # not weakly referenceable (a plain function as the model)
+        return None
+    if key not in plans:
+        if len(plans) >= _MAX_PLANS_PER_MODEL:
+            plans.clear()
+        plans[key] = {"keep": keep}
+    return plans[key]
+
+
+def _plan_key(problem: Problem, batch: Batch | None, use: Callable) -> tuple[tuple | None, tuple]:
+    """``(key, objects)``: what an engine's refusal and success depend on, and the objects it names by id.
+
+    The model's layers (any added, removed or replaced changes it), the
+    requested variables, the training flag, the loss (its code and the
+    objects it closes over), the registered rules, the capability asked for
+    (the code of ``use``), the batch's nest of shapes and dtypes, and whether
+    the call executes eagerly or under XLA. None when the batch is not made
+    of tensors or arrays.
+    """
+    signature = []
+    for path, leaf in _flat_with_paths(batch):
+        shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+        if shape is None or dtype is None:
+            return None, ()
+        signature.append((path, tuple(tf.TensorShape(shape).as_list()) if tf.TensorShape(shape).rank is not None else None,
+                          tf.as_dtype(dtype).name))
+    layers = tuple(model_inspection.iter_layers(problem.model))
+    loss = problem.loss
+    cells = tuple(c.cell_contents for c in (getattr(loss, "__closure__", None) or ()))
+    keep = (layers, problem.variables, loss, cells, tuple(RULES.values()))  # not `use`: it holds the batch
+    key = (
+        tuple(map(id, layers)), tuple(map(id, problem.variables)), bool(problem.training),
+        id(getattr(loss, "__code__", loss)), tuple(map(id, cells)), tuple(map(id, RULES.values())),
+        id(getattr(use, "__code__", use)), tuple(signature), tf.executing_eagerly(), in_xla_context(),
+    )
+    return key, keep
+
+
+def _flat_with_paths(batch: Batch | None) -> list:
+    """``[(structure, leaf), ...]``: the batch's nest (as text) with the first leaf, then the other leaves."""
+    if batch is None:
+        return []
+    leaves = tf.nest.flatten(batch)
+    structure = repr(tf.nest.map_structure(lambda _: None, batch))
+    return [(structure if i == 0 else i, leaf) for i, leaf in enumerate(leaves)]
+
+
+def _refusal(engine: Engine, problem: Problem, batch: Batch | None, plan: dict | None) -> str | None:
+    """``engine.refusal(problem, batch)``, worked out once per plan key (the pfor check traces a graph)."""
+    if plan is None:
+        return engine.refusal(problem, batch)
+    slot = ("refusal", engine.name)
+    if slot not in plan:
+        plan[slot] = engine.refusal(problem, batch)
+    return plan[slot]
 
 
 def _attempt(use: Callable[[Engine], T], engine: Engine) -> tuple[T | None, Exception | None]:

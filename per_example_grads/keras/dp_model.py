@@ -337,8 +337,7 @@ class DPModel(keras.Model):
         Keras does so only under a distribution strategy; otherwise they are
         created while the step is traced, and TensorFlow then traces the
         step a second time, without creating variables: a DP step's first
-        call (the model, its layer rules and the noise traced) took twice as
-        long. Built from a dataset's element spec or the arrays, on symbolic
+        call would trace the model, its layer rules and the noise twice. Built from a dataset's element spec or the arrays, on symbolic
         inputs: nothing is drawn from the data. Other inputs, and a model
         that cannot run on symbolic inputs, keep Keras's default; only the
         tracing time differs.

@@ -357,9 +357,8 @@ def sliced_patches(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor) -> t
 
 def _shifted_norms(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor, g: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     """``[B]`` norms and the per-example kernels ``[B, f, k]``: one batched product per kernel offset, no patches."""
-    c = a.shape[-1]
     g = op.as_btf(g)
-    per_offset, _ = over_offsets(layer, spatial, a, lambda piece: tf.matmul(tf.reshape(piece, [tf.shape(piece)[0], -1, c]), g, transpose_a=True))
+    per_offset, _ = over_offsets(layer, spatial, a, lambda piece: tf.matmul(op.as_btf(piece), g, transpose_a=True))
     kernels = tf.concat(per_offset, axis=1)  # [B, K c_in, k], rows in the patches' (offset, c_in) order
     return per_example_squared_norms(kernels), kernels
 

@@ -171,8 +171,14 @@ class GroupNormRule(LayerNormRule):
         axis = layer.axis % rank
         channels = x.shape[axis]
         dtype = compute_dtype(x.dtype)
-        dynamic = tf.shape(x)
-        shape = [dynamic[i] if x.shape[i] is None else x.shape[i] for i in range(rank)]
+        unknown = [i for i in range(rank) if x.shape[i] is None]
+        if len(unknown) <= 1 and all(x.shape[i] for i in range(rank) if i not in unknown):
+            # One unknown size (the batch): a constant shape with -1 there, no shape ops per layer.
+            shape = [-1 if i in unknown else x.shape[i] for i in range(rank)]
+            dynamic = shape
+        else:
+            dynamic = tf.shape(x)
+            shape = [dynamic[i] if x.shape[i] is None else x.shape[i] for i in range(rank)]
         grouped = tf.reshape(tf.cast(x, dtype), shape[:axis] + [layer.groups, channels // layer.groups] + shape[axis + 1 :])
         reduce = [i for i in range(1, rank + 1) if i != axis]  # all but the batch and group axes
         mean, variance = keras.ops.moments(grouped, axes=reduce, keepdims=True)

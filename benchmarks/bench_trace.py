@@ -1,0 +1,247 @@
+"""Where a DP step's first call goes: traces, graph nodes per part, and the first step against Keras's.
+
+    python benchmarks/bench_trace.py                                   # the zoo, MobileNetV2, GPT-2; SGD
+    python benchmarks/bench_trace.py --models mlp,cnn --optimizer adam
+    python benchmarks/bench_trace.py --models mobilenet_v2 --breakdown  # nodes per rule and per engine part
+
+For each model (the shared zoo of ``per_example_grads.apps.zoo``, MobileNetV2
+with its BatchNormalization made GroupNormalization by ``peg.dp.fix_model``,
+and a small KerasHub GPT-2 built from its classes; the sizes of
+``bench_dp_fit.LARGER``) and an expected batch of ``b`` rows:
+
+- ``plain first step s``: Keras's ``fit`` on ``b`` rows, one step: from the
+  first ``on_train_batch_begin`` to its ``on_train_batch_end``, so tracing
+  plus one run of the step (what bench_dp_fit's first-step column reports);
+- ``dp first step s``: the same for ``DPModel.fit`` on one Poisson batch
+  (``poisson_batches(..., steps=1)``);
+- ``traces``: how many times Python ran ``train_step`` over two ``fit``
+  calls (the second on a new ``poisson_batches`` dataset of the same ``q``),
+  then a third on another ``q``, reported as ``traces of the first two + those
+  of the third`` (``1 + 1``: the second ``fit`` adds none; ``--no-trace-count``
+  skips these fits, each retrace of a large model takes minutes);
+- ``nodes``: the operations of the traced step (its graph and every function
+  it calls, counted once each), for Keras's step and the DP step, and how
+  many of the DP step's are ``Const``.
+
+``--breakdown`` traces the DP step once more with its parts instrumented and
+prints the nodes each added: the capture (forward and backward with the
+rules' taps), each rule class's ``squared_norms`` and ``weighted_sum``, the
+aggregator's noise and release, and the rest. Configurations are timed in
+turn, each model in a fresh ``tf.function`` (a first step cannot be
+repeated on one model without measuring a cached trace), ``--repeats``
+times on new copies, and the medians are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import os
+import statistics
+import sys
+import time
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_dp_fit import LARGER  # noqa: E402  (the same sizes as the epoch benchmark)
+
+B = 64
+MODELS = "mlp,cnn,transformer,embedding_bag,mobilenet_v2,gpt2_lm"
+
+
+def _build(name: str, n: int):
+    import keras
+
+    import per_example_grads as peg
+    from per_example_grads.apps import zoo
+
+    _, config = LARGER.get(name, (None, {}))
+    _, x, y = zoo.build(name, n, **config)
+
+    def copy():
+        m = zoo.build_model(name, **config)
+        if any(isinstance(layer, keras.layers.BatchNormalization) for layer in m._flatten_layers()):
+            m = peg.dp.fix_model(m)
+        return m
+
+    return copy, x, y
+
+
+def _optimizer(kind: str):
+    import keras
+
+    return {"sgd": lambda: keras.optimizers.SGD(0.01), "adam": lambda: keras.optimizers.Adam(1e-3)}[kind]()
+
+
+def _loss():
+    import keras
+
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+class _Clock:
+    def __init__(self):
+        import keras
+
+        marks = self.marks = {}
+
+        class Clock(keras.callbacks.Callback):
+            def on_train_batch_begin(self, batch, logs=None):
+                marks.setdefault("begin", time.perf_counter())
+
+            def on_train_batch_end(self, batch, logs=None):
+                marks.setdefault("end", time.perf_counter())
+
+        self.callback = Clock()
+
+    @property
+    def seconds(self) -> float:
+        return self.marks["end"] - self.marks["begin"]
+
+
+def _counting_train_step(model) -> list:
+    """Counts the Python calls of ``model.train_step`` (one per trace), on the instance."""
+    calls = []
+    original = model.train_step
+
+    def train_step(data):
+        calls.append(1)
+        return original(data)
+
+    model.train_step = train_step
+    return calls
+
+
+def nodes(concrete) -> tuple[int, int]:
+    """``(operations, Const operations)`` of a concrete function's graph and every function in its library."""
+    graph_def = concrete.graph.as_graph_def()
+    ops = [n.op for n in graph_def.node] + [n.op for f in graph_def.library.function for n in f.node_def]
+    return len(ops), ops.count("Const")
+
+
+def _step_concrete(model, data):
+    """The train step traced once more, as Keras traces it (``tf.function`` of ``train_step``), without running."""
+    import tensorflow as tf
+
+    spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), data)
+    return tf.function(model.train_step, reduce_retracing=True).get_concrete_function(spec)
+
+
+def plain_first_step(copy, x, y, b, optimizer):
+    m = copy()
+    m.compile(optimizer=_optimizer(optimizer), loss=_loss())
+    clock = _Clock()
+    traces = _counting_train_step(m)
+    m.fit(_rows(x, b), y[:b], batch_size=b, epochs=1, verbose=0, callbacks=[clock.callback])
+    return clock.seconds, m, len(traces)
+
+
+def _rows(x, b):
+    import tensorflow as tf
+
+    return tf.nest.map_structure(lambda t: t[:b], x)
+
+
+def dp_first_step(copy, x, y, b, optimizer, method="auto", count_traces=True):
+    import per_example_grads as peg
+
+    n = len(y)
+    dp = peg.keras.DPModel(copy(), l2_norm_clip=1.0, noise_multiplier=1.0, method=method, seed=0)
+    dp.compile(optimizer=_optimizer(optimizer), loss=_loss())
+    traces = _counting_train_step(dp)
+    clock = _Clock()
+    data = peg.dp.poisson_batches(x, y, sampling_probability=b / n, steps=1, seed=0)
+    dp.fit(data, epochs=1, verbose=0, callbacks=[clock.callback])
+    first = clock.seconds
+    if not count_traces:
+        return first, dp, None, data
+    dp.fit(peg.dp.poisson_batches(x, y, sampling_probability=b / n, steps=1, seed=1), epochs=1, verbose=0)
+    same_q = len(traces)
+    dp.fit(peg.dp.poisson_batches(x, y, sampling_probability=b / (2 * n), steps=1, seed=2), epochs=1, verbose=0)
+    return first, dp, (same_q, len(traces)), data
+
+
+@contextlib.contextmanager
+def _instrumented(counts: collections.Counter):
+    """Within the block, ``counts[part]`` gains the graph operations each instrumented part creates."""
+    import tensorflow as tf
+
+    from per_example_grads.dp import aggregator
+    from per_example_grads.engines import layerwise
+    from per_example_grads.rules import rule as rule_module
+
+    patches = []
+
+    def wrap(owner, name, label):
+        original = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            graph = tf.compat.v1.get_default_graph()
+            before = len(graph.get_operations())
+            try:
+                return original(*args, **kwargs)
+            finally:
+                counts[label(args) if callable(label) else label] += len(graph.get_operations()) - before
+
+        patches.append((owner, name, original))
+        setattr(owner, name, counted)
+
+    wrap(layerwise, "capture", "engine: capture (forward, backward, taps)")
+    for rule_class in {type(r) for r in rule_module.RULES.values()}:
+        for method in ("squared_norms", "shared_squared_norms", "weighted_sum"):
+            if method in vars(rule_class):
+                wrap(rule_class, method, f"rule {rule_class.__name__}.{method}")
+    wrap(aggregator.DPAggregator, "clipped_sum", "aggregator: clipped_sum (its own ops; the engine's are in a function of their own)")
+    wrap(aggregator.DPAggregator, "release", "aggregator: release (noise, divide, ledger)")
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(patches):
+            setattr(owner, name, original)
+
+
+def run(models, b, optimizer, repeats, breakdown, count_traces=True):
+    print(f"B = {b} (expected batch), {optimizer}; first step: trace plus one run, median of {repeats}; "
+          f"`python {' '.join(sys.argv)}`\n")
+    print("| model | plain first step s | dp first step s | dp / plain | traces (2 fits, then new q) | "
+          "plain nodes | dp nodes | dp Const |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    for name in models:
+        copy, x, y = _build(name, max(4 * b, 256))
+        plain_s, dp_s = [], []
+        for _ in range(repeats):  # alternated, so load hits both alike
+            seconds, plain_model, _ = plain_first_step(copy, x, y, b, optimizer)
+            plain_s.append(seconds)
+            seconds, dp_model, traces, data = dp_first_step(copy, x, y, b, optimizer, count_traces=count_traces)
+            dp_s.append(seconds)
+        plain_nodes, _ = nodes(_step_concrete(plain_model, (_rows(x, b), y[:b])))
+        dp_nodes, dp_const = nodes(_step_concrete(dp_model, next(iter(data))))
+        p, d = statistics.median(plain_s), statistics.median(dp_s)
+        print(f"| {name} | {p:.2f} | {d:.2f} | {d / p:.2f} | {f'{traces[0]} + {traces[1] - traces[0]}' if traces else ''} | "
+              f"{plain_nodes} | {dp_nodes} | {dp_const} |", flush=True)
+        if breakdown:
+            counts = collections.Counter()
+            with _instrumented(counts):
+                _step_concrete(dp_model, next(iter(data)))
+            for part, count in counts.most_common():
+                print(f"|   {name} | {part} | {count} |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=MODELS)
+    parser.add_argument("--batch-size", type=int, default=B)
+    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--breakdown", action="store_true")
+    parser.add_argument("--no-trace-count", action="store_true", help="skip the two extra fits (each retrace of a large model is minutes)")
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    run(args.models.split(","), args.batch_size, args.optimizer, args.repeats, args.breakdown, not args.no_trace_count)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""How often a DP step is traced, and what ``auto`` remembers between traces.
+
+A retrace costs as much as the first step (the whole model, its layer rules
+and the noise traced again), so these count Python calls: ``train_step``
+runs once per trace of Keras's train function, and the layer-wise capture
+once per trace of the clipped pass. What ``auto`` remembers
+(``engines.selection``: refusals and the engine used, per model and input
+signature) must be re-planned whenever what it depends on changes; the
+gradients are checked against the one-example loop each time.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import per_example_grads as peg
+from helpers import assert_grads_close, reference_gradients, sparse_ce
+from per_example_grads._core import pfor_limits
+from per_example_grads.engines import layerwise, selection
+
+
+def _counting(monkeypatch, owner, name) -> list:
+    calls = []
+    original = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+@pytest.mark.slow
+def test_fit_traces_once_per_batch_shape_and_not_per_fit(monkeypatch):
+    keras.utils.set_random_seed(0)
+    net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(3)])
+    dp = peg.keras.DPModel(net, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0)
+    dp.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    traces = []
+    original = dp.train_step
+    dp.train_step = lambda data: (traces.append(1), original(data))[1]  # read by Keras when it builds the function
+    captures = _counting(monkeypatch, layerwise, "capture")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 4)).astype("float32"), rng.integers(0, 3, 64)
+
+    def fit(q, seed):
+        # Each dataset's batches have one padded shape; their realized sizes differ from step to step.
+        dp.fit(peg.dp.poisson_batches(x, y, sampling_probability=q, steps=2, seed=seed), epochs=1, verbose=0)
+
+    fit(0.25, 0)
+    assert len(traces) == 1
+    fit(0.25, 1)  # a second fit, a new dataset of the same sampling: no retrace
+    assert len(traces) == 1
+    fit(0.5, 2)  # another q, another padded batch size: one trace
+    assert len(traces) == 2
+    fit(0.5, 3)
+    assert len(traces) == 2
+    # The clipped pass is traced once per step trace: not again for the non-finite check's recomputation,
+    # nor for the engine choice.
+    assert len(captures) == len(traces)
+    assert int(dp.dp_steps.numpy()) == 8
+
+
+class _OwnScale(keras.Model):
+    """A model that owns a variable itself, so ``auto`` passes the layer-wise engine for ``vectorized``."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(3)
+
+    def build(self, shape):
+        self.dense.build(shape)
+        self.scale = self.add_weight(shape=(3,), initializer="ones", name="scale")
+
+    def call(self, x):
+        return self.dense(x) * self.scale
+
+
+@pytest.mark.slow
+def test_auto_remembers_per_signature_and_structure(monkeypatch):
+    keras.utils.set_random_seed(1)
+    model = _OwnScale()
+    rng = np.random.default_rng(1)
+    flat = rng.normal(size=(6, 4)).astype("float32"), rng.integers(0, 3, 6)
+    sequence = rng.normal(size=(6, 2, 4)).astype("float32"), rng.integers(0, 3, (6, 2))
+    model(flat[0])
+    model.scale.assign([0.5, -1.0, 2.0])
+    hazard_checks = _counting(monkeypatch, pfor_limits, "vectorization_hazards")
+    monkeypatch.setattr(selection, "_warned", set())  # the fallback warns once per process
+
+    def check(x, y):
+        got = peg.per_example_gradients(model, sparse_ce, x, y)
+        assert_grads_close(got, reference_gradients(model, sparse_ce, x, y))
+
+    with pytest.warns(peg.EngineFallbackWarning):
+        check(*flat)
+    assert len(hazard_checks) == 1
+    check(*flat)  # the same model and signature: the plan is reused, the one-example graph not traced again
+    assert len(hazard_checks) == 1
+    check(*sequence)  # another input signature: planned anew
+    assert len(hazard_checks) == 2
+    check(*sequence)
+    assert len(hazard_checks) == 2
+    model.dense.trainable = False  # other variables requested: planned anew
+    check(*flat)
+    assert len(hazard_checks) == 3
+    model.dense.trainable = True
+    check(*flat)  # back to the first structure: its remembered plan
+    assert len(hazard_checks) == 3
+
+
+def test_a_remembered_engine_that_fails_is_not_trusted(monkeypatch):
+    """A remembered choice only says where to start: when that engine fails, the whole order is tried again."""
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(5, 4)).astype("float32"), rng.integers(0, 3, 5)
+    want = reference_gradients(model, sparse_ce, x, y)
+    assert_grads_close(peg.per_example_gradients(model, sparse_ce, x, y), want)
+    plans = selection._PLANS[model]
+    assert [p["auto"][0] for p in plans.values() if "auto" in p] == ["layerwise"]
+
+    def broken(problem, batch, sparse=False):
+        raise tf.errors.InternalError(None, None, "the layer-wise engine failed")
+
+    monkeypatch.setattr(layerwise, "per_example_gradients", broken)
+    monkeypatch.setattr(selection, "_warned", set())
+    with pytest.warns(peg.EngineFallbackWarning, match="layerwise"):
+        assert_grads_close(peg.per_example_gradients(model, sparse_ce, x, y), want)
+    assert [p["auto"][0] for p in plans.values() if "auto" in p] == ["vectorized"]
