@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks", "peers"))
 import _common as C  # noqa: E402  (stdlib-only harness of the peer scripts)
 
 OURS = "tf"
+NOT_PRIVATE = "(not private)"  # in the peer label of (e)'s plain epochs
 PARAMS_NOTE = re.compile(r"^(\w+): ([\d,]+) parameters")  # the "<model>: N parameters (...)" notes of make_tasks
 
 
@@ -167,6 +168,7 @@ class Report:
         self.versions: dict[str, dict] = {}  # framework -> versions
         self.summary: list[list[str]] = []
         self.rows: list[list[str]] = []
+        self.epochs: list[tuple[str, dict]] = []  # (model, {peer: median s}) of (e)
         self.notes: list[str] = []
 
     def note(self, text: str) -> None:
@@ -179,6 +181,9 @@ class Report:
         base = {t.framework: t.median() for t in timings if t.quantity == "a"}
         for t in timings:
             self.rows.append(_timing_row(model, b, t, base.get(t.framework)))
+        epochs = {t.peer: t.median() for t in timings if t.quantity == "e" and t.times}
+        if epochs:
+            self.epochs.append((model, epochs))
         for q in self.args.quantities:
             self.summary += _summary_rows(model, b, q, [t for t in timings if t.quantity == q])
 
@@ -213,10 +218,27 @@ class Report:
         ]
         lines += C.markdown_table(["model", "B", "quantity", "ours", "ours ms", "fastest peer", "its ms", "ours / fastest peer"],
                                   self.summary)
+        if self.epochs:
+            lines += ["", "## One DP epoch (e)", "",
+                      f"N = {C.EPOCH_N:,}, Poisson sampling of expected batch {C.EPOCH_BATCH}, noise multiplier "
+                      f"{C.EPOCH_SIGMA}, clip {C.CLIP_NORM}, SGD; plain epochs: batches of {C.EPOCH_BATCH}. "
+                      "Median seconds of one epoch, same rounds.", ""]
+            lines += C.markdown_table(["model", "DPModel.fit s", "keras fit s", "DP / plain (ours)", "opacus ghost s",
+                                       "opacus hooks s", "torch s", "DPModel.fit / fastest Opacus"], [_epoch_row(m, e) for m, e in self.epochs])
         lines += ["", "## All timings", ""]
         lines += C.markdown_table(["model", "B", "framework", "peer", "quantity", "median ms", "IQR ms", "ratio to own (a)",
                                    "status"], self.rows)
         return C.with_notes(lines, self.notes)
+
+
+def _epoch_row(model: str, e: dict) -> list[str]:
+    """A row of the DP epoch table from ``{peer: median seconds}``."""
+    s = lambda k: f"{e[k]:.2f}" if k in e else "—"  # noqa: E731
+    dp, plain = e.get("DPModel.fit"), e.get(f"keras fit {NOT_PRIVATE}")
+    opacus = [e[k] for k in ("opacus ghost", "opacus hooks") if k in e]
+    return [model, s("DPModel.fit"), s(f"keras fit {NOT_PRIVATE}"), f"{dp / plain:.2f}" if dp and plain else "—",
+            s("opacus ghost"), s("opacus hooks"), s(f"torch {NOT_PRIVATE}"),
+            f"**{dp / min(opacus):.2f}**" if dp and opacus else "—"]
 
 
 def _ms(seconds: float | None) -> str:
@@ -244,6 +266,7 @@ def _summary_rows(model: str, b: int, q: str, timings: list[Timing]) -> list[lis
 
     A median from a timing that stopped early (capped, failed, worker died) is marked ``(partial)``.
     """
+    timings = [t for t in timings if NOT_PRIVATE not in t.peer]  # (e)'s plain epochs are no peer of a DP epoch
     fastest = min((t for t in timings if t.framework != OURS and t.times), key=Timing.median, default=None)
     theirs = fastest.median() if fastest else None
     rows = []
@@ -268,7 +291,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 7; --quick: 2)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per task first (default 2; --quick: 1)")
     p.add_argument("--quantities", default="b,c",
-                   help="comma list of b,c (default both); (a) is always timed, as each framework's baseline")
+                   help="comma list of b,c,e (default b,c); (a) is always timed, as each framework's baseline; "
+                   "e: one DP epoch (N = 12,000, expected batch 256, sigma 1) against plain epochs and Opacus, "
+                   "built once per model whatever the batch sizes (use --batch-sizes 256)")
     p.add_argument("--max-seconds-per-call", type=float, default=60.0,
                    help="a (peer, quantity) whose call takes longer is not timed again and is marked '> cap'")
     p.add_argument("--worker-timeout", type=float, default=600.0,
@@ -288,8 +313,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any(m not in C.MODELS for m in a.models):
         p.error(f"--models: choose from {C.MODELS}")
     asked = {q for q in a.quantities.split(",") if q}
-    if not asked <= {"a", "b", "c"}:
-        p.error("--quantities: choose from b,c")
+    if not asked <= {"a", "b", "c", "e"}:
+        p.error("--quantities: choose from b,c,e")
     a.quantities = ["a"] + sorted(asked - {"a"})
     if a.repeats < 1 or a.warmup < 1:
         p.error("--repeats and --warmup must be >= 1")

@@ -220,7 +220,7 @@ def main() -> int:
         "not timed (its duration is in the status column). (c) is compiled as one program, so XLA "
         "may avoid writing the full per-example gradients."
     ]
-    return C.run(args, "Peer benchmark: JAX jit(vmap(grad))", versions, general, lambda m, b: make_tasks(m, b, C.log))
+    return C.run(args, "Peer benchmark: JAX jit(vmap(grad))", versions, general, lambda m, b, **kw: make_tasks(m, b, C.log))  # no (e) tasks: JAX has no DP training loop here
 
 
 if __name__ == "__main__":

@@ -48,8 +48,52 @@ QUANTITY_FN = {"a": "batch_grad", "b": "grads_layerwise", "c": "clipped_layerwis
 PEER_OF = {"a": "tf", "b": "per_example_grads", "c": "per_example_grads"}
 
 
-def make_tasks(model_name: str, b: int, log):
-    """The (a), (b), (c) tasks of one (model, B), the notes, and the correctness check."""
+def small_cnn():
+    """``_common``'s ``small_cnn`` in Keras (seeded: every call has the same initial weights)."""
+    import keras
+
+    L = keras.layers
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((28, 28, 1)), L.Conv2D(16, 5, strides=2, activation="relu"), L.Conv2D(32, 3, strides=2, activation="relu"),
+        L.Flatten(), L.Dense(64, activation="relu"), L.Dense(10)], name="small_cnn")
+
+
+def keras_model(model_name: str, b: int):
+    """A fresh Keras model ``model_name`` (the zoo's, or ``small_cnn``), the same initial weights every call."""
+    from benchmarks import bench_layerwise as BL
+
+    return small_cnn() if model_name == "small_cnn" else BL.build(KERAS_MODEL.get(model_name, model_name), b)[0]
+
+
+def epoch_tasks(model_name: str) -> list:
+    """(e): one epoch of ``DPModel.fit`` on ``peg.dp.poisson_batches`` and one of plain ``keras.Model.fit``.
+
+    Each trains its own copy of the model (same initial weights), SGD; each
+    call times one epoch from Keras's ``on_epoch_begin`` to ``on_epoch_end``
+    (``bench_dp_fit._timed_epoch``: what ``fit`` does once per call, its
+    setup and teardown, is left out, as the torch peer's epoch is a bare loop).
+    """
+    import keras
+
+    import per_example_grads as peg
+    from benchmarks import bench_dp_fit as DF
+
+    x, y = C.make_data(model_name, C.EPOCH_N)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    plain = keras_model(model_name, C.EPOCH_BATCH)
+    plain.compile(optimizer=keras.optimizers.SGD(C.EPOCH_LR), loss=loss)
+    dp = peg.keras.DPModel(keras_model(model_name, C.EPOCH_BATCH), l2_norm_clip=C.CLIP_NORM, noise_multiplier=C.EPOCH_SIGMA)
+    dp.compile(optimizer=keras.optimizers.SGD(C.EPOCH_LR), loss=loss)
+    data = peg.dp.poisson_batches(x, y, sampling_probability=C.EPOCH_BATCH / C.EPOCH_N, seed=0)
+    return [
+        C.Task("keras fit (not private)", "e", lambda: C.Seconds(DF._timed_epoch(plain, x, y, batch_size=C.EPOCH_BATCH)[0])),
+        C.Task("DPModel.fit", "e", lambda: C.Seconds(DF._timed_epoch(dp, data)[0])),
+    ]
+
+
+def make_tasks(model_name: str, b: int, log, quantities=("a", "b", "c")):
+    """The (a), (b), (c) tasks of one (model, B) (and (e) if asked), the notes, and the correctness check."""
     import keras
     import numpy as np
     import tensorflow as tf
@@ -57,14 +101,16 @@ def make_tasks(model_name: str, b: int, log):
     from benchmarks import bench_layerwise as BL
     from per_example_grads._core.model_inspection import iter_layers
 
-    model, _, _ = BL.build(KERAS_MODEL.get(model_name, model_name), b)
+    model = keras_model(model_name, b)
     x_np, y_np = C.make_data(model_name, b)
     x, y = tf.constant(x_np), tf.constant(y_np)
     fns = {q: BL.quantity_fn(name, model, x_np) for q, name in QUANTITY_FN.items()}
     variables = model.trainable_variables
     n_params = sum(int(np.prod(v.shape)) for v in variables)
-    notes = [f"{model_name}: {n_params:,} parameters (keras model of benchmarks/bench_layerwise.py)"]
+    notes = [f"{model_name}: {n_params:,} parameters (keras model {'of benchmarks/peers/peer_tf.py' if model_name == 'small_cnn' else 'of benchmarks/bench_layerwise.py'})"]
     tasks = [C.Task(PEER_OF[q], q, lambda fn=fn: BL.wait_for(fn(x, y))) for q, fn in fns.items()]
+    if "e" in quantities:
+        tasks += epoch_tasks(model_name)
     has_table = any(isinstance(layer, keras.layers.Embedding) for layer in iter_layers(model))
     per_example = "grads_layerwise_sparse" if has_table else QUANTITY_FN["b"]  # (b) under XLA: sparse where there is a table
     variants = {"b xla": ("b", per_example, True), "c xla": ("c", QUANTITY_FN["c"], True)}  # key -> (quantity, fn name, jit)
@@ -151,7 +197,7 @@ def main() -> int:
         "first call traces it, waited for by reading one element of each output through a zero-copy "
         "`memoryview`."
     ]
-    return C.run(args, "Peer benchmark: per_example_grads layer-wise engine (TensorFlow)", versions, general, lambda m, b: make_tasks(m, b, C.log))
+    return C.run(args, "Peer benchmark: per_example_grads layer-wise engine (TensorFlow)", versions, general, lambda m, b, **kw: make_tasks(m, b, C.log, **kw))
 
 
 if __name__ == "__main__":

@@ -106,6 +106,11 @@ def build_model(name: str):
             nn.Conv2d(16, 32, 3), nn.ReLU(), nn.MaxPool2d(2),
             nn.Flatten(), nn.Linear(32 * 5 * 5, 64), nn.ReLU(), nn.Linear(64, 10),
         )
+    if name == "small_cnn":
+        return nn.Sequential(
+            nn.Conv2d(1, 16, 5, stride=2), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2), nn.ReLU(),
+            nn.Flatten(), nn.Linear(32 * 5 * 5, 64), nn.ReLU(), nn.Linear(64, 10),
+        )
     if name == "transformer":
         return Transformer()
     if name == "embbag":
@@ -126,14 +131,87 @@ def clip_and_sum(per_example):
     return [torch.tensordot(factors, g, dims=1) for g in per_example]
 
 
-def make_tasks(model_name: str, b: int, peers, log):
+def torch_inputs(model_name: str, x_np, y_np):
+    """``(x, y)`` torch tensors of ``_common.make_data``'s arrays: images NCHW, contiguous (see ``make_tasks``), ids int64."""
+    import torch
+
+    x = torch.from_numpy(x_np)
+    if model_name in ("cnn", "small_cnn"):
+        x = x.permute(0, 3, 1, 2).clone(memory_format=torch.contiguous_format)
+    if x.dtype == torch.int32:
+        x = x.long()
+    return x, torch.from_numpy(y_np).long()
+
+
+def epoch_tasks(model_name: str, log) -> list:
+    """(e): one DP epoch with Opacus's ``PrivacyEngine`` (ghost clipping; per-example hooks) and one plain torch epoch.
+
+    Each trains its own copy of the model (same initial weights) with SGD on
+    a ``DataLoader`` over ``_common.EPOCH_N`` examples: Opacus with Poisson
+    sampling of expected batch ``EPOCH_BATCH`` (``make_private(...,
+    poisson_sampling=True)``), noise multiplier ``EPOCH_SIGMA``, clip
+    ``CLIP_NORM``; plain torch with batches of ``EPOCH_BATCH``. A call times
+    the epoch's loop alone (``zero_grad``, forward, loss, backward, step).
+    """
+    import time
+
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x, y = torch_inputs(model_name, *C.make_data(model_name, C.EPOCH_N))
+    dataset = TensorDataset(x, y)
+
+    def epoch_of(model, optimizer, criterion, loader):
+        def epoch():
+            model.train()
+            start = time.perf_counter()
+            for xb, yb in loader:
+                optimizer.zero_grad(set_to_none=True)
+                criterion(model(xb), yb).backward()
+                optimizer.step()
+            return C.Seconds(time.perf_counter() - start)
+        return epoch
+
+    model = build_model(model_name)
+    plain = (model, torch.optim.SGD(model.parameters(), lr=C.EPOCH_LR), torch.nn.CrossEntropyLoss(),
+             DataLoader(dataset, batch_size=C.EPOCH_BATCH, shuffle=True))
+    tasks = [C.Task("torch (not private)", "e", epoch_of(*plain))]
+    try:
+        from opacus import PrivacyEngine
+    except ImportError:
+        return tasks
+    for mode in ("ghost", "hooks"):
+        try:
+            model = build_model(model_name)
+            engine = PrivacyEngine()
+            optimizer = torch.optim.SGD(model.parameters(), lr=C.EPOCH_LR)
+            loader = DataLoader(dataset, batch_size=C.EPOCH_BATCH)
+            criterion = torch.nn.CrossEntropyLoss()
+            common = dict(module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=C.EPOCH_SIGMA,
+                          max_grad_norm=C.CLIP_NORM, poisson_sampling=True)
+            if mode == "ghost":
+                model, optimizer, criterion, loader = engine.make_private(**common, criterion=criterion, grad_sample_mode="ghost")
+            else:
+                model, optimizer, loader = engine.make_private(**common)
+            tasks.append(C.Task(f"opacus {mode}", "e", epoch_of(model, optimizer, criterion, loader)))
+        except Exception as e:  # noqa: BLE001 - a refusal is a result
+            log(f"  opacus {mode} epoch of {model_name}: {type(e).__name__}: {e}")
+
+            def refused(e=e):
+                raise RuntimeError(f"opacus {mode} refused: {e}")
+
+            tasks.append(C.Task(f"opacus {mode}", "e", refused))
+    return tasks
+
+
+def make_tasks(model_name: str, b: int, peers, log, quantities=("a", "b", "c")):
     import torch
     import torch.nn.functional as F
     from torch.func import functional_call, grad, vmap
 
     x_np, y_np = C.make_data(model_name, b)
     x = torch.from_numpy(x_np)
-    if model_name == "cnn":
+    if model_name in ("cnn", "small_cnn"):
         # NHWC -> NCHW with standard strides. A transposed [B, 28, 28, 1] array
         # has strides (784, 1, 28, 1), which torch reads as channels_last; the
         # conv then runs channels_last and Opacus 1.6's conv grad sampler
@@ -155,6 +233,8 @@ def make_tasks(model_name: str, b: int, peers, log):
         return torch.autograd.grad(loss, params)
 
     tasks.append(C.Task("torch", "a", batch_grad))
+    if "e" in quantities:
+        tasks += epoch_tasks(model_name, log)
 
     results = {}
     if "torch.func" in peers:
@@ -275,7 +355,7 @@ def main() -> int:
             "for the second conv (max rel. error ~0.9 vs a per-example loop); torch.func was right."
         )
     return C.run(args, "Peer benchmark: PyTorch (torch.func vmap(grad), Opacus hooks)", versions, general,
-                 lambda m, b: make_tasks(m, b, args.peers, C.log))
+                 lambda m, b, **kw: make_tasks(m, b, args.peers, C.log, **kw))
 
 
 if __name__ == "__main__":

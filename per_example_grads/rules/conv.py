@@ -62,6 +62,7 @@ import keras
 import tensorflow as tf
 
 from per_example_grads.rules import outer_products as op
+from per_example_grads.rules import path_costs
 from per_example_grads.rules.local import without_activation
 from per_example_grads.rules.rule import (
     LayerRule,
@@ -70,10 +71,12 @@ from per_example_grads.rules.rule import (
     reparametrized,
     weighted_example_sum,
 )
-from per_example_grads._core.example_ops import squares_part, widened
+from per_example_grads._core.example_ops import WIDE, squares_part, widened
 from per_example_grads._core.xla_context import in_xla_context
 
 NORMS_JIT_COMPILE = True
+CHOOSE_BY_COST = True  # outside XLA with static sizes, each path priced by path_costs; False: the fixed rules below
+PRICED_BATCH = 64  # the batch size priced when it is unknown at trace time
 KEEP_PER_EXAMPLE_KERNELS = True
 PATCH_CHUNK_ELEMENTS = 1 << 20  # patches outside XLA are built for at most this many elements at a time
 
@@ -105,14 +108,23 @@ def _padding(layer: ConvSpec) -> str:
     return "VALID" if layer.padding == "causal" else layer.padding.upper()
 
 
-def patches(layer: ConvSpec, a: tf.Tensor) -> tf.Tensor:
+def patches(layer: ConvSpec, a: tf.Tensor, builder: str | None = None) -> tf.Tensor:
     """``[B, positions, prod(kernel_size) * c_in]``: the input patch each output position sees.
 
     ``a`` is the layer input ``[B, *spatial_in, c_in]`` before causal padding.
     A 1x1 kernel with unit strides sees one position: its patches are ``a``.
+    ``builder`` (one of ``path_costs.PATCH_BUILDERS``; None: by rank, as
+    below) picks how they are copied, with the same values bit for bit:
+    ``"extract"`` (``tf.image.extract_patches``, ranks 1 and 2),
+    ``"sliced"`` (``sliced_patches``, static spatial sizes) or
+    ``"one_hot"`` (``_patches_by_convolution``).
     """
     if all(k == 1 for k in layer.kernel_size) and all(s == 1 for s in layer.strides):
         return op.as_btf(a)
+    if builder == "sliced" and None not in tuple(a.shape[1:-1]):
+        return sliced_patches(layer, tuple(a.shape[1:-1]), a)
+    if builder == "one_hot":
+        return _patches_by_convolution(layer, _causal_pad(layer, tf.cast(a, op.compute_dtype(a.dtype))))
     if layer.rank == 3:
         spatial = tuple(a.shape[1:-1])
         if None not in spatial:
@@ -172,6 +184,18 @@ def kernel_part(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, keep: bool = False)
     k = g.shape[-1]
     f = math.prod(layer.kernel_size) * a.shape[-1] if a.shape[-1] is not None else None
     t = g.shape[1:-1].num_elements() if g.shape[1:-1].is_fully_defined() else None
+    small = t is not None and f is not None and a.shape[1:].is_fully_defined() and f * k <= a.shape[1:].num_elements() + t * k
+    shape = conv_shape(layer, a, g)
+    if shape is not None and CHOOSE_BY_COST:
+        choice = path_costs.conv_norm_path(shape, keep, small and KEEP_PER_EXAMPLE_KERNELS, path_costs.machine())
+        path, _, builder = choice.norms.partition(":")
+        if path == "gram":
+            return _gram_part(patches(layer, a, builder), op.as_btf(g)), None
+        if path == "offsets":
+            norms, kernels = _shifted_norms(layer, spatial, a, g)
+        else:
+            norms, kernels = _patch_norms(layer, a, g, t, f, builder)
+        return squares_part(kernels, norms), (kernels if keep and choice.keep else None)
     if t is not None and f is not None and t * (f + k) < f * k:
         return op.kernel_part(patches(layer, a), op.as_btf(g)), None  # the Gram form
     if None in spatial or f is None:  # slices need static sizes
@@ -183,12 +207,36 @@ def kernel_part(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, keep: bool = False)
     else:
         fn = _sliced_norms_xla if NORMS_JIT_COMPILE else _sliced_norms
         norms, kernels = fn(layer, spatial, a, g)
-    small = t is not None and f is not None and a.shape[1:].is_fully_defined() and f * k <= a.shape[1:].num_elements() + t * k
     return squares_part(kernels, norms), (kernels if keep and KEEP_PER_EXAMPLE_KERNELS and small else None)
 
 
-def _patch_norms(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, t: int | None, f: int | None) -> tuple[tf.Tensor, tf.Tensor]:
-    """``_materialized_norms`` of ``patches(layer, a)`` and ``g``, in batch chunks.
+def conv_shape(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor) -> path_costs.ConvShape | None:
+    """The sizes ``path_costs`` prices, or None where the chooser does not apply (under XLA, or sizes unknown when traced).
+
+    Under XLA, which fuses the patches into their product, the paths of the
+    module docstring are kept. An unknown batch size is priced as
+    ``PRICED_BATCH`` examples (every path's cost but the launch costs grows
+    with it alike).
+    """
+    if in_xla_context() or not a.shape[1:].is_fully_defined() or not g.shape[1:].is_fully_defined():
+        return None
+    spatial = list(a.shape[1:-1])
+    if layer.padding == "causal":
+        spatial[0] += layer.dilation_rate[0] * (layer.kernel_size[0] - 1)
+    b = a.shape[0] if a.shape[0] is not None else PRICED_BATCH
+    return path_costs.ConvShape(b, tuple(spatial), tuple(g.shape[1:-1]), tuple(layer.kernel_size),
+                                any(s > 1 for s in layer.strides), a.shape[-1], g.shape[-1])
+
+
+def _gram_part(p: tf.Tensor, g: tf.Tensor) -> tuple:
+    """The Gram-form norms of ``p_n^T g_n`` and their float64 recomputation, a part for ``example_ops.widened``."""
+    wide = (lambda pick: op._gram_squared_norms(tf.cast(pick(p), WIDE), tf.cast(pick(g), WIDE))) if p.dtype != WIDE else None
+    return op._gram_squared_norms(p, g), wide
+
+
+def _patch_norms(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, t: int | None, f: int | None,
+                 builder: str | None = None) -> tuple[tf.Tensor, tf.Tensor]:
+    """``_materialized_norms`` of ``patches(layer, a, builder)`` and ``g``, in batch chunks.
 
     ``t`` positions and ``f`` patch width (None if unknown) set the chunk:
     at most ``PATCH_CHUNK_ELEMENTS`` patch elements exist at a time,
@@ -198,13 +246,15 @@ def _patch_norms(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, t: int | None, f: 
     materialized = _materialized_norms_xla if NORMS_JIT_COMPILE else _materialized_norms
 
     def chunk_norms(a_chunk, g_chunk):
-        p, g2 = patches(layer, a_chunk), op.as_btf(g_chunk)
+        p, g2 = patches(layer, a_chunk, builder), op.as_btf(g_chunk)
+        if builder is not None:  # chosen by cost, outside XLA: kernels [B, f, k]
+            return _materialized_norms(p, g2)
         return materialized(p, g2) if p.shape[-1] is not None and p.shape[-1] <= g2.shape[-1] else materialized(g2, p)
 
     k = g.shape[-1]
     chunk = max(1, PATCH_CHUNK_ELEMENTS // (t * f)) if t and f else None
     # Element shapes let an empty batch (no chunk) concatenate to [0] and [0, *kernel].
-    shapes = [[None], [None, f, k] if f is not None and f <= k else [None, k, f]]
+    shapes = [[None], [None, f, k] if builder is not None or (f is not None and f <= k) else [None, k, f]]
     return _in_batch_chunks(chunk_norms, a, g, chunk, shapes)
 
 
@@ -239,9 +289,15 @@ def per_example_kernels(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor) -> tf.Tenso
     t = g.shape[1:-1].num_elements() if g.shape[1:-1].is_fully_defined() else None
     f = math.prod(layer.kernel_size) * a.shape[-1] if a.shape[-1] is not None else None
     k = g.shape[-1]
+    builder = None
+    shape = conv_shape(layer, a, g)
+    if shape is not None and CHOOSE_BY_COST:
+        path, _, builder = path_costs.materialized_cost(shape, path_costs.machine())[0].partition(":")
+        if path == "offsets":
+            return _shifted_norms(layer, tuple(a.shape[1:-1]), a, g)[1]
 
     def product(a_chunk, g_chunk):
-        return (tf.matmul(patches(layer, a_chunk), op.as_btf(g_chunk), transpose_a=True),)
+        return (tf.matmul(patches(layer, a_chunk, builder or None), op.as_btf(g_chunk), transpose_a=True),)
 
     chunk = max(1, PATCH_CHUNK_ELEMENTS // (t * f)) if t and f and t > k else None
     return _in_batch_chunks(product, a, g, chunk, [[None, f, k]])[0]

@@ -7,7 +7,7 @@ gradient is ``G_n = sum_t a_nt^T g_nt`` (``[i, j]``). Then:
 - ``||G_n||^2 = sum_{t,s} (a_nt . a_ns)(g_nt . g_ns)`` (the Gram form, cost
   ``T^2 (i + j)``), which for ``T = 1`` is ``||a_n||^2 ||g_n||^2``; the
   alternative, materializing ``G_n``, costs ``T i j``. ``kernel_part``
-  picks the cheaper.
+  picks the cheaper as ``path_costs.dense_gram_cheaper`` prices them.
 - ``sum_n c_n G_n = a^T (c * g)``, one contraction over ``B`` and ``T``.
 
 All of it runs in float32 (float64 for float64 inputs); the norms come with
@@ -21,6 +21,7 @@ import functools
 
 import tensorflow as tf
 
+from per_example_grads.rules import path_costs
 from per_example_grads._core.example_ops import (
     WIDE,
     compute_dtype,
@@ -44,7 +45,14 @@ as_btf = flat_positions  # deprecated name of flat_positions
 
 
 def per_example_kernel(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
-    """``[B, i, j]``: ``sum_t a[:, t, :]^T g[:, t, :]``, from ``[B, T, i]`` and ``[B, T, j]``."""
+    """``[B, i, j]``: ``sum_t a[:, t, :]^T g[:, t, :]``, from ``[B, T, i]`` and ``[B, T, j]``.
+
+    For ``T = 1`` an outer product, taken as a broadcast multiply (each entry
+    one rounded product, as in the batched matrix product, which on CPU is
+    slower at writing the same ``B i j`` floats).
+    """
+    if a.shape[1] == 1 and g.shape[1] == 1:
+        return a[:, 0, :, None] * g[:, 0, None, :]
     return tf.einsum("bti,btj->bij", a, g)
 
 
@@ -62,10 +70,15 @@ def kernel_part(a: tf.Tensor, g: tf.Tensor) -> tuple:
     if t == 1:
         product = per_example_squared_norms(a) * per_example_squared_norms(g)
         return product, (lambda pick: wide_sum_of_squares(pick(a)) * wide_sum_of_squares(pick(g))) if narrow else None
-    if t is not None and t * (i + j) < i * j:
+    if t is not None and i is not None and j is not None and _gram_cheaper(a.shape[0], t, i, j):
         gram = _gram_squared_norms(a, g)
         return gram, (lambda pick: _gram_squared_norms(tf.cast(pick(a), WIDE), tf.cast(pick(g), WIDE))) if narrow else None
     return squares_part(per_example_kernel(a, g))
+
+
+def _gram_cheaper(b: int | None, t: int, i: int, j: int) -> bool:
+    """Whether ``path_costs`` prices the Gram form below building ``G_n`` (an unknown batch priced as 64 examples)."""
+    return path_costs.dense_gram_cheaper(b if b is not None else 64, t, i, j, path_costs.machine())
 
 
 def kernel_and_bias_parts(a: tf.Tensor, g: tf.Tensor) -> list[tuple]:
