@@ -40,6 +40,7 @@ _EXPORTS = {
     "physical_chunks_dataset": "per_example_grads.dp.sampling",
     "poisson_batches": "per_example_grads.dp.sampling",
     "poisson_batches_from_dataset": "per_example_grads.dp.sampling",
+    "SparseEmbeddings": "per_example_grads.dp.sparse_embeddings",
     "ValidationReport": "per_example_grads.dp.validation",
     "check_model": "per_example_grads.dp.validation",
     "validate": "per_example_grads.dp.validation",
@@ -74,6 +75,7 @@ if _TYPE_CHECKING:  # what static tools see; at run time __getattr__ does this
     from per_example_grads.dp.sampling import physical_chunks_dataset  # noqa: F401
     from per_example_grads.dp.sampling import poisson_batches  # noqa: F401
     from per_example_grads.dp.sampling import poisson_batches_from_dataset  # noqa: F401
+    from per_example_grads.dp.sparse_embeddings import SparseEmbeddings  # noqa: F401
     from per_example_grads.dp.validation import ValidationReport  # noqa: F401
     from per_example_grads.dp.validation import check_model  # noqa: F401
     from per_example_grads.dp.validation import validate  # noqa: F401

@@ -361,15 +361,15 @@ def _reversible_embedding_norms(rule, layer, calls, ids, count):
     unit_examples_ = lambda t, ids, count: unit_examples(t, ids, count, layout)  # noqa: E731
     grouped = []
     for saved, grads in calls:
-        if saved[0] == rev._LOOKUP:
+        if saved[0] == rev.LOOKUP:
             flat = unit_examples_(saved[1], ids, count)
             g = tf.reshape(grads[0], [tf.shape(saved[1])[0], -1, layer.output_dim])
-            saved = (rev._LOOKUP, flat, repeated_rows(flat, only_repeated=not in_xla_context()))
+            saved = (rev.LOOKUP, flat, repeated_rows(flat, only_repeated=not in_xla_context()))
             grouped.append((saved, [unit_examples_(g, ids, count)]))
         else:
             h = tf.reshape(saved[1], [tf.shape(saved[1])[0], -1, saved[1].shape[-1]])
             g = tf.reshape(grads[0], [tf.shape(grads[0])[0], -1, grads[0].shape[-1]])
-            grouped.append(((rev._REVERSE, unit_examples_(h, ids, count)), [unit_examples_(g, ids, count)]))
+            grouped.append(((rev.REVERSE, unit_examples_(h, ids, count)), [unit_examples_(g, ids, count)]))
     return rule.shared_squared_norms(layer, grouped)
 
 

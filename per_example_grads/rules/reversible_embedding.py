@@ -45,7 +45,7 @@ from per_example_grads.errors import EngineError
 from per_example_grads.rules.embedding import flat_ids
 from per_example_grads.rules.rule import LayerRule, register_layer_rule, reparametrized
 
-_LOOKUP, _REVERSE = "lookup", "reverse"
+LOOKUP, REVERSE = "lookup", "reverse"
 
 
 def _is_reverse(args: tuple, kwargs: dict) -> bool:
@@ -83,7 +83,7 @@ class ReversibleEmbeddingRule(LayerRule):
             # gradient is g scattered into the looked-up rows.
             out = call(*args, **kwargs)
             flat = flat_ids(args[0])
-            return out, (_LOOKUP, flat, repeated_rows(flat, only_repeated=not in_xla_context())), [out]
+            return out, (LOOKUP, flat, repeated_rows(flat, only_repeated=not in_xla_context())), [out]
         h = args[0]
         kernel = keras.ops.transpose(layer.embeddings) if layer.tie_weights else layer.reverse_embeddings
         if layer.reverse_dtype is not None:
@@ -93,7 +93,7 @@ class ReversibleEmbeddingRule(LayerRule):
         if layer.logit_soft_cap is not None:
             cap = layer.logit_soft_cap
             logits = keras.ops.multiply(keras.ops.tanh(keras.ops.divide(z, cap)), cap)
-        return logits, (_REVERSE, h), [z]
+        return logits, (REVERSE, h), [z]
 
     # -- pieces ------------------------------------------------------------
 
@@ -118,7 +118,7 @@ class ReversibleEmbeddingRule(LayerRule):
     # -- per-example gradients --------------------------------------------
 
     def per_example(self, layer, saved, grads):
-        if saved[0] == _LOOKUP:
+        if saved[0] == LOOKUP:
             rows = PerExampleSlices(saved[1], tf.cast(self._rows(layer, saved, grads), layer.embeddings.dtype), tf.TensorShape(layer.embeddings.shape))
             if layer.tie_weights:
                 return [rows]
@@ -145,8 +145,8 @@ class ReversibleEmbeddingRule(LayerRule):
         gradients grouped by id) is not.
         """
         dtype = self._dtype(layer)
-        lookups = [(s, g) for s, g in calls if s[0] == _LOOKUP]
-        projections = [self._projection(layer, s, g) for s, g in calls if s[0] == _REVERSE]
+        lookups = [(s, g) for s, g in calls if s[0] == LOOKUP]
+        projections = [self._projection(layer, s, g) for s, g in calls if s[0] == REVERSE]
         b = tf.shape((projections[0][0] if projections else lookups[0][1][0]))[0]
 
         # ||S||^2: the rows grouped by id (over every lookup call's ids at once).
@@ -200,7 +200,7 @@ class ReversibleEmbeddingRule(LayerRule):
 
     def weighted_sum(self, layer, saved, grads, weights, cache=None):
         """The lookup call: ``tf.IndexedSlices`` rows; the reversed call: one contraction, dense."""
-        if saved[0] == _LOOKUP:
+        if saved[0] == LOOKUP:
             rows = PerExampleSlices(saved[1], tf.cast(self._rows(layer, saved, grads), layer.embeddings.dtype), tf.TensorShape(layer.embeddings.shape))
             out = [rows.scale(weights).sum_examples()]
             if not layer.tie_weights:
