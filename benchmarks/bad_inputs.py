@@ -203,9 +203,9 @@ def classify_exception(c: Case, e: BaseException) -> tuple[str, str]:
 
 
 def modules():
+    import keras
     import numpy as np
     import tensorflow as tf
-    import keras
 
     import per_example_grads as peg
 
@@ -214,11 +214,13 @@ def modules():
 
 def mlp(inputs: int = 4, classes: int = 3, hidden: int = 8, **dense):
     _, _, keras, _ = modules()
-    return keras.Sequential([
-        keras.Input((inputs,)),
-        keras.layers.Dense(hidden, activation="relu", **dense),
-        keras.layers.Dense(classes),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input((inputs,)),
+            keras.layers.Dense(hidden, activation="relu", **dense),
+            keras.layers.Dense(classes),
+        ]
+    )
 
 
 def data(n: int = 64, inputs: int = 4, classes: int = 3, seed: int = 0):
@@ -247,8 +249,8 @@ def loop_grads(model, x, y, loss=None, variables=None):
     rows = tf.nest.flatten(x)[0].shape[0]
     out = [[] for _ in variables]
     for i in range(rows):
-        xi = tf.nest.map_structure(lambda t: t[i:i + 1], x)
-        yi = None if y is None else y[i:i + 1]
+        xi = tf.nest.map_structure(lambda t: t[i : i + 1], x)
+        yi = None if y is None else y[i : i + 1]
         with tf.GradientTape() as tape:
             value = tf.reduce_sum(loss(yi, model(xi, training=False)))
         grads = tape.gradient(value, variables)
@@ -267,7 +269,12 @@ def clipped_sum64(grads, clip: float, finite_only: bool = False):
     n = norms64(grads)
     factors = clip / np.maximum(n, clip)
     keep = np.isfinite(n) if finite_only else np.ones_like(n, bool)
-    return [np.sum(np.where(keep.reshape(-1, *[1] * (g.ndim - 1)), g * factors.reshape(-1, *[1] * (g.ndim - 1)), 0.0), axis=0) for g in grads]
+    return [
+        np.sum(
+            np.where(keep.reshape(-1, *[1] * (g.ndim - 1)), g * factors.reshape(-1, *[1] * (g.ndim - 1)), 0.0), axis=0
+        )
+        for g in grads
+    ]
 
 
 def as_numpy(t):
@@ -306,7 +313,11 @@ def ref_epsilon(sigma: float, q: float, steps: int, delta: float = DELTA, accoun
     event = dp_accounting.SelfComposedDpEvent(
         dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
     )
-    acc = pld.PLDAccountant(neighboring_relation=relation) if accountant == "pld" else rdp.RdpAccountant(neighboring_relation=relation)
+    acc = (
+        pld.PLDAccountant(neighboring_relation=relation)
+        if accountant == "pld"
+        else rdp.RdpAccountant(neighboring_relation=relation)
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return float(acc.compose(event).get_epsilon(delta))
@@ -403,7 +414,11 @@ def versus_model(direct: Callable, call: Callable, key_words: tuple = ()) -> Ver
         own_key = norm(first_line(own))[:60] if own is not None else None
         if own_key and own_key in norm(message):
             return clear(f"the model's own {describe(e)}")
-        if key_words and names_words(key_words, message)[0] and (own is not None or isinstance(e, (ValueError, TypeError))):
+        if (
+            key_words
+            and names_words(key_words, message)[0]
+            and (own is not None or isinstance(e, (ValueError, TypeError)))
+        ):
             return clear(describe(e))
         return crash(f"{describe(e)} (the model itself: {describe(own) if own else 'runs'})")
     if own is not None:
@@ -441,7 +456,13 @@ def compute_epsilon_q_and_batch_size():
     """compute_epsilon(60000, 256, None, 1.1, 1e-5, steps=10, sampling_probability=0.5): q disagrees with 256/60000."""
     got = call_quietly(accounting().compute_epsilon, 60000, 256, None, 1.1, DELTA, steps=10, sampling_probability=0.5)
     by_q, by_b = ref_epsilon(1.1, 0.5, 10), ref_epsilon(1.1, 256 / 60000, 10)
-    used = "sampling_probability=0.5" if same_number(got, by_q) else "batch_size/N" if same_number(got, by_b) else "neither"
+    used = (
+        "sampling_probability=0.5"
+        if same_number(got, by_q)
+        else "batch_size/N"
+        if same_number(got, by_b)
+        else "neither"
+    )
     return silent(f"accepted both; epsilon {got:.4g} follows {used}, the other ignored")
 
 
@@ -586,7 +607,9 @@ def compute_epsilon_numpy_scalars():
     """compute_epsilon(np.int64(60000), np.int64(256), np.float32(60), np.float32(1.1), ...): right = as for Python numbers."""
     import numpy as np
 
-    got = call_quietly(accounting().compute_epsilon, np.int64(60000), np.int64(256), np.float32(60), np.float32(1.1), DELTA)
+    got = call_quietly(
+        accounting().compute_epsilon, np.int64(60000), np.int64(256), np.float32(60), np.float32(1.1), DELTA
+    )
     expected = ref_epsilon(float(np.float32(1.1)), 256 / 60000, math.ceil(60 * 60000 / 256))
     return judge_epsilon(got, expected, "the same run in Python numbers")
 
@@ -595,7 +618,9 @@ def compute_epsilon_numpy_scalars():
 def compute_epsilon_fractional_epochs():
     """compute_epsilon(epochs=0.1): ceil(0.1 * 60000 / 256) = 24 steps."""
     got = call_quietly(accounting().compute_epsilon, 60000, 256, 0.1, 1.1, DELTA)
-    return judge_epsilon(got, ref_epsilon(1.1, 256 / 60000, 24), "24 steps", {"23 steps": ref_epsilon(1.1, 256 / 60000, 23)})
+    return judge_epsilon(
+        got, ref_epsilon(1.1, 256 / 60000, 24), "24 steps", {"23 steps": ref_epsilon(1.1, 256 / 60000, 23)}
+    )
 
 
 @case("accounting", words=("steps",), tf=False)
@@ -725,8 +750,14 @@ def run_cli(args: list[str], cwd: str, timeout: float, tensorflow: bool) -> dict
 
     start = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "per_example_grads.apps.cli", *args], cwd=cwd, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=limit_memory, start_new_session=True,
+        [sys.executable, "-m", "per_example_grads.apps.cli", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=limit_memory,
+        start_new_session=True,
     )
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -790,6 +821,7 @@ def printed(text: str, label: str) -> float | None:
 @case("cli", words=(("--target-epsilon", "epsilon", "noise"),), tf=False, alone=True)
 def cli_epsilon_target_1e9():
     """pegrad epsilon --num-examples 60000 --batch-size 256 --epochs 60 --target-epsilon 1e9 --delta 1e-5."""
+
     def check(text):
         sigma = printed(text, "noise multiplier")
         if sigma is None:
@@ -799,19 +831,26 @@ def cli_epsilon_target_1e9():
             return right(f"sigma {sigma:g}: dp_accounting's RDP epsilon {rdp:.4g} <= 1e9")
         return silent(f"sigma {sigma:g}: dp_accounting's RDP epsilon {rdp:.4g} > 1e9")
 
-    return epsilon_cli(["--epochs", "60", "--target-epsilon", "1e9", "--delta", "1e-5"], CASES["cli_epsilon_target_1e9"].words, check)
+    return epsilon_cli(
+        ["--epochs", "60", "--target-epsilon", "1e9", "--delta", "1e-5"], CASES["cli_epsilon_target_1e9"].words, check
+    )
 
 
 @case("cli", words=(("--epochs", "steps", "memory", "accountant"),), tf=False, alone=True)
 def cli_epsilon_epochs_1e12():
     """pegrad epsilon --num-examples 60000 --batch-size 256 --epochs 1e12 --noise-multiplier 1.1 --delta 1e-5."""
+
     def check(text):
         eps = printed(text, "epsilon")
         if eps is None:
             return silent(f"exit 0 without an epsilon: {one_line(text, 100)}")
         return bounded_by_rdp(eps, 1.1, 256 / 60000, math.ceil(1e12 * 60000 / 256))
 
-    return epsilon_cli(["--epochs", "1e12", "--noise-multiplier", "1.1", "--delta", "1e-5"], CASES["cli_epsilon_epochs_1e12"].words, check)
+    return epsilon_cli(
+        ["--epochs", "1e12", "--noise-multiplier", "1.1", "--delta", "1e-5"],
+        CASES["cli_epsilon_epochs_1e12"].words,
+        check,
+    )
 
 
 def no_output_expected(text: str) -> Verdict:
@@ -827,26 +866,36 @@ def cli_epsilon_delta_zero():
 @case("cli", words=("--epochs",), tf=False)
 def cli_epsilon_epochs_nan():
     """pegrad epsilon ... --epochs nan."""
-    return epsilon_cli(["--epochs", "nan", "--noise-multiplier", "1.1", "--delta", "1e-5"], ("--epochs",), no_output_expected)
+    return epsilon_cli(
+        ["--epochs", "nan", "--noise-multiplier", "1.1", "--delta", "1e-5"], ("--epochs",), no_output_expected
+    )
 
 
 @case("cli", words=("--batch-size",), tf=False)
 def cli_epsilon_batch_above_n():
     """pegrad epsilon --num-examples 100 --batch-size 256 ..."""
-    return epsilon_cli(["--epochs", "1", "--noise-multiplier", "1.1", "--delta", "1e-5"], ("--batch-size",),
-                       no_output_expected, base=["--num-examples", "100", "--batch-size", "256"])
+    return epsilon_cli(
+        ["--epochs", "1", "--noise-multiplier", "1.1", "--delta", "1e-5"],
+        ("--batch-size",),
+        no_output_expected,
+        base=["--num-examples", "100", "--batch-size", "256"],
+    )
 
 
 @case("cli", words=("--steps", "--epochs"), tf=False)
 def cli_epsilon_epochs_and_steps():
     """pegrad epsilon ... --epochs 1 --steps 10: two lengths."""
-    return epsilon_cli(["--epochs", "1", "--steps", "10", "--noise-multiplier", "1.1", "--delta", "1e-5"],
-                       ("--steps", "--epochs"), no_output_expected)
+    return epsilon_cli(
+        ["--epochs", "1", "--steps", "10", "--noise-multiplier", "1.1", "--delta", "1e-5"],
+        ("--steps", "--epochs"),
+        no_output_expected,
+    )
 
 
 @case("cli", words=("--noise-multiplier",), tf=False)
 def cli_epsilon_no_noise():
     """pegrad epsilon ... --noise-multiplier 0: right = epsilon inf."""
+
     def check(text):
         eps = printed(text, "epsilon")
         return right("prints epsilon = inf") if eps == math.inf else silent(f"printed epsilon {eps!r} without noise")
@@ -857,6 +906,7 @@ def cli_epsilon_no_noise():
 @case("cli", words=("--delta",), tf=False)
 def cli_epsilon_delta_over_1_over_n():
     """pegrad epsilon --num-examples 100 --batch-size 10 --epochs 1 --noise-multiplier 1.1 --delta 0.05: right = the number and a warning."""
+
     def check(text):
         eps = printed(text, "epsilon")
         expected = ref_epsilon(1.1, 0.1, 10, 0.05)
@@ -866,8 +916,12 @@ def cli_epsilon_delta_over_1_over_n():
             return right(f"epsilon {eps:g} = dp_accounting's, with a warning about delta")
         return silent(f"epsilon {eps:g} for delta >= 1/N, no warning")
 
-    return epsilon_cli(["--epochs", "1", "--noise-multiplier", "1.1", "--delta", "0.05"], ("--delta",), check,
-                       base=["--num-examples", "100", "--batch-size", "10"])
+    return epsilon_cli(
+        ["--epochs", "1", "--noise-multiplier", "1.1", "--delta", "0.05"],
+        ("--delta",),
+        check,
+        base=["--num-examples", "100", "--batch-size", "10"],
+    )
 
 
 def demo_cli(extra: list[str], words: tuple, folder: str) -> Verdict | dict:
@@ -914,8 +968,18 @@ def cli_demo_out_under_file():
 def cli_diagnose_missing_files():
     """pegrad diagnose none.keras none.npz (neither exists)."""
     with scratch() as folder:
-        r = run_cli(["diagnose", os.path.join(folder, "none.keras"), os.path.join(folder, "none.npz"),
-                     "--out", os.path.join(folder, "out")], folder, cli_budget(), tensorflow=True)
+        r = run_cli(
+            [
+                "diagnose",
+                os.path.join(folder, "none.keras"),
+                os.path.join(folder, "none.npz"),
+                "--out",
+                os.path.join(folder, "out"),
+            ],
+            folder,
+            cli_budget(),
+            tensorflow=True,
+        )
     return cli_failure(r, "diagnose", CASES["cli_diagnose_missing_files"].words) or silent("exit 0 without the files")
 
 
@@ -974,8 +1038,9 @@ def dpmodel_num_examples_too_large_arrays():
     x, y = data(64)
     dp = dp_model(noise_multiplier=1.0, num_examples=60_000, expected_batch_size=16, seed=0)
     fit(dp, x, y, batch_size=16, epochs=5)
-    return judge_epsilon(epsilon_of(dp), ref_epsilon(1.0, 16 / 64, 20), "N=64, 20 steps",
-                         {"N=60000": ref_epsilon(1.0, 16 / 60000, 20)})
+    return judge_epsilon(
+        epsilon_of(dp), ref_epsilon(1.0, 16 / 64, 20), "N=64, 20 steps", {"N=60000": ref_epsilon(1.0, 16 / 60000, 20)}
+    )
 
 
 @case("dp_model", words=("num_examples",))
@@ -985,8 +1050,9 @@ def dpmodel_num_examples_too_large_dataset():
     x, y = data(64)
     dp = dp_model(noise_multiplier=1.0, num_examples=60_000, expected_batch_size=16, seed=0)
     fit(dp, tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=5)
-    return judge_epsilon(epsilon_of(dp), ref_epsilon(1.0, 16 / 64, 20), "N=64, 20 steps",
-                         {"N=60000": ref_epsilon(1.0, 16 / 60000, 20)})
+    return judge_epsilon(
+        epsilon_of(dp), ref_epsilon(1.0, 16 / 64, 20), "N=64, 20 steps", {"N=60000": ref_epsilon(1.0, 16 / 60000, 20)}
+    )
 
 
 @case("dp_model", words=("num_examples",))
@@ -995,8 +1061,12 @@ def dpmodel_num_examples_validation_split():
     x, y = data(64)
     dp = dp_model(noise_multiplier=1.0, num_examples=60_000, expected_batch_size=16, seed=0)
     fit(dp, x, y, batch_size=16, epochs=5, validation_split=0.5)
-    return judge_epsilon(epsilon_of(dp), ref_epsilon(1.0, 16 / 32, 10), "N=32, 10 steps",
-                         {"N=60000": ref_epsilon(1.0, 16 / 60000, 10), "N=64": ref_epsilon(1.0, 16 / 64, 10)})
+    return judge_epsilon(
+        epsilon_of(dp),
+        ref_epsilon(1.0, 16 / 32, 10),
+        "N=32, 10 steps",
+        {"N=60000": ref_epsilon(1.0, 16 / 60000, 10), "N=64": ref_epsilon(1.0, 16 / 64, 10)},
+    )
 
 
 @case("dp_model", words=("num_examples",))
@@ -1005,7 +1075,9 @@ def dpmodel_default_n_validation_split():
     x, y = data(64)
     dp = dp_model(noise_multiplier=1.0, seed=0)
     fit(dp, x, y, batch_size=16, epochs=5, validation_split=0.5)
-    return judge_epsilon(epsilon_of(dp), ref_epsilon(1.0, 16 / 32, 10), "N=32, 10 steps", {"N=64": ref_epsilon(1.0, 16 / 64, 10)})
+    return judge_epsilon(
+        epsilon_of(dp), ref_epsilon(1.0, 16 / 32, 10), "N=32, 10 steps", {"N=64": ref_epsilon(1.0, 16 / 64, 10)}
+    )
 
 
 @case("dp_model", words=(("num_examples", "repeat"),))
@@ -1016,8 +1088,12 @@ def dpmodel_dataset_repeat():
     dp = dp_model(noise_multiplier=1.0, seed=0)
     fit(dp, tf.data.Dataset.from_tensor_slices((x, y)).repeat(2).batch(16), epochs=2)
     steps = steps_of(dp)
-    return judge_epsilon(epsilon_of(dp), ref_epsilon(1.0, 16 / 64, steps), f"N=64, {steps} steps",
-                         {"N=128 (the repeated rows counted as examples)": ref_epsilon(1.0, 16 / 128, steps)})
+    return judge_epsilon(
+        epsilon_of(dp),
+        ref_epsilon(1.0, 16 / 64, steps),
+        f"N=64, {steps} steps",
+        {"N=128 (the repeated rows counted as examples)": ref_epsilon(1.0, 16 / 128, steps)},
+    )
 
 
 @case("dp_model", words=(("outside", "changed", "trained"),))
@@ -1047,8 +1123,12 @@ def dpmodel_second_wrapper_after_training():
     second = dp_model(net, noise_multiplier=1.0, seed=1)
     fit(second, x, y, batch_size=16, epochs=1)
     total, own = steps_of(first) + steps_of(second), steps_of(second)
-    return judge_epsilon(epsilon_of(second), ref_epsilon(1.0, 0.25, total), f"all {total} steps the network took",
-                         {f"its own {own} steps only": ref_epsilon(1.0, 0.25, own)})
+    return judge_epsilon(
+        epsilon_of(second),
+        ref_epsilon(1.0, 0.25, total),
+        f"all {total} steps the network took",
+        {f"its own {own} steps only": ref_epsilon(1.0, 0.25, own)},
+    )
 
 
 @case("dp_model", words=(("another", "wrapped", "outside", "changed"),))
@@ -1060,8 +1140,9 @@ def dpmodel_first_after_second_trained():
     second = dp_model(net, noise_multiplier=1.0, seed=1)
     fit(second, x, y, batch_size=16, epochs=1)
     steps = steps_of(second)
-    return judge_epsilon(epsilon_of(first), ref_epsilon(1.0, 0.25, steps), f"the {steps} steps dp2 took",
-                         {"no steps": 0.0})
+    return judge_epsilon(
+        epsilon_of(first), ref_epsilon(1.0, 0.25, steps), f"the {steps} steps dp2 took", {"no steps": 0.0}
+    )
 
 
 @case("dp_model", words=("loss_weights",))
@@ -1082,7 +1163,9 @@ def dpmodel_loss_weights():
         return right("the step is that of loss 2 * L")
     if close(moved, [-0.1 * t for t in g], rtol=1e-3, atol=1e-6):
         return silent("accepted loss_weights=[2.0] and ignored it: the step is that of loss L")
-    return silent(f"accepted loss_weights=[2.0]; the step matches neither L nor 2L (max diff {max_diff(moved, [-0.2 * t for t in g])})")
+    return silent(
+        f"accepted loss_weights=[2.0]; the step matches neither L nor 2L (max diff {max_diff(moved, [-0.2 * t for t in g])})"
+    )
 
 
 @case("dp_model", words=("loss",))
@@ -1271,7 +1354,9 @@ def dpmodel_fit_empty():
         eps = f"{epsilon_of(dp):.4g}"
     except Exception as e:  # noqa: BLE001 - reported
         eps = f"raises {describe(e)}"
-    return silent(f"fit on 0 rows returned after {steps_of(dp)} DP step(s); num_examples {dp.num_examples!r}; epsilon {eps}")
+    return silent(
+        f"fit on 0 rows returned after {steps_of(dp)} DP step(s); num_examples {dp.num_examples!r}; epsilon {eps}"
+    )
 
 
 @case("dp_model", words=(("expected_batch_size", "sampling_probability", "q="),))
@@ -1282,15 +1367,20 @@ def dpmodel_poisson_q_mismatch():
     dp = dp_model(noise_multiplier=1.0, expected_batch_size=16, num_examples=64, seed=0)
     fit(dp, peg.dp.poisson_batches(x, y, sampling_probability=0.5, seed=0), epochs=1)
     steps = steps_of(dp)
-    return judge_epsilon(epsilon_of(dp), ref_epsilon(1.0, 0.5, steps), f"q=0.5, {steps} steps",
-                         {"q=16/64": ref_epsilon(1.0, 0.25, steps)})
+    return judge_epsilon(
+        epsilon_of(dp),
+        ref_epsilon(1.0, 0.5, steps),
+        f"q=0.5, {steps} steps",
+        {"q=16/64": ref_epsilon(1.0, 0.25, steps)},
+    )
 
 
 @case("dp_model", words=("activity_regularizer",))
 def dpmodel_activity_regularizer():
     """DPModel of a network with an activity regularizer (a batch-coupled penalty)."""
-    return accepted_then_trained(lambda: dp_model(mlp(activity_regularizer="l2"), noise_multiplier=1.0, seed=0),
-                                 "an activity_regularizer")
+    return accepted_then_trained(
+        lambda: dp_model(mlp(activity_regularizer="l2"), noise_multiplier=1.0, seed=0), "an activity_regularizer"
+    )
 
 
 @case("dp_model", words=("target_quantile",))
@@ -1316,8 +1406,13 @@ def private_repeated_seed():
         warnings.simplefilter("always")
         first = private(x, y, net, hide_warnings=False, seed=0)
         second = private(x, y, net, hide_warnings=False, seed=0)
-    warned = [w for w in caught if "seed" in str(w.message).lower() or "noise" in str(w.message).lower()
-              or type(w.message).__name__ == "RepeatedNoiseWarning"]
+    warned = [
+        w
+        for w in caught
+        if "seed" in str(w.message).lower()
+        or "noise" in str(w.message).lower()
+        or type(w.message).__name__ == "RepeatedNoiseWarning"
+    ]
     same = all(np.array_equal(as_numpy(a), as_numpy(b)) for a, b in zip(first, second))
     if not same:
         return right("a repeated seed gave fresh noise")
@@ -1458,8 +1553,9 @@ def grads_labels_out_of_range():
 def gpt2():
     import keras_hub
 
-    return keras_hub.models.GPT2Backbone(vocabulary_size=50, num_layers=1, num_heads=2, hidden_dim=8,
-                                         intermediate_dim=16, max_sequence_length=8)
+    return keras_hub.models.GPT2Backbone(
+        vocabulary_size=50, num_layers=1, num_heads=2, hidden_dim=8, intermediate_dim=16, max_sequence_length=8
+    )
 
 
 def sequence_loss(y, outputs):
@@ -1499,7 +1595,11 @@ def grads_ragged_x():
     net = mlp()
     got = peg_grads(net, tf.RaggedTensor.from_tensor(x), y)
     expected = loop_grads(net, x, y)
-    return right("= the loop on the dense x") if close(got, expected) else silent(f"differs from the dense x by {max_diff(got, expected)}")
+    return (
+        right("= the loop on the dense x")
+        if close(got, expected)
+        else silent(f"differs from the dense x by {max_diff(got, expected)}")
+    )
 
 
 @case("gradients", words=(("x", "sparse"),))
@@ -1511,7 +1611,11 @@ def grads_sparse_x():
     net = mlp()
     got = peg_grads(net, tf.sparse.from_dense(x), y)
     expected = loop_grads(net, x, y)
-    return right("= the loop on the dense x") if close(got, expected) else silent(f"differs from the dense x by {max_diff(got, expected)}")
+    return (
+        right("= the loop on the dense x")
+        if close(got, expected)
+        else silent(f"differs from the dense x by {max_diff(got, expected)}")
+    )
 
 
 @case("gradients", words=("method",))
@@ -1599,7 +1703,11 @@ def grads_unused_variable():
     extra = tf.Variable(tf.ones([3]))
     got = peg_grads(net, x, y, variables=[*net.trainable_variables, extra])
     expected = [*loop_grads(net, x, y), np.zeros((8, 3))]
-    return right("zeros for the unreached variable, the loop elsewhere") if close(got, expected) else silent(f"differs by {max_diff(got, expected)}")
+    return (
+        right("zeros for the unreached variable, the loop elsewhere")
+        if close(got, expected)
+        else silent(f"differs by {max_diff(got, expected)}")
+    )
 
 
 @case("gradients", words=("bogus",))
@@ -1619,7 +1727,9 @@ def norms_layerwise_activations_1e20():
     x, _ = data(8)
     x = x * np.float32(1e20)
     net = mlp()
-    y = np.argmin(net(x).numpy(), axis=1).astype("int32")  # wrong predictions: gradients of size 1e20, squares past float32
+    y = np.argmin(net(x).numpy(), axis=1).astype(
+        "int32"
+    )  # wrong predictions: gradients of size 1e20, squares past float32
     expected = norms64(loop_grads(net, x, y))
     need(np.all(np.isfinite(expected)), "the float64 reference itself is not finite")
     with quiet():
@@ -1634,7 +1744,9 @@ def norms_layerwise_activations_1e20():
         return right(f"layerwise {layerwise[k]:.3g} = the float64 loop norm ({loop_text})")
     if not np.all(np.isfinite(layerwise)):
         bad = int(np.sum(~np.isfinite(layerwise)))
-        return silent(f"layerwise gives {layerwise[k]} for {bad} of 8 examples where the float64 norm is {expected[k]:.3g} ({loop_text})")
+        return silent(
+            f"layerwise gives {layerwise[k]} for {bad} of 8 examples where the float64 norm is {expected[k]:.3g} ({loop_text})"
+        )
     return silent(f"layerwise {layerwise[k]:.3g}, float64 loop {expected[k]:.3g} ({loop_text})")
 
 
@@ -1671,7 +1783,9 @@ def clipped_nan_example():
     if close(got, expected):
         return right("= the clipped sum over the 7 finite examples")
     finite = all(np.all(np.isfinite(as_numpy(g))) for g in got)
-    return silent(f"{'finite' if finite else 'NaN'} sums, differing from the finite examples' by {max_diff(got, expected)}")
+    return silent(
+        f"{'finite' if finite else 'NaN'} sums, differing from the finite examples' by {max_diff(got, expected)}"
+    )
 
 
 # =============================================================================
@@ -1691,7 +1805,11 @@ def sum_examples_single_tensor():
     g = grads_tensor()
     got = peg.sum_examples(g)
     expected = [np.sum(g.numpy(), axis=0)]
-    return right("treated as one variable") if close(got, expected) else silent(f"returned {len(got)} entries, each row summed as a variable")
+    return (
+        right("treated as one variable")
+        if close(got, expected)
+        else silent(f"returned {len(got)} entries, each row summed as a variable")
+    )
 
 
 @case("transforms", words=(("list", "grads"),))
@@ -1701,7 +1819,11 @@ def mean_examples_single_tensor():
     g = grads_tensor()
     got = peg.mean_examples(g)
     expected = [np.mean(g.numpy(), axis=0)]
-    return right("treated as one variable") if close(got, expected) else silent(f"returned {len(got)} entries, each row as a variable")
+    return (
+        right("treated as one variable")
+        if close(got, expected)
+        else silent(f"returned {len(got)} entries, each row as a variable")
+    )
 
 
 @case("transforms", words=(("list", "grads"),))
@@ -1711,7 +1833,11 @@ def global_norms_single_tensor():
     g = grads_tensor()
     got = peg.global_norms(g)
     expected = np.linalg.norm(g.numpy(), axis=1)
-    return right("the row norms") if close([got], [expected]) else silent(f"returned shape {tuple(as_numpy(got).shape)}, not the 4 row norms")
+    return (
+        right("the row norms")
+        if close([got], [expected])
+        else silent(f"returned shape {tuple(as_numpy(got).shape)}, not the 4 row norms")
+    )
 
 
 @case("transforms", words=("l2_norm_clip",))
@@ -1877,7 +2003,11 @@ def accumulator_apply_string():
     acc.accumulate(x, y)
     acc.apply("sgd")
     moved = [v.numpy() - w for v, w in zip(net.trainable_variables, w0)]
-    return right("applied one SGD(0.01) step") if close(moved, [-0.01 * g for g in mean], rtol=1e-3) else silent("the step is not SGD(0.01)'s")
+    return (
+        right("applied one SGD(0.01) step")
+        if close(moved, [-0.01 * g for g in mean], rtol=1e-3)
+        else silent("the step is not SGD(0.01)'s")
+    )
 
 
 @case("accumulation", words=("optimizer",))
@@ -1897,7 +2027,9 @@ def accumulator_apply_string_twice():
     got, expected = [v.numpy() for v in net.trainable_variables], [v.numpy() for v in twin.trainable_variables]
     if close(got, expected, rtol=1e-3, atol=1e-7):
         return right("two steps of one Adam")
-    return silent(f"a new Adam at every apply (its moments lost): weights differ from one Adam's by {max_diff(got, expected)}")
+    return silent(
+        f"a new Adam at every apply (its moments lost): weights differ from one Adam's by {max_diff(got, expected)}"
+    )
 
 
 @case("accumulation", words=())
@@ -1992,8 +2124,14 @@ def import_float64_arrays():
     arrays = arrays_for(variables)
     exported = peg.export_gradients([(a.astype("float64"), v) for a, v in zip(arrays, variables)])
     pairs = peg.import_gradients({k: v.astype("float64") for k, v in exported.items()}, variables)
-    ok = all(str(g.dtype) == "float32" or getattr(g.dtype, "name", "") == "float32" for g, _ in pairs) and paired_right(pairs, arrays, variables)
-    return right("cast to float32, paired by name") if ok else silent(f"returned dtypes {[getattr(g.dtype, 'name', g.dtype) for g, _ in pairs]}")
+    ok = all(str(g.dtype) == "float32" or getattr(g.dtype, "name", "") == "float32" for g, _ in pairs) and paired_right(
+        pairs, arrays, variables
+    )
+    return (
+        right("cast to float32, paired by name")
+        if ok
+        else silent(f"returned dtypes {[getattr(g.dtype, 'name', g.dtype) for g, _ in pairs]}")
+    )
 
 
 @case("transfer", words=("match",))
@@ -2208,8 +2346,13 @@ def run_case(c: Case) -> dict:
             if where:
                 frame = where[-1]
                 detail += f" [at {os.path.basename(frame.filename)}:{frame.lineno}]"
-    return dict(name=c.name, area=c.area, outcome=outcome, detail=one_line(detail, 230),
-                seconds=round(time.monotonic() - start, 2))
+    return dict(
+        name=c.name,
+        area=c.area,
+        outcome=outcome,
+        detail=one_line(detail, 230),
+        seconds=round(time.monotonic() - start, 2),
+    )
 
 
 def vm_size() -> int:
@@ -2271,12 +2414,22 @@ def run_group(names: list[str], args, logs: str, progress: Callable[[dict], None
         attempt += 1
         results = os.path.join(logs, f"{pending[0]}.{attempt}.jsonl")
         log = os.path.join(logs, f"{pending[0]}.{attempt}.log")
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--results", results,
-               "--memory-gb", str(args.memory_gb), "--timeout", str(args.timeout), *pending]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--worker",
+            "--results",
+            results,
+            "--memory-gb",
+            str(args.memory_gb),
+            "--timeout",
+            str(args.timeout),
+            *pending,
+        ]
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"), MALLOC_ARENA_MAX="2")
         with open(log, "w") as log_file:
             proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        started_at, current, seen, position = time.monotonic(), None, 0, 0
+        started_at, current, _seen, position = time.monotonic(), None, 0, 0
         failure = None
         while True:
             time.sleep(0.1)
@@ -2299,14 +2452,20 @@ def run_group(names: list[str], args, logs: str, progress: Callable[[dict], None
             rc = proc.poll()
             if rc is not None and not lines:
                 if current is not None or pending:
-                    reason = f"the process died ({signal_name(-rc)})" if rc < 0 else f"the process exited with status {rc}"
+                    reason = (
+                        f"the process died ({signal_name(-rc)})" if rc < 0 else f"the process exited with status {rc}"
+                    )
                     failure = (current, f"{reason}: {one_line(last_lines(log), 150)}")
                 break
             limit = args.timeout + 3 if current is not None else STARTUP_TIMEOUT
             if time.monotonic() - started_at > limit:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-                what = f"hang: still running after {limit:.0f} s (killed)" if current else "the child did not start its first case"
+                what = (
+                    f"hang: still running after {limit:.0f} s (killed)"
+                    if current
+                    else "the child did not start its first case"
+                )
                 failure = (current, what)
                 break
         if failure is None:
@@ -2314,8 +2473,13 @@ def run_group(names: list[str], args, logs: str, progress: Callable[[dict], None
         name, detail = failure
         victims = [name] if name is not None else list(pending)  # no case started: the child itself failed
         for n in victims:
-            item = dict(name=n, area=CASES[n].area, outcome=CRASH, detail=one_line(detail, 230),
-                        seconds=round(time.monotonic() - started_at, 2))
+            item = dict(
+                name=n,
+                area=CASES[n].area,
+                outcome=CRASH,
+                detail=one_line(detail, 230),
+                seconds=round(time.monotonic() - started_at, 2),
+            )
             done.append(item)
             progress(item)
             pending.remove(n)
@@ -2326,13 +2490,20 @@ def package_info() -> dict:
     import per_example_grads
 
     folder = os.path.dirname(os.path.dirname(os.path.abspath(per_example_grads.__file__)))
-    info = dict(package=os.path.dirname(os.path.abspath(per_example_grads.__file__)),
-                version=getattr(per_example_grads, "__version__", "?"))
+    info = dict(
+        package=os.path.dirname(os.path.abspath(per_example_grads.__file__)),
+        version=getattr(per_example_grads, "__version__", "?"),
+    )
     try:
-        info["revision"] = subprocess.run(["git", "-C", folder, "rev-parse", "--short", "HEAD"],
-                                          capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", folder, "status", "--porcelain", "--", "per_example_grads"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        info["revision"] = subprocess.run(
+            ["git", "-C", folder, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", folder, "status", "--porcelain", "--", "per_example_grads"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         info["package_modified"] = bool(dirty)
     except (OSError, subprocess.SubprocessError):
         pass
@@ -2361,14 +2532,26 @@ def counts_of(rows: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     global CURRENT_TIMEOUT
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
-    parser.add_argument("-k", action="append", metavar="SUBSTRING", help="only cases whose name or area contains it (repeatable)")
+    parser.add_argument(
+        "-k", action="append", metavar="SUBSTRING", help="only cases whose name or area contains it (repeatable)"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results and counts as JSON")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds a case may take (default: %(default)s)")
-    parser.add_argument("--memory-gb", type=float, default=DEFAULT_MEMORY_GB,
-                        help="address space a child may add after its imports (default: %(default)s)")
-    parser.add_argument("--case", metavar="NAME", help="run one case in this process (no isolation) and print its result")
+    parser.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds a case may take (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--memory-gb",
+        type=float,
+        default=DEFAULT_MEMORY_GB,
+        help="address space a child may add after its imports (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--case", metavar="NAME", help="run one case in this process (no isolation) and print its result"
+    )
     parser.add_argument("--keep-logs", metavar="DIR", help="keep the children's output in DIR")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--results", help=argparse.SUPPRESS)
@@ -2395,9 +2578,12 @@ def main(argv=None) -> int:
         parser.error("no case matches -k")
 
     info = package_info()
-    print(f"per_example_grads {info.get('version')} from {info['package']} (revision {info.get('revision', '?')}"
-          f"{', modified' if info.get('package_modified') else ''}); {len(cases)} cases, "
-          f"{args.timeout:g} s and +{args.memory_gb:g} GB each", flush=True)
+    print(
+        f"per_example_grads {info.get('version')} from {info['package']} (revision {info.get('revision', '?')}"
+        f"{', modified' if info.get('package_modified') else ''}); {len(cases)} cases, "
+        f"{args.timeout:g} s and +{args.memory_gb:g} GB each",
+        flush=True,
+    )
     start = time.monotonic()
     logs = args.keep_logs or tempfile.mkdtemp(prefix="bad_inputs_logs_")
     os.makedirs(logs, exist_ok=True)
@@ -2428,8 +2614,20 @@ def main(argv=None) -> int:
     print(f"{'total':<12}  {len(rows):>5}   ({seconds:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(info, command=sys.argv, date=time.strftime("%Y-%m-%d %H:%M:%S"), seconds=round(seconds, 1),
-                           timeout=args.timeout, memory_gb=args.memory_gb, counts=counts, cases=rows), f, indent=1)
+            json.dump(
+                dict(
+                    info,
+                    command=sys.argv,
+                    date=time.strftime("%Y-%m-%d %H:%M:%S"),
+                    seconds=round(seconds, 1),
+                    timeout=args.timeout,
+                    memory_gb=args.memory_gb,
+                    counts=counts,
+                    cases=rows,
+                ),
+                f,
+                indent=1,
+            )
     return 0
 
 

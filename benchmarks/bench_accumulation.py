@@ -31,8 +31,12 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 CONFIGS = (
-    "plain_batch_grad64", "physical64", "logical4096_chunk64", "logical4096_whole",
-    "physical64_vectorized", "logical4096_chunk64_vectorized",
+    "plain_batch_grad64",
+    "physical64",
+    "logical4096_chunk64",
+    "logical4096_whole",
+    "physical64_vectorized",
+    "logical4096_chunk64_vectorized",
 )
 
 
@@ -46,8 +50,14 @@ def run(config: str) -> float:
     logical = 4096 if "4096" in config else 64
     x = np.random.default_rng(0).normal(size=(logical * 3, 784)).astype("float32")
     y = np.random.default_rng(1).integers(0, 10, logical * 3)
-    net = keras.Sequential([keras.Input((784,)), keras.layers.Dense(512, activation="relu"),
-                            keras.layers.Dense(512, activation="relu"), keras.layers.Dense(10)])
+    net = keras.Sequential(
+        [
+            keras.Input((784,)),
+            keras.layers.Dense(512, activation="relu"),
+            keras.layers.Dense(512, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     if config == "plain_batch_grad64":
         net.compile(optimizer="sgd", loss=loss)
@@ -55,8 +65,15 @@ def run(config: str) -> float:
     elif not config.startswith("build_only"):
         physical = 64 if "chunk64" in config else None
         method = "vectorized" if config.endswith("_vectorized") else "layerwise"
-        dp = peg.keras.DPModel(net, l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=float(logical),
-                               physical_batch_size=physical, seed=0, method=method)
+        dp = peg.keras.DPModel(
+            net,
+            l2_norm_clip=1.0,
+            noise_multiplier=1.0,
+            expected_batch_size=float(logical),
+            physical_batch_size=physical,
+            seed=0,
+            method=method,
+        )
         dp.compile(optimizer="sgd", loss=loss)
         dp.fit(x, y, batch_size=logical, epochs=1, verbose=0)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -68,14 +85,21 @@ def main() -> int:
         return 0
     import tensorflow as tf
 
-    print(f"command: python benchmarks/bench_accumulation.py\ntensorflow {tf.__version__}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}\n")
+    print(
+        f"command: python benchmarks/bench_accumulation.py\ntensorflow {tf.__version__}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}\n"
+    )
+
     def peak(config):
-        out = subprocess.run([sys.executable, __file__, "--config", config], capture_output=True, text=True, timeout=1200)
+        out = subprocess.run(
+            [sys.executable, __file__, "--config", config], capture_output=True, text=True, timeout=1200
+        )
         return json.loads(out.stdout.strip().splitlines()[-1])["maxrss_mib"]
 
     base = {"64": peak("build_only_64"), "4096": peak("build_only_4096")}
     incs = {}
-    print("| configuration | peak RSS MiB | build-only peak MiB (same data) | increment MiB | increment / physical64's |")
+    print(
+        "| configuration | peak RSS MiB | build-only peak MiB (same data) | increment MiB | increment / physical64's |"
+    )
     print("|---|---|---|---|---|")
     rows = []
     for c in CONFIGS:

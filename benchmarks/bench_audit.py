@@ -34,7 +34,6 @@ import subprocess
 import time
 
 import keras
-import numpy as np
 
 import per_example_grads as peg
 from per_example_grads.apps import zoo
@@ -46,8 +45,12 @@ BATCH = 128
 
 
 def _dp_model(sigma: float, seed: int) -> peg.keras.DPModel:
-    dp_model = peg.keras.DPModel(zoo.build_model("digits_dp_mlp", seed), l2_norm_clip=1.0, noise_multiplier=sigma, seed=seed)
-    dp_model.compile(optimizer=keras.optimizers.Adam(3e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    dp_model = peg.keras.DPModel(
+        zoo.build_model("digits_dp_mlp", seed), l2_norm_clip=1.0, noise_multiplier=sigma, seed=seed
+    )
+    dp_model.compile(
+        optimizer=keras.optimizers.Adam(3e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     return dp_model
 
 
@@ -68,8 +71,16 @@ def _cell(target: float, sampling: str, seed: int, args) -> dict:
 
     audited = _dp_model(sigma, seed)
     t0 = time.perf_counter()
-    report = audit.audit(audited, x, y, canaries=audit.GradientCanaries(args.canaries, seed=seed), sampling_probability=q,
-                         steps=steps, delta=DELTA, seed=seed)
+    report = audit.audit(
+        audited,
+        x,
+        y,
+        canaries=audit.GradientCanaries(args.canaries, seed=seed),
+        sampling_probability=q,
+        steps=steps,
+        delta=DELTA,
+        seed=seed,
+    )
     out["audit_s"] = time.perf_counter() - t0
     out["audit_fit_s"] = report.seconds
     out["accountant"] = report.epsilon_accountant
@@ -77,12 +88,22 @@ def _cell(target: float, sampling: str, seed: int, args) -> dict:
     out["gaussian_dp"] = report.epsilon_gaussian_dp
     out["clopper_pearson"] = report.threshold_test.epsilon_clopper_pearson
     if args.input_canaries:
-        canaries, x_rest, y_rest = audit.mislabeled_canaries(x, y, args.input_canaries, num_classes=N_CLASSES, seed=seed)
+        canaries, x_rest, y_rest = audit.mislabeled_canaries(
+            x, y, args.input_canaries, num_classes=N_CLASSES, seed=seed
+        )
         n_all = len(x_rest) + args.input_canaries
         q_in = 1.0 if sampling == "full" else BATCH / n_all
         sigma_in = peg.dp.noise_multiplier_for_epsilon(target, DELTA, n_all, q_in * n_all, None, steps=steps)
-        black = audit.audit(_dp_model(sigma_in, seed), x_rest, y_rest, canaries=canaries, sampling_probability=q_in,
-                            steps=steps, delta=DELTA, seed=seed)
+        black = audit.audit(
+            _dp_model(sigma_in, seed),
+            x_rest,
+            y_rest,
+            canaries=canaries,
+            sampling_probability=q_in,
+            steps=steps,
+            delta=DELTA,
+            seed=seed,
+        )
         out["input_one_run"] = black.epsilon_one_run
         out["input_accountant"] = black.epsilon_accountant
     return out
@@ -96,7 +117,9 @@ def _summary(values: list[float]) -> str:
 
 def _report(cells: list[dict], args, command: str) -> str:
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "per_example_grads"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "per_example_grads"], capture_output=True, text=True
+    ).stdout.strip()
     import tensorflow as tf
 
     lines = [
@@ -143,9 +166,13 @@ def main() -> None:
     parser.add_argument("--samplings", default="demo,full", help="demo and/or full (default: %(default)s)")
     parser.add_argument("--seeds", default="0,1,2", help="seeds (default: %(default)s)")
     parser.add_argument("--epochs", type=int, default=10, help="epochs of the demo sampling (default: %(default)s)")
-    parser.add_argument("--full-steps", type=int, default=10, help="steps of the full-batch sampling (default: %(default)s)")
+    parser.add_argument(
+        "--full-steps", type=int, default=10, help="steps of the full-batch sampling (default: %(default)s)"
+    )
     parser.add_argument("--canaries", type=int, default=1000, help="gradient canaries (default: %(default)s)")
-    parser.add_argument("--input-canaries", type=int, default=0, help="also a black-box audit with this many (default: off)")
+    parser.add_argument(
+        "--input-canaries", type=int, default=0, help="also a black-box audit with this many (default: off)"
+    )
     parser.add_argument("--out", default=None, help="also write the Markdown report here")
     args = parser.parse_args()
     cells = []

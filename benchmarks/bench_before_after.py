@@ -28,17 +28,24 @@ from bench_layerwise import build, peak_increment_mib, quantity_fn, time_round_r
 def fns(model, x):
     """``tf.function``s by name: ``batch_grad`` (``bench_layerwise``'s), and clipped sums and norms before and after."""
     import keras
-    import per_example_grads as new
     import per_example_grads_base as old
     import tensorflow as tf
+
+    import per_example_grads as new
 
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
     out = {}
     for tag, peg in (("before", old), ("after", new)):
-        out[f"clipped_{tag}"] = (lambda peg: lambda x, y: peg.clipped_gradients(model, loss, x, y, l2_norm_clip=1.0, method="layerwise"))(peg)
-        out[f"norms_{tag}"] = (lambda peg: lambda x, y: peg.per_example_norms(model, loss, x, y, method="layerwise"))(peg)
+        out[f"clipped_{tag}"] = (
+            lambda peg: lambda x, y: peg.clipped_gradients(model, loss, x, y, l2_norm_clip=1.0, method="layerwise")
+        )(peg)
+        out[f"norms_{tag}"] = (lambda peg: lambda x, y: peg.per_example_norms(model, loss, x, y, method="layerwise"))(
+            peg
+        )
     spec = [tf.TensorSpec([None, *x.shape[1:]], tf.as_dtype(x.dtype)), tf.TensorSpec([None], tf.int32)]
-    return {"batch_grad": quantity_fn("batch_grad", model, x)} | {k: tf.function(f, input_signature=spec) for k, f in out.items()}
+    return {"batch_grad": quantity_fn("batch_grad", model, x)} | {
+        k: tf.function(f, input_signature=spec) for k, f in out.items()
+    }
 
 
 def time_cell(m: str, b: int, repeats: int) -> dict:
@@ -58,28 +65,45 @@ def main() -> None:
         return
     models, sizes = sys.argv[1].split(","), [int(s) for s in sys.argv[2].split(",")]
     repeats, mem_reps = int(sys.argv[3]), int(sys.argv[4])
-    print("| model | B | clipped before | clipped after | norms before | norms after | batch_grad ms |\n|---|---|---|---|---|---|---|", flush=True)
+    print(
+        "| model | B | clipped before | clipped after | norms before | norms after | batch_grad ms |\n|---|---|---|---|---|---|---|",
+        flush=True,
+    )
     for m in models:
         for b in sizes:
             r = time_cell(m, b, repeats)
             base = r["batch_grad"]
-            print(f"| {m} | {b} | {r['clipped_before'] / base:.2f} | {r['clipped_after'] / base:.2f} | "
-                  f"{r['norms_before'] / base:.2f} | {r['norms_after'] / base:.2f} | {base * 1e3:.1f} |", flush=True)
+            print(
+                f"| {m} | {b} | {r['clipped_before'] / base:.2f} | {r['clipped_after'] / base:.2f} | "
+                f"{r['norms_before'] / base:.2f} | {r['norms_after'] / base:.2f} | {base * 1e3:.1f} |",
+                flush=True,
+            )
     if not mem_reps:
         return
-    print("\n| model | B | batch_grad MiB | clipped before MiB (ratio) | clipped after MiB (ratio) |\n|---|---|---|---|---|", flush=True)
+    print(
+        "\n| model | B | batch_grad MiB | clipped before MiB (ratio) | clipped after MiB (ratio) |\n|---|---|---|---|---|",
+        flush=True,
+    )
     for m in models:
         for b in sizes:
             vals = {}
             for q in ("batch_grad", "clipped_before", "clipped_after"):
                 runs = []
                 for _ in range(mem_reps):
-                    out = subprocess.run([sys.executable, __file__, "--cell", f"{m},{b},{q}"], capture_output=True, text=True, timeout=900)
+                    out = subprocess.run(
+                        [sys.executable, __file__, "--cell", f"{m},{b},{q}"],
+                        capture_output=True,
+                        text=True,
+                        timeout=900,
+                    )
                     runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
                 vals[q] = statistics.median(runs)
             bg = max(vals["batch_grad"], 1e-9)
-            print(f"| {m} | {b} | {vals['batch_grad']:.1f} | {vals['clipped_before']:.1f} ({vals['clipped_before'] / bg:.2f}) | "
-                  f"{vals['clipped_after']:.1f} ({vals['clipped_after'] / bg:.2f}) |", flush=True)
+            print(
+                f"| {m} | {b} | {vals['batch_grad']:.1f} | {vals['clipped_before']:.1f} ({vals['clipped_before'] / bg:.2f}) | "
+                f"{vals['clipped_after']:.1f} ({vals['clipped_after'] / bg:.2f}) |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -36,9 +36,9 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-import keras  # noqa: E402
 
 import per_example_grads as peg  # noqa: E402
 from per_example_grads import transforms  # noqa: E402
@@ -53,7 +53,7 @@ def round_robin(fns: dict, args: tuple, repeats: int) -> dict[str, float]:
             tf.nest.map_structure(np.asarray, f(*args))
     times = {n: [] for n in names}
     for r in range(repeats):
-        for n in names[r % len(names):] + names[: r % len(names)]:
+        for n in names[r % len(names) :] + names[: r % len(names)]:
             start = time.perf_counter()
             tf.nest.map_structure(np.asarray, fns[n](*args))
             times[n].append(time.perf_counter() - start)
@@ -63,10 +63,19 @@ def round_robin(fns: dict, args: tuple, repeats: int) -> dict[str, float]:
 def reference_cnn() -> keras.Model:
     L = keras.layers
     keras.utils.set_random_seed(0)
-    return keras.Sequential([
-        keras.Input((28, 28, 1)), L.Conv2D(16, 8, strides=2, padding="same", activation="relu"), L.MaxPooling2D(2, 1),
-        L.Conv2D(32, 4, strides=2, padding="valid", activation="relu"), L.MaxPooling2D(2, 1), L.Flatten(),
-        L.Dense(32, activation="relu"), L.Dense(10)], name="reference_cnn")
+    return keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            L.Conv2D(16, 8, strides=2, padding="same", activation="relu"),
+            L.MaxPooling2D(2, 1),
+            L.Conv2D(32, 4, strides=2, padding="valid", activation="relu"),
+            L.MaxPooling2D(2, 1),
+            L.Flatten(),
+            L.Dense(32, activation="relu"),
+            L.Dense(10),
+        ],
+        name="reference_cnn",
+    )
 
 
 def materialize_clip_sum(grads: list, clip: float) -> list:
@@ -140,6 +149,7 @@ def layer_paths(spec: conv.ConvSpec, a: tf.Tensor, g: tf.Tensor, kernel_shape, c
         def fn(a, g):
             squared, _ = conv._gram_part(conv.patches(spec, a, builder), tf.reshape(g, [-1, t, g.shape[-1]]))
             return conv.weighted_kernel_sum(spec, zeros, a, g, factors(squared))
+
         return fn
 
     def kept(builder, vjp=False):
@@ -151,6 +161,7 @@ def layer_paths(spec: conv.ConvSpec, a: tf.Tensor, g: tf.Tensor, kernel_shape, c
             if vjp:
                 return conv.weighted_kernel_sum(spec, zeros, a, g, factors(squared))
             return conv.kept_weighted_sum(kernels, factors(squared), kernel_shape)
+
         return fn
 
     def materialized(a, g):
@@ -172,8 +183,13 @@ def random_layers(count: int, b: int, repeats: int, seed: int) -> list[str]:
         spec, shape, c_out = random_config(rng)
         a = tf.random.stateless_normal([b, *shape], [seed, i])
         kernel_shape = [*spec.kernel_size, shape[-1], c_out]
-        z = tf.nn.convolution(conv._causal_pad(spec, a), tf.zeros(kernel_shape), strides=list(spec.strides),
-                              padding=conv._padding(spec), dilations=list(spec.dilation_rate))
+        z = tf.nn.convolution(
+            conv._causal_pad(spec, a),
+            tf.zeros(kernel_shape),
+            strides=list(spec.strides),
+            padding=conv._padding(spec),
+            dilations=list(spec.dilation_rate),
+        )
         g = tf.random.stateless_normal(z.shape, [seed, i + 10_000])
         choice = path_costs.conv_norm_path(conv.conv_shape(spec, a, g), True, True, path_costs.machine())
         chosen = choice.norms + ("+kept" if choice.keep else "")
@@ -183,18 +199,24 @@ def random_layers(count: int, b: int, repeats: int, seed: int) -> list[str]:
         best = min(alternatives, key=alternatives.get)
         over_best.append(alternatives[chosen] / alternatives[best])
         over_materialized.append(alternatives[chosen] / medians["materialize-clip-sum"])
-        rows.append(f"| {spec.rank}-D k{spec.kernel_size} s{spec.strides} d{spec.dilation_rate} {spec.padding} | {shape} -> {c_out} "
-                    f"| {chosen} | {alternatives[chosen] * 1e3:.2f} | {best} | {alternatives[best] * 1e3:.2f} | {over_best[-1]:.2f} "
-                    f"| {medians['materialize-clip-sum'] * 1e3:.2f} | {over_materialized[-1]:.2f} |")
+        rows.append(
+            f"| {spec.rank}-D k{spec.kernel_size} s{spec.strides} d{spec.dilation_rate} {spec.padding} | {shape} -> {c_out} "
+            f"| {chosen} | {alternatives[chosen] * 1e3:.2f} | {best} | {alternatives[best] * 1e3:.2f} | {over_best[-1]:.2f} "
+            f"| {medians['materialize-clip-sum'] * 1e3:.2f} | {over_materialized[-1]:.2f} |"
+        )
         print(rows[-1], file=sys.stderr, flush=True)
     q = lambda v, p: float(np.quantile(v, p))  # noqa: E731
-    lines = [f"## {count} random convolution layers, B={b}, one layer's clipped sum", "",
-             f"- chosen / fastest path: median {q(over_best, 0.5):.2f}, 90th percentile {q(over_best, 0.9):.2f}, worst {max(over_best):.2f}; "
-             f"within 10% of the fastest on {sum(r <= 1.1 for r in over_best)} of {count}",
-             f"- chosen / materialize-clip-sum: median {q(over_materialized, 0.5):.2f}, worst {max(over_materialized):.2f}; "
-             f"not slower (within 10%) on {sum(r <= 1.1 for r in over_materialized)} of {count}", "",
-             "| layer | input -> c_out | chosen | ms | fastest path | ms | chosen / fastest | materialize-clip-sum ms | chosen / it |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"## {count} random convolution layers, B={b}, one layer's clipped sum",
+        "",
+        f"- chosen / fastest path: median {q(over_best, 0.5):.2f}, 90th percentile {q(over_best, 0.9):.2f}, worst {max(over_best):.2f}; "
+        f"within 10% of the fastest on {sum(r <= 1.1 for r in over_best)} of {count}",
+        f"- chosen / materialize-clip-sum: median {q(over_materialized, 0.5):.2f}, worst {max(over_materialized):.2f}; "
+        f"not slower (within 10%) on {sum(r <= 1.1 for r in over_materialized)} of {count}",
+        "",
+        "| layer | input -> c_out | chosen | ms | fastest path | ms | chosen / fastest | materialize-clip-sum ms | chosen / it |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     return lines + rows
 
 
@@ -210,8 +232,14 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.calibrate:
         print(f"calibrated: {path_costs.calibrate(save=True)}", file=sys.stderr)
-    lines = [f"# Convolution paths by cost", "", f"- command: `{' '.join([os.path.relpath(sys.executable)] + sys.argv)}`",
-             f"- rates: {path_costs.machine()}", f"- TensorFlow {tf.__version__}, os.cpu_count()={os.cpu_count()}", ""]
+    lines = [
+        "# Convolution paths by cost",
+        "",
+        f"- command: `{' '.join([os.path.relpath(sys.executable)] + sys.argv)}`",
+        f"- rates: {path_costs.machine()}",
+        f"- TensorFlow {tf.__version__}, os.cpu_count()={os.cpu_count()}",
+        "",
+    ]
     if not a.no_reference:
         lines += reference_cell(a.batch_size, a.repeats) + [""]
     if a.configs:

@@ -55,10 +55,14 @@ tf.distribute.ReplicaContext.all_reduce = _counting_all_reduce
 
 
 def _net() -> keras.Model:
-    return keras.Sequential([
-        keras.Input((784,)), keras.layers.Dense(512, activation="relu"),
-        keras.layers.Dense(512, activation="relu"), keras.layers.Dense(10),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input((784,)),
+            keras.layers.Dense(512, activation="relu"),
+            keras.layers.Dense(512, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
 
 
 class _EpochTimer(keras.callbacks.Callback):
@@ -81,8 +85,13 @@ def run(setup: str, strategy, data, args) -> tuple[float, int | None]:
         keras.utils.set_random_seed(0)
         model = _net()
         if setup.startswith("dp"):
-            model = peg.keras.DPModel(model, l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=args.batch,
-                                      num_examples=4 * args.batch)  # the repeated dataset's size: fit cannot count it
+            model = peg.keras.DPModel(
+                model,
+                l2_norm_clip=1.0,
+                noise_multiplier=1.0,
+                expected_batch_size=args.batch,
+                num_examples=4 * args.batch,
+            )  # the repeated dataset's size: fit cannot count it
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
     timer = _EpochTimer()
     model.fit(data, epochs=args.repeats + 1, steps_per_epoch=args.steps, verbose=0, callbacks=[timer])
@@ -111,16 +120,22 @@ def main() -> None:
     for setup, strategy in (("plain_1", one), ("plain_2", two), ("dp_1", one), ("dp_2", two)):
         results[setup] = run(setup, strategy, data, args)
 
-    print(f"command: python benchmarks/bench_distribute.py --steps {args.steps} --repeats {args.repeats} --batch {args.batch}")
-    print(f"tensorflow {tf.__version__}, {os.cpu_count()} CPUs split into 2 logical devices, "
-          f"{platform.machine()}, {time.strftime('%Y-%m-%d %H:%M')}")
+    print(
+        f"command: python benchmarks/bench_distribute.py --steps {args.steps} --repeats {args.repeats} --batch {args.batch}"
+    )
+    print(
+        f"tensorflow {tf.__version__}, {os.cpu_count()} CPUs split into 2 logical devices, "
+        f"{platform.machine()}, {time.strftime('%Y-%m-%d %H:%M')}"
+    )
     print(f"MLP 784-512-512-10, P = {params} parameters, global batch B = {args.batch}\n")
     print("| setup | replicas | steps/s | step time / plain_1 | all-reduce elements per replica per step |")
     print("|---|---|---|---|---|")
     base = results["plain_1"][0]
     for setup, (per_step, payload) in results.items():
         replicas = setup[-1]
-        where = "" if payload is None else f"{payload} (= P + {payload - params})" if payload >= params else str(payload)
+        where = (
+            "" if payload is None else f"{payload} (= P + {payload - params})" if payload >= params else str(payload)
+        )
         print(f"| {setup} | {replicas} | {1 / per_step:.1f} | {per_step / base:.2f} | {where} |")
     print(f"\nP = {params}; B x P = {args.batch * params} (what all-reducing per-example gradients would send).")
 

@@ -126,8 +126,12 @@ def _drain(dataset) -> tuple[float, None]:
 
 
 def run(models, sizes, repeats, optimizer="sgd"):
-    print(f"N = {N} ({', '.join(f'{k} {v[0]}' for k, v in LARGER.items())}); median of {repeats} epochs after one untimed epoch; `python {' '.join(sys.argv)}`\n")
-    print("| model | expected batch | configuration | steps/epoch | epoch s | / plain epoch | ms added per step | first step s (tracing) |")
+    print(
+        f"N = {N} ({', '.join(f'{k} {v[0]}' for k, v in LARGER.items())}); median of {repeats} epochs after one untimed epoch; `python {' '.join(sys.argv)}`\n"
+    )
+    print(
+        "| model | expected batch | configuration | steps/epoch | epoch s | / plain epoch | ms added per step | first step s (tracing) |"
+    )
     print("|---|---|---|---|---|---|---|---|", flush=True)
     for name in models:
         for b in sizes:
@@ -145,8 +149,15 @@ def run(models, sizes, repeats, optimizer="sgd"):
             plain_step = plain_epoch / configs["plain"][1]
             for label, (_, steps) in configs.items():
                 epoch = statistics.median(times[label])
-                added = "" if label == "plain" or label.startswith("input") else f"{(epoch / steps - plain_step) * 1e3:+.1f}"
-                print(f"| {name} | {b} | {label} | {steps} | {epoch:.2f} | {epoch / plain_epoch:.2f} | {added} | {first_step[label]} |", flush=True)
+                added = (
+                    ""
+                    if label == "plain" or label.startswith("input")
+                    else f"{(epoch / steps - plain_step) * 1e3:+.1f}"
+                )
+                print(
+                    f"| {name} | {b} | {label} | {steps} | {epoch:.2f} | {epoch / plain_epoch:.2f} | {added} | {first_step[label]} |",
+                    flush=True,
+                )
 
 
 def main():
@@ -154,8 +165,12 @@ def main():
     parser.add_argument("--models", default="mlp,cnn,transformer,embedding_bag")
     parser.add_argument("--expected-batch-sizes", default="256,1024")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
-                        help="adam has slot variables: their creation while tracing made Keras trace a step twice")
+    parser.add_argument(
+        "--optimizer",
+        choices=("sgd", "adam"),
+        default="sgd",
+        help="adam has slot variables: their creation while tracing made Keras trace a step twice",
+    )
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     run(args.models.split(","), [int(s) for s in args.expected_batch_sizes.split(",")], args.repeats, args.optimizer)

@@ -112,9 +112,7 @@ def _make_callable(model_name: str, method: str, model, loss_fn):
                 xi, yi = example
                 with tf.GradientTape() as tape:
                     loss = loss_fn(yi[None], model(xi[None], training=False))[0]
-                return tape.gradient(
-                    loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO
-                )
+                return tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
             return tf.vectorized_map(one, (x, y))
 
@@ -324,7 +322,9 @@ class Worker:
             self.status = f"crashed (signal {-rc}, {name})"
         else:
             self.status = f"failed (exit code {rc})"
-            errors = [l.strip() for l in self.log_tail(40).splitlines() if re.match(r"\w+(Error|Exception)\b", l.strip())]
+            errors = [
+                l.strip() for l in self.log_tail(40).splitlines() if re.match(r"\w+(Error|Exception)\b", l.strip())
+            ]
             if errors:
                 self.error = errors[-1][:300]
 
@@ -397,9 +397,11 @@ def run_group(model: str, b: int, methods: list[str], args, log_dir: str, digest
             w.status, w.error = "error", info["error"]
             say(f"{w.method}: error while tracing: {info['error']}")
         else:
-            say(f"{w.method}: traced in {info['setup_s']:.1f} s"
+            say(
+                f"{w.method}: traced in {info['setup_s']:.1f} s"
                 + (f" (auto picked {info['auto_picked']})" if "auto_picked" in info else "")
-                + (" (library refused; timing raw tf.vectorized_map)" if "refused" in info else ""))
+                + (" (library refused; timing raw tf.vectorized_map)" if "refused" in info else "")
+            )
     # Untimed full-size calls (allocations, caches, thread pools), under the cap.
     for _ in range(args.warmup):
         for w in workers:
@@ -430,8 +432,10 @@ def run_group(model: str, b: int, methods: list[str], args, log_dir: str, digest
                 say(f"{w.method}: repeat {r + 1} {w.status}")
                 continue
             w.times.append(reply["seconds"])
-        say(f"repeat {r + 1}/{args.repeats}: "
-            + ", ".join(f"{w.method}={w.times[-1] * 1e3:.1f}ms" for w in alive if w.times and w.status is None))
+        say(
+            f"repeat {r + 1}/{args.repeats}: "
+            + ", ".join(f"{w.method}={w.times[-1] * 1e3:.1f}ms" for w in alive if w.times and w.status is None)
+        )
     for w in workers:
         w.close()
     return workers
@@ -527,8 +531,7 @@ def build_table(results: dict) -> str:
             summary.append(f"  - auto's EngineFallbackWarning: {auto.info['auto_warning']}")
     lines += [
         "",
-        'Auto vs the fastest library engine ("within noise": the interquartile ranges of '
-        "the two overlap):",
+        'Auto vs the fastest library engine ("within noise": the interquartile ranges of the two overlap):',
         "",
     ]
     lines += summary
@@ -537,9 +540,7 @@ def build_table(results: dict) -> str:
 
 def _git(*args) -> str:
     try:
-        return subprocess.run(
-            ["git", "-C", REPO, *args], capture_output=True, text=True, timeout=30
-        ).stdout.strip()
+        return subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return ""
 
@@ -558,9 +559,7 @@ def environment_header(args, digest: str) -> list[str]:
     head = _git("log", "-1", "--format=%h %cd", "--date=format:%Y-%m-%d %H:%M")
     changed = [l for l in _git("status", "--porcelain", "--", PACKAGE).splitlines() if l.strip()]
     tree = f"{len(changed)} uncommitted changes under {PACKAGE}/" if changed else "clean"
-    source = (
-        "a snapshot copied at the start of the run" if args.snapshot else "the live working tree"
-    )
+    source = "a snapshot copied at the start of the run" if args.snapshot else "the live working tree"
     return [
         "# per_example_grads engine benchmark",
         "",
@@ -587,17 +586,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", default=None, help="comma list (default 64,256; --quick: 16)")
     p.add_argument("--repeats", type=int, default=None, help="timed calls per cell (default 7; --quick: 3)")
     p.add_argument("--warmup", type=int, default=2, help="untimed full-size calls per cell first (default 2)")
-    p.add_argument("--max-seconds-per-cell", type=float, default=None,
-                   help="kill a cell when one call exceeds this (default 60; --quick: 20)")
-    p.add_argument("--max-memory-gb", type=float, default=8.0,
-                   help="kill a worker whose resident memory exceeds this (default 8)")
-    p.add_argument("--methods", default=None,
-                   help="comma list of methods besides the baseline (default: every peg.METHODS)")
+    p.add_argument(
+        "--max-seconds-per-cell",
+        type=float,
+        default=None,
+        help="kill a cell when one call exceeds this (default 60; --quick: 20)",
+    )
+    p.add_argument(
+        "--max-memory-gb", type=float, default=8.0, help="kill a worker whose resident memory exceeds this (default 8)"
+    )
+    p.add_argument(
+        "--methods", default=None, help="comma list of methods besides the baseline (default: every peg.METHODS)"
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: B=16, 3 repeats, 20 s cap")
     p.add_argument("--out", default=None, help="also write the Markdown report to this file")
     p.add_argument("--keep-logs", default=None, help="keep each worker's stderr in this directory")
-    p.add_argument("--no-snapshot", dest="snapshot", action="store_false",
-                   help="import the live per_example_grads tree instead of a copy taken at start")
+    p.add_argument(
+        "--no-snapshot",
+        dest="snapshot",
+        action="store_false",
+        help="import the live per_example_grads tree instead of a copy taken at start",
+    )
     p.add_argument("--cell", default=None, help=argparse.SUPPRESS)  # worker mode: model,method,B
     args = p.parse_args(argv)
 
@@ -619,13 +628,12 @@ def main(argv: list[str] | None = None) -> int:
         package_dir = os.path.join(REPO, PACKAGE)
         if args.snapshot:
             snap = os.path.join(tmp, "snapshot")
-            shutil.copytree(package_dir, os.path.join(snap, PACKAGE),
-                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            shutil.copytree(
+                package_dir, os.path.join(snap, PACKAGE), ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+            )
             package_dir = os.path.join(snap, PACKAGE)
             sys.path.insert(0, snap)  # before the editable install's finder
-            os.environ["PYTHONPATH"] = os.pathsep.join(
-                [snap, *filter(None, [os.environ.get("PYTHONPATH")])]
-            )
+            os.environ["PYTHONPATH"] = os.pathsep.join([snap, *filter(None, [os.environ.get("PYTHONPATH")])])
         digest = _source_digest(package_dir)
 
         import per_example_grads as peg
@@ -634,9 +642,7 @@ def main(argv: list[str] | None = None) -> int:
         engines = [m for m in AUTO_ORDER if m in peg.METHODS]
         engines += [m for m in peg.METHODS if m not in engines and m != "auto"]
         default_methods = ["auto", *engines]
-        methods = default_methods if args.methods is None else [
-            m.strip() for m in args.methods.split(",") if m.strip()
-        ]
+        methods = default_methods if args.methods is None else [m.strip() for m in args.methods.split(",") if m.strip()]
         bad = [m for m in methods if m not in peg.METHODS]
         if bad:
             p.error(f"unknown methods {bad}; choose from {list(peg.METHODS)}")

@@ -57,8 +57,13 @@ def new_rules() -> list:
         "keras_hub.src.layers.modeling.rms_normalization.RMSNormalization",
     }
     keys = [n for n in hub_layers.RMS_NORMALIZATIONS if n not in had]
-    return keys + [hub_layers.RELATIVE_EMBEDDING, patch_embedding.VIT_PATCHING, patch_embedding.DEIT_EMBEDDINGS,
-                   t5_attention.T5_ATTENTION, keras.layers.RMSNormalization]
+    return keys + [
+        hub_layers.RELATIVE_EMBEDDING,
+        patch_embedding.VIT_PATCHING,
+        patch_embedding.DEIT_EMBEDDINGS,
+        t5_attention.T5_ATTENTION,
+        keras.layers.RMSNormalization,
+    ]
 
 
 def build(name: str, b: int, hidden: int, layers: int, t: int):
@@ -72,7 +77,8 @@ def build(name: str, b: int, hidden: int, layers: int, t: int):
     rng = np.random.default_rng(0)
     if name == "vit":
         backbone = keras_hub.models.ViTBackbone(
-            image_shape=(32, 32, 3), patch_size=4, num_layers=layers, num_heads=2, hidden_dim=hidden, mlp_dim=2 * hidden)
+            image_shape=(32, 32, 3), patch_size=4, num_layers=layers, num_heads=2, hidden_dim=hidden, mlp_dim=2 * hidden
+        )
         inp = keras.Input((32, 32, 3))
         model = keras.Model(inp, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling1D()(backbone(inp))))
         x = rng.normal(size=(b, 32, 32, 3)).astype("float32")
@@ -81,8 +87,14 @@ def build(name: str, b: int, hidden: int, layers: int, t: int):
     ids = lambda: rng.integers(1, VOCABULARY, (b, t)).astype("int32")  # noqa: E731
     if name == "t5":
         backbone = keras_hub.models.T5Backbone(
-            vocabulary_size=VOCABULARY, num_layers=layers, num_heads=2, hidden_dim=hidden, intermediate_dim=2 * hidden,
-            key_value_dim=hidden // 2, dropout=0.0)
+            vocabulary_size=VOCABULARY,
+            num_layers=layers,
+            num_heads=2,
+            hidden_dim=hidden,
+            intermediate_dim=2 * hidden,
+            key_value_dim=hidden // 2,
+            dropout=0.0,
+        )
         names = ("encoder_token_ids", "encoder_padding_mask", "decoder_token_ids", "decoder_padding_mask")
         inputs = {n: keras.Input((t,), dtype="int32" if "ids" in n else "bool", name=n) for n in names}
         model = keras.Model(inputs, keras.layers.Dense(VOCABULARY)(backbone(inputs)["decoder_sequence_output"]))
@@ -91,8 +103,15 @@ def build(name: str, b: int, hidden: int, layers: int, t: int):
         return model, x, ids(), [spec, tf.TensorSpec([None, t], tf.int32)]
     if name == "qwen3":
         backbone = keras_hub.models.Qwen3Backbone(
-            vocabulary_size=VOCABULARY, num_layers=layers, num_query_heads=2, num_key_value_heads=1, head_dim=hidden // 2,
-            hidden_dim=hidden, intermediate_dim=2 * hidden, tie_word_embeddings=False)
+            vocabulary_size=VOCABULARY,
+            num_layers=layers,
+            num_query_heads=2,
+            num_key_value_heads=1,
+            head_dim=hidden // 2,
+            hidden_dim=hidden,
+            intermediate_dim=2 * hidden,
+            tie_word_embeddings=False,
+        )
         model = keras_hub.models.Qwen3CausalLM(backbone=backbone, preprocessor=None)
         x = {"token_ids": ids(), "padding_mask": np.ones((b, t), "int32")}
         spec = {k: tf.TensorSpec([None, t], tf.int32) for k in x}
@@ -143,11 +162,12 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     import tensorflow as tf
-
     from bench_layerwise import time_round_robin
 
-    print(f"hidden {args.hidden}, {args.layers} layers, T={args.seq_len}; tf {tf.__version__}, {os.cpu_count()} CPUs; "
-          f"median of {args.repeats} rounds of 3 calls")
+    print(
+        f"hidden {args.hidden}, {args.layers} layers, T={args.seq_len}; tf {tf.__version__}, {os.cpu_count()} CPUs; "
+        f"median of {args.repeats} rounds of 3 calls"
+    )
     print(f"| model | B | {' | '.join(QUANTITIES)} |")
     print("|---|---|" + "---|" * len(QUANTITIES))
     for name in args.models.split(","):

@@ -56,7 +56,14 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 MODELS = ("mlp", "cnn", "transformer", "embedding_bag")
-QUANTITIES = ("batch_grad", "clipped_layerwise", "norms_layerwise", "grads_layerwise", "grads_layerwise_sparse", "clipped_vectorized")
+QUANTITIES = (
+    "batch_grad",
+    "clipped_layerwise",
+    "norms_layerwise",
+    "grads_layerwise",
+    "grads_layerwise_sparse",
+    "clipped_vectorized",
+)
 
 
 def build(name: str, b: int):
@@ -88,11 +95,14 @@ def quantity_fn(name: str, model, x, jit_compile: bool = False):
 
     fns = {
         "batch_grad": batch_grad,
-        "clipped_layerwise": lambda x, y: peg.clipped_gradients(model, loss, x, y, l2_norm_clip=1.0, method="layerwise"),
+        "clipped_layerwise": lambda x, y: peg.clipped_gradients(
+            model, loss, x, y, l2_norm_clip=1.0, method="layerwise"
+        ),
         "norms_layerwise": lambda x, y: peg.per_example_norms(model, loss, x, y, method="layerwise"),
         "grads_layerwise": lambda x, y: peg.per_example_gradients(model, loss, x, y, method="layerwise"),
         "grads_layerwise_sparse": lambda x, y: peg.per_example_gradients(
-            model, loss, x, y, method="layerwise", sparse_embeddings=True),
+            model, loss, x, y, method="layerwise", sparse_embeddings=True
+        ),
         "clipped_vectorized": clipped_vectorized,
     }
     spec = [tf.TensorSpec([None, *x.shape[1:]], tf.as_dtype(x.dtype)), tf.TensorSpec([None], tf.int32)]
@@ -127,7 +137,9 @@ def not_run_because(model_name: str, q: str) -> str | None:
 
 def time_cell(model_name: str, b: int, repeats: int) -> dict:
     model, x, y = build(model_name, b)
-    return time_round_robin({q: quantity_fn(q, model, x) for q in QUANTITIES if not not_run_because(model_name, q)}, x, y, repeats)
+    return time_round_robin(
+        {q: quantity_fn(q, model, x) for q in QUANTITIES if not not_run_because(model_name, q)}, x, y, repeats
+    )
 
 
 def time_round_robin(fns: dict, x, y, repeats: int, inner: int = 3) -> dict:
@@ -233,7 +245,9 @@ def _release_free_memory() -> None:
 def _memory_worker(cell: str) -> float:
     """Runs ``--cell cell`` in a fresh process, in its measure's environment (``MEASURES``)."""
     env = dict(os.environ, **MEASURES[cell.rsplit(",", 1)[1]])
-    out = subprocess.run([sys.executable, __file__, "--cell", cell], capture_output=True, text=True, timeout=900, env=env)
+    out = subprocess.run(
+        [sys.executable, __file__, "--cell", cell], capture_output=True, text=True, timeout=900, env=env
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])["increment_mib"]
 
 
@@ -243,7 +257,11 @@ def main(argv=None) -> int:
     p.add_argument("--batch-sizes", default="64,256")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--memory", action="store_true", help="also measure peak RSS and peak TensorFlow allocations per quantity in subprocesses")
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="also measure peak RSS and peak TensorFlow allocations per quantity in subprocesses",
+    )
     p.add_argument("--out")
     p.add_argument("--cell", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -268,13 +286,20 @@ def main(argv=None) -> int:
         for b in sizes:
             res = time_cell(m, b, repeats)
             for q in QUANTITIES:
-                row = (f"| {m} | {b} | {q} | {res[q] * 1e3:.2f} | {res[q] / res['batch_grad']:.2f} |" if q in res
-                       else f"| {m} | {b} | {q} | {not_run_because(m, q)} | |")
+                row = (
+                    f"| {m} | {b} | {q} | {res[q] * 1e3:.2f} | {res[q] / res['batch_grad']:.2f} |"
+                    if q in res
+                    else f"| {m} | {b} | {q} | {not_run_because(m, q)} | |"
+                )
                 lines.append(row)
                 print(row, flush=True)
     if args.memory:
-        mem = ["", "| model | B | quantity | peak RSS increment MiB | ratio to batch_grad's | same, MALLOC_MMAP_THRESHOLD_=64K "
-               "| ratio | peak TF allocations MiB | ratio |", "|---|---|---|---|---|---|---|---|---|"]
+        mem = [
+            "",
+            "| model | B | quantity | peak RSS increment MiB | ratio to batch_grad's | same, MALLOC_MMAP_THRESHOLD_=64K "
+            "| ratio | peak TF allocations MiB | ratio |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         print("\n".join(mem), flush=True)
         for m in models:
             for b in sizes:

@@ -30,13 +30,13 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-import keras  # noqa: E402
 
 import per_example_grads as peg  # noqa: E402
-from per_example_grads.apps import zoo  # noqa: E402
 from benchmarks.bench_layerwise import wait_for  # noqa: E402
+from per_example_grads.apps import zoo  # noqa: E402
 
 
 def round_robin(fns: dict, args: tuple, repeats: int) -> dict[str, float]:
@@ -46,7 +46,7 @@ def round_robin(fns: dict, args: tuple, repeats: int) -> dict[str, float]:
             wait_for(f(*args))
     times = {n: [] for n in names}
     for r in range(repeats):
-        for n in names[r % len(names):] + names[: r % len(names)]:
+        for n in names[r % len(names) :] + names[: r % len(names)]:
             start = time.perf_counter()
             wait_for(fns[n](*args))
             times[n].append(time.perf_counter() - start)
@@ -74,16 +74,24 @@ def cell(name: str, b: int, repeats: int) -> list[str]:
 
     flat = tf.Variable(tf.zeros([b * p]))  # a variable, so that the copy is not folded into a constant
     fns = {
-        "per_example_gradients": tf.function(lambda x, y: peg.per_example_gradients(model, loss, x, y), input_signature=signature),
+        "per_example_gradients": tf.function(
+            lambda x, y: peg.per_example_gradients(model, loss, x, y), input_signature=signature
+        ),
         "tf.vectorized_map": tf.function(lambda x, y: tf.vectorized_map(one, (x, y)), input_signature=signature),
         "batch gradient": tf.function(batch, input_signature=signature),
         "write floor (2 x of B x P)": tf.function(lambda x, y: flat * 2.0, input_signature=signature),
     }
     medians = round_robin(fns, (x, y), repeats)
     gb = b * p * 4 / 1e9
-    ours, theirs, floor = medians["per_example_gradients"], medians["tf.vectorized_map"], medians["write floor (2 x of B x P)"]
-    return [f"| {name} | {b} | {p:,} | {ours * 1e3:.2f} | {theirs * 1e3:.2f} | **{ours / theirs:.2f}** | "
-            f"{medians['batch gradient'] * 1e3:.2f} | {gb / ours:.1f} | {gb / floor:.1f} | {ours / floor:.2f} |"]
+    ours, theirs, floor = (
+        medians["per_example_gradients"],
+        medians["tf.vectorized_map"],
+        medians["write floor (2 x of B x P)"],
+    )
+    return [
+        f"| {name} | {b} | {p:,} | {ours * 1e3:.2f} | {theirs * 1e3:.2f} | **{ours / theirs:.2f}** | "
+        f"{medians['batch gradient'] * 1e3:.2f} | {gb / ours:.1f} | {gb / floor:.1f} | {ours / floor:.2f} |"
+    ]
 
 
 def main(argv=None) -> int:
@@ -93,12 +101,16 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=11)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    lines = ["# Materialized per-example gradients against tf.vectorized_map", "",
-             f"- command: `{' '.join([os.path.relpath(sys.executable)] + sys.argv)}`",
-             f"- TensorFlow {tf.__version__}, Keras {keras.__version__}, os.cpu_count()={os.cpu_count()}, {a.repeats} rounds", "",
-             "| model | B | P | per_example_gradients ms | vectorized_map ms | ours / vectorized_map | batch gradient ms "
-             "| ours GB/s written | copy GB/s (2 x) | ours / write floor |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Materialized per-example gradients against tf.vectorized_map",
+        "",
+        f"- command: `{' '.join([os.path.relpath(sys.executable)] + sys.argv)}`",
+        f"- TensorFlow {tf.__version__}, Keras {keras.__version__}, os.cpu_count()={os.cpu_count()}, {a.repeats} rounds",
+        "",
+        "| model | B | P | per_example_gradients ms | vectorized_map ms | ours / vectorized_map | batch gradient ms "
+        "| ours GB/s written | copy GB/s (2 x) | ours / write floor |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name in a.models.split(","):
         for b in [int(s) for s in a.batch_sizes.split(",")]:
             lines += cell(name, b, a.repeats)

@@ -47,7 +47,10 @@ def _mechanisms(n: int, steps: int, steps_per_epoch: int):
     return {
         "DP-SGD": (lambda: None, 1),
         "BandMF(b=4)": (lambda: peg.dp.BandMF(bands=4, num_steps=steps), 4),
-        f"BandMF(b={steps_per_epoch})": (lambda: peg.dp.BandMF(bands=steps_per_epoch, num_steps=steps), steps_per_epoch),
+        f"BandMF(b={steps_per_epoch})": (
+            lambda: peg.dp.BandMF(bands=steps_per_epoch, num_steps=steps),
+            steps_per_epoch,
+        ),
         "BLT(d=4)": (lambda: peg.dp.BLT(buffers=4, num_steps=steps, cycle_length=steps_per_epoch), steps_per_epoch),
     }
 
@@ -76,13 +79,20 @@ def utility(epsilons, seeds, epochs, optimizer="adam") -> list[str]:
             for seed in seeds:
                 mechanism = make()
                 dp = peg.keras.DPModel(
-                    zoo.build_model("digits_dp_mlp", seed), l2_norm_clip=1.0, noise_multiplier=sigma,
-                    seed=seed, mechanism=mechanism,
+                    zoo.build_model("digits_dp_mlp", seed),
+                    l2_norm_clip=1.0,
+                    noise_multiplier=sigma,
+                    seed=seed,
+                    mechanism=mechanism,
                 )
                 dp.compile(optimizer=_optimizer(optimizer), loss=loss, metrics=["accuracy"])
                 data = peg.dp.poisson_batches(
-                    split.x_train, split.y_train, sampling_probability=min(q, 1.0), cycle_length=cycle,
-                    steps=steps, seed=seed,
+                    split.x_train,
+                    split.y_train,
+                    sampling_probability=min(q, 1.0),
+                    cycle_length=cycle,
+                    steps=steps,
+                    seed=seed,
                 )
                 dp.fit(data, epochs=1, verbose=0)
                 assert dp.epsilon(DELTA) <= eps * 1.001, (name, eps, dp.epsilon(DELTA))
@@ -90,7 +100,11 @@ def utility(epsilons, seeds, epochs, optimizer="adam") -> list[str]:
             cells.append(f"{np.mean(accuracies):.3f} ± {np.std(accuracies):.3f} (σ {sigma:.2f})")
             print(name, eps, cells[-1], flush=True)
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
-    return [f"N = {n}, {epochs} epochs = {steps} steps, seeds {list(seeds)}, delta {DELTA:g}, optimizer {optimizer}", "", *rows]
+    return [
+        f"N = {n}, {epochs} epochs = {steps} steps, seeds {list(seeds)}, delta {DELTA:g}, optimizer {optimizer}",
+        "",
+        *rows,
+    ]
 
 
 def cost(models, steps, repeats) -> list[str]:
@@ -125,9 +139,13 @@ def cost(models, steps, repeats) -> list[str]:
                 runs[name].append((time.perf_counter() - t0) * 1000 / steps)
         timings = {name: statistics.median(r) for name, r in runs.items()}
         base = timings["DP-SGD"]
-        cells = [f"{timings[k] / base:.2f} ({timings[k]:.2f}, {timings[k] - base:+.2f} ms)" for k in ("BandMF(b=4)", "BandMF(b=16)", "BLT(d=4)")]
+        cells = [
+            f"{timings[k] / base:.2f} ({timings[k]:.2f}, {timings[k] - base:+.2f} ms)"
+            for k in ("BandMF(b=4)", "BandMF(b=16)", "BLT(d=4)")
+        ]
         rows.append(
-            f"| {model_name} | {p:,} | {base:.2f} | " + " | ".join(cells)
+            f"| {model_name} | {p:,} | {base:.2f} | "
+            + " | ".join(cells)
             + f" | {state['BandMF(b=16)']:,} / {state['BLT(d=4)']:,} |"
         )
         print(rows[-1], flush=True)
@@ -141,8 +159,12 @@ def main() -> None:
     parser.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 2.0, 4.0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--optimizer", choices=["adam", "sgd"], default="adam",
-                        help="adam: Adam(3e-3); sgd: SGD(0.1, momentum 0.9); neither tuned per mechanism")
+    parser.add_argument(
+        "--optimizer",
+        choices=["adam", "sgd"],
+        default="adam",
+        help="adam: Adam(3e-3); sgd: SGD(0.1, momentum 0.9); neither tuned per mechanism",
+    )
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn", "transformer", "embedding_bag", "gpt2_lm"])
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
@@ -150,9 +172,19 @@ def main() -> None:
     args = parser.parse_args()
     lines = []
     if args.utility:
-        lines += ["### Test accuracy at equal epsilon (mean ± std over seeds)", "", *utility(args.epsilons, range(args.seeds), args.epochs, args.optimizer), ""]
+        lines += [
+            "### Test accuracy at equal epsilon (mean ± std over seeds)",
+            "",
+            *utility(args.epsilons, range(args.seeds), args.epochs, args.optimizer),
+            "",
+        ]
     if args.cost:
-        lines += ["### Cost of a DPModel step, ratio to DP-SGD's (median ms, added ms)", "", *cost(args.models, args.steps, args.repeats), ""]
+        lines += [
+            "### Cost of a DPModel step, ratio to DP-SGD's (median ms, added ms)",
+            "",
+            *cost(args.models, args.steps, args.repeats),
+            "",
+        ]
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -113,8 +113,9 @@ def memory_cell(preset: str, b: int, q: str) -> float:
 
 def _memory_worker(preset: str, b: int, q: str) -> float:
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true")
-    out = subprocess.run([sys.executable, __file__, "--cell", f"{preset},{b},{q}"], capture_output=True,
-                         text=True, timeout=1800, env=env)
+    out = subprocess.run(
+        [sys.executable, __file__, "--cell", f"{preset},{b},{q}"], capture_output=True, text=True, timeout=1800, env=env
+    )
     if out.returncode:
         raise RuntimeError(f"memory cell {preset},{b},{q} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])["mib"]
@@ -152,13 +153,17 @@ def main(argv=None) -> int:
         for b in sizes:
             t, fallbacks = time_cell(preset, b, args.repeats)
             base = t["batch_grad"]
-            row = (f"| {preset} | {b} | {base * 1e3:.1f} | {t['clipped'] * 1e3:.1f} | {t['clipped'] / base:.2f} | "
-                   f"{(t['clipped'] - base) * 1e3:+.1f} | {t['norms'] * 1e3:.1f} | {t['norms'] / base:.2f} | "
-                   f"{(t['norms'] - base) * 1e3:+.1f} | {fallbacks} |")
+            row = (
+                f"| {preset} | {b} | {base * 1e3:.1f} | {t['clipped'] * 1e3:.1f} | {t['clipped'] / base:.2f} | "
+                f"{(t['clipped'] - base) * 1e3:+.1f} | {t['norms'] * 1e3:.1f} | {t['norms'] / base:.2f} | "
+                f"{(t['norms'] - base) * 1e3:+.1f} | {fallbacks} |"
+            )
             if args.memory:
                 mem = {q: _memory_worker(preset, b, q) for q in QUANTITIES}
-                row += (f" {mem['batch_grad']:.0f} / {mem['clipped']:.0f} / {mem['norms']:.0f} | "
-                        f"{mem['clipped'] / max(mem['batch_grad'], 1e-9):.2f} |")
+                row += (
+                    f" {mem['batch_grad']:.0f} / {mem['clipped']:.0f} / {mem['norms']:.0f} | "
+                    f"{mem['clipped'] / max(mem['batch_grad'], 1e-9):.2f} |"
+                )
             lines.append(row)
             print(row, flush=True)
     if args.out:

@@ -42,13 +42,23 @@ def build(b: int, seq_len: int, hidden: int, experts: int, layers: int):
 
     keras.utils.set_random_seed(0)
     backbone = keras_hub.models.MixtralBackbone(
-        vocabulary_size=256, num_layers=layers, num_query_heads=2, num_key_value_heads=1,
-        hidden_dim=hidden, intermediate_dim=2 * hidden, num_experts=experts, top_k=2,
+        vocabulary_size=256,
+        num_layers=layers,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=hidden,
+        intermediate_dim=2 * hidden,
+        num_experts=experts,
+        top_k=2,
     )
     model = keras_hub.models.MixtralCausalLM(backbone=backbone, preprocessor=None)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 256, (b, seq_len)).astype("int32")
-    return model, {"token_ids": ids, "padding_mask": np.ones_like(ids)}, rng.integers(0, 256, (b, seq_len)).astype("int32")
+    return (
+        model,
+        {"token_ids": ids, "padding_mask": np.ones_like(ids)},
+        rng.integers(0, 256, (b, seq_len)).astype("int32"),
+    )
 
 
 def quantity_fns(model, x, y) -> dict:
@@ -100,12 +110,13 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     import tensorflow as tf
-
     from bench_layerwise import time_round_robin
 
-    print(f"tiny Mixtral: {args.layers} layers, hidden {args.hidden}, intermediate {2 * args.hidden}, "
-          f"{args.experts} experts (top 2), T={args.seq_len}; tf {tf.__version__}, {os.cpu_count()} CPUs; "
-          f"median of {args.repeats} rounds of 3 calls")
+    print(
+        f"tiny Mixtral: {args.layers} layers, hidden {args.hidden}, intermediate {2 * args.hidden}, "
+        f"{args.experts} experts (top 2), T={args.seq_len}; tf {tf.__version__}, {os.cpu_count()} CPUs; "
+        f"median of {args.repeats} rounds of 3 calls"
+    )
     print(f"| B | {' | '.join(QUANTITIES)} |")
     print("|---|" + "---|" * len(QUANTITIES))
     for b in [int(s) for s in args.batch_sizes.split(",")]:

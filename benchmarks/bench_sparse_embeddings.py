@@ -48,8 +48,14 @@ B, T = 256, 64
 def _bag(vocab: int, dim: int):
     import keras
 
-    return keras.Sequential([keras.Input((T,), dtype="int32"), keras.layers.Embedding(vocab, dim),
-                             keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)])
+    return keras.Sequential(
+        [
+            keras.Input((T,), dtype="int32"),
+            keras.layers.Embedding(vocab, dim),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(2),
+        ]
+    )
 
 
 def _data(vocab: int, n: int, seed: int = 0):
@@ -96,8 +102,9 @@ def configurations(name: str):
     def private(sparse):
         m = _bag(vocab, dim)
         m.set_weights(first.get_weights())
-        dp = peg.keras.DPModel(m, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0,
-                               sparse_embeddings=SparseEmbeddings() if sparse else None)
+        dp = peg.keras.DPModel(
+            m, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0, sparse_embeddings=SparseEmbeddings() if sparse else None
+        )
         dp.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
         data = peg.dp.poisson_batches(x, y, sampling_probability=B / n, seed=0)
         return lambda cb: dp.fit(data, epochs=1, verbose=0, callbacks=[cb])
@@ -122,8 +129,10 @@ def speed(args) -> None:
                 for k, fit in configs.items():
                     fit(timers[k].callback)
         plain = statistics.median(timers["plain"].times)
-        print(f"\n{name} (vocabulary {MODELS[name][0]:,}, dim {MODELS[name][1]}, {MODELS[name][2]:,} examples, "
-              f"expected batch {B}; median of {args.repeats} epochs)")
+        print(
+            f"\n{name} (vocabulary {MODELS[name][0]:,}, dim {MODELS[name][1]}, {MODELS[name][2]:,} examples, "
+            f"expected batch {B}; median of {args.repeats} epochs)"
+        )
         print("| configuration | epoch (s) | / plain |")
         print("|---|---|---|")
         for k, t in timers.items():
@@ -193,11 +202,22 @@ def utility(args) -> None:
             (x, y), (xt, yt) = _zipf_task(seed, vocab, n)
             for method in ("dense DP-SGD", "sparse selection"):
                 keras.utils.set_random_seed(seed)
-                net = keras.Sequential([keras.Input((8,), dtype="int32"), keras.layers.Embedding(vocab, 8),
-                                        keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+                net = keras.Sequential(
+                    [
+                        keras.Input((8,), dtype="int32"),
+                        keras.layers.Embedding(vocab, 8),
+                        keras.layers.GlobalAveragePooling1D(),
+                        keras.layers.Dense(1),
+                    ]
+                )
                 sparse = method == "sparse selection"
-                dp = peg.keras.DPModel(net, l2_norm_clip=1.0, noise_multiplier=sigma, seed=seed,
-                                       sparse_embeddings=SparseEmbeddings() if sparse else None)
+                dp = peg.keras.DPModel(
+                    net,
+                    l2_norm_clip=1.0,
+                    noise_multiplier=sigma,
+                    seed=seed,
+                    sparse_embeddings=SparseEmbeddings() if sparse else None,
+                )
                 dp.compile(optimizer=keras.optimizers.SGD(lr), loss=keras.losses.BinaryCrossentropy(from_logits=True))
                 fractions = []
 
@@ -216,8 +236,10 @@ def utility(args) -> None:
                 pred = net.predict(xt, verbose=0, batch_size=1024)[:, 0] > 0
                 acc = float(np.mean(pred == yt))
                 rows.setdefault((eps, method), []).append((acc, float(np.mean(fractions))))
-                print(f"eps {eps} seed {seed} {method}: sigma {sigma:.3f} accuracy {acc:.4f} rows/step {np.mean(fractions):.4%}",
-                      flush=True)
+                print(
+                    f"eps {eps} seed {seed} {method}: sigma {sigma:.3f} accuracy {acc:.4f} rows/step {np.mean(fractions):.4%}",
+                    flush=True,
+                )
     print(f"\n| epsilon | method | test accuracy (mean +- sd, {args.seeds} seeds) | table rows updated per step |")
     print("|---|---|---|---|")
     for (eps, method), runs in rows.items():

@@ -194,7 +194,11 @@ def _instrumented(counts: collections.Counter):
         for method in ("squared_norms", "shared_squared_norms", "weighted_sum"):
             if method in vars(rule_class):
                 wrap(rule_class, method, f"rule {rule_class.__name__}.{method}")
-    wrap(aggregator.DPAggregator, "clipped_sum", "aggregator: clipped_sum (its own ops; the engine's are in a function of their own)")
+    wrap(
+        aggregator.DPAggregator,
+        "clipped_sum",
+        "aggregator: clipped_sum (its own ops; the engine's are in a function of their own)",
+    )
     wrap(aggregator.DPAggregator, "release", "aggregator: release (noise, divide, ledger)")
     try:
         yield
@@ -204,10 +208,14 @@ def _instrumented(counts: collections.Counter):
 
 
 def run(models, b, optimizer, repeats, breakdown, count_traces=True):
-    print(f"B = {b} (expected batch), {optimizer}; first step: trace plus one run, median of {repeats}; "
-          f"`python {' '.join(sys.argv)}`\n")
-    print("| model | plain first step s | dp first step s | dp / plain | traces (2 fits, then new q) | "
-          "plain nodes | dp nodes | dp Const |")
+    print(
+        f"B = {b} (expected batch), {optimizer}; first step: trace plus one run, median of {repeats}; "
+        f"`python {' '.join(sys.argv)}`\n"
+    )
+    print(
+        "| model | plain first step s | dp first step s | dp / plain | traces (2 fits, then new q) | "
+        "plain nodes | dp nodes | dp Const |"
+    )
     print("|---|---|---|---|---|---|---|---|", flush=True)
     for name in models:
         copy, x, y = _build(name, max(4 * b, 256))
@@ -220,8 +228,11 @@ def run(models, b, optimizer, repeats, breakdown, count_traces=True):
         plain_nodes, _ = nodes(_step_concrete(plain_model, (_rows(x, b), y[:b])))
         dp_nodes, dp_const = nodes(_step_concrete(dp_model, next(iter(data))))
         p, d = statistics.median(plain_s), statistics.median(dp_s)
-        print(f"| {name} | {p:.2f} | {d:.2f} | {d / p:.2f} | {f'{traces[0]} + {traces[1] - traces[0]}' if traces else ''} | "
-              f"{plain_nodes} | {dp_nodes} | {dp_const} |", flush=True)
+        print(
+            f"| {name} | {p:.2f} | {d:.2f} | {d / p:.2f} | {f'{traces[0]} + {traces[1] - traces[0]}' if traces else ''} | "
+            f"{plain_nodes} | {dp_nodes} | {dp_const} |",
+            flush=True,
+        )
         if breakdown:
             counts = collections.Counter()
             with _instrumented(counts):
@@ -237,7 +248,11 @@ def main():
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--breakdown", action="store_true")
-    parser.add_argument("--no-trace-count", action="store_true", help="skip the two extra fits (each retrace of a large model is minutes)")
+    parser.add_argument(
+        "--no-trace-count",
+        action="store_true",
+        help="skip the two extra fits (each retrace of a large model is minutes)",
+    )
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     run(args.models.split(","), args.batch_size, args.optimizer, args.repeats, args.breakdown, not args.no_trace_count)

@@ -64,7 +64,9 @@ def quantity_fns(model, x, b: int, rows: int) -> dict:
     fns = {
         "batch_grad": batch_grad,
         "clipped_examples": lambda x, y: peg.clipped_gradients(model, loss, x, y, l2_norm_clip=1.0, method="layerwise"),
-        "clipped_units": lambda x, y: peg.clipped_gradients(model, loss, x, y, l2_norm_clip=1.0, method="layerwise", **units),
+        "clipped_units": lambda x, y: peg.clipped_gradients(
+            model, loss, x, y, l2_norm_clip=1.0, method="layerwise", **units
+        ),
         "norms_examples": lambda x, y: peg.per_example_norms(model, loss, x, y, method="layerwise"),
         "norms_units": lambda x, y: peg.per_example_norms(model, loss, x, y, method="layerwise", **units),
     }

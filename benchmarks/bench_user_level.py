@@ -89,7 +89,9 @@ def group_epsilon(sigma: float, q: float, k: int, steps: int, delta: float, inte
     event = dp_accounting.SelfComposedDpEvent(
         dp_event.MixtureOfGaussiansDpEvent(sigma, list(map(float, j)), list(stats.binom.pmf(j, k, q))), steps
     )
-    accountant = PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=interval)
+    accountant = PLDAccountant(
+        dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=interval
+    )
     return accountant.compose(event).get_epsilon(delta)
 
 
@@ -104,7 +106,11 @@ def group_sigma(target: float, q: float, k: int, steps: int, delta: float) -> fl
 
     sigma = dp_accounting.calibrate_dp_mechanism(
         lambda: PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=1e-3),
-        event, target, delta, dp_accounting.ExplicitBracketInterval(0.3, 50.0), tol=1e-2,
+        event,
+        target,
+        delta,
+        dp_accounting.ExplicitBracketInterval(0.3, 50.0),
+        tol=1e-2,
     )
     while group_epsilon(sigma, q, k, steps, delta) > target:  # the coarse grid is pessimistic, rarely short
         sigma *= 1.002
@@ -118,7 +124,9 @@ def conversion_epsilon(sigma: float, q: float, k: int, steps: int, delta: float)
     delta is ``delta``.
     """
     composed = PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE).compose(
-        dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+        dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
+        )
     )
     eps_row = 0.0
     for _ in range(100):
@@ -140,9 +148,13 @@ def accuracy(model, x, y) -> float:
 
 def run_utility(args) -> None:
     delta = args.delta
-    print(f"U={args.users} users (1..{2 * args.k} rows each), k={args.k}, T={args.steps} steps, "
-          f"{args.rows_per_step} expected rows per step, delta={delta:g}, {args.seeds} seeds")
-    print("| target eps | mode | sigma | eps a user gets (accountant) | eps by (k eps, k e^((k-1)eps) delta) conversion | test accuracy (mean +- sd) |")
+    print(
+        f"U={args.users} users (1..{2 * args.k} rows each), k={args.k}, T={args.steps} steps, "
+        f"{args.rows_per_step} expected rows per step, delta={delta:g}, {args.seeds} seeds"
+    )
+    print(
+        "| target eps | mode | sigma | eps a user gets (accountant) | eps by (k eps, k e^((k-1)eps) delta) conversion | test accuracy (mean +- sd) |"
+    )
     print("|---|---|---|---|---|---|")
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     for target in args.epsilons:
@@ -161,11 +173,17 @@ def run_utility(args) -> None:
                     target, delta, args.users, q_u * args.users, None, steps=args.steps
                 )
             net = mlp(seed)
-            dp = peg.keras.DPModel(net, l2_norm_clip=args.clip * args.k ** 0.5, noise_multiplier=sigmas["user-level"],
-                                   seed=seed, privacy_unit="unit")
+            dp = peg.keras.DPModel(
+                net,
+                l2_norm_clip=args.clip * args.k**0.5,
+                noise_multiplier=sigmas["user-level"],
+                seed=seed,
+                privacy_unit="unit",
+            )
             dp.compile(optimizer=keras.optimizers.Adam(args.lr), loss=loss)
-            data = peg.dp.poisson_batches(x, y, unit_ids=user, rows_per_unit=args.k, sampling_probability=q_u,
-                                          steps=args.steps, seed=seed)
+            data = peg.dp.poisson_batches(
+                x, y, unit_ids=user, rows_per_unit=args.k, sampling_probability=q_u, steps=args.steps, seed=seed
+            )
             dp.fit(data, verbose=0)
             eps_given["user-level"] = dp.epsilon(delta)
             results["user-level"].append(accuracy(net, xt, yt))
@@ -180,13 +198,19 @@ def run_utility(args) -> None:
             net = mlp(seed)
             dp = peg.keras.DPModel(net, l2_norm_clip=args.clip, noise_multiplier=sigmas["example-level"], seed=seed)
             dp.compile(optimizer=keras.optimizers.Adam(args.lr), loss=loss)
-            dp.fit(peg.dp.poisson_batches(x[keep], y[keep], sampling_probability=q_e, steps=args.steps, seed=seed), verbose=0)
+            dp.fit(
+                peg.dp.poisson_batches(x[keep], y[keep], sampling_probability=q_e, steps=args.steps, seed=seed),
+                verbose=0,
+            )
             results["example-level"].append(accuracy(net, xt, yt))
         for mode, accs in results.items():
             sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
             c = conv[mode]
-            print(f"| {target:g} | {mode} | {sigmas[mode]:.3f} | {eps_given[mode]:.3f} | "
-                  f"{'-' if math.isnan(c) else f'{c:.2f}'} | {statistics.mean(accs):.3f} +- {sd:.3f} |", flush=True)
+            print(
+                f"| {target:g} | {mode} | {sigmas[mode]:.3f} | {eps_given[mode]:.3f} | "
+                f"{'-' if math.isnan(c) else f'{c:.2f}'} | {statistics.mean(accs):.3f} +- {sd:.3f} |",
+                flush=True,
+            )
     # Non-private reference.
     accs = []
     for seed in range(args.seeds):
@@ -196,9 +220,17 @@ def run_utility(args) -> None:
         xt, yt, _ = make_users(args.test_users, args.k, rng, means)
         net = mlp(seed)
         net.compile(optimizer=keras.optimizers.Adam(args.lr), loss=loss)
-        net.fit(x, y, batch_size=int(args.rows_per_step), epochs=max(1, round(args.steps * args.rows_per_step / len(x))), verbose=0)
+        net.fit(
+            x,
+            y,
+            batch_size=int(args.rows_per_step),
+            epochs=max(1, round(args.steps * args.rows_per_step / len(x))),
+            verbose=0,
+        )
         accs.append(accuracy(net, xt, yt))
-    print(f"| - | non-private | - | - | - | {statistics.mean(accs):.3f} +- {statistics.stdev(accs) if len(accs) > 1 else 0:.3f} |")
+    print(
+        f"| - | non-private | - | - | - | {statistics.mean(accs):.3f} +- {statistics.stdev(accs) if len(accs) > 1 else 0:.3f} |"
+    )
 
 
 def _time_steps(models, reps: int, steps: int) -> dict:
@@ -242,8 +274,11 @@ def run_cost(args) -> None:
             data = peg.dp.poisson_batches(x, y, sampling_probability=q, steps=args.cost_steps, seed=0, **units)
             models[mode] = (dp, data)
         med = _time_steps(models, args.reps, args.cost_steps)
-        print(f"| {name} | {rows} (expected) | {1e3 * med['example']:.1f} | {1e3 * med['unit']:.1f} | "
-              f"{med['unit'] / med['example']:.2f} |", flush=True)
+        print(
+            f"| {name} | {rows} (expected) | {1e3 * med['example']:.1f} | {1e3 * med['unit']:.1f} | "
+            f"{med['unit'] / med['example']:.2f} |",
+            flush=True,
+        )
 
 
 def main() -> None:

@@ -60,10 +60,18 @@ class Framework:
 
 FRAMEWORKS = (
     Framework("tf", ".venv/bin/python", "benchmarks/peers/peer_tf.py", "the project's own .venv"),
-    Framework("jax", "benchmarks/peers/.venv-jax/bin/python", "benchmarks/peers/peer_jax.py",
-              "bash benchmarks/peers/setup_peers.sh jax"),
-    Framework("torch", "benchmarks/peers/.venv-torch/bin/python", "benchmarks/peers/peer_torch.py",
-              "bash benchmarks/peers/setup_peers.sh torch"),
+    Framework(
+        "jax",
+        "benchmarks/peers/.venv-jax/bin/python",
+        "benchmarks/peers/peer_jax.py",
+        "bash benchmarks/peers/setup_peers.sh jax",
+    ),
+    Framework(
+        "torch",
+        "benchmarks/peers/.venv-torch/bin/python",
+        "benchmarks/peers/peer_torch.py",
+        "bash benchmarks/peers/setup_peers.sh torch",
+    ),
 )
 
 
@@ -87,7 +95,11 @@ class Worker:
         C.log(f"[{fw.name}] starting {fw.python} {fw.script} --serve")
         self.proc = subprocess.Popen(
             [os.path.join(REPO, fw.python), os.path.join(REPO, fw.script), "--serve"],
-            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
         )
         self.answers: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -216,18 +228,37 @@ class Report:
             "Median ms of one call, same rounds. < 1: ours is faster than every peer.",
             "",
         ]
-        lines += C.markdown_table(["model", "B", "quantity", "ours", "ours ms", "fastest peer", "its ms", "ours / fastest peer"],
-                                  self.summary)
+        lines += C.markdown_table(
+            ["model", "B", "quantity", "ours", "ours ms", "fastest peer", "its ms", "ours / fastest peer"], self.summary
+        )
         if self.epochs:
-            lines += ["", "## One DP epoch (e)", "",
-                      f"N = {C.EPOCH_N:,}, Poisson sampling of expected batch {C.EPOCH_BATCH}, noise multiplier "
-                      f"{C.EPOCH_SIGMA}, clip {C.CLIP_NORM}, SGD; plain epochs: batches of {C.EPOCH_BATCH}. "
-                      "Median seconds of one epoch, same rounds.", ""]
-            lines += C.markdown_table(["model", "DPModel.fit s", "keras fit s", "DP / plain (ours)", "opacus ghost s",
-                                       "opacus hooks s", "torch s", "DPModel.fit / fastest Opacus"], [_epoch_row(m, e) for m, e in self.epochs])
+            lines += [
+                "",
+                "## One DP epoch (e)",
+                "",
+                f"N = {C.EPOCH_N:,}, Poisson sampling of expected batch {C.EPOCH_BATCH}, noise multiplier "
+                f"{C.EPOCH_SIGMA}, clip {C.CLIP_NORM}, SGD; plain epochs: batches of {C.EPOCH_BATCH}. "
+                "Median seconds of one epoch, same rounds.",
+                "",
+            ]
+            lines += C.markdown_table(
+                [
+                    "model",
+                    "DPModel.fit s",
+                    "keras fit s",
+                    "DP / plain (ours)",
+                    "opacus ghost s",
+                    "opacus hooks s",
+                    "torch s",
+                    "DPModel.fit / fastest Opacus",
+                ],
+                [_epoch_row(m, e) for m, e in self.epochs],
+            )
         lines += ["", "## All timings", ""]
-        lines += C.markdown_table(["model", "B", "framework", "peer", "quantity", "median ms", "IQR ms", "ratio to own (a)",
-                                   "status"], self.rows)
+        lines += C.markdown_table(
+            ["model", "B", "framework", "peer", "quantity", "median ms", "IQR ms", "ratio to own (a)", "status"],
+            self.rows,
+        )
         return C.with_notes(lines, self.notes)
 
 
@@ -236,9 +267,16 @@ def _epoch_row(model: str, e: dict) -> list[str]:
     s = lambda k: f"{e[k]:.2f}" if k in e else "—"  # noqa: E731
     dp, plain = e.get("DPModel.fit"), e.get(f"keras fit {NOT_PRIVATE}")
     opacus = [e[k] for k in ("opacus ghost", "opacus hooks") if k in e]
-    return [model, s("DPModel.fit"), s(f"keras fit {NOT_PRIVATE}"), f"{dp / plain:.2f}" if dp and plain else "—",
-            s("opacus ghost"), s("opacus hooks"), s(f"torch {NOT_PRIVATE}"),
-            f"**{dp / min(opacus):.2f}**" if dp and opacus else "—"]
+    return [
+        model,
+        s("DPModel.fit"),
+        s(f"keras fit {NOT_PRIVATE}"),
+        f"{dp / plain:.2f}" if dp and plain else "—",
+        s("opacus ghost"),
+        s("opacus hooks"),
+        s(f"torch {NOT_PRIVATE}"),
+        f"**{dp / min(opacus):.2f}**" if dp and opacus else "—",
+    ]
 
 
 def _ms(seconds: float | None) -> str:
@@ -273,8 +311,18 @@ def _summary_rows(model: str, b: int, q: str, timings: list[Timing]) -> list[lis
     for mine in [t for t in timings if t.framework == OURS and t.times] or [None]:
         ours = mine.median() if mine else None
         ratio = f"**{ours / theirs:.2f}**" if ours is not None and theirs else "—"
-        rows.append([model, str(b), C.QUANTITIES[q], mine.peer if mine else "—", _ms(ours) + _partial(mine),
-                     fastest.peer if fastest else "—", _ms(theirs) + _partial(fastest), ratio])
+        rows.append(
+            [
+                model,
+                str(b),
+                C.QUANTITIES[q],
+                mine.peer if mine else "—",
+                _ms(ours) + _partial(mine),
+                fastest.peer if fastest else "—",
+                _ms(theirs) + _partial(fastest),
+                ratio,
+            ]
+        )
     return rows
 
 
@@ -290,15 +338,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", default=None, help="comma list (default 64,256; --quick: 16)")
     p.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 7; --quick: 2)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per task first (default 2; --quick: 1)")
-    p.add_argument("--quantities", default="b,c",
-                   help="comma list of b,c,e (default b,c); (a) is always timed, as each framework's baseline; "
-                   "e: one DP epoch (N = 12,000, expected batch 256, sigma 1) against plain epochs and Opacus, "
-                   "built once per model whatever the batch sizes (use --batch-sizes 256)")
-    p.add_argument("--max-seconds-per-call", type=float, default=60.0,
-                   help="a (peer, quantity) whose call takes longer is not timed again and is marked '> cap'")
-    p.add_argument("--worker-timeout", type=float, default=600.0,
-                   help="seconds to wait for any one answer (a build with its warm-up, a call, a check) "
-                   "before the worker is killed and reported")
+    p.add_argument(
+        "--quantities",
+        default="b,c",
+        help="comma list of b,c,e (default b,c); (a) is always timed, as each framework's baseline; "
+        "e: one DP epoch (N = 12,000, expected batch 256, sigma 1) against plain epochs and Opacus, "
+        "built once per model whatever the batch sizes (use --batch-sizes 256)",
+    )
+    p.add_argument(
+        "--max-seconds-per-call",
+        type=float,
+        default=60.0,
+        help="a (peer, quantity) whose call takes longer is not timed again and is marked '> cap'",
+    )
+    p.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for any one answer (a build with its warm-up, a call, a check) "
+        "before the worker is killed and reported",
+    )
     p.add_argument("--no-check", action="store_true", help="skip the workers' correctness checks")
     p.add_argument("--quick", action="store_true", help="smoke run: B=16, 2 rounds, 1 warm-up")
     p.add_argument("--out", default=None, help="also write the Markdown report to this file")
@@ -332,8 +391,9 @@ def installed_frameworks() -> list[Framework]:
     return found
 
 
-def ensure_workers(workers: dict[str, Worker], frameworks: list[Framework], args: argparse.Namespace,
-                   report: Report) -> list[Worker]:
+def ensure_workers(
+    workers: dict[str, Worker], frameworks: list[Framework], args: argparse.Namespace, report: Report
+) -> list[Worker]:
     """Start the workers not running yet (and restart dead ones); the live ones, in FRAMEWORKS order."""
     started = []
     for fw in frameworks:
@@ -356,28 +416,38 @@ def ensure_workers(workers: dict[str, Worker], frameworks: list[Framework], args
     return [workers[fw.name] for fw in frameworks if not workers[fw.name].dead]
 
 
-def build_cell(workers: list[Worker], model: str, b: int, args: argparse.Namespace,
-               report: Report) -> dict[str, list[Timing]]:
+def build_cell(
+    workers: list[Worker], model: str, b: int, args: argparse.Namespace, report: Report
+) -> dict[str, list[Timing]]:
     """Every worker builds (model, B) and warms it up; its timings by framework, for those that could."""
     cell, params = {}, {}
     for w in workers:
         C.log(f"[{w.fw.name}] build + warm up {model} B={b}")
-        cmd = {"cmd": "build", "model": model, "b": b, "quantities": args.quantities,
-               "warmup": args.warmup, "cap": args.max_seconds_per_call}
+        cmd = {
+            "cmd": "build",
+            "model": model,
+            "b": b,
+            "quantities": args.quantities,
+            "warmup": args.warmup,
+            "cap": args.max_seconds_per_call,
+        }
         try:
             answer = w.ask(cmd)
         except WorkerError as e:
             report.note(f"{model} B={b} {w.fw.name}: build failed: {e}")
             continue
-        cell[w.fw.name] = [Timing(w.fw.name, t["peer"], t["quantity"], t["first_s"], t["status"])
-                           for t in answer["tasks"]]
+        cell[w.fw.name] = [
+            Timing(w.fw.name, t["peer"], t["quantity"], t["first_s"], t["status"]) for t in answer["tasks"]
+        ]
         for n in answer["notes"]:
             report.note(n)
             if m := PARAMS_NOTE.match(n):
                 params[w.fw.name] = m.group(2)
     if len(set(params.values())) > 1:
-        report.note(f"MODEL MISMATCH: {model} has different parameter counts: "
-                    + ", ".join(f"{fw} {n}" for fw, n in params.items()))
+        report.note(
+            f"MODEL MISMATCH: {model} has different parameter counts: "
+            + ", ".join(f"{fw} {n}" for fw, n in params.items())
+        )
     return cell
 
 
@@ -387,8 +457,7 @@ def round_order(workers: list[Worker], r: int, quantities: list[str]) -> list[tu
     return [(w, q) for q in quantities for w in workers[k:] + workers[:k]]
 
 
-def time_rounds(workers: list[Worker], cell: dict[str, list[Timing]], args: argparse.Namespace,
-                report: Report) -> None:
+def time_rounds(workers: list[Worker], cell: dict[str, list[Timing]], args: argparse.Namespace, report: Report) -> None:
     """``args.repeats`` rounds, each timing every live (peer, quantity) of every worker once."""
     live = [w for w in workers if w.fw.name in cell]
     if not live:

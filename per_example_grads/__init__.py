@@ -44,14 +44,14 @@ __all__ = sorted([*_EXPORTS, *_SUBPACKAGES], key=str.lower)
 
 if _TYPE_CHECKING:  # what static tools and IDEs see; at run time __getattr__ does this
     from per_example_grads import diagnostics, dp, keras, rules  # noqa: F401
-    from per_example_grads.dp.accumulation import GradientAccumulator  # noqa: F401
     from per_example_grads.clipping import clipped_gradients  # noqa: F401
+    from per_example_grads.dp.accumulation import GradientAccumulator  # noqa: F401
     from per_example_grads.engines.selection import METHODS  # noqa: F401
     from per_example_grads.errors import EngineError, EngineFallbackWarning, InvalidLossError  # noqa: F401
     from per_example_grads.gradients import per_example_gradients, per_example_norms  # noqa: F401
-    from per_example_grads.rules import LayerRule, register_layer_rule  # noqa: F401
-    from per_example_grads.per_example_slices import PerExampleSlices  # noqa: F401
     from per_example_grads.grads_and_vars import compute_gradients  # noqa: F401
+    from per_example_grads.per_example_slices import PerExampleSlices  # noqa: F401
+    from per_example_grads.rules import LayerRule, register_layer_rule  # noqa: F401
     from per_example_grads.transfer import export_gradients, import_gradients  # noqa: F401
     from per_example_grads.transforms import (  # noqa: F401
         clip_by_global_norm,

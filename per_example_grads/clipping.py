@@ -20,9 +20,9 @@ import tensorflow as tf
 from per_example_grads import transforms
 from per_example_grads._core.arguments import check_clip
 from per_example_grads._core.batch import batch_size, make_batch, unless_empty
+from per_example_grads._core.problem import make_problem
 from per_example_grads.engines import grouped, selection
 from per_example_grads.engines.base import ClipGroups
-from per_example_grads._core.problem import make_problem
 
 ClipNorm = float | Mapping[str, float] | Sequence[float]
 
@@ -101,13 +101,26 @@ def clipped_gradients(
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean'; got {reduction!r}.")
     sums, norms, _ = clipped_sums_and_predictions(
-        model, loss_fn, x, y, l2_norm_clip=l2_norm_clip, sample_weight=sample_weight, method=method,
-        variables=variables, training=training, allow_batch_coupling=allow_batch_coupling,
-        unit_ids=unit_ids, num_units=num_units,
+        model,
+        loss_fn,
+        x,
+        y,
+        l2_norm_clip=l2_norm_clip,
+        sample_weight=sample_weight,
+        method=method,
+        variables=variables,
+        training=training,
+        allow_batch_coupling=allow_batch_coupling,
+        unit_ids=unit_ids,
+        num_units=num_units,
     )
     if reduction == "mean":
         if unit_ids is not None:  # checked by now
-            b = num_units if num_units is not None else tf.reduce_max(tf.concat([tf.cast(unit_ids, tf.int32), [-1]], 0)) + 1
+            b = (
+                num_units
+                if num_units is not None
+                else tf.reduce_max(tf.concat([tf.cast(unit_ids, tf.int32), [-1]], 0)) + 1
+            )
         else:
             b = tf.shape(tf.nest.flatten(x)[0])[0]  # x is checked by now
         sums = [transforms.divide_no_nan(s, b) for s in sums]
@@ -213,7 +226,8 @@ def _without_nonfinite_examples(clipped_sums, batch, sums, norms, variables, uni
         warnings.warn(
             f"{bad} {what} a non-finite (NaN or Inf) gradient; they were left "
             "out of the clipped sum (clip factor 0). Check their inputs and labels.",
-            RuntimeWarning, stacklevel=3,
+            RuntimeWarning,
+            stacklevel=3,
         )
     all_finite = tf.reduce_all(finite)
     if units is not None:
@@ -234,7 +248,8 @@ def _without_nonfinite_examples(clipped_sums, batch, sums, norms, variables, uni
     def zeros():
         return tf.nest.flatten(
             [
-                tf.IndexedSlices(tf.zeros_like(s.values), s.indices, s.dense_shape) if isinstance(s, tf.IndexedSlices)
+                tf.IndexedSlices(tf.zeros_like(s.values), s.indices, s.dense_shape)
+                if isinstance(s, tf.IndexedSlices)
                 else tf.zeros(v.shape, s.dtype)
                 for v, s in zip(variables, sums)
             ],
@@ -256,7 +271,8 @@ def _static_dense_shapes(sums: Sequence, variables: Sequence) -> list:
     """``sums`` with each ``tf.IndexedSlices``' dense shape its variable's, a constant (``tf.cond`` and ``tf.function`` return it as a tensor)."""
     return [
         tf.IndexedSlices(s.values, s.indices, tf.constant(v.shape.as_list(), s.dense_shape.dtype))
-        if isinstance(s, tf.IndexedSlices) else s
+        if isinstance(s, tf.IndexedSlices)
+        else s
         for s, v in zip(sums, variables)
     ]
 

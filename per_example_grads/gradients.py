@@ -7,10 +7,8 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from per_example_grads._core.batch import make_batch, unless_empty
-from per_example_grads.engines import selection
-from per_example_grads.engines import ENGINES
-from per_example_grads.engines import grouped
 from per_example_grads._core.problem import make_problem
+from per_example_grads.engines import ENGINES, grouped, selection
 
 
 @tf.autograph.experimental.do_not_convert
@@ -100,7 +98,12 @@ def per_example_gradients(
     if units is not None:
         if sparse_embeddings:
             raise ValueError("sparse_embeddings=True cannot be combined with unit_ids (per-unit gradients are dense).")
-        return unless_empty(batch, lambda batch: selection.run(method, problem, lambda e: grouped.unit_gradients(e, problem, batch, units), batch))
+        return unless_empty(
+            batch,
+            lambda batch: selection.run(
+                method, problem, lambda e: grouped.unit_gradients(e, problem, batch, units), batch
+            ),
+        )
     if sparse_embeddings:
         engine = _sparse_engine(method, problem)
 
@@ -164,7 +167,10 @@ def per_example_norms(
     method = kwargs.pop("method", "auto")
     selection.check_method(method)
     problem = make_problem(
-        model, loss_fn, kwargs.pop("variables", None), kwargs.pop("training", False),
+        model,
+        loss_fn,
+        kwargs.pop("variables", None),
+        kwargs.pop("training", False),
         kwargs.pop("allow_batch_coupling", False),
     )
     batch = make_batch(model, x, y, kwargs.pop("sample_weight", None))
@@ -173,10 +179,15 @@ def per_example_norms(
     units = _units(unit_ids, num_units, batch)
     if units is not None:
         return unless_empty(
-            batch, lambda batch: selection.run(method, problem, lambda e: grouped.unit_norms(e, problem, batch, units, by_variable), batch)
+            batch,
+            lambda batch: selection.run(
+                method, problem, lambda e: grouped.unit_norms(e, problem, batch, units, by_variable), batch
+            ),
         )
     # Engines with closed forms (layer-wise: ghost norms) never build B x P.
-    return unless_empty(batch, lambda batch: selection.run(method, problem, lambda e: e.norms(problem, batch, by_variable), batch))
+    return unless_empty(
+        batch, lambda batch: selection.run(method, problem, lambda e: e.norms(problem, batch, by_variable), batch)
+    )
 
 
 def _units(unit_ids: Any, num_units: int | None, batch) -> "grouped.Units | None":

@@ -82,8 +82,12 @@ def grouped_squared_norms(g: tf.Tensor, repeats: RepeatedRows) -> tf.Tensor:
     flat = tf.reshape(g, [-1, tf.shape(g)[2]])  # [B T, D]
     mine = tf.gather(flat, repeats.rows)  # [R, D]
     r = tf.shape(mine)[0]
-    sums = tf.math.unsorted_segment_sum(mine, repeats.group, r)  # [R, D]: group k's sum in row k, zeros after the last group
-    owner = tf.maximum(tf.math.unsorted_segment_max(repeats.example, repeats.group, r), 0)  # group k's example (0: a zero row)
+    sums = tf.math.unsorted_segment_sum(
+        mine, repeats.group, r
+    )  # [R, D]: group k's sum in row k, zeros after the last group
+    owner = tf.maximum(
+        tf.math.unsorted_segment_max(repeats.example, repeats.group, r), 0
+    )  # group k's example (0: a zero row)
     grouped = tf.math.unsorted_segment_sum(per_example_squared_norms(sums), owner, b)
     if repeats.every_row:  # no row is alone
         return grouped

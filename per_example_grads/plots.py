@@ -64,8 +64,9 @@ def plot_norms_histogram(ax: Any, norms: np.ndarray, *, bins: int = 40) -> None:
         return
     low, high = float(positive.min()), float(positive.max())
     edges = np.geomspace(low, high if high > low else low * 10, bins + 1)
-    ax.hist(positive, bins=edges, color="tab:blue", edgecolor="white", linewidth=0.5,
-            label=f"N = {len(norms):,} examples")
+    ax.hist(
+        positive, bins=edges, color="tab:blue", edgecolor="white", linewidth=0.5, label=f"N = {len(norms):,} examples"
+    )
     ax.set_xscale("log")
     plain_log_ticks(ax.xaxis)
     median, p95 = (float(v) for v in np.percentile(positive, [50, 95]))

@@ -62,9 +62,7 @@ def global_norms(grads: Sequence[tf.Tensor]) -> tf.Tensor:
     return scale * tf.sqrt(tf.add_n(_per_variable_squared_norms(grads, scale)))
 
 
-def clip_by_global_norm(
-    grads: Sequence[tf.Tensor], l2_norm_clip: float
-) -> tuple[list[tf.Tensor], tf.Tensor]:
+def clip_by_global_norm(grads: Sequence[tf.Tensor], l2_norm_clip: float) -> tuple[list[tf.Tensor], tf.Tensor]:
     """Scales each example's gradient to global L2 norm at most ``l2_norm_clip``.
 
     With ``n_i = global_norms(grads)[i]`` and ``C = l2_norm_clip``:
@@ -119,7 +117,9 @@ def sum_examples(grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     A ``PerExampleSlices`` entry sums to ``tf.IndexedSlices``, as
     ``tape.gradient`` returns for an embedding table.
     """
-    return [g.sum_examples() if isinstance(g, PerExampleSlices) else tf.reduce_sum(g, axis=0) for g in gradient_list(grads)]
+    return [
+        g.sum_examples() if isinstance(g, PerExampleSlices) else tf.reduce_sum(g, axis=0) for g in gradient_list(grads)
+    ]
 
 
 def mean_examples(grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:

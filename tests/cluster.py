@@ -52,7 +52,11 @@ class Cluster:
             env["TF_CONFIG"] = tf_config_json
         log = open(self.log_dir / f"{name}.log", "w")
         proc = subprocess.Popen(
-            [sys.executable, str(JOBS), *args], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            [sys.executable, str(JOBS), *args],
+            env=env,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group, so kill() takes its children too
         )
         self.procs.append((name, proc))

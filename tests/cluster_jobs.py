@@ -80,9 +80,13 @@ def mwms(out: Path) -> None:
     per_example, clipped, accumulated = sums(xb, yb)
     report = peg.diagnostics.gradient_statistics(model, loss_fn, (x[:b], y[:b]), batch_size=8, progress=False)
 
-    dp = peg.keras.DPModel(model, l2_norm_clip=CLIP, noise_multiplier=0.0, num_examples=len(x), expected_batch_size=b, seed=1)
+    dp = peg.keras.DPModel(
+        model, l2_norm_clip=CLIP, noise_multiplier=0.0, num_examples=len(x), expected_batch_size=b, seed=1
+    )
     with strategy.scope():
-        dp.compile(optimizer=keras.optimizers.SGD(0.2), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        dp.compile(
+            optimizer=keras.optimizers.SGD(0.2), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(b).with_options(options)
@@ -133,8 +137,14 @@ def ps_chief(out: Path) -> None:
         def step(iterator):
             def replica(a, c):
                 grads = peg.dp.private_gradients(
-                    model, loss_fn, a, c, l2_norm_clip=CLIP, noise_multiplier=noise_multiplier,
-                    expected_batch_size=b, seed=seed,
+                    model,
+                    loss_fn,
+                    a,
+                    c,
+                    l2_norm_clip=CLIP,
+                    noise_multiplier=noise_multiplier,
+                    expected_batch_size=b,
+                    seed=seed,
                 )
                 applied.apply_gradients(optimizer, zip(grads, model.trainable_variables))
 

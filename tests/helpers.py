@@ -12,7 +12,14 @@ import numpy as np
 import tensorflow as tf
 
 import per_example_grads as peg
-from tolerances import EPS32, EPS64, GRADIENT_RTOL, clipped_sum_rtol, norm_rtol, rounding_rtol  # every tolerance: tests/tolerances.py
+from tolerances import (
+    EPS32,
+    EPS64,
+    GRADIENT_RTOL,
+    clipped_sum_rtol,
+    norm_rtol,
+    rounding_rtol,
+)  # every tolerance: tests/tolerances.py
 
 
 def reference_gradients(model, loss_fn, x, y, sample_weight=None, variables=None, training=False):
@@ -37,7 +44,10 @@ def reference_gradients(model, loss_fn, x, y, sample_weight=None, variables=None
                 loss = loss * float(sample_weight[i])
         grads = tape.gradient(loss, variables)
         per_example.append(
-            [np.zeros(v.shape, v.dtype) if g is None else np.asarray(tf.convert_to_tensor(g)) for g, v in zip(grads, variables)]
+            [
+                np.zeros(v.shape, v.dtype) if g is None else np.asarray(tf.convert_to_tensor(g))
+                for g, v in zip(grads, variables)
+            ]
         )
     return [np.stack([p[k] for p in per_example]) for k in range(len(variables))]
 
@@ -50,7 +60,9 @@ def assert_close(actual, desired, *, rtol=0.0, atol=0.0, err_msg=""):
     """
     actual, desired = np.asarray(actual, np.float64), np.asarray(desired, np.float64)
     assert actual.shape == desired.shape, f"{err_msg}: shape {actual.shape} != {desired.shape}"
-    bound = np.broadcast_to(np.asarray(atol, np.float64) + np.asarray(rtol, np.float64) * np.abs(desired), desired.shape)
+    bound = np.broadcast_to(
+        np.asarray(atol, np.float64) + np.asarray(rtol, np.float64) * np.abs(desired), desired.shape
+    )
     diff = np.abs(actual - desired)
     bad = ~((diff <= bound) | (np.isnan(actual) & np.isnan(desired)))
     if np.any(bad):
@@ -98,7 +110,6 @@ def assert_norms_close(actual, expected, by_variable=False, scale=None):
     each off by ``GRADIENT_RTOL * scale`` (``scale`` defaults to ``gradient_scale(expected)``).
     """
     scale = gradient_scale(expected) if scale is None else scale
-    b = len(expected[0])
     groups = [[e] for e in expected] if by_variable else [expected]
     actual = list(actual) if by_variable else [actual]
     assert len(actual) == len(groups)
@@ -161,7 +172,9 @@ def clipped_against_loop(model, x, y, clip, methods=("layerwise",)):
     norms = reference_norms(expected)
     factors = clip / np.maximum(norms, clip)
     for method in methods:
-        got, got_norms = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=clip, return_norms=True, method=method)
+        got, got_norms = peg.clipped_gradients(
+            model, sparse_ce, x, y, l2_norm_clip=clip, return_norms=True, method=method
+        )
         assert_norms_close(got_norms, expected)
         for g, v in zip(got, model.trainable_variables):
             # The layer-wise engine returns an embedding table's sum as IndexedSlices, like tape.gradient.
@@ -178,7 +191,9 @@ def layerwise_clipped_against_loop(model, x, y, tf_function=None, clip=0.3):
     ``tf_function``: None runs eagerly; a dict runs it in ``tf.function(**tf_function)``
     (``{}``, ``{"jit_compile": True}``, ``{"input_signature": [...]}``).
     """
-    clipped = lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=clip, return_norms=True, method="layerwise")  # noqa: E731
+    clipped = lambda x, y: peg.clipped_gradients(
+        model, sparse_ce, x, y, l2_norm_clip=clip, return_norms=True, method="layerwise"
+    )  # noqa: E731
     fn = clipped if tf_function is None else tf.function(clipped, **tf_function)
     expected = reference_gradients(model, sparse_ce, x, y)
     factors = clip / np.maximum(reference_norms(expected), clip)

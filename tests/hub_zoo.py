@@ -59,8 +59,17 @@ def gemma3_lm(b):
     import keras_hub
 
     backbone = keras_hub.models.Gemma3Backbone(
-        vocabulary_size=V, image_size=16, num_layers=1, num_query_heads=2, num_key_value_heads=1, hidden_dim=D,
-        intermediate_dim=F, head_dim=8, use_post_ffw_norm=True, use_post_attention_norm=True, vision_encoder=None,
+        vocabulary_size=V,
+        image_size=16,
+        num_layers=1,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=D,
+        intermediate_dim=F,
+        head_dim=8,
+        use_post_ffw_norm=True,
+        use_post_attention_norm=True,
+        vision_encoder=None,
     )
     return _decoder(backbone, keras_hub.models.Gemma3CausalLM, b, np.random.default_rng(1))
 
@@ -69,8 +78,14 @@ def qwen3_lm(b):
     import keras_hub
 
     backbone = keras_hub.models.Qwen3Backbone(
-        vocabulary_size=V, num_layers=1, num_query_heads=2, num_key_value_heads=1, head_dim=8, hidden_dim=D,
-        intermediate_dim=F, tie_word_embeddings=False,
+        vocabulary_size=V,
+        num_layers=1,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        hidden_dim=D,
+        intermediate_dim=F,
+        tie_word_embeddings=False,
     )
     return _decoder(backbone, keras_hub.models.Qwen3CausalLM, b, np.random.default_rng(2))
 
@@ -79,9 +94,21 @@ def smollm3_lm(b):
     import keras_hub
 
     backbone = keras_hub.models.SmolLM3Backbone(
-        vocabulary_size=V, hidden_dim=D, intermediate_dim=F, num_layers=1, num_attention_heads=2, num_key_value_heads=1,
-        attention_bias=False, attention_dropout=0.0, rope_layer_enabled_list=[True], layer_types=["attention"],
-        mlp_bias=False, layer_norm_epsilon=1e-6, max_position_embeddings=32, rope_theta=10000.0, partial_rotary_factor=1.0,
+        vocabulary_size=V,
+        hidden_dim=D,
+        intermediate_dim=F,
+        num_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        attention_bias=False,
+        attention_dropout=0.0,
+        rope_layer_enabled_list=[True],
+        layer_types=["attention"],
+        mlp_bias=False,
+        layer_norm_epsilon=1e-6,
+        max_position_embeddings=32,
+        rope_theta=10000.0,
+        partial_rotary_factor=1.0,
     )
     return _decoder(backbone, keras_hub.models.SmolLM3CausalLM, b, np.random.default_rng(3))
 
@@ -90,8 +117,14 @@ def mixtral_lm(b):
     import keras_hub
 
     backbone = keras_hub.models.MixtralBackbone(
-        vocabulary_size=V, num_layers=1, num_query_heads=2, hidden_dim=D, intermediate_dim=F, num_key_value_heads=1,
-        num_experts=2, top_k=2,
+        vocabulary_size=V,
+        num_layers=1,
+        num_query_heads=2,
+        hidden_dim=D,
+        intermediate_dim=F,
+        num_key_value_heads=1,
+        num_experts=2,
+        top_k=2,
     )
     return _decoder(backbone, keras_hub.models.MixtralCausalLM, b, np.random.default_rng(4))
 
@@ -106,8 +139,14 @@ def deberta_v3_classifier(b):
     import keras_hub
 
     backbone = keras_hub.models.DebertaV3Backbone(
-        vocabulary_size=V, num_layers=1, num_heads=2, hidden_dim=D, intermediate_dim=F, dropout=0.0,
-        max_sequence_length=T, bucket_size=4,
+        vocabulary_size=V,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=D,
+        intermediate_dim=F,
+        dropout=0.0,
+        max_sequence_length=T,
+        bucket_size=4,
     )
     model = keras_hub.models.DebertaV3TextClassifier(backbone=backbone, num_classes=3, preprocessor=None, dropout=0.0)
     rng = np.random.default_rng(5)
@@ -119,7 +158,13 @@ def roformer_v2_encoder(b):
     import keras_hub
 
     backbone = keras_hub.models.RoformerV2Backbone(
-        vocabulary_size=V, num_layers=1, num_heads=2, hidden_dim=D, intermediate_dim=F, head_size=8, dropout=0.0,
+        vocabulary_size=V,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=D,
+        intermediate_dim=F,
+        head_size=8,
+        dropout=0.0,
     )
     inputs = {
         "token_ids": keras.Input((T,), dtype="int32", name="token_ids"),
@@ -139,8 +184,12 @@ def _seq2seq(backbone, b, rng):
     }
     out = backbone(inputs)["decoder_sequence_output"]
     model = keras.Model(inputs, keras.layers.Dense(V, name="head")(out))
-    x = {"encoder_token_ids": _ids(rng, b), "encoder_padding_mask": _mask(b),
-         "decoder_token_ids": _ids(rng, b), "decoder_padding_mask": _mask(b)}
+    x = {
+        "encoder_token_ids": _ids(rng, b),
+        "encoder_padding_mask": _mask(b),
+        "decoder_token_ids": _ids(rng, b),
+        "decoder_padding_mask": _mask(b),
+    }
     return model, x, _ids(rng, b)
 
 
@@ -148,7 +197,13 @@ def t5(b):
     import keras_hub
 
     backbone = keras_hub.models.T5Backbone(
-        vocabulary_size=V, num_layers=2, num_heads=2, hidden_dim=D, intermediate_dim=F, key_value_dim=8, dropout=0.0,
+        vocabulary_size=V,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=D,
+        intermediate_dim=F,
+        key_value_dim=8,
+        dropout=0.0,
     )
     return _seq2seq(backbone, b, np.random.default_rng(7))
 
@@ -157,7 +212,13 @@ def bart(b):
     import keras_hub
 
     backbone = keras_hub.models.BartBackbone(
-        vocabulary_size=V, num_layers=1, num_heads=2, hidden_dim=D, intermediate_dim=F, dropout=0.0, max_sequence_length=T,
+        vocabulary_size=V,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=D,
+        intermediate_dim=F,
+        dropout=0.0,
+        max_sequence_length=T,
     )
     return _seq2seq(backbone, b, np.random.default_rng(8))
 
@@ -175,7 +236,12 @@ def vit(b):
     import keras_hub
 
     backbone = keras_hub.models.ViTBackbone(
-        image_shape=(IMAGE, IMAGE, 3), patch_size=4, num_layers=1, num_heads=2, hidden_dim=D, mlp_dim=F,
+        image_shape=(IMAGE, IMAGE, 3),
+        patch_size=4,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=D,
+        mlp_dim=F,
     )
     return _vision(backbone, b, np.random.default_rng(9))
 
@@ -184,7 +250,12 @@ def deit(b):
     import keras_hub
 
     backbone = keras_hub.models.DeiTBackbone(
-        image_shape=(IMAGE, IMAGE, 3), patch_size=4, num_layers=1, num_heads=2, hidden_dim=D, intermediate_dim=F,
+        image_shape=(IMAGE, IMAGE, 3),
+        patch_size=4,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=D,
+        intermediate_dim=F,
     )
     return _vision(backbone, b, np.random.default_rng(10))
 
@@ -202,10 +273,23 @@ def _application(name, size, **options):
 
 HUB_CASES = {
     f.__name__: f
-    for f in [gemma3_lm, qwen3_lm, smollm3_lm, deberta_v3_classifier, roformer_v2_encoder, t5, bart, vit, deit, mixtral_lm]
+    for f in [
+        gemma3_lm,
+        qwen3_lm,
+        smollm3_lm,
+        deberta_v3_classifier,
+        roformer_v2_encoder,
+        t5,
+        bart,
+        vit,
+        deit,
+        mixtral_lm,
+    ]
 }
 APPLICATION_CASES = {
-    "app_mobilenet_v3_small": _application("MobileNetV3Small", 32, minimalistic=False, alpha=0.75, include_preprocessing=False),
+    "app_mobilenet_v3_small": _application(
+        "MobileNetV3Small", 32, minimalistic=False, alpha=0.75, include_preprocessing=False
+    ),
     "app_densenet121": _application("DenseNet121", 32),
     "app_resnet50_v2": _application("ResNet50V2", 32),
     "app_nasnet_mobile": _application("NASNetMobile", 32),

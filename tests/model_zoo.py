@@ -47,9 +47,7 @@ def _labels(n_classes=3):
 
 
 def mlp():
-    model = keras.Sequential(
-        [keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)]
-    )
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
     return Case(model, rng.normal(size=(B, 6)).astype("float32"), _labels())
 
 
@@ -136,8 +134,12 @@ def transformer_block():
     out = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h))
     # MultiHeadAttention's projections (EinsumDense) become [B, 1, T, D] @ [D, E] batch matmuls
     # under pfor, which corrupt oneDNN's heap: refused by _core/pfor_limits.py, never run.
-    return Case(keras.Model(inp, out), rng.integers(0, 30, (B, t)).astype("int32"), _labels(),
-                refused={"vectorized": EngineError})
+    return Case(
+        keras.Model(inp, out),
+        rng.integers(0, 30, (B, t)).astype("int32"),
+        _labels(),
+        refused={"vectorized": EngineError},
+    )
 
 
 def shared_layer():
@@ -272,7 +274,9 @@ LAYER_B = 4
 
 def sequential_case(r, model_layers, x_shape, dtype="float32", n_classes=3):
     """``model_layers`` between an input of ``x_shape[1:]`` and Flatten, Dense(n_classes); a batch from ``r``."""
-    model = keras.Sequential([keras.Input(x_shape[1:], dtype=dtype)] + model_layers + [keras.layers.Flatten(), keras.layers.Dense(n_classes)])
+    model = keras.Sequential(
+        [keras.Input(x_shape[1:], dtype=dtype)] + model_layers + [keras.layers.Flatten(), keras.layers.Dense(n_classes)]
+    )
     if dtype == "int32":
         x = r.integers(0, 12, x_shape).astype("int32")
     else:
@@ -306,7 +310,11 @@ def _mha(r):
     inp = keras.Input((5, 8))
     h = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)(inp, inp)
     out = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h))
-    return keras.Model(inp, out), r.normal(size=(LAYER_B, 5, 8)).astype("float32"), r.integers(0, 3, LAYER_B).astype("int32")
+    return (
+        keras.Model(inp, out),
+        r.normal(size=(LAYER_B, 5, 8)).astype("float32"),
+        r.integers(0, 3, LAYER_B).astype("int32"),
+    )
 
 
 def randomize_lora(model, r):
@@ -386,78 +394,207 @@ RULE_FAMILIES = {
         "dense_sequence_gram": lambda r: sequential_case(r, [keras.layers.Dense(16, activation="relu")], (_B, 3, 16)),
         "dense_sequence_materialized": lambda r: sequential_case(r, [keras.layers.Dense(2)], (_B, 9, 2)),
         "dense_rank4_no_bias": lambda r: sequential_case(r, [keras.layers.Dense(3, use_bias=False)], (_B, 2, 3, 4)),
-        "einsum_dense_bias_axes": lambda r: sequential_case(r, [keras.layers.EinsumDense("abc,cde->abde", (3, 2, 4), bias_axes="de", activation="relu")], (_B, 3, 5)),
-        "einsum_dense_ellipsis": lambda r: sequential_case(r, [keras.layers.EinsumDense("...b,bc->...c", 4, bias_axes="c")], (_B, 2, 5)),
-        "einsum_dense_not_dense_like": lambda r: sequential_case(r, [keras.layers.EinsumDense("abc,bd->adc", (4, 3))], (_B, 3, 3)),
+        "einsum_dense_bias_axes": lambda r: sequential_case(
+            r, [keras.layers.EinsumDense("abc,cde->abde", (3, 2, 4), bias_axes="de", activation="relu")], (_B, 3, 5)
+        ),
+        "einsum_dense_ellipsis": lambda r: sequential_case(
+            r, [keras.layers.EinsumDense("...b,bc->...c", 4, bias_axes="c")], (_B, 2, 5)
+        ),
+        "einsum_dense_not_dense_like": lambda r: sequential_case(
+            r, [keras.layers.EinsumDense("abc,bd->adc", (4, 3))], (_B, 3, 3)
+        ),
         "dense_inside_custom_call": _custom_with_inner_dense,
         "multi_head_attention": _mha,
     },
     "conv": {
-        "conv1d_causal_dilated": lambda r: sequential_case(r, [keras.layers.Conv1D(4, 3, padding="causal", dilation_rate=2, activation="relu")], (_B, 10, 3)),
-        "conv2d_strided_valid": lambda r: sequential_case(r, [keras.layers.Conv2D(3, 3, strides=2, activation="tanh")], (_B, 9, 9, 2)),
+        "conv1d_causal_dilated": lambda r: sequential_case(
+            r, [keras.layers.Conv1D(4, 3, padding="causal", dilation_rate=2, activation="relu")], (_B, 10, 3)
+        ),
+        "conv2d_strided_valid": lambda r: sequential_case(
+            r, [keras.layers.Conv2D(3, 3, strides=2, activation="tanh")], (_B, 9, 9, 2)
+        ),
         "conv2d_pointwise": lambda r: sequential_case(r, [keras.layers.Conv2D(5, 1, activation="relu")], (_B, 4, 3, 6)),
-        "conv2d_dilated_same": lambda r: sequential_case(r, [keras.layers.Conv2D(3, 2, dilation_rate=2, padding="same")], (_B, 7, 7, 2)),
-        "conv2d_few_positions_gram": lambda r: sequential_case(r, [keras.layers.Conv2D(16, 3, strides=2, activation="relu")], (_B, 5, 5, 8)),
-        "conv2d_same_small_input": lambda r: sequential_case(r, [keras.layers.Conv2D(8, 3, padding="same")], (_B, 3, 3, 2)),
-        "conv1d_strided_same_no_bias": lambda r: sequential_case(r, [keras.layers.Conv1D(5, 4, strides=3, padding="same", use_bias=False)], (_B, 11, 2)),
+        "conv2d_dilated_same": lambda r: sequential_case(
+            r, [keras.layers.Conv2D(3, 2, dilation_rate=2, padding="same")], (_B, 7, 7, 2)
+        ),
+        "conv2d_few_positions_gram": lambda r: sequential_case(
+            r, [keras.layers.Conv2D(16, 3, strides=2, activation="relu")], (_B, 5, 5, 8)
+        ),
+        "conv2d_same_small_input": lambda r: sequential_case(
+            r, [keras.layers.Conv2D(8, 3, padding="same")], (_B, 3, 3, 2)
+        ),
+        "conv1d_strided_same_no_bias": lambda r: sequential_case(
+            r, [keras.layers.Conv1D(5, 4, strides=3, padding="same", use_bias=False)], (_B, 11, 2)
+        ),
         "conv3d": lambda r: sequential_case(r, [keras.layers.Conv3D(2, 2, strides=(1, 2, 1))], (_B, 4, 5, 4, 2)),
-        "conv3d_strided_same": lambda r: sequential_case(r, [keras.layers.Conv3D(3, 3, strides=2, padding="same", activation="tanh")], (_B, 5, 6, 4, 2)),
-        "conv3d_few_positions_gram": lambda r: sequential_case(r, [keras.layers.Conv3D(16, 2, strides=2)], (_B, 4, 4, 4, 4)),
-        "conv3d_dilated": lambda r: sequential_case(r, [keras.layers.Conv3D(2, 2, dilation_rate=2, use_bias=False)], (_B, 5, 5, 5, 1)),
+        "conv3d_strided_same": lambda r: sequential_case(
+            r, [keras.layers.Conv3D(3, 3, strides=2, padding="same", activation="tanh")], (_B, 5, 6, 4, 2)
+        ),
+        "conv3d_few_positions_gram": lambda r: sequential_case(
+            r, [keras.layers.Conv3D(16, 2, strides=2)], (_B, 4, 4, 4, 4)
+        ),
+        "conv3d_dilated": lambda r: sequential_case(
+            r, [keras.layers.Conv3D(2, 2, dilation_rate=2, use_bias=False)], (_B, 5, 5, 5, 1)
+        ),
         # Transposed convolutions: conv.py's forms with the input and output gradient swapped (conv_transpose.py).
-        "conv1d_transpose_strided": lambda r: sequential_case(r, [keras.layers.Conv1DTranspose(3, 3, strides=2, activation="tanh")], (_B, 6, 2)),
-        "conv1d_transpose_dilated_same": lambda r: sequential_case(r, [keras.layers.Conv1DTranspose(2, 3, dilation_rate=2, padding="same")], (_B, 7, 3)),
-        "conv2d_transpose_same_output_padding": lambda r: sequential_case(r, [keras.layers.Conv2DTranspose(3, 3, strides=2, padding="same", output_padding=1, activation="relu")], (_B, 4, 5, 2)),
-        "conv2d_transpose_valid_output_padding": lambda r: sequential_case(r, [keras.layers.Conv2DTranspose(2, (2, 3), strides=(3, 2), output_padding=(2, 1), use_bias=False)], (_B, 3, 4, 3)),
-        "conv2d_transpose_gram": lambda r: sequential_case(r, [keras.layers.Conv2DTranspose(8, 2, strides=2)], (_B, 2, 2, 16)),
-        "conv3d_transpose_strided_same": lambda r: sequential_case(r, [keras.layers.Conv3DTranspose(2, 3, strides=2, padding="same")], (_B, 3, 2, 3, 2)),
-        "conv3d_transpose_dilated": lambda r: sequential_case(r, [keras.layers.Conv3DTranspose(2, 2, dilation_rate=2)], (_B, 3, 3, 2, 2)),
-        "conv2d_transpose_channels_first_fallback": lambda r: sequential_case(r, [keras.layers.Conv2DTranspose(2, 2, data_format="channels_first")], (_B, 2, 4, 4)),
+        "conv1d_transpose_strided": lambda r: sequential_case(
+            r, [keras.layers.Conv1DTranspose(3, 3, strides=2, activation="tanh")], (_B, 6, 2)
+        ),
+        "conv1d_transpose_dilated_same": lambda r: sequential_case(
+            r, [keras.layers.Conv1DTranspose(2, 3, dilation_rate=2, padding="same")], (_B, 7, 3)
+        ),
+        "conv2d_transpose_same_output_padding": lambda r: sequential_case(
+            r,
+            [keras.layers.Conv2DTranspose(3, 3, strides=2, padding="same", output_padding=1, activation="relu")],
+            (_B, 4, 5, 2),
+        ),
+        "conv2d_transpose_valid_output_padding": lambda r: sequential_case(
+            r,
+            [keras.layers.Conv2DTranspose(2, (2, 3), strides=(3, 2), output_padding=(2, 1), use_bias=False)],
+            (_B, 3, 4, 3),
+        ),
+        "conv2d_transpose_gram": lambda r: sequential_case(
+            r, [keras.layers.Conv2DTranspose(8, 2, strides=2)], (_B, 2, 2, 16)
+        ),
+        "conv3d_transpose_strided_same": lambda r: sequential_case(
+            r, [keras.layers.Conv3DTranspose(2, 3, strides=2, padding="same")], (_B, 3, 2, 3, 2)
+        ),
+        "conv3d_transpose_dilated": lambda r: sequential_case(
+            r, [keras.layers.Conv3DTranspose(2, 2, dilation_rate=2)], (_B, 3, 3, 2, 2)
+        ),
+        "conv2d_transpose_channels_first_fallback": lambda r: sequential_case(
+            r, [keras.layers.Conv2DTranspose(2, 2, data_format="channels_first")], (_B, 2, 4, 4)
+        ),
     },
     "depthwise": {  # DepthwiseConv1D/2D, SeparableConv1D/2D and grouped Conv1D/2D/3D closed forms (channels_first: the fallback)
-        "conv1d_strided_groups": lambda r: sequential_case(r, [keras.layers.Conv1D(4, 3, strides=2, groups=2, padding="same")], (_B, 10, 4)),
-        "depthwise_conv2d": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D(3, depth_multiplier=2, padding="same")], (_B, 6, 6, 2)),
-        "depthwise_conv2d_strided_valid": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D((3, 2), strides=(2, 1), activation="relu")], (_B, 9, 7, 3)),
-        "depthwise_conv2d_strided_same_no_bias": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D(3, strides=2, padding="same", use_bias=False)], (_B, 8, 7, 4)),
-        "depthwise_conv2d_dilated_same_m3": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D(2, dilation_rate=2, depth_multiplier=3, padding="same")], (_B, 7, 6, 2)),
-        "depthwise_conv2d_strided_dilated": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D(2, strides=2, dilation_rate=2, padding="same")], (_B, 9, 9, 2)),
-        "depthwise_conv2d_few_positions": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D(3)], (_B, 3, 4, 5)),
-        "depthwise_conv2d_same_input_smaller_than_kernel": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D(3, depth_multiplier=2, padding="same")], (_B, 2, 1, 3)),
-        "depthwise_conv2d_channels_first_fallback": lambda r: sequential_case(r, [keras.layers.DepthwiseConv2D(2, data_format="channels_first")], (_B, 2, 5, 5)),
-        "depthwise_conv1d_same": lambda r: sequential_case(r, [keras.layers.DepthwiseConv1D(3, depth_multiplier=2, padding="same", activation="tanh")], (_B, 9, 3)),
-        "depthwise_conv1d_strided_dilated_no_bias": lambda r: sequential_case(r, [keras.layers.DepthwiseConv1D(3, strides=2, dilation_rate=2, use_bias=False)], (_B, 13, 2)),
-        "separable_conv2d": lambda r: sequential_case(r, [keras.layers.SeparableConv2D(3, 3, activation="relu")], (_B, 6, 6, 2)),
-        "separable_conv2d_strided_same_m2_no_bias": lambda r: sequential_case(r, [keras.layers.SeparableConv2D(4, 3, strides=2, depth_multiplier=2, padding="same", use_bias=False)], (_B, 7, 8, 3)),
-        "separable_conv2d_dilated_gram": lambda r: sequential_case(r, [keras.layers.SeparableConv2D(12, 2, dilation_rate=2, depth_multiplier=4)], (_B, 5, 5, 3)),
-        "conv2d_groups_strided_same": lambda r: sequential_case(r, [keras.layers.Conv2D(6, 3, strides=2, groups=3, padding="same", activation="relu")], (_B, 7, 6, 6)),
-        "conv2d_groups_dilated_large_kernel_vjp": lambda r: sequential_case(r, [keras.layers.Conv2D(8, 2, dilation_rate=2, groups=2, use_bias=False)], (_B, 3, 3, 4)),
-        "conv1d_groups_causal": lambda r: sequential_case(r, [keras.layers.Conv1D(4, 3, groups=2, padding="causal")], (_B, 8, 4)),
-        "conv3d_groups_strided_same": lambda r: sequential_case(r, [keras.layers.Conv3D(4, 2, strides=(2, 1, 1), groups=2, padding="same", activation="relu")], (_B, 4, 3, 3, 4)),
-        "conv3d_groups_dilated": lambda r: sequential_case(r, [keras.layers.Conv3D(6, 2, dilation_rate=2, groups=3, use_bias=False)], (_B, 4, 4, 3, 3)),
-        "separable_conv1d_same": lambda r: sequential_case(r, [keras.layers.SeparableConv1D(3, 4, padding="same", activation="tanh")], (_B, 10, 2)),
+        "conv1d_strided_groups": lambda r: sequential_case(
+            r, [keras.layers.Conv1D(4, 3, strides=2, groups=2, padding="same")], (_B, 10, 4)
+        ),
+        "depthwise_conv2d": lambda r: sequential_case(
+            r, [keras.layers.DepthwiseConv2D(3, depth_multiplier=2, padding="same")], (_B, 6, 6, 2)
+        ),
+        "depthwise_conv2d_strided_valid": lambda r: sequential_case(
+            r, [keras.layers.DepthwiseConv2D((3, 2), strides=(2, 1), activation="relu")], (_B, 9, 7, 3)
+        ),
+        "depthwise_conv2d_strided_same_no_bias": lambda r: sequential_case(
+            r, [keras.layers.DepthwiseConv2D(3, strides=2, padding="same", use_bias=False)], (_B, 8, 7, 4)
+        ),
+        "depthwise_conv2d_dilated_same_m3": lambda r: sequential_case(
+            r, [keras.layers.DepthwiseConv2D(2, dilation_rate=2, depth_multiplier=3, padding="same")], (_B, 7, 6, 2)
+        ),
+        "depthwise_conv2d_strided_dilated": lambda r: sequential_case(
+            r, [keras.layers.DepthwiseConv2D(2, strides=2, dilation_rate=2, padding="same")], (_B, 9, 9, 2)
+        ),
+        "depthwise_conv2d_few_positions": lambda r: sequential_case(
+            r, [keras.layers.DepthwiseConv2D(3)], (_B, 3, 4, 5)
+        ),
+        "depthwise_conv2d_same_input_smaller_than_kernel": lambda r: sequential_case(
+            r, [keras.layers.DepthwiseConv2D(3, depth_multiplier=2, padding="same")], (_B, 2, 1, 3)
+        ),
+        "depthwise_conv2d_channels_first_fallback": lambda r: sequential_case(
+            r, [keras.layers.DepthwiseConv2D(2, data_format="channels_first")], (_B, 2, 5, 5)
+        ),
+        "depthwise_conv1d_same": lambda r: sequential_case(
+            r, [keras.layers.DepthwiseConv1D(3, depth_multiplier=2, padding="same", activation="tanh")], (_B, 9, 3)
+        ),
+        "depthwise_conv1d_strided_dilated_no_bias": lambda r: sequential_case(
+            r, [keras.layers.DepthwiseConv1D(3, strides=2, dilation_rate=2, use_bias=False)], (_B, 13, 2)
+        ),
+        "separable_conv2d": lambda r: sequential_case(
+            r, [keras.layers.SeparableConv2D(3, 3, activation="relu")], (_B, 6, 6, 2)
+        ),
+        "separable_conv2d_strided_same_m2_no_bias": lambda r: sequential_case(
+            r,
+            [keras.layers.SeparableConv2D(4, 3, strides=2, depth_multiplier=2, padding="same", use_bias=False)],
+            (_B, 7, 8, 3),
+        ),
+        "separable_conv2d_dilated_gram": lambda r: sequential_case(
+            r, [keras.layers.SeparableConv2D(12, 2, dilation_rate=2, depth_multiplier=4)], (_B, 5, 5, 3)
+        ),
+        "conv2d_groups_strided_same": lambda r: sequential_case(
+            r, [keras.layers.Conv2D(6, 3, strides=2, groups=3, padding="same", activation="relu")], (_B, 7, 6, 6)
+        ),
+        "conv2d_groups_dilated_large_kernel_vjp": lambda r: sequential_case(
+            r, [keras.layers.Conv2D(8, 2, dilation_rate=2, groups=2, use_bias=False)], (_B, 3, 3, 4)
+        ),
+        "conv1d_groups_causal": lambda r: sequential_case(
+            r, [keras.layers.Conv1D(4, 3, groups=2, padding="causal")], (_B, 8, 4)
+        ),
+        "conv3d_groups_strided_same": lambda r: sequential_case(
+            r,
+            [keras.layers.Conv3D(4, 2, strides=(2, 1, 1), groups=2, padding="same", activation="relu")],
+            (_B, 4, 3, 3, 4),
+        ),
+        "conv3d_groups_dilated": lambda r: sequential_case(
+            r, [keras.layers.Conv3D(6, 2, dilation_rate=2, groups=3, use_bias=False)], (_B, 4, 4, 3, 3)
+        ),
+        "separable_conv1d_same": lambda r: sequential_case(
+            r, [keras.layers.SeparableConv1D(3, 4, padding="same", activation="tanh")], (_B, 10, 2)
+        ),
     },
     "embedding": {
-        "embedding_mask_zero_pooled": lambda r: sequential_case(r, [keras.layers.Embedding(12, 4, mask_zero=True), keras.layers.GlobalAveragePooling1D()], (_B, 6), dtype="int32"),
-        "embedding_long_sequence": lambda r: sequential_case(r, [keras.layers.Embedding(12, 3)], (_B, 8), dtype="int32"),
+        "embedding_mask_zero_pooled": lambda r: sequential_case(
+            r,
+            [keras.layers.Embedding(12, 4, mask_zero=True), keras.layers.GlobalAveragePooling1D()],
+            (_B, 6),
+            dtype="int32",
+        ),
+        "embedding_long_sequence": lambda r: sequential_case(
+            r, [keras.layers.Embedding(12, 3)], (_B, 8), dtype="int32"
+        ),
         # 24 ids out of 12: every example has repeated ids.
-        "embedding_repeated_ids": lambda r: sequential_case(r, [keras.layers.Embedding(12, 3)], (_B, 24), dtype="int32"),
-        "embedding_long_mask_zero_pooled": lambda r: sequential_case(r, [keras.layers.Embedding(12, 4, mask_zero=True), keras.layers.GlobalAveragePooling1D()], (_B, 20), dtype="int32"),
+        "embedding_repeated_ids": lambda r: sequential_case(
+            r, [keras.layers.Embedding(12, 3)], (_B, 24), dtype="int32"
+        ),
+        "embedding_long_mask_zero_pooled": lambda r: sequential_case(
+            r,
+            [keras.layers.Embedding(12, 4, mask_zero=True), keras.layers.GlobalAveragePooling1D()],
+            (_B, 20),
+            dtype="int32",
+        ),
     },
     "normalization": {
         "layer_norm": lambda r: sequential_case(r, [keras.layers.Dense(6), keras.layers.LayerNormalization()], (_B, 5)),
-        "layer_norm_sequence": lambda r: sequential_case(r, [keras.layers.Dense(6), keras.layers.LayerNormalization(epsilon=0.3)], (_B, 4, 5)),
-        "layer_norm_two_axes_rank4": lambda r: sequential_case(r, [keras.layers.LayerNormalization(axis=[1, 3])], (_B, 3, 2, 4)),
-        "layer_norm_middle_axis_no_center": lambda r: sequential_case(r, [keras.layers.LayerNormalization(axis=1, center=False)], (_B, 4, 3)),
-        "layer_norm_rms_scaling": lambda r: sequential_case(r, [keras.layers.Dense(6), keras.layers.LayerNormalization(rms_scaling=True)], (_B, 3, 5)),
+        "layer_norm_sequence": lambda r: sequential_case(
+            r, [keras.layers.Dense(6), keras.layers.LayerNormalization(epsilon=0.3)], (_B, 4, 5)
+        ),
+        "layer_norm_two_axes_rank4": lambda r: sequential_case(
+            r, [keras.layers.LayerNormalization(axis=[1, 3])], (_B, 3, 2, 4)
+        ),
+        "layer_norm_middle_axis_no_center": lambda r: sequential_case(
+            r, [keras.layers.LayerNormalization(axis=1, center=False)], (_B, 4, 3)
+        ),
+        "layer_norm_rms_scaling": lambda r: sequential_case(
+            r, [keras.layers.Dense(6), keras.layers.LayerNormalization(rms_scaling=True)], (_B, 3, 5)
+        ),
         "layer_norm_no_scale": lambda r: sequential_case(r, [keras.layers.LayerNormalization(scale=False)], (_B, 3, 5)),
-        "group_norm": lambda r: sequential_case(r, [keras.layers.Conv1D(4, 2), keras.layers.GroupNormalization(groups=2)], (_B, 6, 3)),
-        "group_norm_rank4_eps": lambda r: sequential_case(r, [keras.layers.Conv2D(6, 2), keras.layers.GroupNormalization(groups=3, epsilon=0.1)], (_B, 4, 5, 2)),
-        "group_norm_axis1_no_center": lambda r: sequential_case(r, [keras.layers.GroupNormalization(groups=2, axis=1, center=False)], (_B, 4, 3)),
-        "group_norm_one_group_no_scale": lambda r: sequential_case(r, [keras.layers.Dense(4), keras.layers.GroupNormalization(groups=1, scale=False)], (_B, 3, 4)),
-        "batch_norm_inference": lambda r: sequential_case(r, [keras.layers.Dense(6), keras.layers.BatchNormalization()], (_B, 5)),
-        "batch_norm_inference_conv_stats": lambda r: _with_random_statistics(r, sequential_case(r, [keras.layers.Conv2D(3, 2), keras.layers.BatchNormalization(epsilon=0.1)], (_B, 5, 4, 2))),
-        "batch_norm_inference_axis1_no_center": lambda r: _with_random_statistics(r, sequential_case(r, [keras.layers.BatchNormalization(axis=1, center=False)], (_B, 3, 4))),
-        "batch_norm_inference_no_scale": lambda r: _with_random_statistics(r, sequential_case(r, [keras.layers.BatchNormalization(scale=False)], (_B, 3, 4))),
+        "group_norm": lambda r: sequential_case(
+            r, [keras.layers.Conv1D(4, 2), keras.layers.GroupNormalization(groups=2)], (_B, 6, 3)
+        ),
+        "group_norm_rank4_eps": lambda r: sequential_case(
+            r, [keras.layers.Conv2D(6, 2), keras.layers.GroupNormalization(groups=3, epsilon=0.1)], (_B, 4, 5, 2)
+        ),
+        "group_norm_axis1_no_center": lambda r: sequential_case(
+            r, [keras.layers.GroupNormalization(groups=2, axis=1, center=False)], (_B, 4, 3)
+        ),
+        "group_norm_one_group_no_scale": lambda r: sequential_case(
+            r, [keras.layers.Dense(4), keras.layers.GroupNormalization(groups=1, scale=False)], (_B, 3, 4)
+        ),
+        "batch_norm_inference": lambda r: sequential_case(
+            r, [keras.layers.Dense(6), keras.layers.BatchNormalization()], (_B, 5)
+        ),
+        "batch_norm_inference_conv_stats": lambda r: _with_random_statistics(
+            r,
+            sequential_case(
+                r, [keras.layers.Conv2D(3, 2), keras.layers.BatchNormalization(epsilon=0.1)], (_B, 5, 4, 2)
+            ),
+        ),
+        "batch_norm_inference_axis1_no_center": lambda r: _with_random_statistics(
+            r, sequential_case(r, [keras.layers.BatchNormalization(axis=1, center=False)], (_B, 3, 4))
+        ),
+        "batch_norm_inference_no_scale": lambda r: _with_random_statistics(
+            r, sequential_case(r, [keras.layers.BatchNormalization(scale=False)], (_B, 3, 4))
+        ),
     },
     "scale": {  # keras.applications.convnext.LayerScale
         "layer_scale_sequence": lambda r: _layer_scale_case(r, (_B, 3, 5)),
@@ -468,21 +605,29 @@ RULE_FAMILIES = {
         "lstm_fallback": lambda r: sequential_case(r, [keras.layers.LSTM(4, return_sequences=True)], (_B, 5, 3)),
         "custom_layer_fallback": lambda r: sequential_case(r, [Scale()], (_B, 5)),
         "embedding_lora_fallback": lambda r: _lora_case(r, keras.layers.Embedding(12, 3), (_B, 5), dtype="int32"),
-        "einsum_dense_lora_contracted_last_axis_fallback": lambda r: _lora_case(r, keras.layers.EinsumDense("abc,dc->abd", (3, 4)), (_B, 3, 4)),
+        "einsum_dense_lora_contracted_last_axis_fallback": lambda r: _lora_case(
+            r, keras.layers.EinsumDense("abc,dc->abd", (3, 4)), (_B, 3, 4)
+        ),
     },
     "lora": {  # LoRA-enabled Dense and EinsumDense (rules/lora.py)
         "dense_lora": lambda r: _lora_case(r, keras.layers.Dense(5, activation="tanh"), (_B, 6)),
         "dense_lora_sequence_alpha": lambda r: _lora_case(r, keras.layers.Dense(7), (_B, 3, 6), rank=3, lora_alpha=5),
         "dense_lora_frozen_bias": _frozen_bias_lora,
-        "einsum_dense_lora_bias_axes": lambda r: _lora_case(r, keras.layers.EinsumDense("abc,cde->abde", (3, 2, 4), bias_axes="de"), (_B, 3, 5)),
-        "einsum_dense_lora_ellipsis": lambda r: _lora_case(r, keras.layers.EinsumDense("...b,bc->...c", 4, bias_axes="c"), (_B, 2, 5)),
+        "einsum_dense_lora_bias_axes": lambda r: _lora_case(
+            r, keras.layers.EinsumDense("abc,cde->abde", (3, 2, 4), bias_axes="de"), (_B, 3, 5)
+        ),
+        "einsum_dense_lora_ellipsis": lambda r: _lora_case(
+            r, keras.layers.EinsumDense("...b,bc->...c", 4, bias_axes="c"), (_B, 2, 5)
+        ),
         "multi_head_attention_lora": _mha_lora,
     },
     "reversible_embedding": {  # keras(_hub) ReversibleEmbedding: lookup and tied projection (rules/reversible_embedding.py)
         "reversible_tied": lambda r: _reversible_lm(r),
         "reversible_untied": lambda r: _reversible_lm(r, tie_weights=False),
         "reversible_two_lookups": lambda r: _reversible_lm(r, two_lookups=True),
-        "reversible_pooled_soft_cap": lambda r: _reversible_lm(r, pooled=True, logit_soft_cap=2.0, reverse_dtype="float32"),
+        "reversible_pooled_soft_cap": lambda r: _reversible_lm(
+            r, pooled=True, logit_soft_cap=2.0, reverse_dtype="float32"
+        ),
         "reversible_float64": lambda r: _reversible_lm(r, dtype="float64"),
     },
 }

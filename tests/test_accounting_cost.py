@@ -222,8 +222,9 @@ def test_the_estimate_is_above_the_memory_dp_accounting_takes_but_not_far(sigma,
         PLDAccountant().compose(accounting._composed_event(segments)).get_epsilon(1e-5)
         print(json.dumps([cost.bytes, kib("VmHWM") - resident]))  # the peak's rise
     """
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=CHILD_SECONDS)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=CHILD_SECONDS
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     estimated, used = json.loads(done.stdout.strip().splitlines()[-1])
     assert used <= estimated <= 3 * used + 2**24  # 16 MiB: the resolution of a small run's peak

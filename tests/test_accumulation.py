@@ -53,7 +53,9 @@ def test_dp_noise_is_added_once_per_logical_batch():
     """k micro-batches of pure noise: the logical step's noise std is sigma*C, not sqrt(k) times it."""
     model = keras.Sequential([keras.Input((100,)), keras.layers.Dense(100)])
     x, y = rng.normal(size=(8, 100)).astype("float32"), rng.integers(0, 100, 8)
-    acc = peg.GradientAccumulator(model, sparse_ce, l2_norm_clip=1.0, noise_multiplier=2.0, seed=3, expected_batch_size=1.0)
+    acc = peg.GradientAccumulator(
+        model, sparse_ce, l2_norm_clip=1.0, noise_multiplier=2.0, seed=3, expected_batch_size=1.0
+    )
     opt = keras.optimizers.SGD(1.0)
     for i in range(4):  # four micro-batches with zero data contribution
         acc.accumulate(x[2 * i : 2 * i + 2], y[2 * i : 2 * i + 2], sample_weight=np.zeros(2, "float32"))

@@ -16,9 +16,9 @@ import scipy.stats
 import tensorflow as tf
 
 import per_example_grads as peg
+from figure_checks import assert_report_ready
 from per_example_grads.dp import audit
 from per_example_grads.dp.aggregator import ClippedSum, DPAggregator
-from figure_checks import assert_report_ready
 from tolerances import ACCOUNTING_COMPOSED_RTOL, Z, rounding_rtol
 
 DELTA = 1e-5
@@ -34,7 +34,9 @@ SPECIAL_RTOL = 1e-9
 
 def _exact_tail(r: int, v: int, a: int, b: int) -> Fraction:
     """``P[Binomial(r, a / (a + b)) >= v]``, exactly."""
-    return sum((Fraction(math.comb(r, k) * a**k * b ** (r - k), (a + b) ** r) for k in range(max(v, 0), r + 1)), Fraction(0))
+    return sum(
+        (Fraction(math.comb(r, k) * a**k * b ** (r - k), (a + b) ** r) for k in range(max(v, 0), r + 1)), Fraction(0)
+    )
 
 
 def _exact_one_run_p_value(m: int, r: int, v: int, a: int, b: int, delta: Fraction) -> Fraction:
@@ -67,7 +69,9 @@ def test_epsilon_one_run_of_perfect_guesses_without_delta_is_the_closed_form(r, 
     """``v = r``, ``delta = 0``: the p-value is ``p^r``, so the bound is ``logit(significance^(1/r))``."""
     p = significance ** (1 / r)
     want = math.log(p / (1 - p))
-    assert audit.epsilon_one_run(10 * r, r, r, delta=0.0, significance=significance) == pytest.approx(want, rel=SPECIAL_RTOL)
+    assert audit.epsilon_one_run(10 * r, r, r, delta=0.0, significance=significance) == pytest.approx(
+        want, rel=SPECIAL_RTOL
+    )
 
 
 @pytest.mark.parametrize("m, r, v", [(1000, 200, 160), (1000, 1000, 990), (5000, 2000, 1300)])
@@ -110,7 +114,9 @@ def test_clopper_pearson_ends_have_exactly_half_the_significance_in_their_tails(
     else:
         assert high == 1.0
     if k > 0:
-        assert float(1 - _exact_cdf(n, k - 1, low)) == pytest.approx(0.05, rel=SPECIAL_RTOL)  # P[B >= k] at the lower end
+        assert float(1 - _exact_cdf(n, k - 1, low)) == pytest.approx(
+            0.05, rel=SPECIAL_RTOL
+        )  # P[B >= k] at the lower end
     else:
         assert low == 0.0
     if k == 0:
@@ -134,7 +140,9 @@ def test_epsilon_for_mu_is_the_gaussian_mechanisms_and_the_accountants(mu):
     assert audit.gaussian_dp_delta(mu, 0.0) == pytest.approx(2 * scipy.stats.norm.cdf(mu / 2) - 1, rel=SPECIAL_RTOL)
 
 
-@pytest.mark.parametrize("fp, fn, n_out, n_in", [(232, 209, 1033, 967), (3, 40, 500, 500), (0, 0, 1000, 1000), (500, 20, 500, 500)])
+@pytest.mark.parametrize(
+    "fp, fn, n_out, n_in", [(232, 209, 1033, 967), (3, 40, 500, 500), (0, 0, 1000, 1000), (500, 20, 500, 500)]
+)
 def test_gaussian_dp_and_clopper_pearson_bounds_equal_the_hand_computation(fp, fn, n_out, n_in):
     """Nasr et al.: Clopper-Pearson upper bounds at significance / 2 each, mu = Phi^-1(1 - FPR_hi) - Phi^-1(FNR_hi)."""
     upper = lambda k, n: 1.0 if k == n else scipy.stats.beta.ppf(1 - 0.025, k + 1, n - k)  # noqa: E731
@@ -185,7 +193,13 @@ def test_threshold_test_counts_a_given_threshold_on_all_canaries_and_a_chosen_on
     auditor = audit.CanaryScoreAuditor(ins, outs)
     given = auditor.threshold_test(delta=DELTA, threshold=0.75)
     fp, fn = int((outs >= 0.75).sum()), int((ins < 0.75).sum())
-    assert (given.false_positives, given.false_negatives, given.num_out, given.num_in, given.selected_on) == (fp, fn, 700, 700, 0)
+    assert (given.false_positives, given.false_negatives, given.num_out, given.num_in, given.selected_on) == (
+        fp,
+        fn,
+        700,
+        700,
+        0,
+    )
     assert given.mu == audit.mu_gaussian_dp(fp, fn, num_out=700, num_in=700)
     assert given.epsilon == audit.epsilon_for_mu(given.mu, DELTA)
     chosen = auditor.threshold_test(delta=DELTA, seed=3)
@@ -228,14 +242,18 @@ def test_canaries_add_c_times_their_direction_before_the_noise_and_nothing_else(
     canaries.detach()
     assert audited.canaries is None
     # detached, the releases are the plain ones again, to the bit
-    np.testing.assert_array_equal(audited.release(clipped, divisor)[0].numpy(), plain.release(clipped, divisor)[0].numpy())
+    np.testing.assert_array_equal(
+        audited.release(clipped, divisor)[0].numpy(), plain.release(clipped, divisor)[0].numpy()
+    )
 
 
 def test_scores_without_noise_are_the_fraction_of_turns_joined_and_follow_the_cycle():
     """sigma = 0, cycle 2 (BandMF with two bands), q = 0.5: a canary's turns are the steps of its part."""
     m, steps = 40, 10
     w = tf.Variable(tf.zeros([64]))
-    aggregator = DPAggregator(l2_norm_clip=1.0, noise_multiplier=0.0, seed=0, mechanism=peg.dp.BandMF(bands=2, num_steps=steps))
+    aggregator = DPAggregator(
+        l2_norm_clip=1.0, noise_multiplier=0.0, seed=0, mechanism=peg.dp.BandMF(bands=2, num_steps=steps)
+    )
     aggregator.attach([w])
     canaries = audit.GradientCanaries(m, seed=9).attach(aggregator, [w])
     data = ClippedSum([tf.constant(np.linspace(-3, 3, 64), tf.float32)], tf.zeros([0]), tf.zeros([0]))
@@ -280,8 +298,14 @@ def test_canaries_refuse_what_they_cannot_audit():
         audit.GradientCanaries(5).attach(aggregator, [w])
     canaries.detach()
     with pytest.raises(TypeError, match="must be a peg.keras.DPModel"):
-        audit.audit(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]), np.zeros((4, 2)), np.zeros(4),
-                    canaries=canaries, sampling_probability=1.0, delta=DELTA)
+        audit.audit(
+            keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]),
+            np.zeros((4, 2)),
+            np.zeros(4),
+            canaries=canaries,
+            sampling_probability=1.0,
+            delta=DELTA,
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -345,7 +369,9 @@ def _audits(name: str, runs: int, *, actual_sigma_factor: float = 1.0):
     claim = _claim(mechanism, sigma, q, STEPS)
     reachable = _sum_score_mu(mechanism, sigma, STEPS) if gdp_valid else None
     w = tf.Variable(tf.zeros([M]))
-    aggregator = DPAggregator(l2_norm_clip=1.0, noise_multiplier=sigma * actual_sigma_factor, seed=123, mechanism=mechanism)
+    aggregator = DPAggregator(
+        l2_norm_clip=1.0, noise_multiplier=sigma * actual_sigma_factor, seed=123, mechanism=mechanism
+    )
     aggregator.attach([w])
     results = []
     for run in range(runs):
@@ -408,8 +434,17 @@ def test_white_box_dirac_canaries_at_q_1_reach_most_of_the_accountants_epsilon(t
     dp_model = _regression_dp_model(44, 48, 2.0)
     png = tmp_path / "audit.png"
     figures = []
-    report = audit.audit(dp_model, x, y, canaries=audit.GradientCanaries(2000, seed=3), sampling_probability=1.0,
-                         steps=10, delta=DELTA, png=png, title="a 44-48 linear map")
+    report = audit.audit(
+        dp_model,
+        x,
+        y,
+        canaries=audit.GradientCanaries(2000, seed=3),
+        sampling_probability=1.0,
+        steps=10,
+        delta=DELTA,
+        png=png,
+        title="a 44-48 linear map",
+    )
     assert report.steps == 10 and report.num_canaries == 2000
     claim = report.epsilon_accountant
     assert claim == pytest.approx(audit.epsilon_for_mu(math.sqrt(10) / 2.0, DELTA), rel=1e-6)
@@ -418,9 +453,12 @@ def test_white_box_dirac_canaries_at_q_1_reach_most_of_the_accountants_epsilon(t
     assert dp_model.aggregator.canaries is None  # detached after the run
     assert png.stat().st_size > 10_000
     figures.append(report.figure())
-    assert_report_ready(figures[0], title_has=["Privacy audit of a 44-48 linear map", "2000 gradient canaries",
-                                                f"ε (accountant) = {claim:.2f}"],
-                        legend_has=["included", "left out", "Gaussian DP", "one-run"], panels=2)
+    assert_report_ready(
+        figures[0],
+        title_has=["Privacy audit of a 44-48 linear map", "2000 gradient canaries", f"ε (accountant) = {claim:.2f}"],
+        legend_has=["included", "left out", "Gaussian DP", "one-run"],
+        panels=2,
+    )
     assert "accountant (the claim)" in report.summary() and "no violation" in report.summary()
 
 
@@ -431,8 +469,9 @@ def test_noise_off_is_caught_through_fit_with_poisson_sampling_and_physical_chun
     x, y = rng.normal(size=(200, 44)).astype("float32"), rng.normal(size=(200, 48)).astype("float32")
     dp_model = _regression_dp_model(44, 48, 1.0, physical_batch_size=4)
     monkeypatch.setattr(dp_model.aggregator, "_gradient_noise_multiplier", 0.0)  # the bug: the ledger still says 1
-    report = audit.audit(dp_model, x, y, canaries=audit.GradientCanaries(2000, seed=5), sampling_probability=0.05,
-                         steps=20, delta=DELTA)
+    report = audit.audit(
+        dp_model, x, y, canaries=audit.GradientCanaries(2000, seed=5), sampling_probability=0.05, steps=20, delta=DELTA
+    )
     assert report.epsilon_accountant == pytest.approx(_claim(None, 1.0, 0.05, 20), rel=ACCOUNTING_COMPOSED_RTOL)
     assert report.epsilon_accountant < 2.5
     assert report.epsilon_one_run > 3.0 and report.epsilon_one_run > 1.5 * report.epsilon_accountant
@@ -459,8 +498,11 @@ def test_input_canaries_catch_clipping_off_and_do_not_accuse_clipping_on(clippin
     x, y, canaries = _memorization_data(m, np.random.default_rng(2))
     if clipping == "off":  # the bug: per-example gradients summed unclipped, noise still sigma * C
         clipped_sums = aggregator_module.clipped_sums_and_predictions
-        monkeypatch.setattr(aggregator_module, "clipped_sums_and_predictions",
-                            lambda *a, **k: clipped_sums(*a, **{**k, "l2_norm_clip": 1e9}))
+        monkeypatch.setattr(
+            aggregator_module,
+            "clipped_sums_and_predictions",
+            lambda *a, **k: clipped_sums(*a, **{**k, "l2_norm_clip": 1e9}),
+        )
     dp_model = _regression_dp_model(8 + m, 1, 1.0, use_bias=False)
     report = audit.audit(dp_model, x, y, canaries=canaries, sampling_probability=0.05, steps=20, delta=DELTA)
     assert report.kind == "input" and dp_model.num_examples == 200 + m
@@ -501,4 +543,6 @@ def test_pegrad_audit_writes_its_figure_and_numbers(tmp_path, capsys):
     assert numbers["num_canaries"] == 500 and numbers["epsilon_one_run"] <= numbers["epsilon_accountant"]
     assert (out / "audit.png").stat().st_size > 10_000
     assert sorted(os.listdir(out)) == ["audit.json", "audit.png"]
-    assert cli.main(["audit", "--num-canaries", "5000", "--out", str(tmp_path / "x")]) == 2  # more than 4,810 parameters
+    assert (
+        cli.main(["audit", "--num-canaries", "5000", "--out", str(tmp_path / "x")]) == 2
+    )  # more than 4,810 parameters

@@ -60,7 +60,9 @@ def test_check_model_warns_once_with_every_fallback_layer():
 
 
 def test_a_model_with_closed_forms_only_lists_nothing():
-    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3), keras.layers.LayerNormalization(), keras.layers.Dense(2)])
+    model = keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(3), keras.layers.LayerNormalization(), keras.layers.Dense(2)]
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         report = peg.dp.check_model(model)

@@ -120,7 +120,10 @@ def test_a_user_rule_for_a_builtin_layer_is_not_overwritten():
         "print(type(rule_for(keras.layers.Dense(2))).__name__)\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -129,8 +132,20 @@ def test_a_user_rule_for_a_builtin_layer_is_not_overwritten():
 
 def test_a_command_that_loads_tensorflow_prints_none_of_its_startup_notices():
     proc, _ = run_pegrad(
-        "epsilon", "--num-examples", "1000", "--batch-size", "10", "--steps", "100",
-        "--noise-multiplier", "1", "--delta", "1e-5", "--accountant", "rdp", timeout=120,
+        "epsilon",
+        "--num-examples",
+        "1000",
+        "--batch-size",
+        "10",
+        "--steps",
+        "100",
+        "--noise-multiplier",
+        "1",
+        "--delta",
+        "1e-5",
+        "--accountant",
+        "rdp",
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr == ""
@@ -147,8 +162,21 @@ def test_main_restores_the_tensorflow_logger_level(capsys):
     saved = logger.level
     try:
         logger.setLevel(logging.INFO)
-        argv = ["epsilon", "--num-examples", "1000", "--batch-size", "10", "--steps", "10",
-                "--noise-multiplier", "1", "--delta", "1e-5", "--accountant", "rdp"]
+        argv = [
+            "epsilon",
+            "--num-examples",
+            "1000",
+            "--batch-size",
+            "10",
+            "--steps",
+            "10",
+            "--noise-multiplier",
+            "1",
+            "--delta",
+            "1e-5",
+            "--accountant",
+            "rdp",
+        ]
         assert cli.main(argv) == 0
         assert logger.level == logging.INFO
         with pytest.raises(SystemExit):

@@ -50,6 +50,7 @@ def listing(folder: Path) -> dict[str, bytes]:
 @pytest.fixture
 def no_tensorflow_start(monkeypatch):
     """Fails the test if the command gets as far as starting TensorFlow (and so training)."""
+
     def refuse(**kwargs):
         raise AssertionError("the command started TensorFlow before failing")
 
@@ -78,6 +79,7 @@ def read_only(tmp_path, monkeypatch) -> Path:
                 if inside(path):
                     raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
                 return real(path, *args, **kwargs)
+
             return call
 
         monkeypatch.setattr(os, "open", refusing(real_open))
@@ -90,11 +92,14 @@ def read_only(tmp_path, monkeypatch) -> Path:
 
 
 @pytest.mark.parametrize("command", ["demo", "diagnose"])
-@pytest.mark.parametrize("seed, message", [
-    ("-1", r"must be in \[0, 4294967295\]; got -1"),
-    ("4294967296", r"must be in \[0, 4294967295\]; got 4294967296"),
-    ("1.5", r"not a whole number: '1.5'"),
-])
+@pytest.mark.parametrize(
+    "seed, message",
+    [
+        ("-1", r"must be in \[0, 4294967295\]; got -1"),
+        ("4294967296", r"must be in \[0, 4294967295\]; got 4294967296"),
+        ("1.5", r"not a whole number: '1.5'"),
+    ],
+)
 def test_a_bad_seed_is_a_usage_error(capsys, no_tensorflow_start, command, seed, message):
     with pytest.raises(SystemExit) as info:
         cli.main([command, "--seed", seed])
@@ -195,10 +200,12 @@ def test_demo_on_a_full_disk_leaves_no_png(tmp_path, capsys, monkeypatch):
 
 def test_write_files_replaces_every_target_and_leaves_no_temporaries(tmp_path):
     (tmp_path / "a").write_text("old a")
-    written = tables.write_files({
-        tmp_path / "a": lambda p: p.write_text("new a"),
-        tmp_path / "sub" / "b": lambda p: p.write_text("new b"),
-    })
+    written = tables.write_files(
+        {
+            tmp_path / "a": lambda p: p.write_text("new a"),
+            tmp_path / "sub" / "b": lambda p: p.write_text("new b"),
+        }
+    )
     assert written == [tmp_path / "a", tmp_path / "sub" / "b"]
     assert listing(tmp_path) == {"a": b"new a", "sub/b": b"new b"}
     umask = os.umask(0)
@@ -222,12 +229,19 @@ def test_write_files_interrupted_or_failing_leaves_the_old_files(tmp_path, failu
 # --- pegrad epsilon ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("where, error, goal", [
-    ("noise_multiplier_for_epsilon", ValueError("no noise multiplier meets epsilon 1e+09\nmore detail"),
-     ["--target-epsilon", "1e9"]),
-    ("compute_epsilon", OverflowError("math range error"), ["--noise-multiplier", "1"]),
-    ("dp_sgd_schedule", ValueError("give epochs or steps, not both"), ["--noise-multiplier", "1"]),
-], ids=["hopeless", "overflow", "conflicting"])
+@pytest.mark.parametrize(
+    "where, error, goal",
+    [
+        (
+            "noise_multiplier_for_epsilon",
+            ValueError("no noise multiplier meets epsilon 1e+09\nmore detail"),
+            ["--target-epsilon", "1e9"],
+        ),
+        ("compute_epsilon", OverflowError("math range error"), ["--noise-multiplier", "1"]),
+        ("dp_sgd_schedule", ValueError("give epochs or steps, not both"), ["--noise-multiplier", "1"]),
+    ],
+    ids=["hopeless", "overflow", "conflicting"],
+)
 def test_what_the_accounting_refuses_is_one_line_and_status_2(capsys, monkeypatch, where, error, goal):
     def refuse(*args, **kwargs):
         raise error
@@ -246,8 +260,10 @@ def test_a_dp_demo_target_nothing_meets_is_one_line_and_status_2(tmp_path, capsy
     out = tmp_path / "out"
     assert cli.main(["demo", "--dp", "--fast", "--target-epsilon", "1e9", "--out", str(out)]) == 2
     line = error_line(capsys.readouterr().err, "demo")
-    assert line == ("pegrad demo: error: no noise multiplier for epsilon <= 1e+09 at delta = 1e-05: "
-                    "epsilon 1e+09 is beyond any noise multiplier")
+    assert line == (
+        "pegrad demo: error: no noise multiplier for epsilon <= 1e+09 at delta = 1e-05: "
+        "epsilon 1e+09 is beyond any noise multiplier"
+    )
     assert not out.exists()
 
 
@@ -278,7 +294,9 @@ def test_epsilon_names_the_accountant_that_answered(capsys):
 def test_an_unreachable_target_epsilon_is_one_line_and_status_2():
     proc = subprocess.run(
         [sys.executable, "-m", "per_example_grads.apps.cli", *EPSILON, "--epochs", "1", "--target-epsilon", "1e9"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     error_line(proc.stderr, "epsilon")

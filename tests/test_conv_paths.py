@@ -17,9 +17,8 @@ import pytest
 import tensorflow as tf
 
 from helpers import layerwise_clipped_against_loop, layerwise_per_example_against_loop
-from tolerances import rounding_rtol
-
 from per_example_grads.rules import conv, path_costs
+from tolerances import rounding_rtol
 
 
 def _random_config(rng):
@@ -40,7 +39,9 @@ def _random_config(rng):
 
 
 CONFIGS = [_random_config(np.random.default_rng(seed)) for seed in range(12)]
-IDS = [f"{s.rank}d-k{s.kernel_size}-s{s.strides}-d{s.dilation_rate}-{s.padding}-{shape[1:]}-{k}" for s, shape, k in CONFIGS]
+IDS = [
+    f"{s.rank}d-k{s.kernel_size}-s{s.strides}-d{s.dilation_rate}-{s.padding}-{shape[1:]}-{k}" for s, shape, k in CONFIGS
+]
 
 
 def _operands(spec, shape, c_out, seed=0):
@@ -53,7 +54,8 @@ def _operands(spec, shape, c_out, seed=0):
     kernel = tf.random.stateless_normal([*spec.kernel_size, shape[-1], c_out], [seed, 2])
     padded = conv._causal_pad(spec, a)
     forward = lambda x, w: tf.nn.convolution(  # noqa: E731
-        x, w, strides=list(spec.strides), padding=conv._padding(spec), dilations=list(spec.dilation_rate))
+        x, w, strides=list(spec.strides), padding=conv._padding(spec), dilations=list(spec.dilation_rate)
+    )
     g = tf.random.stateless_normal(forward(padded, kernel).shape, [seed, 3])
 
     def loop(x, dz):
@@ -86,7 +88,8 @@ def test_every_path_equals_the_loop(spec, shape, c_out):
     t = g_rows.shape[1]
     mag_norms = (mag.reshape(b, -1) ** 2).sum(axis=1)  # bounds every Gram term's and every square's magnitude
     kernels = {
-        builder: tf.matmul(conv.patches(spec, a, builder), g_rows, transpose_a=True) for builder in path_costs.PATCH_BUILDERS
+        builder: tf.matmul(conv.patches(spec, a, builder), g_rows, transpose_a=True)
+        for builder in path_costs.PATCH_BUILDERS
     }
     kernels["offsets"] = conv._shifted_norms(spec, tuple(shape[1:-1]), a, g)[1]
     for name, got in kernels.items():
@@ -102,8 +105,15 @@ def test_every_path_equals_the_loop(spec, shape, c_out):
     weights = np.array([0.5, -1.25, 2.0], np.float32)
     want_sum = np.tensordot(weights.astype(np.float64), loop, axes=1)
     mag_sum = np.tensordot(np.abs(weights).astype(np.float64), mag, axes=1)
-    _close(conv.weighted_kernel_sum(spec, tf.zeros(kernel_shape), a, g, tf.constant(weights)), want_sum, mag_sum, b * (t + 2))
-    _close(conv.kept_weighted_sum(kernels["offsets"], tf.constant(weights), kernel_shape), want_sum, mag_sum, b * (t + 2))
+    _close(
+        conv.weighted_kernel_sum(spec, tf.zeros(kernel_shape), a, g, tf.constant(weights)),
+        want_sum,
+        mag_sum,
+        b * (t + 2),
+    )
+    _close(
+        conv.kept_weighted_sum(kernels["offsets"], tf.constant(weights), kernel_shape), want_sum, mag_sum, b * (t + 2)
+    )
 
 
 @pytest.mark.parametrize("spec, shape, c_out", CONFIGS[:6], ids=IDS[:6])
@@ -117,7 +127,12 @@ def test_chosen_path_equals_the_loop(spec, shape, c_out):
         norms, kept = conv.kernel_squared_norms(spec, a, g, keep)
         _close(norms, want_norms, mag_norms, 2 * t * t + f * c_out + f + c_out + 2)
         if kept is not None:
-            _close(conv.kept_weighted_sum(kept, tf.ones([b]), loop.shape[1:]), loop.sum(axis=0), mag.sum(axis=0), b * (t + 2))
+            _close(
+                conv.kept_weighted_sum(kept, tf.ones([b]), loop.shape[1:]),
+                loop.sum(axis=0),
+                mag.sum(axis=0),
+                b * (t + 2),
+            )
     _close(tf.reshape(conv.per_example_kernels(spec, a, g), loop.shape), loop, mag, t + 1)
 
 
@@ -143,10 +158,18 @@ def test_chooser_takes_what_flop_counts_make_clear():
 def test_chooser_is_a_pure_function_of_shapes_and_rates():
     rng = np.random.default_rng(0)
     for _ in range(200):
-        s = _shape(b=int(rng.integers(1, 512)), out=tuple(int(x) for x in rng.integers(1, 40, 2)),
-                   kernel=tuple(int(x) for x in rng.integers(1, 8, 2)), strided=bool(rng.integers(2)),
-                   c_in=int(rng.integers(1, 257)), c_out=int(rng.integers(1, 257)))
-        rates = {f.name: getattr(path_costs.DEFAULT, f.name) * float(rng.uniform(0.2, 5)) for f in dataclasses.fields(path_costs.Machine)}
+        s = _shape(
+            b=int(rng.integers(1, 512)),
+            out=tuple(int(x) for x in rng.integers(1, 40, 2)),
+            kernel=tuple(int(x) for x in rng.integers(1, 8, 2)),
+            strided=bool(rng.integers(2)),
+            c_in=int(rng.integers(1, 257)),
+            c_out=int(rng.integers(1, 257)),
+        )
+        rates = {
+            f.name: getattr(path_costs.DEFAULT, f.name) * float(rng.uniform(0.2, 5))
+            for f in dataclasses.fields(path_costs.Machine)
+        }
         m = path_costs.Machine(**rates)
         for for_sum, may_keep in [(False, False), (True, False), (True, True)]:
             choice = path_costs.conv_norm_path(s, for_sum, may_keep, m)
@@ -166,15 +189,30 @@ def test_machine_rejects_bad_rates():
 def test_model_with_each_forced_path_matches_the_loop(builder, monkeypatch):
     """The reference CNN's shape (a 1-channel 8x8 strided 'same' conv, then a 4x4 strided one) through the engine, each path forced."""
     if builder is not None:
-        monkeypatch.setattr(path_costs, "materialized_cost", lambda s, m=None, builders=None: (
-            "offsets" if builder == "offsets" else f"patches:{builder}", 0.0))
-        monkeypatch.setattr(path_costs, "conv_norm_path", lambda s, for_sum, may_keep, m=None: path_costs.ConvChoice(
-            "offsets" if builder == "offsets" else f"patches:{builder}", may_keep, ()))
+        monkeypatch.setattr(
+            path_costs,
+            "materialized_cost",
+            lambda s, m=None, builders=None: ("offsets" if builder == "offsets" else f"patches:{builder}", 0.0),
+        )
+        monkeypatch.setattr(
+            path_costs,
+            "conv_norm_path",
+            lambda s, for_sum, may_keep, m=None: path_costs.ConvChoice(
+                "offsets" if builder == "offsets" else f"patches:{builder}", may_keep, ()
+            ),
+        )
     L = keras.layers
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((12, 12, 1)), L.Conv2D(4, 5, strides=2, padding="same", activation="relu"), L.MaxPooling2D(2, 1),
-        L.Conv2D(6, 3, strides=2, padding="valid", activation="relu"), L.Flatten(), L.Dense(3)])
+    model = keras.Sequential(
+        [
+            keras.Input((12, 12, 1)),
+            L.Conv2D(4, 5, strides=2, padding="same", activation="relu"),
+            L.MaxPooling2D(2, 1),
+            L.Conv2D(6, 3, strides=2, padding="valid", activation="relu"),
+            L.Flatten(),
+            L.Dense(3),
+        ]
+    )
     r = np.random.default_rng(0)
     x, y = r.normal(size=(3, 12, 12, 1)).astype("float32"), r.integers(0, 3, 3)
     layerwise_per_example_against_loop(model, x, y)

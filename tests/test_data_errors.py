@@ -99,7 +99,9 @@ def assert_raised_as_itself(err):
 @pytest.mark.parametrize("mode", MODES)
 def test_wrong_feature_size_is_raised_as_itself(mode, method):
     x, y = data()
-    with pytest.raises(ValueError, match=r"expected axis -1 of input shape to have value 6, but received input with shape \(.*, 5\)") as info:
+    with pytest.raises(
+        ValueError, match=r"expected axis -1 of input shape to have value 6, but received input with shape \(.*, 5\)"
+    ) as info:
         gradients(mode, mlp(), x[:, :5], y, method=method)
     assert not isinstance(info.value, peg.EngineError)
     if mode == "eager":
@@ -112,7 +114,9 @@ def test_missing_input_key_is_raised_as_itself(mode):
     a, b = keras.Input((3,), name="a"), keras.Input((2,), name="b")
     model = keras.Model({"a": a, "b": b}, keras.layers.Dense(3)(keras.layers.Concatenate()([Count()(a), b])))
     x, y = data()
-    with pytest.raises(ValueError, match=r'Missing data for input "b"\. You passed a data dictionary with keys \[\'a\'\]') as info:
+    with pytest.raises(
+        ValueError, match=r'Missing data for input "b"\. You passed a data dictionary with keys \[\'a\'\]'
+    ) as info:
         gradients(mode, model, {"a": x[:, :3]}, y)
     assert not isinstance(info.value, peg.EngineError)
     assert Count.calls == 0  # Keras checks the keys before it calls a layer
@@ -122,7 +126,10 @@ def test_missing_input_key_is_raised_as_itself(mode):
 def test_label_out_of_range_is_raised_as_itself(mode):
     x, y = data()
     y[2] = 7
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"Received a label value of 7 which is outside the valid range of \[0, 3\)") as info:
+    with pytest.raises(
+        tf.errors.InvalidArgumentError,
+        match=r"Received a label value of 7 which is outside the valid range of \[0, 3\)",
+    ) as info:
         gradients(mode, mlp(), x, y)
     if mode == "eager":
         assert_raised_as_itself(info.value)
@@ -155,12 +162,17 @@ def test_engine_failure_still_falls_back_after_one_plain_gradient(mode, monkeypa
     monkeypatch.setitem(rule_module.RULES, FailingDense, FailingRule(RuntimeError("this rule cannot build")))
     model = mlp(FailingDense(4))
     x, y = data()
-    with pytest.warns(peg.EngineFallbackWarning, match=r"used the 'vectorized' engine \(not 'layerwise' because it raised RuntimeError: this rule cannot build\)"):
+    with pytest.warns(
+        peg.EngineFallbackWarning,
+        match=r"used the 'vectorized' engine \(not 'layerwise' because it raised RuntimeError: this rule cannot build\)",
+    ):
         grads = gradients(mode, model, x, y)
     # Layer-wise, the plain call, then vectorized: its pfor check's trace and tf.vectorized_map's.
     assert Count.calls == 4, Count.calls
     assert_grads_close(grads, reference_gradients(model, sparse_ce, x, y))
-    with pytest.raises(peg.EngineError, match=r"method='layerwise' could not handle this model: RuntimeError: this rule cannot build\."):
+    with pytest.raises(
+        peg.EngineError, match=r"method='layerwise' could not handle this model: RuntimeError: this rule cannot build\."
+    ):
         gradients(mode, model, x, y, method="layerwise")
 
 
@@ -239,9 +251,21 @@ def test_hub_backbone_sequence_longer_than_its_positions(gpt2, mode):
 @pytest.mark.parametrize(
     "arg, value, expected",
     [
-        ("x", tf.ragged.constant([[1.0] * 6, [2.0] * 6, [3.0] * 6, [4.0] * 5]), r"x is a tf\.RaggedTensor; per-example gradients need dense tensors of shape \[B, \.\.\.\], so pad it with \.to_tensor\(\)"),
-        ("x", tf.sparse.from_dense(np.ones((B, 6), "float32")), r"x is a tf\.SparseTensor; per-example gradients need dense tensors of shape \[B, \.\.\.\], so make it dense with tf\.sparse\.to_dense"),
-        ("x", {"a": np.ones((B, 3), "float32"), "b": tf.sparse.from_dense(np.ones((B, 3), "float32"))}, r"x\['b'\] is a tf\.SparseTensor"),
+        (
+            "x",
+            tf.ragged.constant([[1.0] * 6, [2.0] * 6, [3.0] * 6, [4.0] * 5]),
+            r"x is a tf\.RaggedTensor; per-example gradients need dense tensors of shape \[B, \.\.\.\], so pad it with \.to_tensor\(\)",
+        ),
+        (
+            "x",
+            tf.sparse.from_dense(np.ones((B, 6), "float32")),
+            r"x is a tf\.SparseTensor; per-example gradients need dense tensors of shape \[B, \.\.\.\], so make it dense with tf\.sparse\.to_dense",
+        ),
+        (
+            "x",
+            {"a": np.ones((B, 3), "float32"), "b": tf.sparse.from_dense(np.ones((B, 3), "float32"))},
+            r"x\['b'\] is a tf\.SparseTensor",
+        ),
         ("y", tf.ragged.constant([[0], [1], [2], [0, 1]]), r"y is a tf\.RaggedTensor"),
     ],
     ids=["ragged-x", "sparse-x", "sparse-in-dict", "ragged-y"],
@@ -257,4 +281,6 @@ def test_ragged_and_sparse_inputs_are_named(mode, arg, value, expected):
 def test_ragged_sample_weight_is_named():
     x, y = data()
     with pytest.raises(TypeError, match=r"sample_weight is a tf\.RaggedTensor"):
-        peg.per_example_gradients(mlp(), sparse_ce, x, y, sample_weight=tf.ragged.constant([[1.0], [1.0], [1.0], [1.0, 2.0]]))
+        peg.per_example_gradients(
+            mlp(), sparse_ce, x, y, sample_weight=tf.ragged.constant([[1.0], [1.0], [1.0], [1.0, 2.0]])
+        )

@@ -94,10 +94,19 @@ def test_demo_histogram_names_model_and_data_and_labels_its_axes(demo_run):
     assert_report_ready(
         fig,
         panels=1,
-        title_has=["Per-example gradient norms", "digits_mlp", "4,810 parameters", "1 training epoch)",
-                   f"on {len(norms)} UCI handwritten digits"],
-        legend_has=[f"N = {len(norms)} examples", f"median {np.median(norms):.3g}",
-                    f"95th percentile {np.percentile(norms, 95):.3g}", f"max {norms.max():.3g}"],
+        title_has=[
+            "Per-example gradient norms",
+            "digits_mlp",
+            "4,810 parameters",
+            "1 training epoch)",
+            f"on {len(norms)} UCI handwritten digits",
+        ],
+        legend_has=[
+            f"N = {len(norms)} examples",
+            f"median {np.median(norms):.3g}",
+            f"95th percentile {np.percentile(norms, 95):.3g}",
+            f"max {norms.max():.3g}",
+        ],
     )
     ax = fig.axes[0]
     assert ax.get_xscale() == "log" and "log scale" in ax.get_xlabel()
@@ -115,7 +124,7 @@ def test_demo_explains_its_columns_and_marks(demo_run):
     assert "index: row of per_example_grads.data.load_digits()" in out
     assert "marked * when it differs from the label (misclassified)" in out
     assert "ms/batch: milliseconds per call" in out and "vs batch grad: that time over the first row's" in out
-    assert "auto: what method=\"auto\" runs" in out
+    assert 'auto: what method="auto" runs' in out
     assert out.startswith("TensorFlow ")  # the device line, instead of TensorFlow's cuInit message
 
 
@@ -190,11 +199,7 @@ def test_demo_as_subprocess(tmp_path):
 
 
 def test_pegrad_console_script_points_at_main():
-    (entry,) = [
-        ep
-        for ep in importlib.metadata.entry_points(group="console_scripts")
-        if ep.name == "pegrad"
-    ]
+    (entry,) = [ep for ep in importlib.metadata.entry_points(group="console_scripts") if ep.name == "pegrad"]
     assert entry.value == "per_example_grads.apps.cli:main"
     assert entry.load() is cli.main
 

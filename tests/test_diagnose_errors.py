@@ -58,16 +58,33 @@ CASES = [
     ("model.keras", "empty.npz", [], r"data file .*empty\.npz holds no examples"),
     ("garbage.keras", "data.npz", [], r"model file .*garbage\.keras could not be loaded \(\w+: "),
     ("data_as_model.keras", "data.npz", [], r"model file .*data_as_model\.keras could not be loaded \(\w+: "),
-    ("no_loss.keras", "data.npz", [], r"model file .*no_loss\.keras was saved without a compiled loss; pass --loss NAME"),
+    (
+        "no_loss.keras",
+        "data.npz",
+        [],
+        r"model file .*no_loss\.keras was saved without a compiled loss; pass --loss NAME",
+    ),
     ("model.keras", "data.npz", ["--loss", "no_such_loss"], r"--loss 'no_such_loss' is not a Keras loss name"),
-    ("model.keras", "wrong_width.npz", [], r"x in data file .*wrong_width\.npz has examples of shape \(5,\); the model takes \(8,\)"),
+    (
+        "model.keras",
+        "wrong_width.npz",
+        [],
+        r"x in data file .*wrong_width\.npz has examples of shape \(5,\); the model takes \(8,\)",
+    ),
     ("model.keras", "data.npz", ["--out", "{d}/a_file"], r"--out .*a_file exists and is not a folder"),
-    ("model.keras", "data.npz", ["--out", "{d}/a_file/sub"], r"--out .*a_file/sub cannot be created: .*a_file is not a folder"),
+    (
+        "model.keras",
+        "data.npz",
+        ["--out", "{d}/a_file/sub"],
+        r"--out .*a_file/sub cannot be created: .*a_file is not a folder",
+    ),
 ]
 
 
 @pytest.mark.parametrize("model, data, extra, message", CASES, ids=[f"{m}-{d}-{'-'.join(e)}" for m, d, e, _ in CASES])
-def test_each_file_error_is_one_line_with_status_2_and_writes_nothing(files, tmp_path, capsys, model, data, extra, message):
+def test_each_file_error_is_one_line_with_status_2_and_writes_nothing(
+    files, tmp_path, capsys, model, data, extra, message
+):
     out = tmp_path / "report"
     argv = ["diagnose", str(files / model), str(files / data), "--out", str(out)]
     argv += [a.format(d=files) for a in extra]
@@ -90,7 +107,13 @@ def test_the_good_files_do_work(files, tmp_path):
     assert result["report"]["num_examples"] == 20
     assert result["report"]["per_example_norm_mean"] > 0
     # --loss given by name on a model saved without one.
-    result = run_diagnose(tmp_path / "ok2", files / "no_loss.keras", files / "data.npz", loss="sparse_categorical_crossentropy", verbose=False)
+    result = run_diagnose(
+        tmp_path / "ok2",
+        files / "no_loss.keras",
+        files / "data.npz",
+        loss="sparse_categorical_crossentropy",
+        verbose=False,
+    )
     assert result["report"]["num_examples"] == 20
 
 
@@ -109,11 +132,31 @@ def test_run_diagnose_raises_a_value_error_subclass(files, tmp_path):
         (["diagnose", "--top-k", "ten"], "argument --top-k: not a whole number: 'ten'"),
         (["demo", "--target-epsilon", "2"], "--target-epsilon needs --dp"),
         (["demo", "--dp", "--target-epsilon", "nan"], "argument --target-epsilon: must be finite; got nan"),
-        (["epsilon", "--num-examples", "10", "--batch-size", "20", "--steps", "5",
-          "--noise-multiplier", "1", "--delta", "1e-5"], r"--batch-size \(20\) must be <= --num-examples \(10\)"),
+        (
+            [
+                "epsilon",
+                "--num-examples",
+                "10",
+                "--batch-size",
+                "20",
+                "--steps",
+                "5",
+                "--noise-multiplier",
+                "1",
+                "--delta",
+                "1e-5",
+            ],
+            r"--batch-size \(20\) must be <= --num-examples \(10\)",
+        ),
     ],
-    ids=["diagnose-one-file", "diagnose-batch-size", "diagnose-top-k", "demo-epsilon-without-dp",
-         "demo-epsilon-nan", "epsilon-batch-too-big"],
+    ids=[
+        "diagnose-one-file",
+        "diagnose-batch-size",
+        "diagnose-top-k",
+        "demo-epsilon-without-dp",
+        "demo-epsilon-nan",
+        "epsilon-batch-too-big",
+    ],
 )
 def test_usage_errors_end_with_one_error_line_and_status_2(capsys, argv, message):
     with pytest.raises(SystemExit) as info:
@@ -130,9 +173,19 @@ def test_usage_errors_end_with_one_error_line_and_status_2(capsys, argv, message
 def test_a_missing_file_is_reported_before_tensorflow_loads(tmp_path):
     out = tmp_path / "report"
     proc = subprocess.run(
-        [sys.executable, "-m", "per_example_grads.apps.cli", "diagnose", str(tmp_path / "m.keras"),
-         str(tmp_path / "d.npz"), "--out", str(out)],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "per_example_grads.apps.cli",
+            "diagnose",
+            str(tmp_path / "m.keras"),
+            str(tmp_path / "d.npz"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 2
     assert proc.stdout == ""

@@ -15,8 +15,9 @@ import tensorflow as tf  # noqa: E402
 
 import per_example_grads as peg  # noqa: E402
 from figure_checks import assert_report_ready, recording  # noqa: E402
+from helpers import assert_close  # noqa: E402
 from per_example_grads import plots  # noqa: E402
-from per_example_grads.apps import cli, demo, zoo  # noqa: E402
+from per_example_grads.apps import cli, zoo  # noqa: E402
 from per_example_grads.data import train_test_split_digits  # noqa: E402
 from per_example_grads.diagnostics import (  # noqa: E402
     GradientStatistics,
@@ -26,7 +27,6 @@ from per_example_grads.diagnostics import (  # noqa: E402
     tracin_scores,
 )
 from per_example_grads.diagnostics.similarity import uses_closed_form  # noqa: E402
-from helpers import assert_close  # noqa: E402
 from tolerances import (  # noqa: E402
     EPS64,
     GRADIENT_RTOL,
@@ -39,6 +39,7 @@ from tolerances import (  # noqa: E402
     rounding_rtol,
     variance_atol,
 )
+
 SCCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
 
 
@@ -158,7 +159,10 @@ class TestLinearRegression:
             report.trace_covariance, flat.var(axis=0, ddof=1).sum(), rtol=f64, atol=variance_atol(flat, err).sum()
         )
         assert_close(
-            report.per_example_norms, np.linalg.norm(flat, axis=1), rtol=norm_rtol(self.D, 0.0), atol=np.linalg.norm(err, axis=1)
+            report.per_example_norms,
+            np.linalg.norm(flat, axis=1),
+            rtol=norm_rtol(self.D, 0.0),
+            atol=np.linalg.norm(err, axis=1),
         )
 
     def test_nonzero_mean_case_matches_analytic_and_numpy(self):
@@ -218,8 +222,11 @@ def small_classification(n: int = 60, seed: int = 0) -> tuple[np.ndarray, np.nda
 
 @pytest.mark.parametrize(
     "extra, method",
-    [(None, "auto"), (keras.layers.LayerNormalization, "auto"),
-     pytest.param(keras.layers.LayerNormalization, "vectorized", marks=pytest.mark.slow)],
+    [
+        (None, "auto"),
+        (keras.layers.LayerNormalization, "auto"),
+        pytest.param(keras.layers.LayerNormalization, "vectorized", marks=pytest.mark.slow),
+    ],
     ids=["dense-closed-form", "layer-local", "materialized"],
 )
 def test_streaming_matches_one_big_batch(extra, method):
@@ -263,8 +270,12 @@ def test_streaming_matches_one_big_batch(extra, method):
         assert [e["index"] for e in other.top_examples()] == [e["index"] for e in big.top_examples()]
     # And against materialized per-example gradients.
     assert_close(big.trace_covariance, flat.var(axis=0, ddof=1).sum(), rtol=0, atol=variance_atol(flat, err).sum())
-    assert_close(big.per_example_norms, np.linalg.norm(flat, axis=1), rtol=norm_rtol(flat.shape[1]),
-                               atol=err * np.sqrt(flat.shape[1]))
+    assert_close(
+        big.per_example_norms,
+        np.linalg.norm(flat, axis=1),
+        rtol=norm_rtol(flat.shape[1]),
+        atol=err * np.sqrt(flat.shape[1]),
+    )
 
 
 def test_report_dict_is_json_and_png_is_an_image(tmp_path):
@@ -273,8 +284,16 @@ def test_report_dict_is_json_and_png_is_an_image(tmp_path):
     report = gradient_statistics(model, SCCE, (x, y), batch_size=16, top_k=5, progress=False)
     d = report.to_dict()
     text = json.dumps(d, allow_nan=False)
-    for key in ("trace_covariance", "noise_scale", "mean_gradient_norm", "per_example_norm_quantiles",
-                "gsnr", "layers", "per_example_norm_histogram", "top_examples"):
+    for key in (
+        "trace_covariance",
+        "noise_scale",
+        "mean_gradient_norm",
+        "per_example_norm_quantiles",
+        "gsnr",
+        "layers",
+        "per_example_norm_histogram",
+        "top_examples",
+    ):
         assert key in d
     assert set(d["gsnr"]) == {v.path for v in model.trainable_variables}
     assert sum(d["per_example_norm_histogram"]["counts"]) == len(x)
@@ -284,8 +303,12 @@ def test_report_dict_is_json_and_png_is_an_image(tmp_path):
     path = report.save_png(tmp_path / "report.png", title="mlp on small_classification")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     fig = report.figure(title="mlp on small_classification")
-    assert_report_ready(fig, panels=4, title_has=["Gradient diagnostics", "mlp on small_classification"],
-                        legend_has=[f"from all {len(x)} examples: "])
+    assert_report_ready(
+        fig,
+        panels=4,
+        title_has=["Gradient diagnostics", "mlp on small_classification"],
+        legend_has=[f"from all {len(x)} examples: "],
+    )
     untitled = report.figure()
     assert f"{len(x)} examples" in untitled.get_suptitle()
     import matplotlib.image
@@ -324,15 +347,27 @@ def test_tracin_sums_learning_rate_weighted_dot_products(tmp_path):
     x_train, y_train, x_test, y_test = x[:24], y[:24], x[24:], y[24:]
     checkpoints = [model.get_weights()]
     keras.utils.set_random_seed(1)
-    checkpoints.append([w + 0.1 * np.random.default_rng(1).standard_normal(w.shape).astype(w.dtype) for w in checkpoints[0]])
+    checkpoints.append(
+        [w + 0.1 * np.random.default_rng(1).standard_normal(w.shape).astype(w.dtype) for w in checkpoints[0]]
+    )
     model.set_weights(checkpoints[1])
     path = str(tmp_path / "ckpt.weights.h5")
     model.save_weights(path)
     model.set_weights(checkpoints[0])
     lrs = [0.1, 0.05]
 
-    result = tracin_scores([checkpoints[0], path], model, SCCE, x_train, y_train, x_test, y_test,
-                           learning_rates=lrs, top_k=3, batch_size=10)
+    result = tracin_scores(
+        [checkpoints[0], path],
+        model,
+        SCCE,
+        x_train,
+        y_train,
+        x_test,
+        y_test,
+        learning_rates=lrs,
+        top_k=3,
+        batch_size=10,
+    )
     want, atol = np.zeros((24, 6)), np.zeros((24, 6))
     for weights, lr in zip(checkpoints, lrs):
         model.set_weights(weights)
@@ -359,9 +394,13 @@ def test_callback_writes_tensorboard_scalars_only_every_n_steps(tmp_path, monkey
     calls = []
     original = GradientStatistics.update
     monkeypatch.setattr(GradientStatistics, "update", lambda self, *a: calls.append(1) or original(self, *a))
-    callback = GradientStatisticsCallback((x[:40], y[:40]), every_n_steps=2, log_dir=str(tmp_path / "logs"),
-                                          batch_size=20, statistics=("noise_scale", "trace_covariance",
-                                                                      "mean_gradient_norm", "gsnr", "norm_histograms"))
+    callback = GradientStatisticsCallback(
+        (x[:40], y[:40]),
+        every_n_steps=2,
+        log_dir=str(tmp_path / "logs"),
+        batch_size=20,
+        statistics=("noise_scale", "trace_covariance", "mean_gradient_norm", "gsnr", "norm_histograms"),
+    )
     model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[callback])  # 6 steps
     assert callback.steps_computed == [2, 4, 6]
     assert len(calls) == 3 * 2  # 2 batches of 20 per computation, nothing on other steps
@@ -384,8 +423,9 @@ def test_cli_diagnose_fast_end_to_end(tmp_path, capsys, monkeypatch):
     out = tmp_path / "diag"
     figures, overviews = [], []
     monkeypatch.setattr(plots, "norms_histogram_figure", recording(figures, plots.norms_histogram_figure))
-    monkeypatch.setattr(peg.diagnostics.GradientReport, "figure",
-                        recording(overviews, peg.diagnostics.GradientReport.figure))
+    monkeypatch.setattr(
+        peg.diagnostics.GradientReport, "figure", recording(overviews, peg.diagnostics.GradientReport.figure)
+    )
     assert cli.main(["diagnose", "--fast", "--out", str(out), "--batch-size", "8"]) == 0
     printed = capsys.readouterr().out
     report = json.loads((out / "report.json").read_text())
@@ -407,7 +447,9 @@ def test_cli_diagnose_fast_end_to_end(tmp_path, capsys, monkeypatch):
     names = ["digits_mlp", "4,810 parameters", "sparse_categorical_crossentropy", "600 UCI digits"]
     (overview,) = overviews
     assert_report_ready(
-        overview, panels=4, title_has=["Gradient diagnostics", *names],
+        overview,
+        panels=4,
+        title_has=["Gradient diagnostics", *names],
         legend_has=[f"final {batched:.4g}", f"from all 600 examples: {full:.4g} (use this)", "median "],
     )
     var_ax, gsnr_ax, hist_ax, ns_ax = overview.axes
@@ -420,8 +462,12 @@ def test_cli_diagnose_fast_end_to_end(tmp_path, capsys, monkeypatch):
         labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
         assert labels and not any("times" in t or "^" in t for t in labels), labels
     (histogram,) = figures
-    assert_report_ready(histogram, panels=1, title_has=["Per-example gradient norms", *names],
-                        legend_has=["N = 600 examples", "median ", "95th percentile ", "max "])
+    assert_report_ready(
+        histogram,
+        panels=1,
+        title_has=["Per-example gradient norms", *names],
+        legend_has=["N = 600 examples", "median ", "95th percentile ", "max "],
+    )
     # The standalone histogram and the overview's panel show the same log-binned norms.
     assert histogram.axes[0].get_xscale() == "log"
     standalone = [t.get_text() for t in histogram.axes[0].get_legend().get_texts()]
@@ -447,8 +493,9 @@ def test_planted_mislabeled_digit_is_in_the_top_k():
     planted = 700
     y[planted] = (y[planted] + 5) % 10
     model = zoo.build_model("digits_mlp", seed=0)
-    model.compile(optimizer=keras.optimizers.Adam(1e-2),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     model.fit(x, y, epochs=5, batch_size=32, verbose=0)
     report = gradient_statistics(model, SCCE, (x, y), batch_size=256, top_k=10, cosine=None, progress=False)
     assert planted in [e["index"] for e in report.top_examples()]
@@ -462,7 +509,9 @@ def test_sample_weights_in_data_are_refused_not_dropped():
     import per_example_grads as peg
 
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-    ds = tf.data.Dataset.from_tensor_slices((np.ones((4, 3), "float32"), np.zeros(4, "int32"), np.ones(4, "float32"))).batch(2)
+    ds = tf.data.Dataset.from_tensor_slices(
+        (np.ones((4, 3), "float32"), np.zeros(4, "int32"), np.ones(4, "float32"))
+    ).batch(2)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
     with pytest.raises(ValueError, match="3 entries"):
         peg.diagnostics.gradient_statistics(model, loss, ds, progress=False)

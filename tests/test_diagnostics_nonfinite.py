@@ -22,7 +22,12 @@ from figure_checks import legend_text, title_text
 from helpers import assert_close
 from per_example_grads import plots
 from per_example_grads.apps import cli
-from per_example_grads.diagnostics import GradientReport, GradientStatistics, GradientStatisticsCallback, gradient_statistics
+from per_example_grads.diagnostics import (
+    GradientReport,
+    GradientStatistics,
+    GradientStatisticsCallback,
+    gradient_statistics,
+)
 from per_example_grads.diagnostics.streams import num_batches
 from tolerances import GRADIENT_RTOL, cosine_atol, gsnr_atol, mean_atol, norm_rtol, variance_atol
 
@@ -95,7 +100,9 @@ def test_a_nan_example_is_left_out_and_the_rest_are_the_data_without_it(extra, m
         warnings.simplefilter("always")
         report = gradient_statistics(model, SCCE, (x, y), batch_size=BATCH, method=method, progress=False)
     ours = [w for w in caught if issubclass(w.category, RuntimeWarning) and "gradient statistics" in str(w.message)]
-    assert len(ours) == 1 and str(ours[0].message).startswith("1 example(s) have a non-finite"), [str(w.message) for w in caught]
+    assert len(ours) == 1 and str(ours[0].message).startswith("1 example(s) have a non-finite"), [
+        str(w.message) for w in caught
+    ]
     assert report.num_nonfinite == 1
 
     kept = np.delete(np.arange(N), 13)
@@ -114,7 +121,9 @@ def test_the_report_says_how_many_were_left_out_and_never_writes_nan(tmp_path):
     d = report.to_dict()
     json.dumps(d, allow_nan=False)
     assert d["num_examples"] == N - 3 and d["num_nonfinite_examples"] == 3
-    assert sum(d["per_example_norm_histogram"]["counts"]) == N - 3 and d["per_example_norm_histogram"]["non_finite"] == 0
+    assert (
+        sum(d["per_example_norm_histogram"]["counts"]) == N - 3 and d["per_example_norm_histogram"]["non_finite"] == 0
+    )
     assert d["trace_covariance"] is not None and d["noise_scale_full_data"] is not None
     assert "3 non-finite examples left out" in report.summary()
     fig = report.figure(title="mlp")
@@ -165,8 +174,15 @@ def test_only_non_finite_examples_give_an_empty_report_not_a_crash(tmp_path):
 def test_histograms_leave_non_finite_norms_out_and_count_them():
     norms = np.array([1.0, np.nan, 2.0, np.inf, 0.0, 3.0])
     report = GradientReport(
-        num_examples=6, variable_paths=["w"], mean=[np.zeros(1)], variance=[np.ones(1)],
-        per_variable_norms=norms[None], cosines=None, batch_sizes=[6], batch_trace=[1.0], batch_g2=[1.0],
+        num_examples=6,
+        variable_paths=["w"],
+        mean=[np.zeros(1)],
+        variance=[np.ones(1)],
+        per_variable_norms=norms[None],
+        cosines=None,
+        batch_sizes=[6],
+        batch_trace=[1.0],
+        batch_g2=[1.0],
     )
     histogram = report.norm_histogram(bins=3)
     assert sum(histogram["counts"]) == 4 and histogram["non_finite"] == 2

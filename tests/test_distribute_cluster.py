@@ -14,9 +14,15 @@ import numpy as np
 import pytest
 
 import per_example_grads as peg
-from cluster import Cluster, free_ports, tf_config, wait_for_file
+from cluster import Cluster, free_ports, tf_config
 from cluster_jobs import CLIP, load, loss_fn, net
-from helpers import assert_clipped_sums_close, assert_grads_close, assert_norms_close, reference_gradients, reference_norms
+from helpers import (
+    assert_clipped_sums_close,
+    assert_grads_close,
+    assert_norms_close,
+    reference_gradients,
+    reference_norms,
+)
 from tolerances import ACCOUNTING_SAME_RTOL, EPS32, TRAJECTORY_LOSS_RTOL, clipped_sum_rtol, sgd_steps_atol
 
 # Worker processes on loopback, each starting TensorFlow: seconds per test.
@@ -55,20 +61,26 @@ def test_multi_worker_mirrored_equals_one_device(inputs):
     results = [load(out / f"mwms-{i}.pkl") for i in range(2)]
 
     ref = reference_gradients(model, loss_fn, x[:B], y[:B])
-    assert_grads_close([np.concatenate([results[0]["per_example"][k], results[1]["per_example"][k]]) for k in range(4)], ref)
+    assert_grads_close(
+        [np.concatenate([results[0]["per_example"][k], results[1]["per_example"][k]]) for k in range(4)], ref
+    )
     factors = np.minimum(1, CLIP / reference_norms(ref))
     for r in results:  # all-reduced: every worker holds the global sums
         assert_clipped_sums_close(r["clipped"], ref, factors)
         assert_clipped_sums_close(r["accumulated"], ref, factors, divisor=B)
         assert_norms_close(r["norms"], ref)
 
-    dp, history = _fit_one_device(model, x, y, l2_norm_clip=CLIP, noise_multiplier=0.0, num_examples=N, expected_batch_size=B)
+    dp, history = _fit_one_device(
+        model, x, y, l2_norm_clip=CLIP, noise_multiplier=0.0, num_examples=N, expected_batch_size=B
+    )
     # 3 N / B SGD(0.2) steps of clipped means of B examples over B.
     steps, p, update_scale = 3 * N // B, sum(int(np.prod(w.shape)) for w in model.get_weights()), B * CLIP / B
     for r in results:
         assert int(r["dp_steps"]) == int(dp.dp_steps.numpy()) == steps
         for got, want in zip(r["fitted"], model.get_weights()):
-            atol = sgd_steps_atol(steps, 0.2, clipped_sum_rtol(p, B), update_scale, np.abs(want) + steps * 0.2 * update_scale)
+            atol = sgd_steps_atol(
+                steps, 0.2, clipped_sum_rtol(p, B), update_scale, np.abs(want) + steps * 0.2 * update_scale
+            )
             np.testing.assert_allclose(got, want, rtol=0, atol=float(np.max(atol)))
         np.testing.assert_allclose(r["loss"], history.history["loss"], rtol=TRAJECTORY_LOSS_RTOL)
 
@@ -93,8 +105,13 @@ def test_parameter_server_applies_worker_gradients_and_counts_steps(inputs):
     ref = reference_gradients(model, loss_fn, x[:B], y[:B])
     before = model.get_weights()
     moved = [w - a for w, a in zip(before, r["after_one"])]
-    assert_clipped_sums_close(moved, ref, 0.2 * np.minimum(1, CLIP / reference_norms(ref)), divisor=B,
-                              extra_atol=[EPS32 * np.abs(w) for w in before])
+    assert_clipped_sums_close(
+        moved,
+        ref,
+        0.2 * np.minimum(1, CLIP / reference_norms(ref)),
+        divisor=B,
+        extra_atol=[EPS32 * np.abs(w) for w in before],
+    )
     # The noised steps moved the weights and kept them finite.
     assert all(np.isfinite(w).all() for w in r["final"])
     assert not np.allclose(r["final"][0], r["after_one"][0])

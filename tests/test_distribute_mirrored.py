@@ -115,6 +115,7 @@ def test_clipped_sums_all_reduced_equal_one_device():
         def replica(a, b):
             sums = peg.clipped_gradients(model, sparse_ce, a, b, l2_norm_clip=0.5)
             return tf.distribute.get_replica_context().all_reduce("SUM", sums)
+
         return strategy.run(replica, args=(a, b))
 
     total = _local(strategy, step(xb, yb))[0]
@@ -134,6 +135,7 @@ def _private_step(strategy, model, seed, noise_multiplier):
                 model, sparse_ce, a, b, l2_norm_clip=0.5, noise_multiplier=noise_multiplier, seed=seed
             )
             return tf.distribute.get_replica_context().all_reduce("SUM", share)
+
         return strategy.run(replica, args=(a, b))
 
     return step(xb, yb)
@@ -171,8 +173,12 @@ def test_accumulator_under_strategy_equals_one_device():
     x, y = _data()
     with strategy.scope():
         plain = peg.GradientAccumulator(model, sparse_ce)
-        private = peg.GradientAccumulator(model, sparse_ce, l2_norm_clip=0.5, noise_multiplier=0.0, expected_batch_size=B)
-    halves = [_distributed_batch(strategy, x[i : i + 8], y[i : i + 8]) for i in (0, 8)]  # 2 micro-batches, 4 rows per replica
+        private = peg.GradientAccumulator(
+            model, sparse_ce, l2_norm_clip=0.5, noise_multiplier=0.0, expected_batch_size=B
+        )
+    halves = [
+        _distributed_batch(strategy, x[i : i + 8], y[i : i + 8]) for i in (0, 8)
+    ]  # 2 micro-batches, 4 rows per replica
 
     @tf.function
     def add(a, b):
@@ -187,11 +193,14 @@ def test_accumulator_under_strategy_equals_one_device():
         def replica():
             ctx = tf.distribute.get_replica_context()
             return ctx.all_reduce("SUM", plain.result()), ctx.all_reduce("SUM", private.result())
+
         return strategy.run(replica)
 
     mean, clipped = _local(strategy, results())[0]
     ref = reference_gradients(single, sparse_ce, x, y)
-    assert_clipped_sums_close([m.numpy() for m in mean], ref, np.ones(B), divisor=B, rtol=weighted_sum_rtol(B, GRADIENT_RTOL))
+    assert_clipped_sums_close(
+        [m.numpy() for m in mean], ref, np.ones(B), divisor=B, rtol=weighted_sum_rtol(B, GRADIENT_RTOL)
+    )
     assert_clipped_sums_close([c.numpy() for c in clipped], ref, np.minimum(1, 0.5 / reference_norms(ref)), divisor=B)
 
     with pytest.raises(ValueError, match="inside strategy.run"):
@@ -213,6 +222,7 @@ def test_accumulator_apply_under_strategy_counts_one_step():
         def replica(a, b):
             acc.accumulate(a, b)
             acc.apply(opt)
+
         strategy.run(replica, args=(a, b))
 
     step(a, b)
@@ -220,8 +230,14 @@ def test_accumulator_apply_under_strategy_counts_one_step():
     # One step of 0.1 times the mean gradient: a weighted sum over B examples, and the step's rounding (EPS32 |w|).
     before = single.get_weights()
     moved = [w - g for w, g in zip(before, model.get_weights())]
-    assert_clipped_sums_close(moved, reference_gradients(single, sparse_ce, x, y), np.full(B, 0.1), divisor=B,
-                              rtol=weighted_sum_rtol(B, GRADIENT_RTOL), extra_atol=[EPS32 * np.abs(w) for w in before])
+    assert_clipped_sums_close(
+        moved,
+        reference_gradients(single, sparse_ce, x, y),
+        np.full(B, 0.1),
+        divisor=B,
+        rtol=weighted_sum_rtol(B, GRADIENT_RTOL),
+        extra_atol=[EPS32 * np.abs(w) for w in before],
+    )
 
 
 def _fit(model, x, y, **dp_args):
@@ -250,7 +266,9 @@ def test_dp_model_fit_without_noise_equals_one_device(divisor):
     assert int(dp.dp_steps.numpy()) == int(ref.dp_steps.numpy()) == 6  # counted once per step, not per replica
     np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=TRAJECTORY_LOSS_RTOL)
     # Fractions k / B of examples over C: equal counts (no norm lies within rounding of C here), one rounding each.
-    np.testing.assert_allclose(history.history["clipped_fraction"], ref_history.history["clipped_fraction"], rtol=rounding_rtol(1))
+    np.testing.assert_allclose(
+        history.history["clipped_fraction"], ref_history.history["clipped_fraction"], rtol=rounding_rtol(1)
+    )
 
 
 @pytest.mark.slow
@@ -290,10 +308,14 @@ def test_embedding_model_sparse_sums_under_strategy_equal_one_device():
     strategy = _strategy()
 
     def text_net():
-        return keras.Sequential([
-            keras.Input((5,), dtype="int32"), keras.layers.Embedding(50, 4),
-            keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(K),
-        ])
+        return keras.Sequential(
+            [
+                keras.Input((5,), dtype="int32"),
+                keras.layers.Embedding(50, 4),
+                keras.layers.GlobalAveragePooling1D(),
+                keras.layers.Dense(K),
+            ]
+        )
 
     with strategy.scope():
         model = text_net()
@@ -310,6 +332,7 @@ def test_embedding_model_sparse_sums_under_strategy_equal_one_device():
         def replica(a, b):
             acc.accumulate(a, b)
             return tf.distribute.get_replica_context().all_reduce("SUM", acc.result())
+
         return strategy.run(replica, args=(a, b))
 
     got = _local(strategy, accumulated(a, b))[0]
@@ -348,12 +371,15 @@ def test_correlated_noise_under_strategy_is_c_inverse_of_the_summed_draws():
             ctx = tf.distribute.get_replica_context()
             zero = ClippedSum([tf.zeros([size])], tf.zeros([0]), tf.zeros([0]))
             return [ctx.all_reduce("SUM", a.release(zero, 1.0)[0]) for a in aggregators]
+
         return strategy.run(replica)
 
     fresh, noise = map(np.stack, zip(*[[t.numpy() for t in _local(strategy, step())[0]] for _ in range(n)]))
     c = mechanism.coefficients
     toeplitz = sum(ck * np.eye(n, k=-k) for k, ck in enumerate(c))
     want = np.linalg.solve(toeplitz, fresh.astype(np.float64))
-    np.testing.assert_allclose(noise, want, rtol=0, atol=rounding_rtol(4 * n) * np.abs(np.linalg.inv(toeplitz)).sum() * np.abs(fresh).max())
+    np.testing.assert_allclose(
+        noise, want, rtol=0, atol=rounding_rtol(4 * n) * np.abs(np.linalg.inv(toeplitz)).sum() * np.abs(fresh).max()
+    )
     assert abs(fresh.std() - 1.0) < Z / np.sqrt(2 * fresh.size)  # sigma C once in total, not per replica
     assert int(aggregators[1].steps.numpy()) == n

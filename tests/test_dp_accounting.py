@@ -17,7 +17,6 @@ from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
 from per_example_grads.apps import cli
-from tolerances import ACCOUNTING_COMPOSED_RTOL, ACCOUNTING_SAME_RTOL, FLOAT64_CLOSED_FORM_RTOL, PRINTED_RTOL
 from per_example_grads.dp import (
     PrivacyAccountant,
     adaptive_clipping_noise_multiplier,
@@ -26,6 +25,7 @@ from per_example_grads.dp import (
 )
 from per_example_grads.dp.accounting import dp_sgd_schedule
 from per_example_grads.keras import EpsilonCallback
+from tolerances import ACCOUNTING_COMPOSED_RTOL, ACCOUNTING_SAME_RTOL, FLOAT64_CLOSED_FORM_RTOL, PRINTED_RTOL
 
 ADD_REMOVE = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
 
@@ -61,7 +61,9 @@ RDP_ONLY = [
 def test_compute_epsilon_equals_dp_accounting(kind, n, b, epochs, sigma, delta):
     steps = math.ceil(epochs * n / b)
     expected = direct_epsilon(kind, b / n, sigma, steps, delta)
-    assert compute_epsilon(n, b, epochs, sigma, delta, accountant=kind) == pytest.approx(expected, rel=ACCOUNTING_SAME_RTOL)
+    assert compute_epsilon(n, b, epochs, sigma, delta, accountant=kind) == pytest.approx(
+        expected, rel=ACCOUNTING_SAME_RTOL
+    )
     assert 0 < expected < math.inf
 
 
@@ -131,12 +133,14 @@ def test_accountant_composes_mixed_segments_like_dp_accounting():
             dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), count
         )
 
-    event = dp_accounting.ComposedDpEvent([
-        sampled(0.01, 1.5, 12),
-        sampled(0.01, 2.0, 5),
-        sampled(0.02, 1.5, 3),
-        dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(20.0), 3),
-    ])
+    event = dp_accounting.ComposedDpEvent(
+        [
+            sampled(0.01, 1.5, 12),
+            sampled(0.01, 2.0, 5),
+            sampled(0.02, 1.5, 3),
+            dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(20.0), 3),
+        ]
+    )
     expected = RdpAccountant(neighboring_relation=ADD_REMOVE).compose(event).get_epsilon(1e-5)
     assert acc.epsilon(1e-5) == pytest.approx(expected, rel=ACCOUNTING_COMPOSED_RTOL)
     assert "steps=20" in repr(acc) and "other_releases=3" in repr(acc)
@@ -241,22 +245,46 @@ BAD_INPUTS = [
     (lambda: compute_epsilon(1000, 10, 1, 1.0, 0.0), ValueError, r"delta must be in \(0, 1\)"),
     (lambda: compute_epsilon(1000, 10, 1, 1.0, 1.0), ValueError, r"delta must be in \(0, 1\)"),
     (lambda: compute_epsilon(0, 10, 1, 1.0, 1e-5), ValueError, "num_examples must be a positive integer; got 0"),
-    (lambda: compute_epsilon(1000.5, 10, 1, 1.0, 1e-5), TypeError, "num_examples must be a positive integer; got float 1000.5"),
+    (
+        lambda: compute_epsilon(1000.5, 10, 1, 1.0, 1e-5),
+        TypeError,
+        "num_examples must be a positive integer; got float 1000.5",
+    ),
     (lambda: compute_epsilon(1000, 0, 1, 1.0, 1e-5), ValueError, "batch_size must be > 0"),
     (lambda: compute_epsilon(1000, 2000, 1, 1.0, 1e-5), ValueError, r"batch_size \(2000\) must be <= num_examples"),
     (lambda: compute_epsilon(1000, 10, 0, 1.0, 1e-5), ValueError, "epochs must be > 0"),
     (lambda: compute_epsilon(1000, 10, None, 1.0, 1e-5), ValueError, "epochs is required unless steps"),
-    (lambda: compute_epsilon(1000, 10, None, 1.0, 1e-5, steps=-1), ValueError, "steps must be a non-negative integer; got -1"),
-    (lambda: compute_epsilon(1000, 10, 1, 1.0, 1e-5, sampling_probability=1.5), ValueError, r"sampling_probability must be in \(0, 1\]"),
-    (lambda: compute_epsilon(1000, 10, 1, 1.0, 1e-5, accountant="moments"), ValueError, "accountant must be one of 'pld', 'rdp'"),
-    (lambda: compute_epsilon(1000, 10, 1, 1.0, 1e-5, sampling="uniform"), ValueError, "sampling must be one of 'poisson', 'shuffle'"),
+    (
+        lambda: compute_epsilon(1000, 10, None, 1.0, 1e-5, steps=-1),
+        ValueError,
+        "steps must be a non-negative integer; got -1",
+    ),
+    (
+        lambda: compute_epsilon(1000, 10, 1, 1.0, 1e-5, sampling_probability=1.5),
+        ValueError,
+        r"sampling_probability must be in \(0, 1\]",
+    ),
+    (
+        lambda: compute_epsilon(1000, 10, 1, 1.0, 1e-5, accountant="moments"),
+        ValueError,
+        "accountant must be one of 'pld', 'rdp'",
+    ),
+    (
+        lambda: compute_epsilon(1000, 10, 1, 1.0, 1e-5, sampling="uniform"),
+        ValueError,
+        "sampling must be one of 'poisson', 'shuffle'",
+    ),
     (lambda: compute_epsilon(1000, 10, 1, float("nan"), 1e-5), ValueError, "noise_multiplier must be finite"),
     (lambda: compute_epsilon(1000, "10", 1, 1.0, 1e-5), TypeError, "batch_size must be a number"),
     (lambda: PrivacyAccountant(-1.0, 0.1), ValueError, "noise_multiplier must be >= 0"),
     (lambda: PrivacyAccountant(1.0, 0.0), ValueError, r"sampling_probability must be in \(0, 1\]"),
     (lambda: PrivacyAccountant(1.0, 1.5), ValueError, r"sampling_probability must be in \(0, 1\]"),
     (lambda: PrivacyAccountant(1.0, 0.1, accountant="gdp"), ValueError, "accountant must be one of"),
-    (lambda: PrivacyAccountant(1.0, 0.1, extra_noise_multipliers=[-2.0]), ValueError, r"extra_noise_multipliers\[0\] must be >= 0"),
+    (
+        lambda: PrivacyAccountant(1.0, 0.1, extra_noise_multipliers=[-2.0]),
+        ValueError,
+        r"extra_noise_multipliers\[0\] must be >= 0",
+    ),
     (lambda: PrivacyAccountant(1.0, 0.1).epsilon(2.0), ValueError, r"delta must be in \(0, 1\)"),
     (lambda: PrivacyAccountant(1.0, 0.1).step(-1), ValueError, "n must be a non-negative integer; got -1"),
     (lambda: PrivacyAccountant(1.0, 0.1).step(1, noise_multiplier=-1), ValueError, "noise_multiplier must be >= 0"),
@@ -316,9 +344,7 @@ def test_callback_with_steps_per_execution_counts_batches_not_calls():
 
 
 def test_callback_builds_accountant_and_can_leave_counting_to_the_model(capsys):
-    callback = EpsilonCallback(
-        "rdp", delta=1e-3, noise_multiplier=1.0, sampling_probability=1 / 3, verbose=1
-    )
+    callback = EpsilonCallback("rdp", delta=1e-3, noise_multiplier=1.0, sampling_probability=1 / 3, verbose=1)
     history = _tiny_fit(callback, epochs=1)
     assert callback.accountant.steps == 3
     assert "Epoch 1: epsilon = " in capsys.readouterr().out
@@ -354,8 +380,21 @@ def _number(pattern, text):
 
 
 def test_cli_prints_epsilon_q_and_steps(capsys):
-    argv = ["epsilon", "--num-examples", "60000", "--batch-size", "256", "--epochs", "60",
-            "--noise-multiplier", "1.1", "--delta", "1e-5", "--accountant", "rdp"]
+    argv = [
+        "epsilon",
+        "--num-examples",
+        "60000",
+        "--batch-size",
+        "256",
+        "--epochs",
+        "60",
+        "--noise-multiplier",
+        "1.1",
+        "--delta",
+        "1e-5",
+        "--accountant",
+        "rdp",
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     expected = compute_epsilon(60_000, 256, 60, 1.1, 1e-5, accountant="rdp")
@@ -365,8 +404,21 @@ def test_cli_prints_epsilon_q_and_steps(capsys):
 
 
 def test_cli_target_epsilon_prints_the_noise_needed(capsys):
-    argv = ["epsilon", "--num-examples", "10000", "--batch-size", "100", "--epochs", "2",
-            "--target-epsilon", "2", "--delta", "1e-6", "--accountant", "rdp"]
+    argv = [
+        "epsilon",
+        "--num-examples",
+        "10000",
+        "--batch-size",
+        "100",
+        "--epochs",
+        "2",
+        "--target-epsilon",
+        "2",
+        "--delta",
+        "1e-6",
+        "--accountant",
+        "rdp",
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     sigma = _number("noise multiplier", out)
@@ -376,8 +428,23 @@ def test_cli_target_epsilon_prints_the_noise_needed(capsys):
 
 
 def test_cli_shuffle_prints_the_warning(capsys):
-    argv = ["epsilon", "--num-examples", "1000", "--batch-size", "10", "--steps", "50",
-            "--noise-multiplier", "1", "--delta", "1e-5", "--sampling", "shuffle", "--accountant", "rdp"]
+    argv = [
+        "epsilon",
+        "--num-examples",
+        "1000",
+        "--batch-size",
+        "10",
+        "--steps",
+        "50",
+        "--noise-multiplier",
+        "1",
+        "--delta",
+        "1e-5",
+        "--sampling",
+        "shuffle",
+        "--accountant",
+        "rdp",
+    ]
     assert cli.main(argv) == 0
     assert "warning: sampling='shuffle'" in capsys.readouterr().err
 
@@ -390,7 +457,10 @@ def test_cli_shuffle_prints_the_warning(capsys):
         ([], "one of the arguments --noise-multiplier --target-epsilon is required"),
         (["--noise-multiplier", "1", "--target-epsilon", "1"], "not allowed with argument"),
         (["--noise-multiplier", "1", "--accountant", "moments"], "argument --accountant: invalid choice"),
-        (["--noise-multiplier", "1", "--batch-size", "5000"], r"--batch-size \(5000\) must be <= --num-examples \(1000\)"),
+        (
+            ["--noise-multiplier", "1", "--batch-size", "5000"],
+            r"--batch-size \(5000\) must be <= --num-examples \(1000\)",
+        ),
     ],
 )
 def test_cli_errors(capsys, extra, message):

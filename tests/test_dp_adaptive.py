@@ -8,6 +8,7 @@ import tensorflow as tf
 import per_example_grads as peg
 from per_example_grads.dp import adaptive
 
+
 def _digits(n_train=600, seed=0):
     from per_example_grads.data import load_digits
 
@@ -18,7 +19,9 @@ def _digits(n_train=600, seed=0):
 
 def test_adaptive_clipping_tracks_the_quantile():
     norms = tf.constant(np.linspace(0.1, 2.0, 20), tf.float32)  # median about 1.05
-    settings = adaptive.AdaptiveClipping(target_quantile=0.5, learning_rate=0.2, clipped_count_stddev=1e-3, initial_l2_norm_clip=5.0)
+    settings = adaptive.AdaptiveClipping(
+        target_quantile=0.5, learning_rate=0.2, clipped_count_stddev=1e-3, initial_l2_norm_clip=5.0
+    )
     clip = tf.constant(5.0)
     gen = tf.random.Generator.from_seed(0)
     for _ in range(200):

@@ -66,14 +66,25 @@ def test_dp_plot_names_model_data_and_privacy_parameters(dp_run):
     assert_report_ready(
         fig,
         panels=2,
-        title_has=["DP-SGD against non-private training", "digits_dp_mlp", "4,810 parameters",
-                   "UCI handwritten digits", "1,438 training, 359 test examples",
-                   "Test accuracy after each epoch", f"C = {r['l2_norm_clip']:g}"],
-        legend_has=[f"ε = {r['epsilon']:.2f}", f"δ = {r['delta']:g}", f"σ = {r['noise_multiplier']:.3f}",
-                    f"q = {r['sampling_probability']:.4f}", f"{r['steps']} steps",
-                    f"final test accuracy {r['private_accuracy']:.3f}",
-                    f"final test accuracy {r['nonprivate_accuracy']:.3f}",
-                    "Not covered by the (ε, δ) guarantee"],
+        title_has=[
+            "DP-SGD against non-private training",
+            "digits_dp_mlp",
+            "4,810 parameters",
+            "UCI handwritten digits",
+            "1,438 training, 359 test examples",
+            "Test accuracy after each epoch",
+            f"C = {r['l2_norm_clip']:g}",
+        ],
+        legend_has=[
+            f"ε = {r['epsilon']:.2f}",
+            f"δ = {r['delta']:g}",
+            f"σ = {r['noise_multiplier']:.3f}",
+            f"q = {r['sampling_probability']:.4f}",
+            f"{r['steps']} steps",
+            f"final test accuracy {r['private_accuracy']:.3f}",
+            f"final test accuracy {r['nonprivate_accuracy']:.3f}",
+            "Not covered by the (ε, δ) guarantee",
+        ],
     )
     acc_ax, clip_ax = fig.axes
     assert acc_ax.get_ylabel() == "test accuracy (fraction of 359 examples)"
@@ -128,9 +139,7 @@ def test_dp_demo_clipped_fraction_per_step(dp_run):
 def test_dp_demo_prints_the_comparison(dp_run):
     r = dp_run.result
     out = dp_run.stdout
-    assert re.search(
-        rf"^private \(DP-SGD\)\s+{r['private_accuracy']:.3f}\s+{r['epsilon']:.2f}\s", out, re.M
-    )
+    assert re.search(rf"^private \(DP-SGD\)\s+{r['private_accuracy']:.3f}\s+{r['epsilon']:.2f}\s", out, re.M)
     assert re.search(rf"^non-private\s+{r['nonprivate_accuracy']:.3f}\s+inf\s", out, re.M)
     for label, value in [
         ("noise multiplier sigma", f"{r['noise_multiplier']:.4f}"),
@@ -159,7 +168,7 @@ def test_cli_dp_passes_its_arguments(monkeypatch, tmp_path):
     assert calls == [((out,), {"target_epsilon": 2.5, "epochs": 7, "fast": False, "seed": 3})]
     calls.clear()
     assert cli.main(["demo", "--dp", "--fast"]) == 0
-    (_, kwargs), = calls
+    ((_, kwargs),) = calls
     assert kwargs["target_epsilon"] == dp_demo.DEFAULT_TARGET_EPSILON
     assert kwargs["fast"] is True and kwargs["epochs"] is None
 

@@ -6,7 +6,14 @@ import pytest
 import tensorflow as tf
 
 import per_example_grads as peg
-from helpers import assert_clipped_sums_close, assert_close, assert_norms_close, reference_gradients, reference_norms, sparse_ce
+from helpers import (
+    assert_clipped_sums_close,
+    assert_close,
+    assert_norms_close,
+    reference_gradients,
+    reference_norms,
+    sparse_ce,
+)
 from tolerances import (
     ACCOUNTING_COMPOSED_RTOL,
     ACCOUNTING_SAME_RTOL,
@@ -19,7 +26,9 @@ rng = np.random.default_rng(11)
 
 
 def _mlp(d_in=6, hidden=8, n_classes=3):
-    return keras.Sequential([keras.Input((d_in,)), keras.layers.Dense(hidden, activation="tanh"), keras.layers.Dense(n_classes)])
+    return keras.Sequential(
+        [keras.Input((d_in,)), keras.layers.Dense(hidden, activation="tanh"), keras.layers.Dense(n_classes)]
+    )
 
 
 def _hand_dp_step(model, x, y, clip, sample_weight=None):
@@ -40,8 +49,14 @@ def _digits(n_train=600, seed=0):
 def test_dp_model_learns_and_saves(tmp_path):
     x, y, xt, yt = _digits()
     net = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)])
-    dp = peg.keras.DPModel(net, l2_norm_clip=1.0, noise_multiplier=0.5, expected_batch_size=50, num_examples=len(x), seed=0)
-    dp.compile(optimizer=keras.optimizers.Adam(1e-2), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    dp = peg.keras.DPModel(
+        net, l2_norm_clip=1.0, noise_multiplier=0.5, expected_batch_size=50, num_examples=len(x), seed=0
+    )
+    dp.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     history = dp.fit(x, y, batch_size=50, epochs=4, verbose=0)
     assert int(dp.dp_steps.numpy()) == 4 * 12
     assert {"loss", "accuracy", "clipped_fraction"} <= set(history.history)
@@ -55,7 +70,9 @@ def test_dp_model_learns_and_saves(tmp_path):
     # sum, two bias additions), relative to the logits' magnitude.
     forward_rtol = rounding_rtol(64 + 32 + 2)
     want = net.predict(xt, verbose=0)
-    np.testing.assert_allclose(loaded.predict(xt, verbose=0), want, rtol=forward_rtol, atol=forward_rtol * np.abs(want).max())
+    np.testing.assert_allclose(
+        loaded.predict(xt, verbose=0), want, rtol=forward_rtol, atol=forward_rtol * np.abs(want).max()
+    )
     # DPModel weights (including the privacy step counter) round-trip.
     dp.save_weights(tmp_path / "dp.weights.h5")
     fresh = peg.keras.DPModel(keras.models.clone_model(net), l2_norm_clip=1.0, noise_multiplier=0.5, seed=1)
@@ -63,7 +80,9 @@ def test_dp_model_learns_and_saves(tmp_path):
     fresh.load_weights(tmp_path / "dp.weights.h5")
     assert int(fresh.dp_steps.numpy()) == 48
     want = dp.predict(xt, verbose=0)
-    np.testing.assert_allclose(fresh.predict(xt, verbose=0), want, rtol=forward_rtol, atol=forward_rtol * np.abs(want).max())
+    np.testing.assert_allclose(
+        fresh.predict(xt, verbose=0), want, rtol=forward_rtol, atol=forward_rtol * np.abs(want).max()
+    )
 
 
 @pytest.mark.slow
@@ -74,7 +93,9 @@ def test_dp_model_ledger_survives_a_restart_with_other_settings(tmp_path):
 
     def run(sigma, batch, weights=None):
         net = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
-        dp = peg.keras.DPModel(net, l2_norm_clip=1.0, noise_multiplier=sigma, expected_batch_size=batch, num_examples=200, seed=0)
+        dp = peg.keras.DPModel(
+            net, l2_norm_clip=1.0, noise_multiplier=sigma, expected_batch_size=batch, num_examples=200, seed=0
+        )
         dp.compile(optimizer="sgd", loss=loss)
         dp(x[:1])
         if weights:
@@ -105,8 +126,12 @@ def test_dp_model_physical_chunks_equal_one_big_batch():
     for physical in (None, 5):
         keras.utils.set_random_seed(3)
         net = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(10)])
-        dp = peg.keras.DPModel(net, l2_norm_clip=0.5, noise_multiplier=0.0, expected_batch_size=24.0, physical_batch_size=physical)
-        dp.compile(optimizer=keras.optimizers.SGD(1.0), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        dp = peg.keras.DPModel(
+            net, l2_norm_clip=0.5, noise_multiplier=0.0, expected_batch_size=24.0, physical_batch_size=physical
+        )
+        dp.compile(
+            optimizer=keras.optimizers.SGD(1.0), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
         before = [v.numpy().copy() for v in net.trainable_variables]
         ref, factors = _hand_dp_step(net, x, y, clip=0.5)
         dp.fit(x, y, batch_size=24, epochs=1, verbose=0, shuffle=False)
@@ -135,9 +160,15 @@ def test_physical_chunks_of_a_padded_batch_equal_the_loop(real, graph):
     y = np.random.default_rng(2).integers(0, 3, 10).astype("int32")
     weights = (np.arange(10) < real).astype("float32")
     aggregator = DPAggregator(l2_norm_clip=0.3, noise_multiplier=0.0, physical_batch_size=3)
-    clipped = lambda x, y, w: (lambda c: (c.sums, c.norms))(aggregator.clipped_sum(net, sparse_ce, x, y, sample_weight=w))  # noqa: E731
+    clipped = lambda x, y, w: (lambda c: (c.sums, c.norms))(
+        aggregator.clipped_sum(net, sparse_ce, x, y, sample_weight=w)
+    )  # noqa: E731
     sums, norms = (tf.function(clipped) if graph else clipped)(x, y, weights)
-    expected = reference_gradients(net, sparse_ce, x[:real], y[:real]) if real else [np.zeros((0, *v.shape)) for v in net.trainable_variables]
+    expected = (
+        reference_gradients(net, sparse_ce, x[:real], y[:real])
+        if real
+        else [np.zeros((0, *v.shape)) for v in net.trainable_variables]
+    )
     want_norms = reference_norms(expected) if real else np.zeros(0)
     np.testing.assert_array_equal(norms.numpy()[real:], 0.0)
     if real:
@@ -152,7 +183,9 @@ def test_physical_chunks_of_a_padded_batch_equal_the_loop(real, graph):
 def test_epsilon_callback_follows_dp_model_steps():
     x, y, _, _ = _digits(100)
     net = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
-    dp = peg.keras.DPModel(net, l2_norm_clip=1.0, noise_multiplier=1.2, expected_batch_size=25, num_examples=100, seed=0)
+    dp = peg.keras.DPModel(
+        net, l2_norm_clip=1.0, noise_multiplier=1.2, expected_batch_size=25, num_examples=100, seed=0
+    )
     dp.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     accountant = peg.dp.PrivacyAccountant(1.2, 0.25)
     callback = peg.keras.EpsilonCallback(accountant, delta=1e-3, count_steps=False)
@@ -165,13 +198,25 @@ def test_epsilon_callback_follows_dp_model_steps():
 def test_dp_model_with_embedding_takes_sparse_clipped_sums_in_and_out_of_chunks(physical):
     """Noiseless DPModel step on an embedding model, whole batch or in chunks: SGD(1) moves by the clipped mean."""
     keras.utils.set_random_seed(5)
-    net = keras.Sequential([keras.Input((20,), dtype="int32"), keras.layers.Embedding(12, 4),
-                            keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+    net = keras.Sequential(
+        [
+            keras.Input((20,), dtype="int32"),
+            keras.layers.Embedding(12, 4),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(3),
+        ]
+    )
     x, y = rng.integers(0, 12, (8, 20)).astype("int32"), rng.integers(0, 3, 8).astype("int32")
     expected = reference_gradients(net, sparse_ce, x, y)
     factors = 0.1 / np.maximum(reference_norms(expected), 0.1)
-    dp = peg.keras.DPModel(net, l2_norm_clip=0.1, noise_multiplier=0.0, expected_batch_size=8.0,
-                           physical_batch_size=physical, method="layerwise")
+    dp = peg.keras.DPModel(
+        net,
+        l2_norm_clip=0.1,
+        noise_multiplier=0.0,
+        expected_batch_size=8.0,
+        physical_batch_size=physical,
+        method="layerwise",
+    )
     dp.compile(optimizer=keras.optimizers.SGD(1.0), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     before = [v.numpy().copy() for v in net.trainable_variables]
     dp.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)

@@ -91,7 +91,9 @@ def test_release_of_the_sums_alone_equals_release_of_their_clipped_sum():
 
 
 def test_adaptive_clipping_refuses_a_release_without_the_norms():
-    aggregator = DPAggregator(noise_multiplier=1.0, expected_batch_size=4.0, seed=0, adaptive_clipping=peg.dp.AdaptiveClipping())
+    aggregator = DPAggregator(
+        noise_multiplier=1.0, expected_batch_size=4.0, seed=0, adaptive_clipping=peg.dp.AdaptiveClipping()
+    )
     with pytest.raises(ValueError, match="adaptive clipping .* needs the ClippedSum"):
         aggregator.release([tf.zeros([3])], 4.0)
     assert int(aggregator.steps.numpy()) == 0
@@ -102,7 +104,9 @@ def test_private_gradients_leaves_zero_weight_rows_out_exactly():
     # The rows of weight 0 are not computed (the step's gathering of real rows); the divisor stays B.
     net, (x, y) = _net(), _data()
     weights = (np.arange(len(x)) % 3 != 0).astype("float32")
-    got = peg.dp.private_gradients(net, sparse_ce, x, y, l2_norm_clip=CLIP, noise_multiplier=0.0, sample_weight=weights, seed=(0, 9))
+    got = peg.dp.private_gradients(
+        net, sparse_ce, x, y, l2_norm_clip=CLIP, noise_multiplier=0.0, sample_weight=weights, seed=(0, 9)
+    )
     sums, _ = _reference_clipped(net, x, y, weights)
     _assert_sums_close(got, [s / len(x) for s in sums], len(x))
 

@@ -7,6 +7,7 @@ import tensorflow as tf
 
 import per_example_grads as peg
 from helpers import assert_clipped_sums_close, reference_gradients, reference_norms, sparse_ce
+from per_example_grads.dp.private import private_gradients
 from tolerances import (
     ELEMENTWISE_RTOL,
     EPS64,
@@ -15,13 +16,14 @@ from tolerances import (
     norm_rtol,
     rounding_rtol,
 )
-from per_example_grads.dp.private import private_gradients
 
 rng = np.random.default_rng(11)
 
 
 def _mlp(d_in=6, hidden=8, n_classes=3):
-    return keras.Sequential([keras.Input((d_in,)), keras.layers.Dense(hidden, activation="tanh"), keras.layers.Dense(n_classes)])
+    return keras.Sequential(
+        [keras.Input((d_in,)), keras.layers.Dense(hidden, activation="tanh"), keras.layers.Dense(n_classes)]
+    )
 
 
 def _hand_dp_step(model, x, y, clip, sample_weight=None):
@@ -35,7 +37,9 @@ def test_noiseless_step_equals_hand_computation(method):
     model = _mlp()
     x, y = rng.normal(size=(6, 6)).astype("float32") * 5, rng.integers(0, 3, 6)
     ref, factors = _hand_dp_step(model, x, y, clip=0.3)
-    got = private_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, noise_multiplier=0.0, expected_batch_size=10.0, method=method)
+    got = private_gradients(
+        model, sparse_ce, x, y, l2_norm_clip=0.3, noise_multiplier=0.0, expected_batch_size=10.0, method=method
+    )
     assert_clipped_sums_close(got, ref, factors, divisor=10.0)
     # numpy's n * min(1, C / n): two float64 roundings.
     assert np.all(reference_norms(ref) * factors <= 0.3 * (1 + rounding_rtol(2, EPS64)))
@@ -107,7 +111,9 @@ def test_private_gradients_in_tf_function_apply():
 
     @tf.function(input_signature=[tf.TensorSpec([None, 6]), tf.TensorSpec([None], tf.int32)])
     def step(x, y):
-        grads = private_gradients(model, sparse_ce, x, y, l2_norm_clip=1.0, noise_multiplier=1.0, seed=gen, expected_batch_size=8.0)
+        grads = private_gradients(
+            model, sparse_ce, x, y, l2_norm_clip=1.0, noise_multiplier=1.0, seed=gen, expected_batch_size=8.0
+        )
         opt.apply_gradients(zip(grads, model.trainable_variables))
         return grads
 
@@ -125,7 +131,16 @@ def test_padded_rows_contribute_nothing():
     padded_y = np.concatenate([y, np.zeros(3, int)])
     mask = np.array([1, 1, 1, 1, 0, 0, 0], "float32")
     a = private_gradients(model, sparse_ce, x, y, l2_norm_clip=0.5, noise_multiplier=0.0, expected_batch_size=4.0)
-    b = private_gradients(model, sparse_ce, padded_x, padded_y, sample_weight=mask, l2_norm_clip=0.5, noise_multiplier=0.0, expected_batch_size=4.0)
+    b = private_gradients(
+        model,
+        sparse_ce,
+        padded_x,
+        padded_y,
+        sample_weight=mask,
+        l2_norm_clip=0.5,
+        noise_multiplier=0.0,
+        expected_batch_size=4.0,
+    )
     # The same four examples in a batch of 4 and of 7: per-example gradients from other kernels, clipped and summed.
     ref, factors = _hand_dp_step(model, x, y, clip=0.5)
     assert_clipped_sums_close(a, ref, factors, divisor=4.0)
@@ -153,4 +168,11 @@ def test_bad_dp_arguments(kwargs, match):
 def test_scalar_loss_is_rejected():
     model = _mlp()
     with pytest.raises(peg.InvalidLossError):
-        private_gradients(model, lambda y, p: tf.reduce_mean(sparse_ce(y, p)), np.ones((2, 6), "float32"), np.zeros(2, int), l2_norm_clip=1.0, noise_multiplier=1.0)
+        private_gradients(
+            model,
+            lambda y, p: tf.reduce_mean(sparse_ce(y, p)),
+            np.ones((2, 6), "float32"),
+            np.zeros(2, int),
+            l2_norm_clip=1.0,
+            noise_multiplier=1.0,
+        )

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from helpers import assert_close
 from per_example_grads.dp.sampling import (
     PhysicalChunk,
     default_max_batch_size,
@@ -16,8 +17,7 @@ from per_example_grads.dp.sampling import (
     poisson_batches,
     poisson_batches_from_dataset,
 )
-from helpers import assert_close
-from tolerances import Z, Z_EACH, rounding_rtol
+from tolerances import Z_EACH, Z, rounding_rtol
 
 
 def _ids_data(n):
@@ -81,7 +81,7 @@ def test_default_steps_is_one_epoch_in_expectation():
 
 def test_q_equal_one_takes_everything():
     x, y = _ids_data(9)
-    for xb, yb, mask in poisson_batches(x, y, sampling_probability=1.0, steps=3, seed=0):
+    for xb, _yb, mask in poisson_batches(x, y, sampling_probability=1.0, steps=3, seed=0):
         np.testing.assert_array_equal(mask, np.ones(9, "float32"))
         np.testing.assert_array_equal(xb["ids"][:, 0], np.arange(1, 10))
 
@@ -333,8 +333,9 @@ def test_physical_chunks_dataset_matches_generator_and_traces_once():
     x, y = _ids_data(50)
     logical = poisson_batches(x, y, sampling_probability=0.2, max_batch_size=30, steps=12, seed=8)
     elements = list(logical)  # one pass, reused for both versions
-    chunked = physical_chunks_dataset(tf.data.Dataset.from_tensor_slices(
-        tf.nest.map_structure(lambda *t: tf.stack(t), *elements)), 4)
+    chunked = physical_chunks_dataset(
+        tf.data.Dataset.from_tensor_slices(tf.nest.map_structure(lambda *t: tf.stack(t), *elements)), 4
+    )
     assert chunked.element_spec.x["ids"].shape == [4, 1]
     assert chunked.element_spec.is_last == tf.TensorSpec([], tf.bool)
 
@@ -419,7 +420,10 @@ def test_poisson_batches_of_a_list_of_arrays_keep_one_leaf_per_array():
     import per_example_grads as peg
 
     """tf.data would stack a returned list into one tensor; each array stays its own leaf (as a tuple)."""
-    a, b = np.arange(10, dtype="float32")[:, None], np.arange(10, dtype="float32")[:, None] * 2 + np.zeros((10, 3), "float32")
+    a, b = (
+        np.arange(10, dtype="float32")[:, None],
+        np.arange(10, dtype="float32")[:, None] * 2 + np.zeros((10, 3), "float32"),
+    )
     xb, _, mask = next(iter(peg.dp.poisson_batches([a, b], sampling_probability=1.0, seed=0)))
     assert isinstance(xb, tuple) and xb[0].shape == (10, 1) and xb[1].shape == (10, 3)
     np.testing.assert_array_equal(xb[1].numpy()[:, 0], 2 * xb[0].numpy()[:, 0])

@@ -20,7 +20,9 @@ sparse_ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reducti
 
 def _net(seed=0, **dense_kwargs):
     keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3, **dense_kwargs)])
+    return keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3, **dense_kwargs)]
+    )
 
 
 def _data(n=24, seed=0):
@@ -75,7 +77,9 @@ def test_neighbouring_int_seeds_give_unrelated_streams_and_the_same_seed_repeats
 
 def test_accumulator_with_a_pair_seed_adds_fresh_noise_to_every_logical_batch():
     model = _net()
-    acc = peg.GradientAccumulator(model, sparse_ce, l2_norm_clip=1.0, noise_multiplier=1.0, seed=(5, 6), expected_batch_size=1.0)
+    acc = peg.GradientAccumulator(
+        model, sparse_ce, l2_norm_clip=1.0, noise_multiplier=1.0, seed=(5, 6), expected_batch_size=1.0
+    )
     x, y = _data()
     releases = []
     for _ in range(2):
@@ -145,7 +149,9 @@ def test_poisson_batches_seeds_are_unrelated_and_a_rebuilt_dataset_resumes():
     ds = peg.dp.poisson_batches(x, sampling_probability=0.1, steps=6, seed=5, max_batch_size=60)
     two_passes = rows(ds) + rows(ds)
     assert two_passes == ra
-    resumed = rows(peg.dp.poisson_batches(x, sampling_probability=0.1, steps=6, seed=5, max_batch_size=60, first_step=6))
+    resumed = rows(
+        peg.dp.poisson_batches(x, sampling_probability=0.1, steps=6, seed=5, max_batch_size=60, first_step=6)
+    )
     assert resumed == ra[6:]
     assert ds.pegrad_sampling.sampling_probability == 0.1 and ds.pegrad_sampling.num_examples == 200
 
@@ -239,19 +245,25 @@ def test_an_example_with_a_nan_gradient_contributes_nothing():
     keep = np.arange(8) != 3
     for method in ["layerwise", "vectorized"]:
         with pytest.warns(RuntimeWarning, match="non-finite"):
-            got, norms = peg.clipped_gradients(model, sparse_ce, bad, y, l2_norm_clip=0.5, method=method, return_norms=True)
+            got, norms = peg.clipped_gradients(
+                model, sparse_ce, bad, y, l2_norm_clip=0.5, method=method, return_norms=True
+            )
         want = peg.clipped_gradients(model, sparse_ce, x[keep], y[keep], l2_norm_clip=0.5, method=method)
         assert not np.isfinite(norms.numpy()[3])
         _assert_sums_close(got, want, n=7, scale=0.5)  # every clipped example's entries are at most C
 
     graph = tf.function(lambda a, b: peg.clipped_gradients(model, sparse_ce, a, b, l2_norm_clip=0.5))
-    _assert_sums_close(graph(bad, y), peg.clipped_gradients(model, sparse_ce, x[keep], y[keep], l2_norm_clip=0.5), n=7, scale=0.5)
+    _assert_sums_close(
+        graph(bad, y), peg.clipped_gradients(model, sparse_ce, x[keep], y[keep], l2_norm_clip=0.5), n=7, scale=0.5
+    )
 
 
 def test_a_dp_step_with_a_nan_example_keeps_the_weights_finite_and_reports_it():
     x, y = _data(16)
     x[5, :] = np.inf
-    dp = peg.keras.DPModel(_net(), l2_norm_clip=1.0, noise_multiplier=0.1, expected_batch_size=16, num_examples=16, seed=0)
+    dp = peg.keras.DPModel(
+        _net(), l2_norm_clip=1.0, noise_multiplier=0.1, expected_batch_size=16, num_examples=16, seed=0
+    )
     dp.compile(optimizer="sgd", loss=sparse_ce)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -267,9 +279,13 @@ def _count_layerwise_passes(monkeypatch) -> list:
 
     passes = []
     engine = ENGINES["layerwise"]
-    monkeypatch.setitem(ENGINES, "layerwise", dataclasses.replace(
-        engine, native_clipped_sums=lambda *args: passes.append(1) or engine.native_clipped_sums(*args)
-    ))
+    monkeypatch.setitem(
+        ENGINES,
+        "layerwise",
+        dataclasses.replace(
+            engine, native_clipped_sums=lambda *args: passes.append(1) or engine.native_clipped_sums(*args)
+        ),
+    )
     return passes
 
 
@@ -320,16 +336,30 @@ def test_a_dp_fit_traces_its_step_and_its_clipped_pass_once(monkeypatch):
 def test_numbers_of_every_kind_are_accepted_and_bad_ones_refused():
     x, y = _data(8)
     model = _net()
-    grads = peg.dp.private_gradients(model, sparse_ce, x, y, l2_norm_clip=np.float32(1.0), noise_multiplier=np.float64(0.0),
-                                     expected_batch_size=np.array(8), seed=(0, 0))
+    grads = peg.dp.private_gradients(
+        model,
+        sparse_ce,
+        x,
+        y,
+        l2_norm_clip=np.float32(1.0),
+        noise_multiplier=np.float64(0.0),
+        expected_batch_size=np.array(8),
+        seed=(0, 0),
+    )
     assert len(grads) == 4
     peg.dp.private_gradients(model, sparse_ce, x, y, l2_norm_clip=tf.constant(1.0), noise_multiplier=1.0, seed=(0, 0))
     for kwargs, match in [
         (dict(l2_norm_clip=1.0, noise_multiplier=np.float32("nan")), "noise_multiplier must be a finite number >= 0"),
-        (dict(l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=np.float32(0)), "expected_batch_size must be a finite number > 0"),
+        (
+            dict(l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=np.float32(0)),
+            "expected_batch_size must be a finite number > 0",
+        ),
         (dict(l2_norm_clip=float("inf"), noise_multiplier=1.0), "l2_norm_clip must be a finite number > 0"),
         (dict(l2_norm_clip=tf.constant(-1.0), noise_multiplier=1.0), "l2_norm_clip must be a finite number > 0"),
-        (dict(l2_norm_clip={**{l.name: 1.0 for l in model.layers}, "densse": 1.0}, noise_multiplier=1.0), r"names \['densse'\]"),
+        (
+            dict(l2_norm_clip={**{l.name: 1.0 for l in model.layers}, "densse": 1.0}, noise_multiplier=1.0),
+            r"names \['densse'\]",
+        ),
     ]:
         with pytest.raises(ValueError, match=match):
             peg.dp.private_gradients(model, sparse_ce, x, y, seed=(0, 0), **kwargs)
@@ -343,7 +373,9 @@ def test_numbers_of_every_kind_are_accepted_and_bad_ones_refused():
 def test_weight_regularizers_are_added_without_noise_and_activity_ones_refused():
     x, y = _data(8)
     model = _net(kernel_regularizer=keras.regularizers.L2(0.3))
-    got = peg.dp.private_gradients(model, sparse_ce, x, y, l2_norm_clip=1e6, noise_multiplier=0.0, expected_batch_size=8)
+    got = peg.dp.private_gradients(
+        model, sparse_ce, x, y, l2_norm_clip=1e6, noise_multiplier=0.0, expected_batch_size=8
+    )
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean(sparse_ce(y, model(x))) + tf.add_n(model.losses)
     want = tape.gradient(loss, model.trainable_variables)
@@ -431,8 +463,14 @@ def test_dp_model_under_xla_matches_the_uncompiled_step(physical_batch_size):
 def test_dp_model_fits_an_embedding_model_on_poisson_batches():
     """Real rows gathered to a batch of unknown size: the table's sparse clipped sum must still build."""
     keras.utils.set_random_seed(0)
-    net = keras.Sequential([keras.Input((5,), dtype="int32"), keras.layers.Embedding(30, 4),
-                            keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+    net = keras.Sequential(
+        [
+            keras.Input((5,), dtype="int32"),
+            keras.layers.Embedding(30, 4),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(3),
+        ]
+    )
     x = np.random.RandomState(0).randint(0, 30, (40, 5)).astype("int32")
     y = (np.arange(40) % 3).astype("int32")
     dp = peg.keras.DPModel(net, l2_norm_clip=1.0, noise_multiplier=0.5, seed=0)

@@ -257,7 +257,10 @@ def test_compute_gradients_refuses_a_clip_it_would_not_apply(mode):
         (dict(expected_batch_size=10), "expected_batch_size only applies"),
         (dict(noise_multiplier=1.0), "noise_multiplier only applies"),
         (dict(seed=0), "seed only applies"),
-        (dict(method="loop", expected_batch_size=10), "expected_batch_size, seed|expected_batch_size, method only apply"),
+        (
+            dict(method="loop", expected_batch_size=10),
+            "expected_batch_size, seed|expected_batch_size, method only apply",
+        ),
     ],
 )
 def test_accumulator_refuses_dp_arguments_without_dp(kwargs, named):
@@ -289,8 +292,9 @@ def test_a_repeated_seed_warns_once():
 
 def test_a_fixed_seed_inside_tf_function_warns():
     net = _net()
-    step = tf.function(lambda x, y: peg.dp.private_gradients(net, LOSS, x, y, l2_norm_clip=1.0,
-                                                              noise_multiplier=1.0, seed=(999, 1)))
+    step = tf.function(
+        lambda x, y: peg.dp.private_gradients(net, LOSS, x, y, l2_norm_clip=1.0, noise_multiplier=1.0, seed=(999, 1))
+    )
     with pytest.warns(peg.dp.RepeatedNoiseWarning, match="inside a tf.function"):
         step(X, Y)
 
@@ -336,7 +340,9 @@ def test_import_by_position_names_every_mismatch():
 def test_a_repeated_dataset_is_of_unknown_size():
     # One pass of repeat(2) shows each of the 64 examples twice: N is not its 128 rows.
     data = tf.data.Dataset.from_tensor_slices((X, Y)).repeat(2).batch(16)
-    with pytest.raises(ValueError, match=r"repeats its elements \(Dataset.repeat\), whose number of examples is unknown"):
+    with pytest.raises(
+        ValueError, match=r"repeats its elements \(Dataset.repeat\), whose number of examples is unknown"
+    ):
         _fit(_dp(expected_batch_size=16), data, epochs=1)
 
 

@@ -6,12 +6,18 @@ import pytest
 import per_example_grads as peg
 from per_example_grads.dp import validation
 
+
 def test_validator_names_offending_and_slow_layers():
-    model = keras.Sequential([
-        keras.Input((5, 4)), keras.layers.LSTM(3, return_sequences=True, name="rnn"),
-        keras.layers.BatchNormalization(name="bn1"), keras.layers.Flatten(),
-        keras.layers.BatchNormalization(name="bn2"), keras.layers.Dense(2),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((5, 4)),
+            keras.layers.LSTM(3, return_sequences=True, name="rnn"),
+            keras.layers.BatchNormalization(name="bn1"),
+            keras.layers.Flatten(),
+            keras.layers.BatchNormalization(name="bn2"),
+            keras.layers.Dense(2),
+        ]
+    )
     report = validation.validate(model)
     assert len(report.errors) == 2 and "'bn1'" in report.errors[0] and "'bn2'" in report.errors[1]
     assert "GroupNormalization" in str(report) and "peg.dp.fix_model(model)" in str(report)

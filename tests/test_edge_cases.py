@@ -62,8 +62,16 @@ def _entry_points(model, method):
     per_example = [lambda b, v=v: (b, *v.shape) for v in variables]
     sums = [lambda b, v=v: tuple(v.shape) for v in variables]
     return [
-        ("per_example_gradients", lambda x, y: peg.per_example_gradients(model, sparse_ce, x, y, method=method), per_example),
-        ("per_example_norms", lambda x, y: [peg.per_example_norms(model, sparse_ce, x, y, method=method)], [lambda b: (b,)]),
+        (
+            "per_example_gradients",
+            lambda x, y: peg.per_example_gradients(model, sparse_ce, x, y, method=method),
+            per_example,
+        ),
+        (
+            "per_example_norms",
+            lambda x, y: [peg.per_example_norms(model, sparse_ce, x, y, method=method)],
+            [lambda b: (b,)],
+        ),
         (
             "per_example_norms(by_variable)",
             lambda x, y: peg.per_example_norms(model, sparse_ce, x, y, method=method, by_variable=True),
@@ -114,7 +122,9 @@ def test_batch_of_zero_never_runs_the_model(method):
 def test_batch_of_one(method):
     case = ZOO["cnn2d"]()
     expected = reference_gradients(case.model, sparse_ce, case.x[:1], case.y[:1])
-    assert_grads_close(peg.per_example_gradients(case.model, sparse_ce, case.x[:1], case.y[:1], method=method), expected)
+    assert_grads_close(
+        peg.per_example_gradients(case.model, sparse_ce, case.x[:1], case.y[:1], method=method), expected
+    )
 
 
 @pytest.mark.parametrize("method", ISOLATING)
@@ -185,7 +195,9 @@ def test_batchnorm_opt_in_and_inference_mode():
 
 
 def test_dropout_in_training_mode_runs_and_weight_copies_refuses():
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), keras.layers.Dropout(0.5, name="drop"), keras.layers.Dense(3)])
+    model = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(8), keras.layers.Dropout(0.5, name="drop"), keras.layers.Dense(3)]
+    )
     x, y = np.random.randn(5, 6).astype("float32"), np.arange(5) % 3
     for method in ["vectorized", "loop", "auto"]:
         grads = peg.per_example_gradients(model, sparse_ce, x, y, training=True, method=method)
@@ -240,7 +252,11 @@ def test_plain_callable_with_variables():
         # relative to the terms of the residual (|x| |W| + |b|), which may cancel.
         resid = x @ w.numpy() + b.numpy()
         terms = np.abs(x) @ np.abs(w.numpy()) + np.abs(b.numpy())
-        assert_close(gw, 2 * x[:, :, None] * resid[:, None, :], atol=ELEMENTWISE_RTOL * 2 * np.abs(x)[:, :, None] * terms[:, None, :])
+        assert_close(
+            gw,
+            2 * x[:, :, None] * resid[:, None, :],
+            atol=ELEMENTWISE_RTOL * 2 * np.abs(x)[:, :, None] * terms[:, None, :],
+        )
         assert_close(gb, 2 * resid, atol=ELEMENTWISE_RTOL * 2 * terms)
     with pytest.raises(ValueError, match="not keras.Variable"):
         peg.per_example_gradients(forward, mse, x, y, variables=[w, b], method="weight_copies")
@@ -250,4 +266,6 @@ def test_per_example_norms_match_materialized():
     case = ZOO["cnn2d"]()
     ref = reference_gradients(case.model, sparse_ce, case.x, case.y)
     assert_norms_close(peg.per_example_norms(case.model, sparse_ce, case.x, case.y), ref)
-    assert_norms_close(peg.per_example_norms(case.model, sparse_ce, case.x, case.y, by_variable=True), ref, by_variable=True)
+    assert_norms_close(
+        peg.per_example_norms(case.model, sparse_ce, case.x, case.y, by_variable=True), ref, by_variable=True
+    )

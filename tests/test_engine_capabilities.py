@@ -27,10 +27,15 @@ def _engines():
 def _conv_and_dense(seed=0):
     """A Conv1D (no outer factors: the layer-wise engine materializes it) and Dense layers on rank-2 inputs (factors)."""
     keras.utils.set_random_seed(seed)
-    model = keras.Sequential([
-        keras.Input((6, 3)), keras.layers.Conv1D(4, 3), keras.layers.Flatten(),
-        keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(3),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((6, 3)),
+            keras.layers.Conv1D(4, 3),
+            keras.layers.Flatten(),
+            keras.layers.Dense(5, activation="tanh"),
+            keras.layers.Dense(3),
+        ]
+    )
     r = np.random.default_rng(seed)
     return model, r.normal(size=(B, 6, 3)).astype("float32"), r.integers(0, 3, B).astype("int32")
 
@@ -62,11 +67,19 @@ def test_moments_of_every_engine_match_the_materialized_ones(method):
         terms = np.sum(np.abs(e), axis=0) + GRADIENT_RTOL * scale * B
         assert_close(got["sum"][k], e.sum(0), atol=sum_rtol * terms, err_msg=f"sum {k}")
         # (g (1 + d))^2 = g^2 (1 + 2d): squares double the entries' relative error; an exact zero's is (GRADIENT_RTOL scale)^2.
-        assert_close(got["sumsq"][k], np.square(e).sum(0), rtol=2 * sum_rtol, atol=B * (GRADIENT_RTOL * scale) ** 2 * 3, err_msg=f"sumsq {k}")
+        assert_close(
+            got["sumsq"][k],
+            np.square(e).sum(0),
+            rtol=2 * sum_rtol,
+            atol=B * (GRADIENT_RTOL * scale) ** 2 * 3,
+            err_msg=f"sumsq {k}",
+        )
     assert got["sqnorms"].shape == (len(expected), B)
     assert_norms_close(list(np.sqrt(got["sqnorms"].numpy())), expected, by_variable=True)
     flat, ref = _flat(expected), np.concatenate([t.ravel() for t in reference])
-    dots_atol = (GRADIENT_RTOL + rounding_rtol(flat.shape[1])) * (np.abs(flat) @ np.abs(ref) + GRADIENT_RTOL * scale * np.abs(ref).sum())
+    dots_atol = (GRADIENT_RTOL + rounding_rtol(flat.shape[1])) * (
+        np.abs(flat) @ np.abs(ref) + GRADIENT_RTOL * scale * np.abs(ref).sum()
+    )
     assert_close(got["dots"], flat @ ref, atol=dots_atol, err_msg="dots")
 
 
@@ -97,9 +110,14 @@ def test_features_of_every_engine_give_the_materialized_dot_products(method, bui
 
 def test_only_the_layerwise_engine_has_sparse_gradients_and_they_are_the_dense_ones():
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((3,), dtype="int32"), keras.layers.Embedding(7, 2), keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((3,), dtype="int32"),
+            keras.layers.Embedding(7, 2),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(3),
+        ]
+    )
     r = np.random.default_rng(0)
     x, y = r.integers(0, 7, (B, 3)).astype("int32"), r.integers(0, 3, B).astype("int32")
     problem = make_problem(model, sparse_ce, None, False, False)
@@ -108,13 +126,21 @@ def test_only_the_layerwise_engine_has_sparse_gradients_and_they_are_the_dense_o
     assert type(got[0]).__name__ == "PerExampleSlices"
     expected = reference_gradients(model, sparse_ce, x, y)
     for k, (g, e) in enumerate(zip(got, expected)):
-        assert_close(tf.convert_to_tensor(g), e, rtol=GRADIENT_RTOL, atol=GRADIENT_RTOL * gradient_scale(expected), err_msg=f"variable {k}")
+        assert_close(
+            tf.convert_to_tensor(g),
+            e,
+            rtol=GRADIENT_RTOL,
+            atol=GRADIENT_RTOL * gradient_scale(expected),
+            err_msg=f"variable {k}",
+        )
     with pytest.raises(NotImplementedError, match="'loop' engine has no sparse"):
         ENGINES["loop"].sparse_compute(problem, make_batch(model, x, y))
 
 
 def test_slow_layers_are_the_layerwise_engines_layer_local_ones():
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.PReLU(name="prelu"), keras.layers.Dense(2)])
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(3), keras.layers.PReLU(name="prelu"), keras.layers.Dense(2)]
+    )
     problem = make_problem(model, sparse_ce, None, False, False)
     assert [layer.name for layer in ENGINES["layerwise"].slow_layers(problem)] == ["prelu"]
     assert all(not ENGINES[n].slow_layers(problem) for n in ENGINES if n != "layerwise")

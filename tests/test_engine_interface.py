@@ -19,11 +19,11 @@ from helpers import (
     sparse_ce,
 )
 from model_zoo import ZOO
+from per_example_grads._core.problem import make_problem
 from per_example_grads.engines import capture as capture_module
 from per_example_grads.engines import layerwise as layerwise_engine
 from per_example_grads.engines import selection
 from per_example_grads.engines.capture import capturing
-from per_example_grads._core.problem import make_problem
 from tolerances import EPS64, rounding_rtol
 
 
@@ -76,8 +76,14 @@ def test_engine_error_is_the_one_refusal_type_and_a_value_error():
     assert issubclass(peg.EngineError, ValueError)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     with pytest.raises(peg.EngineError, match="cannot run on this model"):
-        peg.per_example_gradients(lambda x: model(x), "mse", np.ones((2, 4)), np.zeros((2, 2)),
-                                  variables=model.trainable_variables, method="layerwise")
+        peg.per_example_gradients(
+            lambda x: model(x),
+            "mse",
+            np.ones((2, 4)),
+            np.zeros((2, 2)),
+            variables=model.trainable_variables,
+            method="layerwise",
+        )
 
 
 def test_the_unit_plan_is_worked_out_once_per_call(monkeypatch):
@@ -95,10 +101,14 @@ def test_the_unit_plan_is_worked_out_once_per_call(monkeypatch):
 def test_a_float64_model_with_an_embedding_gives_float64_norms_and_clipped_sums():
     keras.utils.set_random_seed(0)
     f64 = dict(dtype="float64")
-    model = keras.Sequential([
-        keras.Input((5,), dtype="int32"), keras.layers.Embedding(20, 4, **f64),
-        keras.layers.GlobalAveragePooling1D(**f64), keras.layers.Dense(3, **f64),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((5,), dtype="int32"),
+            keras.layers.Embedding(20, 4, **f64),
+            keras.layers.GlobalAveragePooling1D(**f64),
+            keras.layers.Dense(3, **f64),
+        ]
+    )
     x = np.random.RandomState(1).randint(0, 20, (6, 5)).astype("int32")
     y = np.arange(6) % 3
     reference = reference_gradients(model, sparse_ce, x, y)
@@ -189,7 +199,9 @@ def test_capturing_leaves_every_zoo_model_computing_what_it_computes(name):
 def _wide(layers, shape, dtype="float32"):
     r = np.random.default_rng(0)
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input(shape[1:], dtype=dtype)] + layers + [keras.layers.Flatten(), keras.layers.Dense(3)])
+    model = keras.Sequential(
+        [keras.Input(shape[1:], dtype=dtype)] + layers + [keras.layers.Flatten(), keras.layers.Dense(3)]
+    )
     x = r.integers(0, 50, shape).astype("int32") if dtype == "int32" else r.normal(size=shape).astype("float32")
     return model, x
 
@@ -215,7 +227,9 @@ def _wide_reversible(tie_weights=True, logit_soft_cap=None):
 def _wide_mha():
     keras.utils.set_random_seed(0)
     inp = keras.Input((6, 512))
-    return keras.Model(inp, keras.layers.MultiHeadAttention(4, 128)(inp, inp)), np.random.default_rng(0).normal(size=(2, 6, 512)).astype("float32")
+    return keras.Model(inp, keras.layers.MultiHeadAttention(4, 128)(inp, inp)), np.random.default_rng(0).normal(
+        size=(2, 6, 512)
+    ).astype("float32")
 
 
 def _layer_scale():
@@ -235,7 +249,9 @@ def _hub(build):
 def _hub_rms(keras_hub):
     from keras_hub.src.models.gemma.rms_normalization import RMSNormalization
 
-    return _wide([keras.layers.Dense(1024), RMSNormalization(epsilon=1e-6), keras_hub.layers.RMSNormalization(1024)], (2, 4, 64))
+    return _wide(
+        [keras.layers.Dense(1024), RMSNormalization(epsilon=1e-6), keras_hub.layers.RMSNormalization(1024)], (2, 4, 64)
+    )
 
 
 def _hub_position(keras_hub):
@@ -260,41 +276,93 @@ def _from_hub_zoo(name):
 
 _SEPARABLE = dict(filters=728, kernel_size=3, padding="same", activation="relu")
 BIT_CASES = {  # rule class name -> cases
-    "DenseRule": {"dense_wide_sequence": lambda: _wide([keras.layers.Dense(512, activation="relu")], (2, 8, 700)),
-                  "dense_wide": lambda: _wide([keras.layers.Dense(1000)], (3, 1000))},
-    "EinsumDenseRule": {"einsum_dense_wide": lambda: _wide([keras.layers.EinsumDense("abc,cde->abde", (8, 8, 64), bias_axes="de")], (2, 8, 700)),
-                        "multi_head_attention_wide": _wide_mha},
+    "DenseRule": {
+        "dense_wide_sequence": lambda: _wide([keras.layers.Dense(512, activation="relu")], (2, 8, 700)),
+        "dense_wide": lambda: _wide([keras.layers.Dense(1000)], (3, 1000)),
+    },
+    "EinsumDenseRule": {
+        "einsum_dense_wide": lambda: _wide(
+            [keras.layers.EinsumDense("abc,cde->abde", (8, 8, 64), bias_axes="de")], (2, 8, 700)
+        ),
+        "multi_head_attention_wide": _wide_mha,
+    },
     "_ConvRule": {"conv2d_wide": lambda: _wide([keras.layers.Conv2D(256, 3, padding="same")], (2, 8, 8, 256))},
-    "ConvPatchesRule": {"conv1d_wide": lambda: _wide([keras.layers.Conv1D(256, 3, strides=2, activation="relu")], (2, 12, 256))},
+    "ConvPatchesRule": {
+        "conv1d_wide": lambda: _wide([keras.layers.Conv1D(256, 3, strides=2, activation="relu")], (2, 12, 256))
+    },
     "GroupedConvRule": {"grouped_conv2d_wide": lambda: _wide([keras.layers.Conv2D(256, 3, groups=4)], (2, 6, 6, 256))},
-    "ConvTransposeRule": {"conv2d_transpose_wide": lambda: _wide([keras.layers.Conv2DTranspose(256, 3, strides=2)], (2, 4, 4, 256))},
-    "DepthwiseConvRule": {"depthwise_conv2d_wide": lambda: _wide([keras.layers.DepthwiseConv2D(3, padding="same", depth_multiplier=2)], (2, 8, 8, 512))},
+    "ConvTransposeRule": {
+        "conv2d_transpose_wide": lambda: _wide([keras.layers.Conv2DTranspose(256, 3, strides=2)], (2, 4, 4, 256))
+    },
+    "DepthwiseConvRule": {
+        "depthwise_conv2d_wide": lambda: _wide(
+            [keras.layers.DepthwiseConv2D(3, padding="same", depth_multiplier=2)], (2, 8, 8, 512)
+        )
+    },
     "SeparableConvRule": {
         "separable_conv2d_wide": lambda: _wide([keras.layers.SeparableConv2D(**_SEPARABLE)], (2, 5, 5, 728)),
-        "separable_conv2d_wide_strided_dilated": lambda: _wide([keras.layers.SeparableConv2D(**_SEPARABLE, strides=2, dilation_rate=2)], (2, 9, 9, 728)),
-        "separable_conv1d_wide_m2": lambda: _wide([keras.layers.SeparableConv1D(**_SEPARABLE, depth_multiplier=2)], (2, 9, 364)),
+        "separable_conv2d_wide_strided_dilated": lambda: _wide(
+            [keras.layers.SeparableConv2D(**_SEPARABLE, strides=2, dilation_rate=2)], (2, 9, 9, 728)
+        ),
+        "separable_conv1d_wide_m2": lambda: _wide(
+            [keras.layers.SeparableConv1D(**_SEPARABLE, depth_multiplier=2)], (2, 9, 364)
+        ),
     },
-    "EmbeddingRule": {"embedding_wide": lambda: _wide([keras.layers.Embedding(50, 512, mask_zero=True), keras.layers.GlobalAveragePooling1D()], (2, 7), "int32")},
-    "ReversibleEmbeddingRule": {"reversible_tied_wide": _wide_reversible,
-                                "reversible_untied_soft_cap_wide": lambda: _wide_reversible(False, 30.0)},
-    "LayerNormRule": {"layer_norm_wide": lambda: _wide([keras.layers.Dense(1024), keras.layers.LayerNormalization()], (2, 4, 64)),
-                      "layer_norm_two_axes_wide": lambda: _wide([keras.layers.LayerNormalization(axis=[1, 3], epsilon=0.1)], (2, 3, 33, 100))},
-    "GroupNormRule": {"group_norm_wide": lambda: _wide([keras.layers.Conv2D(64, 1), keras.layers.GroupNormalization(groups=8)], (2, 16, 16, 8))},
-    "BatchNormRule": {"batch_norm_wide": lambda: _wide([keras.layers.Dense(1024), keras.layers.BatchNormalization()], (2, 4, 64))},
-    "LocalRule": {"prelu_and_fallback": lambda: _wide([keras.layers.Dense(600), keras.layers.PReLU(), keras.layers.LSTM(8)], (2, 3, 700))},
+    "EmbeddingRule": {
+        "embedding_wide": lambda: _wide(
+            [keras.layers.Embedding(50, 512, mask_zero=True), keras.layers.GlobalAveragePooling1D()], (2, 7), "int32"
+        )
+    },
+    "ReversibleEmbeddingRule": {
+        "reversible_tied_wide": _wide_reversible,
+        "reversible_untied_soft_cap_wide": lambda: _wide_reversible(False, 30.0),
+    },
+    "LayerNormRule": {
+        "layer_norm_wide": lambda: _wide([keras.layers.Dense(1024), keras.layers.LayerNormalization()], (2, 4, 64)),
+        "layer_norm_two_axes_wide": lambda: _wide(
+            [keras.layers.LayerNormalization(axis=[1, 3], epsilon=0.1)], (2, 3, 33, 100)
+        ),
+    },
+    "GroupNormRule": {
+        "group_norm_wide": lambda: _wide(
+            [keras.layers.Conv2D(64, 1), keras.layers.GroupNormalization(groups=8)], (2, 16, 16, 8)
+        )
+    },
+    "BatchNormRule": {
+        "batch_norm_wide": lambda: _wide([keras.layers.Dense(1024), keras.layers.BatchNormalization()], (2, 4, 64))
+    },
+    "LocalRule": {
+        "prelu_and_fallback": lambda: _wide(
+            [keras.layers.Dense(600), keras.layers.PReLU(), keras.layers.LSTM(8)], (2, 3, 700)
+        )
+    },
     "LayerScaleRule": {"layer_scale_wide": _layer_scale},
     "DenseLoraRule": {"dense_lora_wide": lambda: _wide_lora(keras.layers.Dense(600), (2, 5, 700))},
-    "EinsumDenseLoraRule": {"einsum_dense_lora_wide": lambda: _wide_lora(keras.layers.EinsumDense("abc,cd->abd", (5, 600), bias_axes="d"), (2, 5, 700))},
+    "EinsumDenseLoraRule": {
+        "einsum_dense_lora_wide": lambda: _wide_lora(
+            keras.layers.EinsumDense("abc,cd->abd", (5, 600), bias_axes="d"), (2, 5, 700)
+        )
+    },
     "RMSNormRule": {"hub_rms_norms_wide": _hub(_hub_rms)},
     "PositionEmbeddingRule": {"hub_position_embedding_wide": _hub(_hub_position)},
-    "KerasRMSNormRule": {"keras_rms_norm_wide": lambda: _wide([keras.layers.Dense(1024), keras.layers.RMSNormalization()], (2, 4, 64))},
+    "KerasRMSNormRule": {
+        "keras_rms_norm_wide": lambda: _wide([keras.layers.Dense(1024), keras.layers.RMSNormalization()], (2, 4, 64))
+    },
     "RelativeEmbeddingRule": {"hub_deberta_v3": _from_hub_zoo("deberta_v3_classifier")},
     "PatchEmbeddingRule": {"hub_vit": _from_hub_zoo("vit")},
     "DeiTEmbeddingsRule": {"hub_deit": _from_hub_zoo("deit")},
     "MoEBlockRule": {"hub_mixtral": _from_hub_zoo("mixtral_lm")},
     "T5AttentionRule": {"hub_t5": _from_hub_zoo("t5")},
 }
-SLOW_BIT_CASES = {"hub_rms_norms_wide", "hub_position_embedding_wide", "hub_deberta_v3", "hub_vit", "hub_deit", "hub_mixtral", "hub_t5"}
+SLOW_BIT_CASES = {
+    "hub_rms_norms_wide",
+    "hub_position_embedding_wide",
+    "hub_deberta_v3",
+    "hub_vit",
+    "hub_deit",
+    "hub_mixtral",
+    "hub_t5",
+}
 
 
 def _every_rule() -> dict[str, object]:
@@ -305,7 +373,9 @@ def _every_rule() -> dict[str, object]:
     from per_example_grads import rules
     from per_example_grads.rules import rule as rule_module
 
-    found = {type(r).__name__: r for r in rule_module.RULES.values() if type(r).__module__.startswith("per_example_grads.")}
+    found = {
+        type(r).__name__: r for r in rule_module.RULES.values() if type(r).__module__.startswith("per_example_grads.")
+    }
     for info in pkgutil.iter_modules(rules.__path__):
         module = importlib.import_module(f"per_example_grads.rules.{info.name}")
         for value in vars(module).values():
@@ -333,9 +403,14 @@ def test_every_built_in_rule_has_a_bit_for_bit_case():
     assert not missing, f"rules without a case in BIT_CASES (tests/test_engine_interface.py): {missing}"
 
 
-@pytest.mark.parametrize("rule,name", [
-    pytest.param(r, n, marks=[pytest.mark.slow] if n in SLOW_BIT_CASES else []) for r in sorted(BIT_CASES) for n in sorted(BIT_CASES[r])
-])
+@pytest.mark.parametrize(
+    "rule,name",
+    [
+        pytest.param(r, n, marks=[pytest.mark.slow] if n in SLOW_BIT_CASES else [])
+        for r in sorted(BIT_CASES)
+        for n in sorted(BIT_CASES[r])
+    ],
+)
 def test_capturing_leaves_each_rule_computing_what_its_layer_computes(rule, name):
     if rule not in _every_rule():
         pytest.skip(f"no rule {rule} in this checkout")
@@ -349,8 +424,14 @@ def test_capturing_leaves_each_rule_computing_what_its_layer_computes(rule, name
 
 def test_embedding_clipped_sums_in_a_graph_of_unknown_batch_size_keep_their_static_shape():
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((5,), dtype="int32"), keras.layers.Embedding(20, 4),
-                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+    model = keras.Sequential(
+        [
+            keras.Input((5,), dtype="int32"),
+            keras.layers.Embedding(20, 4),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(3),
+        ]
+    )
     x = np.random.RandomState(1).randint(0, 20, (6, 5)).astype("int32")
     y = np.arange(6) % 3
     graph = tf.function(

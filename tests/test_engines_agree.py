@@ -5,9 +5,9 @@ import pytest
 import tensorflow as tf
 
 import per_example_grads as peg
-from per_example_grads.engines import ENGINES
 from helpers import assert_grads_close, reference_gradients
 from model_zoo import ZOO, zoo_params
+from per_example_grads.engines import ENGINES
 from tolerances import GRADIENT_RTOL, weighted_sum_rtol
 
 METHODS = [*sorted(ENGINES), "auto"]  # every registered engine, and auto's choice
@@ -23,7 +23,9 @@ def test_engine_matches_reference_loop(name, method):
             peg.per_example_gradients(case.model, case.loss_fn, case.x, case.y, method=method, variables=case.variables)
         return
     expected = reference_gradients(case.model, case.loss_fn, case.x, case.y, variables=case.variables)
-    actual = peg.per_example_gradients(case.model, case.loss_fn, case.x, case.y, method=method, variables=case.variables)
+    actual = peg.per_example_gradients(
+        case.model, case.loss_fn, case.x, case.y, method=method, variables=case.variables
+    )
     assert_grads_close(actual, expected)
     # Sanity of the reference itself: some gradient is non-zero.
     assert any(np.abs(e).max() > 0 for e in expected)

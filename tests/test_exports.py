@@ -31,7 +31,9 @@ def _assigned(tree: ast.Module, name: str):
 
 
 def _type_checking_imports(tree: ast.Module) -> list[ast.ImportFrom]:
-    blocks = [n for n in tree.body if isinstance(n, ast.If) and isinstance(n.test, ast.Name) and n.test.id == "_TYPE_CHECKING"]
+    blocks = [
+        n for n in tree.body if isinstance(n, ast.If) and isinstance(n.test, ast.Name) and n.test.id == "_TYPE_CHECKING"
+    ]
     assert len(blocks) == 1, "one `if _TYPE_CHECKING:` block"
     (block,) = blocks
     assert all(isinstance(n, ast.ImportFrom) for n in block.body), "only `from ... import ...` in the block"

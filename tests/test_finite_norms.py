@@ -40,22 +40,31 @@ def _dense(r):
 
 def _conv_materialized(r):
     # t (f + k) >= f k: the per-example kernels are built (products per offset, patches under XLA).
-    model = keras.Sequential([keras.Input((6, 6, 2)), keras.layers.Conv2D(4, 3), keras.layers.Flatten(), keras.layers.Dense(3)])
+    model = keras.Sequential(
+        [keras.Input((6, 6, 2)), keras.layers.Conv2D(4, 3), keras.layers.Flatten(), keras.layers.Dense(3)]
+    )
     return model, r.normal(size=(B, 6, 6, 2)) * HUGE
 
 
 def _conv_gram(r):
     # t (f + k) < f k (4 positions, f = 72, k = 16): the Gram form over positions.
-    model = keras.Sequential([keras.Input((4, 4, 8)), keras.layers.Conv2D(16, 3), keras.layers.Flatten(), keras.layers.Dense(3)])
+    model = keras.Sequential(
+        [keras.Input((4, 4, 8)), keras.layers.Conv2D(16, 3), keras.layers.Flatten(), keras.layers.Dense(3)]
+    )
     return model, r.normal(size=(B, 4, 4, 8)) * HUGE
 
 
 def _embedding_sequence(r):
     # The Dense over the 4 positions takes the Gram form (t (i + j) = 128 < i j = 256).
-    model = keras.Sequential([
-        keras.Input((4,), dtype="int32"), keras.layers.Embedding(20, 16), keras.layers.Dense(16),
-        keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((4,), dtype="int32"),
+            keras.layers.Embedding(20, 16),
+            keras.layers.Dense(16),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(3),
+        ]
+    )
     table = model.layers[0].embeddings
     table.assign(table.numpy() * HUGE)
     return model, r.integers(0, 20, (B, 4)).astype("int32")
@@ -63,18 +72,26 @@ def _embedding_sequence(r):
 
 def _layer_norm(r):
     # LayerNormalization's output, scaled by gamma, feeds the last Dense activations of 1e20.
-    model = keras.Sequential([
-        keras.Input((6,)), keras.layers.Dense(8), keras.layers.LayerNormalization(gamma_initializer=keras.initializers.Constant(HUGE)),
-        keras.layers.Dense(3),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8),
+            keras.layers.LayerNormalization(gamma_initializer=keras.initializers.Constant(HUGE)),
+            keras.layers.Dense(3),
+        ]
+    )
     return model, r.normal(size=(B, 6))
 
 
 def _einsum_dense(r):
-    model = keras.Sequential([
-        keras.Input((3, 6)), keras.layers.EinsumDense("btd,dk->btk", (3, 5), bias_axes="k"),
-        keras.layers.Flatten(), keras.layers.Dense(3),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((3, 6)),
+            keras.layers.EinsumDense("btd,dk->btk", (3, 5), bias_axes="k"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(3),
+        ]
+    )
     return model, r.normal(size=(B, 3, 6)) * HUGE
 
 

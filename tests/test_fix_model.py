@@ -23,11 +23,17 @@ import warnings
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import per_example_grads as peg
-from helpers import (assert_clipped_sums_close, assert_close, assert_grads_close, gradient_scale, reference_gradients,
-                     reference_norms, sparse_ce)
+from helpers import (
+    assert_clipped_sums_close,
+    assert_close,
+    assert_grads_close,
+    gradient_scale,
+    reference_gradients,
+    reference_norms,
+    sparse_ce,
+)
 from per_example_grads.dp import validation
 from tolerances import ELEMENTWISE_RTOL, EPS32, norm_rtol, rounding_rtol, weighted_sum_rtol
 
@@ -36,14 +42,19 @@ def _bn_model():
     inp = keras.Input((6, 6, 3))
     h = keras.layers.Conv2D(8, 3, name="conv")(inp)
     h = keras.layers.BatchNormalization(name="bn")(h)
-    inner = keras.Sequential([keras.Input((4, 4, 8)), keras.layers.BatchNormalization(name="inner_bn"),
-                              keras.layers.Flatten()], name="inner")
+    inner = keras.Sequential(
+        [keras.Input((4, 4, 8)), keras.layers.BatchNormalization(name="inner_bn"), keras.layers.Flatten()], name="inner"
+    )
     out = keras.layers.Dense(3, name="head")(inner(keras.layers.ReLU()(h)))
     model = keras.Model(inp, out)
     rng = np.random.default_rng(0)
     for layer in (model.get_layer("bn"), inner.get_layer("inner_bn")):  # weights that are not the initial ones
-        layer.set_weights([rng.normal(size=w.shape).astype("float32") if i < 2 else rng.uniform(0.5, 2, w.shape).astype("float32")
-                           for i, w in enumerate(layer.get_weights())])
+        layer.set_weights(
+            [
+                rng.normal(size=w.shape).astype("float32") if i < 2 else rng.uniform(0.5, 2, w.shape).astype("float32")
+                for i, w in enumerate(layer.get_weights())
+            ]
+        )
     return model, rng.normal(size=(4, 6, 6, 3)).astype("float32"), np.array([0, 1, 2, 1], "int32")
 
 
@@ -70,7 +81,9 @@ def test_group_norm_replaces_every_batch_norm_and_keeps_the_weights_it_can():
 
 
 def test_groups_divide_the_channels():
-    model = keras.Sequential([keras.Input((4, 6)), keras.layers.BatchNormalization(), keras.layers.Flatten(), keras.layers.Dense(2)])
+    model = keras.Sequential(
+        [keras.Input((4, 6)), keras.layers.BatchNormalization(), keras.layers.Flatten(), keras.layers.Dense(2)]
+    )
     fixed = peg.dp.fix_model(model)  # 6 channels, at most 32 groups: the largest divisor of 6 up to 32
     assert fixed.layers[0].groups == 6
 
@@ -85,7 +98,9 @@ def test_freeze_keeps_every_weight_and_runs_inference_mode():
     # training=True now runs the original's inference-mode ops: equal up to the rounding of a few
     # elementwise operations, should a kernel round differently (relative to the outputs' scale).
     expected = model(x, training=False).numpy()
-    np.testing.assert_allclose(fixed(x, training=True), expected, rtol=ELEMENTWISE_RTOL, atol=ELEMENTWISE_RTOL * np.abs(expected).max())
+    np.testing.assert_allclose(
+        fixed(x, training=True), expected, rtol=ELEMENTWISE_RTOL, atol=ELEMENTWISE_RTOL * np.abs(expected).max()
+    )
     assert all(not v.path.endswith(("gamma", "beta")) for v in fixed.trainable_variables)
 
 
@@ -115,7 +130,14 @@ def test_raw_operations_in_the_graph_are_rebuilt():
     h = h * keras.layers.ReLU(6.0)(h + 3.0) * (1.0 / 6.0)
     model = keras.Model(inp, keras.layers.Dense(3, name="head")(keras.layers.Flatten()(h)))
     bn = model.get_layer("bn")
-    bn.set_weights([np.full(4, 1.5, "float32"), np.full(4, 0.25, "float32"), np.full(4, 0.5, "float32"), np.full(4, 2.0, "float32")])
+    bn.set_weights(
+        [
+            np.full(4, 1.5, "float32"),
+            np.full(4, 0.25, "float32"),
+            np.full(4, 0.5, "float32"),
+            np.full(4, 2.0, "float32"),
+        ]
+    )
     x = np.random.default_rng(1).normal(size=(3, 5, 5, 2)).astype("float32")
     for batch_norm in ("group_norm", "freeze"):
         fixed = peg.dp.fix_model(model, batch_norm=batch_norm)
@@ -124,8 +146,9 @@ def test_raw_operations_in_the_graph_are_rebuilt():
         assert not {id(op) for op in raw} & {id(op) for op in model.operations}  # rebuilt, the original's left alone
     # Frozen, in inference mode, it computes what the original does: same kernels, same weights (up to a kernel's rounding).
     expected = model(x, training=False).numpy()
-    np.testing.assert_allclose(fixed(x, training=False), expected, rtol=ELEMENTWISE_RTOL,
-                               atol=ELEMENTWISE_RTOL * np.abs(expected).max())
+    np.testing.assert_allclose(
+        fixed(x, training=False), expected, rtol=ELEMENTWISE_RTOL, atol=ELEMENTWISE_RTOL * np.abs(expected).max()
+    )
 
 
 # ------------------------------------------------------------ keras.applications
@@ -136,7 +159,9 @@ def application_constructors() -> list[str]:
     names = []
     for name in dir(keras.applications):
         make = getattr(keras.applications, name)
-        if inspect.isfunction(make) and {"weights", "input_shape", "classes"} <= set(inspect.signature(make).parameters):
+        if inspect.isfunction(make) and {"weights", "input_shape", "classes"} <= set(
+            inspect.signature(make).parameters
+        ):
             names.append(name)
     return sorted(names)
 
@@ -166,7 +191,9 @@ def _check_fixed_structure(model: keras.Model, fixed: keras.Model, changes: list
     bn = {l.name: l for l in layers if isinstance(l, keras.layers.BatchNormalization)}
     new = {l.name: l for l in fixed._flatten_layers(include_self=False)}
     assert not any(isinstance(l, keras.layers.BatchNormalization) for l in new.values())
-    assert len(changes) == len(bn) and {n for n, l in new.items() if isinstance(l, keras.layers.GroupNormalization)} >= set(bn)
+    assert len(changes) == len(bn) and {
+        n for n, l in new.items() if isinstance(l, keras.layers.GroupNormalization)
+    } >= set(bn)
     for l in layers:  # same layers by name; the same weights' shapes, less BatchNormalization's moving statistics
         shapes = [tuple(w.shape) for w in l.weights]
         if l.name in bn:
@@ -174,7 +201,9 @@ def _check_fixed_structure(model: keras.Model, fixed: keras.Model, changes: list
         assert [tuple(w.shape) for w in new[l.name].weights] == shapes, l.name
     # The same operations, raw ones (x + 3.0) included, each rebuilt, not shared with the original.
     census = lambda m: collections.Counter(  # noqa: E731
-        "GroupNormalization" if isinstance(op, keras.layers.BatchNormalization) else type(op).__name__ for op in m.operations)
+        "GroupNormalization" if isinstance(op, keras.layers.BatchNormalization) else type(op).__name__
+        for op in m.operations
+    )
     assert census(fixed) == census(model)
     assert not {id(op) for op in fixed.operations} & {id(op) for op in model.operations}
     assert fixed.output.shape == model.output.shape
@@ -226,7 +255,9 @@ def test_fix_model_on_every_application(tmp_path):
     again, rebuilt rather than shared, with weights of the same shapes.
     """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]), TF_CPP_MIN_LOG_LEVEL="2")
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]), TF_CPP_MIN_LOG_LEVEL="2"
+    )
     # Keras's graph construction is single-threaded Python: two children take the CPU time of one on two cores.
     parts = 2 if (os.cpu_count() or 1) >= 2 else 1
     logs = [(tmp_path / f"out{i}.txt", tmp_path / f"err{i}.txt") for i in range(parts)]
@@ -234,8 +265,15 @@ def test_fix_model_on_every_application(tmp_path):
     try:
         for i, (out, err) in enumerate(logs):
             with open(out, "w") as o, open(err, "w") as e:
-                children.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--applications", str(i), str(parts)],
-                                                 stdout=o, stderr=e, env=env, cwd=root))
+                children.append(
+                    subprocess.Popen(
+                        [sys.executable, os.path.abspath(__file__), "--applications", str(i), str(parts)],
+                        stdout=o,
+                        stderr=e,
+                        env=env,
+                        cwd=root,
+                    )
+                )
         codes = [child.wait(timeout=900) for child in children]
     finally:
         for child in children:
@@ -294,8 +332,14 @@ def _randomize_batch_norms(model: keras.Model, rng: np.random.Generator) -> None
     """Gamma, beta and moving statistics that are not their initial 1, 0, 0, 1 (so copying them is seen)."""
     for layer in model._flatten_layers(include_self=False):
         if isinstance(layer, keras.layers.BatchNormalization):
-            layer.set_weights([rng.uniform(0.5, 1.5, w.shape).astype("float32") if "gamma" in w.path or "variance" in w.path
-                               else rng.normal(0, 0.1, w.shape).astype("float32") for w in layer.weights])
+            layer.set_weights(
+                [
+                    rng.uniform(0.5, 1.5, w.shape).astype("float32")
+                    if "gamma" in w.path or "variance" in w.path
+                    else rng.normal(0, 0.1, w.shape).astype("float32")
+                    for w in layer.weights
+                ]
+            )
 
 
 # Graphs fix_model must rebuild: raw keras.ops in hard-swish and squeeze-excite
@@ -315,8 +359,9 @@ def test_fixed_application_runs_keeps_weights_and_clips_like_the_loop(name):
     frozen = peg.dp.fix_model(model, batch_norm="freeze")
     expected = model(x, training=False).numpy()  # the same kernels on the same weights: equal up to a kernel's rounding
     forward_rtol = rounding_rtol(_rounded_path(model))
-    np.testing.assert_allclose(frozen(x, training=False), expected, rtol=forward_rtol,
-                               atol=forward_rtol * np.abs(expected).max())
+    np.testing.assert_allclose(
+        frozen(x, training=False), expected, rtol=forward_rtol, atol=forward_rtol * np.abs(expected).max()
+    )
 
     fixed, changes = peg.dp.fix_model(model, return_changes=True)
     assert changes
@@ -339,9 +384,16 @@ def test_fixed_application_runs_keeps_weights_and_clips_like_the_loop(name):
     factors = clip / np.maximum(norms, clip)
     got, got_norms = peg.clipped_gradients(fixed, sparse_ce, x, y, l2_norm_clip=clip, return_norms=True)
     p = sum(int(np.prod(r.shape[1:])) for r in reference)
-    assert_close(got_norms, norms, rtol=norm_rtol(p, path_rtol), atol=path_rtol * gradient_scale(reference) * math.sqrt(p),
-                 err_msg="norms")
-    assert_clipped_sums_close(got, reference, factors, rtol=weighted_sum_rtol(2, path_rtol + norm_rtol(p, path_rtol) + EPS32))
+    assert_close(
+        got_norms,
+        norms,
+        rtol=norm_rtol(p, path_rtol),
+        atol=path_rtol * gradient_scale(reference) * math.sqrt(p),
+        err_msg="norms",
+    )
+    assert_clipped_sums_close(
+        got, reference, factors, rtol=weighted_sum_rtol(2, path_rtol + norm_rtol(p, path_rtol) + EPS32)
+    )
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--applications"]:

@@ -47,7 +47,14 @@ def _child(name: str, lora: bool) -> None:
     import numpy as np
 
     import per_example_grads as peg
-    from helpers import assert_clipped_sums_close, assert_grads_close, assert_norms_close, reference_gradients, reference_norms, sparse_ce
+    from helpers import (
+        assert_clipped_sums_close,
+        assert_grads_close,
+        assert_norms_close,
+        reference_gradients,
+        reference_norms,
+        sparse_ce,
+    )
     from per_example_grads.apps import zoo
 
     model, x, y = zoo.build(name, B, **({"lora_rank": 4} if lora else {}))
@@ -84,10 +91,16 @@ def _child(name: str, lora: bool) -> None:
 def test_every_engine_refuses_or_matches_the_loop(name, lora):
     pytest.importorskip("keras_hub")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]), TF_CPP_MIN_LOG_LEVEL="2")
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]), TF_CPP_MIN_LOG_LEVEL="2"
+    )
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__), name, str(int(lora))],
-        capture_output=True, text=True, env=env, cwd=root, timeout=900,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+        timeout=900,
     )
     lines = proc.stdout.splitlines()
     results = {r["engine"]: r for r in (json.loads(l) for l in lines if l.startswith("{"))}

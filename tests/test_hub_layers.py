@@ -6,10 +6,9 @@ import sys
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import per_example_grads as peg
-from helpers import assert_clipped_sums_close, reference_gradients, reference_norms, rule_against_loop, sparse_ce
+from helpers import assert_clipped_sums_close, reference_norms, rule_against_loop, sparse_ce
 from per_example_grads.rules import hub_layers, rule_for
 
 keras_hub = pytest.importorskip("keras_hub")

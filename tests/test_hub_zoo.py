@@ -34,8 +34,18 @@ B = 3
 # The cases of one group run in one child process (one TensorFlow start); a crash there leaves its later cases without a result.
 GROUPS = {
     "families": [
-        "gemma3_lm", "qwen3_lm", "smollm3_lm", "deberta_v3_classifier", "roformer_v2_encoder", "bart", "vit", "deit",
-        "app_mobilenet_v3_small", "app_efficientnet_v2_b0", "t5", "mixtral_lm",
+        "gemma3_lm",
+        "qwen3_lm",
+        "smollm3_lm",
+        "deberta_v3_classifier",
+        "roformer_v2_encoder",
+        "bart",
+        "vit",
+        "deit",
+        "app_mobilenet_v3_small",
+        "app_efficientnet_v2_b0",
+        "t5",
+        "mixtral_lm",
     ],
 }
 # Rules (class names) the layer-wise engine must plan for some layer of the case.
@@ -87,11 +97,18 @@ def _child(names: list[str]) -> None:
 
     import hub_zoo
     import per_example_grads as peg
-    from helpers import assert_clipped_sums_close, assert_grads_close, gradient_scale, reference_gradients, reference_norms, sparse_ce
+    from helpers import (
+        assert_clipped_sums_close,
+        assert_grads_close,
+        gradient_scale,
+        reference_gradients,
+        reference_norms,
+        sparse_ce,
+    )
     from per_example_grads.dp import validation
     from per_example_grads.engines.capture import plan_units
     from per_example_grads.rules.local import LocalRule
-    from tolerances import GRADIENT_RTOL, EPS32, norm_rtol, rounding_rtol, weighted_sum_rtol
+    from tolerances import EPS32, GRADIENT_RTOL, norm_rtol, rounding_rtol, weighted_sum_rtol
 
     for name in names:
         print(f"START {name}", flush=True)
@@ -102,7 +119,9 @@ def _child(names: list[str]) -> None:
             units = plan_units(model, model.trainable_variables)
             result["rules"] = sorted({type(u.rule).__name__ for u in units})
             result["fallback"] = sorted({type(u.layer).__name__ for u in units if isinstance(u.rule, LocalRule)})
-            result["check_model"] = sorted({(f.class_name, f.why) for f in validation.validate(model, training=False).fallback})
+            result["check_model"] = sorted(
+                {(f.class_name, f.why) for f in validation.validate(model, training=False).fallback}
+            )
             expected = reference_gradients(model, sparse_ce, x, y)
             assert any(np.abs(e).max() > 0 for e in expected)
             result["seconds"]["build_and_loop"] = time.perf_counter() - started
@@ -116,12 +135,17 @@ def _child(names: list[str]) -> None:
             factors = clip / np.maximum(norms, clip)
 
             def check_norms(got, label):
-                np.testing.assert_allclose(got, norms, rtol=norm_rtol(p, rtol), atol=rtol * scale * np.sqrt(p), err_msg=label)
+                np.testing.assert_allclose(
+                    got, norms, rtol=norm_rtol(p, rtol), atol=rtol * scale * np.sqrt(p), err_msg=label
+                )
 
             checks = {
-                "auto": lambda: assert_grads_close(peg.per_example_gradients(model, sparse_ce, x, y), expected, rtol=rtol),
+                "auto": lambda: assert_grads_close(
+                    peg.per_example_gradients(model, sparse_ce, x, y), expected, rtol=rtol
+                ),
                 "layerwise": lambda: assert_grads_close(
-                    peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise"), expected, rtol=rtol),
+                    peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise"), expected, rtol=rtol
+                ),
                 "norms": lambda: check_norms(peg.per_example_norms(model, sparse_ce, x, y), "per_example_norms"),
             }
 
@@ -150,9 +174,16 @@ def _child(names: list[str]) -> None:
 def _run_group(group: str) -> tuple[dict, str]:
     """``({case: result}, diagnostics)`` of one child running ``GROUPS[group]``."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]), TF_CPP_MIN_LOG_LEVEL="2")
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]), TF_CPP_MIN_LOG_LEVEL="2"
+    )
     proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), *GROUPS[group]], capture_output=True, text=True, env=env, cwd=root, timeout=900,
+        [sys.executable, os.path.abspath(__file__), *GROUPS[group]],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+        timeout=900,
     )
     lines = proc.stdout.splitlines()
     results = {r["case"]: r for r in (json.loads(l) for l in lines if l.startswith("{"))}

@@ -40,7 +40,9 @@ def test_clipped_mean_and_sample_weights():
 
 
 def test_per_layer_clipping():
-    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, name="hidden"), keras.layers.Dense(3, name="head")])
+    model = keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(4, name="hidden"), keras.layers.Dense(3, name="head")]
+    )
     x, y = rng.normal(size=(B, 5)).astype("float32"), rng.integers(0, 3, B)
     expected = reference_gradients(model, sparse_ce, x, y)
     clips = {"hidden": 0.05, "head": 0.2}
@@ -113,9 +115,11 @@ def test_auto_prefers_layerwise_and_no_batch_sized_tensors_for_norms():
     from per_example_grads.engines import selection
 
     assert selection.AUTO_ORDER[0] == "layerwise"
-    graph = tf.function(lambda x, y: peg.per_example_norms(model, sparse_ce, x, y)).get_concrete_function(
-        tf.TensorSpec([None, 6]), tf.TensorSpec([None], tf.int32)
-    ).graph
+    graph = (
+        tf.function(lambda x, y: peg.per_example_norms(model, sparse_ce, x, y))
+        .get_concrete_function(tf.TensorSpec([None, 6]), tf.TensorSpec([None], tf.int32))
+        .graph
+    )
     # Ghost norms: no op output has the shape of per-example kernels [B, 6, 5].
     shapes = [tuple(o.shape.as_list()) for op in graph.get_operations() for o in op.outputs if o.shape.rank == 3]
     assert (None, 6, 5) not in shapes
@@ -124,8 +128,14 @@ def test_auto_prefers_layerwise_and_no_batch_sized_tensors_for_norms():
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_mixed_precision_matches_float32(policy):
     def build():
-        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.LayerNormalization(),
-                                 keras.layers.Dense(3, dtype="float32")])
+        return keras.Sequential(
+            [
+                keras.Input((6,)),
+                keras.layers.Dense(8, activation="relu"),
+                keras.layers.LayerNormalization(),
+                keras.layers.Dense(3, dtype="float32"),
+            ]
+        )
 
     model32 = build()
     x, y = rng.normal(size=(B, 6)).astype("float32"), rng.integers(0, 3, B)
@@ -182,8 +192,10 @@ def test_layer_called_on_non_batch_tensor_is_refused_and_auto_falls_back():
     model(x)
     with pytest.raises(peg.EngineError, match="not the batch"):
         peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise")
-    f = tf.function(lambda x, y: peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise"),
-                    input_signature=[tf.TensorSpec([None, 6], tf.int32), tf.TensorSpec([None], tf.int32)])
+    f = tf.function(
+        lambda x, y: peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise"),
+        input_signature=[tf.TensorSpec([None, 6], tf.int32), tf.TensorSpec([None], tf.int32)],
+    )
     with pytest.raises(peg.EngineError, match="not the batch"):
         f(x, y)
     with pytest.warns(peg.EngineFallbackWarning, match="not the batch"):
@@ -240,13 +252,16 @@ def test_norms_run_in_a_window_of_units_and_fallback_units_one_at_a_time():
             out = squared_norms(self, layer, *args, **kwargs)
             created[layer.name] = set(graph.get_operations()[start:])
             return out
+
         return wrapper
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(DenseRule, "squared_norms", named(DenseRule.squared_norms))
         mp.setattr(LayerRule, "squared_norms", named(LayerRule.squared_norms))
         x = np.random.default_rng(0).normal(size=(3, 4)).astype("float32")
-        tf.function(lambda x, y: peg.per_example_norms(model, sparse_ce, x, y, method="layerwise"))(x, np.array([0, 1, 2], "int32"))
+        tf.function(lambda x, y: peg.per_example_norms(model, sparse_ce, x, y, method="layerwise"))(
+            x, np.array([0, 1, 2], "int32")
+        )
 
     def waits(later: str, earlier: str) -> bool:
         return any(c in created[earlier] for op in created[later] for c in op.control_inputs)

@@ -21,18 +21,35 @@ def test_rules_know_when_xla_compiles_them():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", layer_case_params([
-    "embedding_repeated_ids", "embedding_mask_zero_pooled", "dense_sequence_gram", "conv2d_strided_valid",
-    "layer_norm_sequence", "multi_head_attention", "lstm_fallback", "custom_layer_fallback",
-    "reversible_tied", "reversible_two_lookups", "multi_head_attention_lora",
-]))
+@pytest.mark.parametrize(
+    "name",
+    layer_case_params(
+        [
+            "embedding_repeated_ids",
+            "embedding_mask_zero_pooled",
+            "dense_sequence_gram",
+            "conv2d_strided_valid",
+            "layer_norm_sequence",
+            "multi_head_attention",
+            "lstm_fallback",
+            "custom_layer_fallback",
+            "reversible_tied",
+            "reversible_two_lookups",
+            "multi_head_attention_lora",
+        ]
+    ),
+)
 def test_norms_and_clipped_sums_under_xla_match_the_materialized_reference(name):
     """``tf.function(jit_compile=True)`` (what Keras' jit_compile does, the default on GPUs) changes nothing."""
     model, x, y = layer_case(name)
     expected = reference_gradients(model, sparse_ce, x, y)
     factors = 0.3 / np.maximum(reference_norms(expected), 0.3)
-    norms_xla = tf.function(lambda x, y: peg.per_example_norms(model, sparse_ce, x, y, method="layerwise"), jit_compile=True)
+    norms_xla = tf.function(
+        lambda x, y: peg.per_example_norms(model, sparse_ce, x, y, method="layerwise"), jit_compile=True
+    )
     clipped_xla = tf.function(
-        lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, method="layerwise"), jit_compile=True)
+        lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, method="layerwise"),
+        jit_compile=True,
+    )
     assert_norms_close(norms_xla(x, y), expected)
     assert_clipped_sums_close(clipped_xla(x, y), expected, factors)

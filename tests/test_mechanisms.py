@@ -9,8 +9,8 @@ import pytest
 import tensorflow as tf
 
 import per_example_grads as peg
-from per_example_grads.dp.aggregator import ClippedSum, DPAggregator
 from per_example_grads.dp.accounting import PrivacyAccountant, compute_epsilon
+from per_example_grads.dp.aggregator import ClippedSum, DPAggregator
 from tolerances import ACCOUNTING_SAME_RTOL, Z, rounding_rtol
 
 
@@ -50,7 +50,11 @@ def test_the_noise_is_c_inverse_of_the_fresh_draws_of_dp_sgd_with_the_same_seed(
     want = np.linalg.solve(_toeplitz(c, n), fresh.astype(np.float64))
     # Step t sums at most n terms of |C^{-1}| weight; float32 rounding of each.
     inverse_rows = np.abs(np.linalg.inv(_toeplitz(c, n))).sum(axis=1)
-    atol = rounding_rtol(n * max(len(c), mechanism.buffers if name == "blt" else 1)) * inverse_rows[:, None] * np.abs(fresh).max()
+    atol = (
+        rounding_rtol(n * max(len(c), mechanism.buffers if name == "blt" else 1))
+        * inverse_rows[:, None]
+        * np.abs(fresh).max()
+    )
     assert np.all(np.abs(noise - want) <= atol * 4)
     assert not np.allclose(noise[1:], fresh[1:])  # it is correlated, not DP-SGD's
 
@@ -72,9 +76,13 @@ def test_the_noise_covariance_over_steps_is_sigma_c_squared_times_c_inverse_c_in
 def test_bandmf_with_one_band_is_dp_sgd():
     mechanism = peg.dp.BandMF(bands=1, num_steps=10)
     np.testing.assert_array_equal(mechanism.coefficients, [1.0])
-    np.testing.assert_array_equal(_releases(_aggregator(mechanism, 64, seed=3), 3, 64), _releases(_aggregator(None, 64, seed=3), 3, 64))
+    np.testing.assert_array_equal(
+        _releases(_aggregator(mechanism, 64, seed=3), 3, 64), _releases(_aggregator(None, 64, seed=3), 3, 64)
+    )
     kw = dict(steps=40, accountant="rdp")
-    assert compute_epsilon(1000, 10, None, 1.0, 1e-5, mechanism=mechanism, **kw) == compute_epsilon(1000, 10, None, 1.0, 1e-5, **kw)
+    assert compute_epsilon(1000, 10, None, 1.0, 1e-5, mechanism=mechanism, **kw) == compute_epsilon(
+        1000, 10, None, 1.0, 1e-5, **kw
+    )
 
 
 @pytest.mark.parametrize("steps", [1, 7, 40, 41])
@@ -113,7 +121,9 @@ def test_blt_epsilon_is_one_gaussian_of_sigma_over_its_sensitivity():
 
 def test_noise_multiplier_for_epsilon_calibrates_a_mechanism():
     mechanism = peg.dp.BandMF(bands=4, num_steps=100)
-    sigma = peg.dp.noise_multiplier_for_epsilon(2.0, 1e-5, 1000, 10, None, steps=100, mechanism=mechanism, accountant="rdp")
+    sigma = peg.dp.noise_multiplier_for_epsilon(
+        2.0, 1e-5, 1000, 10, None, steps=100, mechanism=mechanism, accountant="rdp"
+    )
     at = lambda s: compute_epsilon(1000, 10, None, s, 1e-5, steps=100, mechanism=mechanism, accountant="rdp")  # noqa: E731
     assert at(sigma) <= 2.0 < at(sigma / 1.01)
 
@@ -202,7 +212,9 @@ def test_without_a_seed_the_noise_is_fresh(name):
 def test_dp_model_epsilon_with_bandmf_is_the_cyclic_dp_sgd_epsilon():
     x, y = _data(40)
     dp = _dp_model(peg.dp.BandMF(bands=4, num_steps=16))
-    dp.fit(peg.dp.poisson_batches(x, y, sampling_probability=0.5, cycle_length=4, steps=16, seed=0), epochs=1, verbose=0)
+    dp.fit(
+        peg.dp.poisson_batches(x, y, sampling_probability=0.5, cycle_length=4, steps=16, seed=0), epochs=1, verbose=0
+    )
     assert dp.num_examples == 40 and dp.expected_batch_size is None
     reference = PrivacyAccountant(1.0, 0.5)
     reference.step(4)
@@ -275,7 +287,11 @@ def test_prefix_sum_error_is_that_of_the_explicit_matrices(name):
 
     mechanism = peg.dp.GaussianNoise() if name == "dp_sgd" else MECHANISMS[name]()
     n = 20  # past BLT's planned 12 steps: its C goes on with the same generating function
-    c = mechanism.coefficients if name != "blt" else peg.dp.mf_strategies.blt_coefficients(mechanism.theta, mechanism.omega, n)
+    c = (
+        mechanism.coefficients
+        if name != "blt"
+        else peg.dp.mf_strategies.blt_coefficients(mechanism.theta, mechanism.omega, n)
+    )
     a = np.tril(np.ones((n, n)))
     want = np.linalg.norm(a @ np.linalg.inv(_toeplitz(c, n))) / np.sqrt(n)
     assert prefix_sum_error(mechanism, n) == pytest.approx(want, rel=1e-10)

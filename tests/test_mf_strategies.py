@@ -317,7 +317,9 @@ def test_blt_objective_is_the_log_merit_squared_with_its_gradient(s, k):
     theta, _, omega = mf._blt_from_unconstrained(x)
     c = mf.blt_coefficients(theta, omega, n)
     assert math.exp(value) == pytest.approx(_merit(c, n, s, k) ** 2, rel=1e-12)
-    np.testing.assert_allclose(grad, _central_difference(lambda x: mf._blt_objective(x, n, s, k), x), atol=GRADIENT_ATOL)
+    np.testing.assert_allclose(
+        grad, _central_difference(lambda x: mf._blt_objective(x, n, s, k), x), atol=GRADIENT_ATOL
+    )
 
 
 # --------------------------------------------------------------------------- optimized strategies

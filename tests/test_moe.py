@@ -184,18 +184,44 @@ def _hub_model(family: str):
     keras.utils.set_random_seed(0)
     if family == "mixtral":  # Gram forms for every expert kernel at T = 4
         backbone = keras_hub.models.MixtralBackbone(
-            vocabulary_size=VOCAB, num_layers=1, num_query_heads=2, num_key_value_heads=1, hidden_dim=8,
-            intermediate_dim=16, num_experts=4, top_k=2)
+            vocabulary_size=VOCAB,
+            num_layers=1,
+            num_query_heads=2,
+            num_key_value_heads=1,
+            hidden_dim=8,
+            intermediate_dim=16,
+            num_experts=4,
+            top_k=2,
+        )
         return keras_hub.models.MixtralCausalLM(backbone=backbone, preprocessor=None), 4
     if family == "qwen_moe":  # a shared expert and its gate; top-k weights not renormalized
         backbone = keras_hub.models.QwenMoeBackbone(
-            vocabulary_size=VOCAB, num_layers=1, num_query_heads=2, num_key_value_heads=1, hidden_dim=8,
-            intermediate_dim=16, moe_intermediate_dim=8, shared_expert_intermediate_dim=12, num_experts=4, top_k=2)
+            vocabulary_size=VOCAB,
+            num_layers=1,
+            num_query_heads=2,
+            num_key_value_heads=1,
+            hidden_dim=8,
+            intermediate_dim=16,
+            moe_intermediate_dim=8,
+            shared_expert_intermediate_dim=12,
+            num_experts=4,
+            top_k=2,
+        )
         return keras_hub.models.QwenMoeCausalLM(backbone=backbone, preprocessor=None), 4
     # T = 12: the expert kernels' norms built, not in the Gram form; top-k weights renormalized
     backbone = keras_hub.models.Qwen3MoeBackbone(
-        vocabulary_size=VOCAB, num_layers=1, num_query_heads=2, num_key_value_heads=1, hidden_dim=8,
-        intermediate_dim=16, moe_intermediate_dim=8, num_experts=3, top_k=2, head_dim=4, norm_top_k_prob=True)
+        vocabulary_size=VOCAB,
+        num_layers=1,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=8,
+        intermediate_dim=16,
+        moe_intermediate_dim=8,
+        num_experts=3,
+        top_k=2,
+        head_dim=4,
+        norm_top_k_prob=True,
+    )
     return keras_hub.models.Qwen3MoeCausalLM(backbone=backbone, preprocessor=None), 12
 
 
@@ -245,7 +271,9 @@ def _child_checks(family: str) -> None:
         rtol = clipped_sum_rtol(p, HUB_B)
         for g, e, n in zip(got, expected, names):
             scale = float(np.max(np.tensordot(factors, np.abs(e), axes=1)))
-            assert_close(tf.convert_to_tensor(g), np.tensordot(factors, e, axes=1), rtol=rtol, atol=rtol * scale, err_msg=n)
+            assert_close(
+                tf.convert_to_tensor(g), np.tensordot(factors, e, axes=1), rtol=rtol, atol=rtol * scale, err_msg=n
+            )
 
     def plan_and_outputs():
         problem = make_problem(model, sparse_ce, None, False, False)
@@ -264,6 +292,7 @@ def _child_checks(family: str) -> None:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", peg.EngineFallbackWarning)
                 grads_close(peg.per_example_gradients(model, sparse_ce, x, y, method=method, **kw))
+
         return check
 
     def norms_by_variable():
@@ -275,11 +304,17 @@ def _child_checks(family: str) -> None:
             clipped_close(*peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=clip, return_norms=True, **kw))
 
     def clipped_in_graph():
-        spec = [{k: tf.TensorSpec([None, t], tf.int32) for k in x}, tf.TensorSpec([None, t], tf.int32),
-                tf.TensorSpec([None], tf.float32)]
-        fn = tf.function(lambda x, y, sw: peg.clipped_gradients(
-            model, sparse_ce, x, y, sample_weight=sw, l2_norm_clip=clip, return_norms=True, method="layerwise"),
-            input_signature=spec)
+        spec = [
+            {k: tf.TensorSpec([None, t], tf.int32) for k in x},
+            tf.TensorSpec([None, t], tf.int32),
+            tf.TensorSpec([None], tf.float32),
+        ]
+        fn = tf.function(
+            lambda x, y, sw: peg.clipped_gradients(
+                model, sparse_ce, x, y, sample_weight=sw, l2_norm_clip=clip, return_norms=True, method="layerwise"
+            ),
+            input_signature=spec,
+        )
         clipped_close(*fn(x, y, sw))
 
     def stand_in():
@@ -289,8 +324,13 @@ def _child_checks(family: str) -> None:
         finally:
             RULES.update(removed)
 
-    checks = {"plan_and_outputs": plan_and_outputs, "layerwise": gradients("layerwise"), "auto": gradients("auto"),
-              "norms": norms_by_variable, "clipped": clipped}
+    checks = {
+        "plan_and_outputs": plan_and_outputs,
+        "layerwise": gradients("layerwise"),
+        "auto": gradients("auto"),
+        "norms": norms_by_variable,
+        "clipped": clipped,
+    }
     if family == "mixtral":  # tracing the whole engine costs seconds: once, and the stand-in once
         checks.update(clipped_in_graph=clipped_in_graph, stand_in=stand_in)
     for name, check in checks.items():
@@ -311,9 +351,17 @@ def hub_child():
     """One child for all families (TensorFlow's import is most of a child's time): its stdout lines, return code, stderr."""
     pytest.importorskip("keras_hub")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]), TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *FAMILIES],
-                          capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]), TF_CPP_MIN_LOG_LEVEL="2"
+    )
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), *FAMILIES],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+        timeout=600,
+    )
     return proc.stdout.splitlines(), proc.returncode, proc.stderr
 
 

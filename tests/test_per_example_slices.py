@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 import per_example_grads as peg
 from helpers import assert_close, assert_grads_close, assert_norms_close, reference_gradients, sparse_ce
-from tolerances import ELEMENTWISE_RTOL, GRADIENT_RTOL, norm_rtol, rounding_rtol, weighted_sum_rtol
 from per_example_grads.per_example_slices import PerExampleSlices
+from tolerances import ELEMENTWISE_RTOL, GRADIENT_RTOL, norm_rtol, rounding_rtol, weighted_sum_rtol
 
 B = 6
 
@@ -87,8 +87,11 @@ def test_transforms_use_the_rows_and_agree_with_dense_gradients(name):
     want, _ = peg.clip_by_global_norm(dense, 0.01)
     assert any(isinstance(c, PerExampleSlices) for c in clipped)
     # The factors come from norms that agree to norm_rtol(p), one division and one product more.
-    assert_grads_close([tf.convert_to_tensor(c) for c in clipped], [w.numpy() for w in want],
-                       rtol=GRADIENT_RTOL + norm_rtol(p) + rounding_rtol(2))
+    assert_grads_close(
+        [tf.convert_to_tensor(c) for c in clipped],
+        [w.numpy() for w in want],
+        rtol=GRADIENT_RTOL + norm_rtol(p) + rounding_rtol(2),
+    )
     # Entries scaled by a factor (a few roundings), then their norm taken again in float32.
     assert np.all(peg.global_norms(clipped).numpy() <= 0.01 * (1 + norm_rtol(p, ELEMENTWISE_RTOL)))
     rtol = weighted_sum_rtol(B, GRADIENT_RTOL)  # a sum (or mean: one division more) over B examples
@@ -157,7 +160,9 @@ def test_sparse_embeddings_need_the_layerwise_engine():
 @given(b=st.integers(0, 4), t=st.integers(1, 9), vocabulary=st.integers(1, 6), row=st.integers(1, 3), data=st.data())
 def test_rows_against_dense_numpy_tables(b, t, vocabulary, row, data):
     """to_dense, squared norms, scale, concat and sum_examples against tables built with np.add.at."""
-    ids = np.array(data.draw(st.lists(st.integers(0, vocabulary - 1), min_size=b * t, max_size=b * t)), "int32").reshape(b, t)
+    ids = np.array(
+        data.draw(st.lists(st.integers(0, vocabulary - 1), min_size=b * t, max_size=b * t)), "int32"
+    ).reshape(b, t)
     rng = np.random.default_rng(b * 100 + t)
     values = rng.normal(size=(b, t, row)).astype("float32")
     factors = rng.uniform(0.1, 2.0, b).astype("float32")
@@ -170,9 +175,15 @@ def test_rows_against_dense_numpy_tables(b, t, vocabulary, row, data):
     # A table entry is a sum of at most t rows (2 t for concat, b t over examples), in two orders,
     # relative to its terms' magnitudes; scaling adds a product. A square doubles the error: 2 |S| M.
     assert_close(s.to_dense(), tables, atol=rounding_rtol(t) * magnitudes)
-    assert_close(s.squared_norms(), np.sum(tables**2, axis=(1, 2)), rtol=rounding_rtol(row * t),
-                 atol=2 * rounding_rtol(t) * np.sum(np.abs(tables) * magnitudes, axis=(1, 2)))
+    assert_close(
+        s.squared_norms(),
+        np.sum(tables**2, axis=(1, 2)),
+        rtol=rounding_rtol(row * t),
+        atol=2 * rounding_rtol(t) * np.sum(np.abs(tables) * magnitudes, axis=(1, 2)),
+    )
     scaled = factors[:, None, None].astype(np.float64)
     assert_close(s.scale(factors).to_dense(), tables * scaled, atol=rounding_rtol(t + 1) * magnitudes * scaled)
     assert_close(s.concat(s).to_dense(), 2 * tables, atol=rounding_rtol(2 * t) * 2 * magnitudes)
-    assert_close(tf.convert_to_tensor(s.sum_examples()), tables.sum(axis=0), atol=rounding_rtol(b * t) * magnitudes.sum(axis=0))
+    assert_close(
+        tf.convert_to_tensor(s.sum_examples()), tables.sum(axis=0), atol=rounding_rtol(b * t) * magnitudes.sum(axis=0)
+    )

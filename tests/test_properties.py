@@ -42,8 +42,14 @@ def conv_stacks(draw):
             padding = "same"
         size = -(-size // strides) if padding == "same" else (size - effective) // strides + 1
         specs.append(
-            dict(filters=draw(st.integers(1, 3)), kernel_size=k, strides=strides, dilation_rate=dilation,
-                 padding=padding, activation=draw(st.sampled_from(ACTIVATIONS)))
+            dict(
+                filters=draw(st.integers(1, 3)),
+                kernel_size=k,
+                strides=strides,
+                dilation_rate=dilation,
+                padding=padding,
+                activation=draw(st.sampled_from(ACTIVATIONS)),
+            )
         )
     b = draw(st.integers(1, 4))
 

@@ -7,7 +7,12 @@ import tensorflow as tf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import clipped_against_loop, layerwise_clipped_against_loop, layerwise_per_example_against_loop, rule_against_loop
+from helpers import (
+    clipped_against_loop,
+    layerwise_clipped_against_loop,
+    layerwise_per_example_against_loop,
+    rule_against_loop,
+)
 from model_zoo import RULE_FAMILIES, layer_case, layer_case_params
 
 
@@ -17,10 +22,20 @@ def test_rule_matches_loop(name):
 
 
 @pytest.mark.parametrize("clip", [1e-3, 0.3, 1e3])
-@pytest.mark.parametrize("name", layer_case_params([
-    "conv2d_strided_valid", "conv2d_dilated_same", "conv2d_few_positions_gram", "conv2d_same_small_input",
-    "conv1d_causal_dilated", "conv1d_strided_same_no_bias", "conv3d_strided_same",
-]))
+@pytest.mark.parametrize(
+    "name",
+    layer_case_params(
+        [
+            "conv2d_strided_valid",
+            "conv2d_dilated_same",
+            "conv2d_few_positions_gram",
+            "conv2d_same_small_input",
+            "conv1d_causal_dilated",
+            "conv1d_strided_same_no_bias",
+            "conv3d_strided_same",
+        ]
+    ),
+)
 def test_clipped_gradients_match_clipping_materialized(name, clip):
     clipped_against_loop(*layer_case(name), clip, methods=["layerwise", "vectorized"])
 
@@ -28,23 +43,37 @@ def test_clipped_gradients_match_clipping_materialized(name, clip):
 @pytest.mark.slow
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    st.integers(1, 3), st.integers(1, 2), st.sampled_from([1, 2]), st.sampled_from(["valid", "same"]),
-    st.sampled_from([1, 2]), st.integers(1, 4), st.integers(0, 2**16),
+    st.integers(1, 3),
+    st.integers(1, 2),
+    st.sampled_from([1, 2]),
+    st.sampled_from(["valid", "same"]),
+    st.sampled_from([1, 2]),
+    st.integers(1, 4),
+    st.integers(0, 2**16),
 )
 def test_random_conv_and_sequence_dense(kernel, strides, dilation, padding, t, width, seed):
     dilation = 1 if strides > 1 else dilation
     r = np.random.default_rng(seed)
-    model = keras.Sequential([
-        keras.Input((8, 2)),
-        keras.layers.Conv1D(width, kernel, strides=strides, dilation_rate=dilation, padding=padding),
-        keras.layers.Dense(width + 1, activation="tanh"),
-        keras.layers.Flatten(), keras.layers.Dense(3),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((8, 2)),
+            keras.layers.Conv1D(width, kernel, strides=strides, dilation_rate=dilation, padding=padding),
+            keras.layers.Dense(width + 1, activation="tanh"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(3),
+        ]
+    )
     x, y = r.normal(size=(3, 8, 2)).astype("float32"), r.integers(0, 3, 3)
     rule_against_loop(model, x, y, norms="global")
 
 
-CONV_CLIPPED = ["conv2d_strided_valid", "conv2d_dilated_same", "conv2d_same_small_input", "conv1d_causal_dilated", "conv1d_strided_same_no_bias"]
+CONV_CLIPPED = [
+    "conv2d_strided_valid",
+    "conv2d_dilated_same",
+    "conv2d_same_small_input",
+    "conv1d_causal_dilated",
+    "conv1d_strided_same_no_bias",
+]
 
 
 @pytest.mark.parametrize("keep, jit", [(False, True), (True, False)])
@@ -80,15 +109,18 @@ def test_conv_keeps_per_example_kernels_only_when_small():
     assert conv.kernel_squared_norms(conv.ConvSpec(2, (3, 3), (1, 1), (1, 1), "same"), a, g, keep=True)[1] is None
 
 
-@pytest.mark.parametrize("spec, shape", [
-    ((2, (3, 3), (1, 1), (1, 1), "valid"), (3, 9, 8, 1)),
-    ((2, (3, 2), (2, 3), (1, 1), "valid"), (2, 11, 10, 3)),
-    ((2, (3, 3), (2, 2), (1, 1), "same"), (2, 9, 8, 2)),
-    ((2, (2, 3), (1, 1), (2, 2), "same"), (2, 7, 9, 2)),
-    ((1, (3,), (2,), (1,), "same"), (2, 10, 3)),
-    ((1, (3,), (1,), (2,), "causal"), (2, 9, 2)),
-    ((1, (1,), (1,), (1,), "valid"), (2, 5, 4)),
-])
+@pytest.mark.parametrize(
+    "spec, shape",
+    [
+        ((2, (3, 3), (1, 1), (1, 1), "valid"), (3, 9, 8, 1)),
+        ((2, (3, 2), (2, 3), (1, 1), "valid"), (2, 11, 10, 3)),
+        ((2, (3, 3), (2, 2), (1, 1), "same"), (2, 9, 8, 2)),
+        ((2, (2, 3), (1, 1), (2, 2), "same"), (2, 7, 9, 2)),
+        ((1, (3,), (2,), (1,), "same"), (2, 10, 3)),
+        ((1, (3,), (1,), (2,), "causal"), (2, 9, 2)),
+        ((1, (1,), (1,), (1,), "valid"), (2, 5, 4)),
+    ],
+)
 def test_conv_sliced_patches_equal_extract_patches(spec, shape):
     """The strided-slice patches the norms use under XLA are extract_patches' exactly, in its feature order."""
     from per_example_grads.rules import conv
@@ -108,16 +140,20 @@ def _assert_equal_to_sliced_patches(patches_of, spec, shape):
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("spec, shape", [
-    ((3, (2, 2, 2), (1, 2, 1), (1, 1, 1), "valid"), (2, 4, 5, 4, 2)),
-    ((3, (3, 2, 3), (2, 1, 2), (1, 1, 1), "same"), (2, 5, 6, 4, 3)),
-])
+@pytest.mark.parametrize(
+    "spec, shape",
+    [
+        ((3, (2, 2, 2), (1, 2, 1), (1, 1, 1), "valid"), (2, 4, 5, 4, 2)),
+        ((3, (3, 2, 3), (2, 1, 2), (1, 1, 1), "same"), (2, 5, 6, 4, 3)),
+    ],
+)
 def test_conv3d_patches_of_unknown_sizes_equal_the_sliced_ones(spec, shape):
     """extract_volume_patches (sizes known only at run time) orders a patch's features as the kernel's rows."""
     from per_example_grads.rules import conv
 
     unknown = lambda layer, a: tf.function(  # noqa: E731
-        lambda a: conv.patches(layer, a), input_signature=[tf.TensorSpec([None, None, None, None, shape[-1]])])(a)
+        lambda a: conv.patches(layer, a), input_signature=[tf.TensorSpec([None, None, None, None, shape[-1]])]
+    )(a)
     _assert_equal_to_sliced_patches(unknown, spec, shape)
 
 
@@ -142,29 +178,43 @@ def test_transposed_channels_first_is_declined():
     assert CONV_TRANSPOSE_RULE.unsupported(keras.layers.Conv2DTranspose(2, 2, data_format="channels_first")) is not None
 
 
-@pytest.mark.parametrize("name", [
-    "conv1d_transpose_strided", "conv2d_transpose_same_output_padding", "conv2d_transpose_valid_output_padding",
-    "conv3d_transpose_strided_same", "conv3d_dilated",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "conv1d_transpose_strided",
+        "conv2d_transpose_same_output_padding",
+        "conv2d_transpose_valid_output_padding",
+        "conv3d_transpose_strided_same",
+        "conv3d_dilated",
+    ],
+)
 def test_clipped_sum_under_xla(name):
     model, x, y = layer_case(name)
     layerwise_clipped_against_loop(model, x, y, tf_function={"jit_compile": True})
 
 
-@pytest.mark.parametrize("layer, shape", [
-    (keras.layers.Conv3D(3, 2, dilation_rate=2), (6, 5, 5, 2)),
-    (keras.layers.Conv3D(4, 2, dilation_rate=(1, 2, 2), groups=2, padding="same"), (4, 5, 5, 2)),
-    (keras.layers.Conv1DTranspose(3, 3, strides=2, padding="same"), (7, 2)),
-    (keras.layers.Conv2DTranspose(3, 3, strides=2, output_padding=1), (4, 5, 2)),
-    (keras.layers.Conv3DTranspose(2, 2, dilation_rate=2, padding="same"), (3, 3, 4, 2)),
-], ids=lambda v: type(v).__name__ if isinstance(v, keras.layers.Layer) else None)
+@pytest.mark.parametrize(
+    "layer, shape",
+    [
+        (keras.layers.Conv3D(3, 2, dilation_rate=2), (6, 5, 5, 2)),
+        (keras.layers.Conv3D(4, 2, dilation_rate=(1, 2, 2), groups=2, padding="same"), (4, 5, 5, 2)),
+        (keras.layers.Conv1DTranspose(3, 3, strides=2, padding="same"), (7, 2)),
+        (keras.layers.Conv2DTranspose(3, 3, strides=2, output_padding=1), (4, 5, 2)),
+        (keras.layers.Conv3DTranspose(2, 2, dilation_rate=2, padding="same"), (3, 3, 4, 2)),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, keras.layers.Layer) else None,
+)
 def test_unknown_sizes_in_a_graph(layer, shape):
     """A fully convolutional model traced for any size (``[None, None, ..., C]``) gets exact clipped sums and norms.
 
     A dilated Conv3D of unknown size takes its patches from a convolution with a one-hot kernel.
     """
     rank = len(shape) - 1
-    pooling = {1: keras.layers.GlobalAveragePooling1D, 2: keras.layers.GlobalAveragePooling2D, 3: keras.layers.GlobalAveragePooling3D}[rank]
+    pooling = {
+        1: keras.layers.GlobalAveragePooling1D,
+        2: keras.layers.GlobalAveragePooling2D,
+        3: keras.layers.GlobalAveragePooling3D,
+    }[rank]
     c = shape[-1]
     if isinstance(layer, keras.layers.Conv3D) and layer.groups > 1:
         shape = (*shape[:-1], 2 * c)
@@ -178,9 +228,16 @@ def test_unknown_sizes_in_a_graph(layer, shape):
 
 
 @pytest.mark.parametrize("mode", ["chunks", "xla"])
-@pytest.mark.parametrize("name", [
-    "conv2d_strided_valid", "conv2d_pointwise", "conv1d_causal_dilated", "conv3d_dilated", "conv2d_transpose_same_output_padding",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "conv2d_strided_valid",
+        "conv2d_pointwise",
+        "conv1d_causal_dilated",
+        "conv3d_dilated",
+        "conv2d_transpose_same_output_padding",
+    ],
+)
 def test_per_example_kernels_in_batch_chunks_and_under_xla(name, mode, monkeypatch):
     """Materialized kernels from the patches, one example per chunk (every case has more positions than filters) or under XLA."""
     from per_example_grads.rules import conv
@@ -191,11 +248,14 @@ def test_per_example_kernels_in_batch_chunks_and_under_xla(name, mode, monkeypat
     layerwise_per_example_against_loop(model, x, y, tf_function={"jit_compile": mode == "xla"})
 
 
-@pytest.mark.parametrize("spec, shape", [
-    ((3, (2, 2, 2), (1, 1, 1), (2, 1, 2), "valid"), (2, 5, 4, 5, 2)),
-    ((3, (3, 2, 2), (1, 1, 1), (1, 2, 1), "same"), (2, 5, 6, 4, 3)),
-    ((2, (3, 3), (2, 2), (1, 1), "same"), (2, 7, 6, 2)),
-])
+@pytest.mark.parametrize(
+    "spec, shape",
+    [
+        ((3, (2, 2, 2), (1, 1, 1), (2, 1, 2), "valid"), (2, 5, 4, 5, 2)),
+        ((3, (3, 2, 2), (1, 1, 1), (1, 2, 1), "same"), (2, 5, 6, 4, 3)),
+        ((2, (3, 3), (2, 2), (1, 1), "same"), (2, 7, 6, 2)),
+    ],
+)
 def test_patches_by_one_hot_convolution_equal_the_sliced_ones(spec, shape):
     """The one-hot convolution copies each input value into its (offset, channel) feature: no rounding."""
     from per_example_grads.rules import conv

@@ -15,4 +15,6 @@ def test_rule_matches_loop(name):
 @pytest.mark.parametrize("name", layer_case_params(["dense_sequence_gram", "multi_head_attention"]))
 def test_clipped_gradients_match_clipping_materialized(name, clip):
     # MultiHeadAttention's projections are broadcasting batch matmuls under pfor: vectorized refuses them (pfor_limits).
-    clipped_against_loop(*layer_case(name), clip, methods=["layerwise", "vectorized" if name != "multi_head_attention" else "loop"])
+    clipped_against_loop(
+        *layer_case(name), clip, methods=["layerwise", "vectorized" if name != "multi_head_attention" else "loop"]
+    )

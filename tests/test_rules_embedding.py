@@ -27,7 +27,10 @@ def test_rule_matches_loop(name):
 
 
 @pytest.mark.parametrize("clip", [1e-3, 0.3, 1e3])
-@pytest.mark.parametrize("name", layer_case_params(["embedding_mask_zero_pooled", "embedding_repeated_ids", "embedding_long_mask_zero_pooled"]))
+@pytest.mark.parametrize(
+    "name",
+    layer_case_params(["embedding_mask_zero_pooled", "embedding_repeated_ids", "embedding_long_mask_zero_pooled"]),
+)
 def test_clipped_gradients_match_clipping_materialized(name, clip):
     clipped_against_loop(*layer_case(name), clip, methods=["layerwise", "vectorized"])
 
@@ -55,8 +58,10 @@ def test_embedding_grouped_squared_norms_against_dense_tables(b, vocabulary, t, 
     # either side, so S^2 within 2 |S| M rounding_rtol(t); then a sum of at most 3 t non-zero squares.
     atol = 2 * rounding_rtol(t) * np.sum(np.abs(tables) * magnitudes, axis=(1, 2))
     rtol = rounding_rtol(3 * t)
-    f = tf.function(lambda i, g: grouped_squared_norms(g, repeated_rows(i, only_repeated)),
-                    input_signature=[tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None, None, 3])])
+    f = tf.function(
+        lambda i, g: grouped_squared_norms(g, repeated_rows(i, only_repeated)),
+        input_signature=[tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None, None, 3])],
+    )
     for got in (grouped_squared_norms(g, repeated_rows(ids, only_repeated)), f(ids, g)):
         assert got.shape == (b,)
         assert_close(got, want, rtol=rtol, atol=atol)
@@ -79,11 +84,14 @@ def test_embedding_clipped_sums_are_indexed_slices_and_every_consumer_densifies_
         assert got[emb_index].values.shape[0] == 2 * B * 5  # two calls, no dense [V, D] table
         assert_clipped_sums_close(got, expected, factors, divisor=divisor)
     # Zero noise: private_gradients is the clipped sum over the expected batch size, dense.
-    private = peg.dp.private_gradients(model, sparse_ce, x, y, l2_norm_clip=0.05, noise_multiplier=0.0,
-                                       expected_batch_size=8, method="layerwise")
+    private = peg.dp.private_gradients(
+        model, sparse_ce, x, y, l2_norm_clip=0.05, noise_multiplier=0.0, expected_batch_size=8, method="layerwise"
+    )
     assert not any(isinstance(g, tf.IndexedSlices) for g in private)
     assert_clipped_sums_close(private, expected, factors, divisor=8)
-    acc = peg.GradientAccumulator(model, sparse_ce, l2_norm_clip=0.05, noise_multiplier=0.0, expected_batch_size=8, method="layerwise")
+    acc = peg.GradientAccumulator(
+        model, sparse_ce, l2_norm_clip=0.05, noise_multiplier=0.0, expected_batch_size=8, method="layerwise"
+    )
     acc.accumulate([t[:2] for t in x], y[:2])
     acc.accumulate([t[2:] for t in x], y[2:])
     assert_clipped_sums_close(acc.result(), expected, factors, divisor=8)

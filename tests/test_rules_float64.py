@@ -41,8 +41,9 @@ CASES = {  # name -> (layer factory, input shape without the batch axis)
 def test_float64_closed_forms_stay_float64_and_exact(name):
     make, shape = CASES[name]
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input(shape, dtype="float64"), make(), keras.layers.Flatten(**F64),
-                              keras.layers.Dense(3, **F64)])
+    model = keras.Sequential(
+        [keras.Input(shape, dtype="float64"), make(), keras.layers.Flatten(**F64), keras.layers.Dense(3, **F64)]
+    )
     x = np.random.default_rng(1).normal(size=(4, *shape))
     y = np.array([0, 1, 2, 1])
     reference = reference_gradients(model, sparse_ce, x, y)

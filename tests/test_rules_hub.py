@@ -19,12 +19,12 @@ from helpers import assert_clipped_sums_close, assert_norms_close, reference_nor
 from model_zoo import RULE_FAMILIES, layer_case, layer_case_params, randomize_lora
 from per_example_grads.apps import zoo
 from per_example_grads.engines.capture import plan_units
-from per_example_grads.rules.local import LocalRule
 from per_example_grads.rules.dense import DenseLoraRule
 from per_example_grads.rules.einsum_dense import EinsumDenseLoraRule
+from per_example_grads.rules.hub_layers import RMS_NORMALIZATIONS
+from per_example_grads.rules.local import LocalRule
 from per_example_grads.rules.reversible_embedding import REVERSIBLE_EMBEDDING_RULE
 from per_example_grads.rules.rule import rule_for
-from per_example_grads.rules.hub_layers import RMS_NORMALIZATIONS
 from tolerances import EPS32, norm_rtol
 
 ZOO_B = 3
@@ -38,7 +38,9 @@ def _clipped_sums_against_loop(model, x, y, expected, clip):
     """Clipped sums and their norms against the loop's; a tied table's sum is dense, an untied lookup's rows sparse."""
     norms = reference_norms(expected)
     factors = clip / np.maximum(norms, clip)
-    got, got_norms = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=clip, return_norms=True, method="layerwise")
+    got, got_norms = peg.clipped_gradients(
+        model, sparse_ce, x, y, l2_norm_clip=clip, return_norms=True, method="layerwise"
+    )
     assert_norms_close(got_norms, expected)
     assert_clipped_sums_close(got, expected, factors)
     return got
@@ -54,7 +56,8 @@ def test_rule_matches_loop(name):
     # One global norm: the table's cross term is inside it as well.
     assert_clipped_sums_close(
         peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.05, method="layerwise"),
-        expected, 0.05 / np.maximum(reference_norms(expected), 0.05),
+        expected,
+        0.05 / np.maximum(reference_norms(expected), 0.05),
     )
 
 
@@ -70,9 +73,9 @@ def test_clipped_sums_rows_stay_sparse_only_without_the_projection(name):
 
 def test_the_cross_term_matters_in_the_test_case():
     """Without the cross term 2 <S, P> the tied case's norms would be off by far more than the tolerance."""
-    from per_example_grads.engines import layerwise as engine
     from per_example_grads._core.batch import make_batch
     from per_example_grads._core.problem import make_problem
+    from per_example_grads.engines import layerwise as engine
 
     model, x, y = layer_case("reversible_tied")
     table = _reversible(model)
@@ -149,11 +152,16 @@ def test_norms_and_clipped_sums_never_build_per_example_tables():
     per_example_table = (len(x), table.input_dim, table.output_dim)
     args = (tf.constant(x), tf.constant(y))
     # The per-example gradients are that tensor (so the check sees it where it is built)...
-    assert per_example_table in _traced_shapes(lambda x, y: peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise"), *args)
+    assert per_example_table in _traced_shapes(
+        lambda x, y: peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise"), *args
+    )
     # ...and the norms and clipped sums never build it.
-    assert per_example_table not in _traced_shapes(lambda x, y: peg.per_example_norms(model, sparse_ce, x, y, method="layerwise"), *args)
     assert per_example_table not in _traced_shapes(
-        lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=1.0, method="layerwise"), *args)
+        lambda x, y: peg.per_example_norms(model, sparse_ce, x, y, method="layerwise"), *args
+    )
+    assert per_example_table not in _traced_shapes(
+        lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=1.0, method="layerwise"), *args
+    )
 
 
 @pytest.mark.slow
@@ -210,8 +218,7 @@ def _rms_model(norm, x_shape):
     return model
 
 
-@pytest.mark.parametrize("full_name", sorted(RMS_NORMALIZATIONS),
-                         ids=lambda n: n.removeprefix("keras_hub.src."))
+@pytest.mark.parametrize("full_name", sorted(RMS_NORMALIZATIONS), ids=lambda n: n.removeprefix("keras_hub.src."))
 def test_hub_rms_normalizations_match_the_loop(full_name):
     """Every registered RMS class, on [B, T, heads, D] (Qwen3's per-head query/key norms) and [B, T, D] inputs."""
     from per_example_grads.rules import hub_layers
@@ -230,8 +237,7 @@ def test_hub_rms_normalizations_match_the_loop(full_name):
     _check_clipped(model, x, y, expected)
 
 
-@pytest.mark.parametrize("full_name", sorted(RMS_NORMALIZATIONS),
-                         ids=lambda n: n.removeprefix("keras_hub.src."))
+@pytest.mark.parametrize("full_name", sorted(RMS_NORMALIZATIONS), ids=lambda n: n.removeprefix("keras_hub.src."))
 def test_hub_rms_normalizations_rule_normalizes_as_the_layer(full_name):
     """The rule's ``xh`` times the scale (``c + s``) is the layer's output: its form (ops, epsilon, dtype) is the class's."""
     from per_example_grads.rules import hub_layers
@@ -277,7 +283,10 @@ def test_deberta_relative_embedding_matches_the_loop():
     from per_example_grads.rules import hub_layers
 
     model, rel, x = _relative_embedding_model(np.random.default_rng(4))
-    assert rule_for(rel) is hub_layers.RELATIVE_EMBEDDING_RULE and hub_layers.RELATIVE_EMBEDDING_RULE.unsupported(rel) is None
+    assert (
+        rule_for(rel) is hub_layers.RELATIVE_EMBEDDING_RULE
+        and hub_layers.RELATIVE_EMBEDDING_RULE.unsupported(rel) is None
+    )
     assert any(u.rule is hub_layers.RELATIVE_EMBEDDING_RULE for u in plan_units(model, model.trainable_variables))
     y = np.array([0, 1, 2, 1])
     expected = rule_against_loop(model, x, y)
@@ -301,9 +310,12 @@ def _patch_model(layer, image=8):
     return model, np.random.default_rng(7).normal(size=(NB, image, image, 3)).astype("float32")
 
 
-@pytest.mark.parametrize("options", [{}, {"use_class_token": False, "use_patch_bias": False}], ids=["class_token", "bare"])
+@pytest.mark.parametrize(
+    "options", [{}, {"use_class_token": False, "use_patch_bias": False}], ids=["class_token", "bare"]
+)
 def test_vit_patch_embedding_matches_the_loop(options):
     from keras_hub.src.models.vit.vit_layers import ViTPatchingAndEmbedding
+
     from per_example_grads.rules import patch_embedding
 
     layer = ViTPatchingAndEmbedding(image_size=(8, 8), patch_size=(4, 2), hidden_dim=ND, **options)
@@ -318,9 +330,12 @@ def test_vit_patch_embedding_matches_the_loop(options):
 def test_deit_embeddings_match_the_loop(dropout_rate):
     """Inference (the loop's reference runs the model with training=False): the dropout tap is its input."""
     from keras_hub.src.models.deit.deit_layers import DeiTEmbeddings
+
     from per_example_grads.rules import patch_embedding
 
-    layer = DeiTEmbeddings(image_size=(8, 8), patch_size=(4, 4), hidden_dim=ND, use_mask_token=True, dropout_rate=dropout_rate)
+    layer = DeiTEmbeddings(
+        image_size=(8, 8), patch_size=(4, 4), hidden_dim=ND, use_mask_token=True, dropout_rate=dropout_rate
+    )
     model, x = _patch_model(layer)
     assert any(u.rule is patch_embedding.DEIT_EMBEDDINGS_RULE for u in plan_units(model, model.trainable_variables))
     y = np.array([0, 1, 2, 1])
@@ -347,6 +362,7 @@ def test_deit_embeddings_tap_the_dropout_input():
 def test_deit_embeddings_with_masked_patches_take_the_layer_local_rule():
     """``bool_masked_pos`` goes to the exact layer-local VJP, whatever the layer then does with it."""
     from keras_hub.src.models.deit.deit_layers import DeiTEmbeddings
+
     from per_example_grads.engines.capture import capturing
 
     layer = DeiTEmbeddings(image_size=(8, 8), patch_size=(4, 4), hidden_dim=ND, use_mask_token=True)

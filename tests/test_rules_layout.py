@@ -4,7 +4,6 @@ import ast
 import pathlib
 
 import numpy as np
-import pytest
 
 RULES_DIR = pathlib.Path(__file__).resolve().parents[1] / "per_example_grads" / "rules"
 
@@ -71,7 +70,10 @@ def test_rule_outputs_come_in_the_variables_dtypes_whatever_the_rule_returns():
             return [tf.ones([2, 3], tf.float64), None]
 
         def weighted_sum(self, layer, saved, grads, weights, cache=None):
-            return [tf.ones([3], tf.float64) * 1.5, tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]), tf.constant([4, 2]))]
+            return [
+                tf.ones([3], tf.float64) * 1.5,
+                tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]), tf.constant([4, 2])),
+            ]
 
     variables = [tf.Variable(tf.zeros([3])), tf.Variable(tf.zeros([4, 2]))]
     rule = Widening()

@@ -23,15 +23,20 @@ def test_clipped_gradients_match_clipping_materialized(name, clip):
     clipped_against_loop(*layer_case(name), clip, methods=["layerwise", "vectorized"])
 
 
-@pytest.mark.parametrize("name,layer_class,keeps", [
-    ("layer_norm_sequence", keras.layers.LayerNormalization, True),  # [B, 6] x 2 vs [B, 4, 6] x 2
-    ("custom_layer_fallback", Scale, True),  # [B, 5] vs [B, 5] + [B, 5]
-    pytest.param("lstm_fallback", keras.layers.LSTM, False, marks=pytest.mark.slow),  # [B, 3, 16] kernel alone vs [B, 5, 3] + [B, 5, 4]
-])
+@pytest.mark.parametrize(
+    "name,layer_class,keeps",
+    [
+        ("layer_norm_sequence", keras.layers.LayerNormalization, True),  # [B, 6] x 2 vs [B, 4, 6] x 2
+        ("custom_layer_fallback", Scale, True),  # [B, 5] vs [B, 5] + [B, 5]
+        pytest.param(
+            "lstm_fallback", keras.layers.LSTM, False, marks=pytest.mark.slow
+        ),  # [B, 3, 16] kernel alone vs [B, 5, 3] + [B, 5, 4]
+    ],
+)
 def test_materialized_norms_are_kept_for_the_clipped_sum_only_when_no_larger(name, layer_class, keeps):
-    from per_example_grads.engines import layerwise as engine
-    from per_example_grads._core.problem import make_problem
     from per_example_grads._core.batch import make_batch
+    from per_example_grads._core.problem import make_problem
+    from per_example_grads.engines import layerwise as engine
 
     model, x, y = layer_case(name)
     problem = make_problem(model, sparse_ce, None, False, False)
@@ -50,8 +55,11 @@ def test_materialized_norms_are_kept_for_the_clipped_sum_only_when_no_larger(nam
         np.testing.assert_allclose(got, want, rtol=2 * norm_rtol(p), atol=2 * GRADIENT_RTOL * scale**2 * p)
     if keeps:
         w = np.linspace(0.1, 1.0, B)
-        sums = zip(rule.weighted_sum(layer, record.saved, g, tf.constant(w, tf.float32), cache),
-                   rule.weighted_sum(layer, record.saved, g, tf.constant(w, tf.float32)), per_example)
+        sums = zip(
+            rule.weighted_sum(layer, record.saved, g, tf.constant(w, tf.float32), cache),
+            rule.weighted_sum(layer, record.saved, g, tf.constant(w, tf.float32)),
+            per_example,
+        )
         for got, want, t in sums:
             rtol = weighted_sum_rtol(B, GRADIENT_RTOL)
             np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.max(np.tensordot(w, np.abs(t), axes=1)))
@@ -71,7 +79,8 @@ def test_prelu_needs_no_rule_of_its_own_the_fallback_is_the_same_rule_and_result
 
     def results():
         return [
-            np.asarray(t) for t in [
+            np.asarray(t)
+            for t in [
                 *peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise"),
                 *peg.per_example_norms(model, sparse_ce, x, y, method="layerwise", by_variable=True),
                 *peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.1, method="layerwise"),

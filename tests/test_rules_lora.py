@@ -8,9 +8,9 @@ from helpers import clipped_against_loop, rule_against_loop
 from model_zoo import LAYER_B as B
 from model_zoo import RULE_FAMILIES, layer_case, layer_case_params, randomize_lora
 from per_example_grads.engines.capture import plan_units
-from per_example_grads.rules.local import LocalRule
 from per_example_grads.rules.dense import DenseLoraRule
 from per_example_grads.rules.einsum_dense import EinsumDenseLoraRule
+from per_example_grads.rules.local import LocalRule
 
 
 def _lora_layers(model):
@@ -34,7 +34,9 @@ def test_rule_matches_loop(name):
 
 
 @pytest.mark.parametrize("clip", [1e-3, 0.3, 1e3])
-@pytest.mark.parametrize("name", ["dense_lora_sequence_alpha", "einsum_dense_lora_bias_axes", "multi_head_attention_lora"])
+@pytest.mark.parametrize(
+    "name", ["dense_lora_sequence_alpha", "einsum_dense_lora_bias_axes", "multi_head_attention_lora"]
+)
 def test_clipped_gradients_match_loop(name, clip):
     clipped_against_loop(*layer_case(name), clip, methods=["layerwise"])
 
@@ -67,8 +69,15 @@ def test_float64_model():
     r = np.random.default_rng(3)
     dense = keras.layers.Dense(5, activation="tanh", dtype="float64")
     einsum = keras.layers.EinsumDense("abc,cd->abd", (3, 4), bias_axes="d", dtype="float64")
-    model = keras.Sequential([keras.Input((3, 6), dtype="float64"), dense, einsum, keras.layers.Flatten(dtype="float64"),
-                              keras.layers.Dense(3, dtype="float64")])
+    model = keras.Sequential(
+        [
+            keras.Input((3, 6), dtype="float64"),
+            dense,
+            einsum,
+            keras.layers.Flatten(dtype="float64"),
+            keras.layers.Dense(3, dtype="float64"),
+        ]
+    )
     dense.enable_lora(2)
     einsum.enable_lora(3, lora_alpha=1)
     randomize_lora(model, r)
@@ -94,6 +103,8 @@ def test_nothing_of_the_frozen_kernels_size_per_example_is_built():
     }
     for name, fn in calls.items():
         graph = tf.function(fn).get_concrete_function(*args).graph
-        shapes = {tuple(t.shape.as_list()) for op in graph.get_operations() for t in op.outputs if t.shape.rank is not None}
+        shapes = {
+            tuple(t.shape.as_list()) for op in graph.get_operations() for t in op.outputs if t.shape.rank is not None
+        }
         assert (B, 6, 3) in shapes or name != "per_example", name  # the check sees per-example tensors
         assert (B, 6, 7) not in shapes, name

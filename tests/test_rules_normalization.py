@@ -27,16 +27,24 @@ def test_rule_matches_loop(name):
 
 
 @pytest.mark.parametrize("clip", [1e-3, 0.3, 1e3])
-@pytest.mark.parametrize("name", layer_case_params([
-    "layer_norm_sequence", "layer_norm_two_axes_rank4", "layer_norm_middle_axis_no_center", "layer_norm_rms_scaling",
-]))
+@pytest.mark.parametrize(
+    "name",
+    layer_case_params(
+        [
+            "layer_norm_sequence",
+            "layer_norm_two_axes_rank4",
+            "layer_norm_middle_axis_no_center",
+            "layer_norm_rms_scaling",
+        ]
+    ),
+)
 def test_clipped_gradients_match_clipping_materialized(name, clip):
     clipped_against_loop(*layer_case(name), clip, methods=["layerwise", "vectorized"])
 
 
 def test_layer_norm_uses_its_closed_form_unless_over_the_batch_axis():
-    from per_example_grads.rules.normalization import LayerNormRule
     from per_example_grads.engines.capture import plan_units
+    from per_example_grads.rules.normalization import LayerNormRule
 
     model, _, _ = layer_case("layer_norm_two_axes_rank4")
     assert [type(u.rule) for u in plan_units(model, model.trainable_variables)][0] is LayerNormRule
@@ -45,10 +53,17 @@ def test_layer_norm_uses_its_closed_form_unless_over_the_batch_axis():
 
 
 @pytest.mark.parametrize("clip", [1e-3, 0.3])
-@pytest.mark.parametrize("name", [
-    "batch_norm_inference_conv_stats", "batch_norm_inference_axis1_no_center", "batch_norm_inference_no_scale",
-    "group_norm", "group_norm_rank4_eps", "group_norm_axis1_no_center",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "batch_norm_inference_conv_stats",
+        "batch_norm_inference_axis1_no_center",
+        "batch_norm_inference_no_scale",
+        "group_norm",
+        "group_norm_rank4_eps",
+        "group_norm_axis1_no_center",
+    ],
+)
 def test_batch_and_group_norm_clipped_gradients(name, clip):
     clipped_against_loop(*layer_case(name), clip, methods=["layerwise", "vectorized"])
 
@@ -69,7 +84,9 @@ def test_batch_norm_inference_uses_its_closed_form(name):
 
 def _frozen_bn_model():
     r = np.random.default_rng(7)
-    model, x, y = _with_random_statistics(r, sequential_case(r, [keras.layers.Conv2D(3, 2), keras.layers.BatchNormalization()], (4, 5, 4, 2)))
+    model, x, y = _with_random_statistics(
+        r, sequential_case(r, [keras.layers.Conv2D(3, 2), keras.layers.BatchNormalization()], (4, 5, 4, 2))
+    )
     return model, x, y
 
 
@@ -84,7 +101,17 @@ def test_frozen_batch_norm_in_training_mode_is_the_inference_closed_form():
     got = peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise", variables=variables, training=True)
     assert_grads_close(got, expected)
     factors = 0.3 / np.maximum(reference_norms(expected), 0.3)
-    clipped, norms = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.3, return_norms=True, method="layerwise", variables=variables, training=True)
+    clipped, norms = peg.clipped_gradients(
+        model,
+        sparse_ce,
+        x,
+        y,
+        l2_norm_clip=0.3,
+        return_norms=True,
+        method="layerwise",
+        variables=variables,
+        training=True,
+    )
     assert_norms_close(norms, expected)
     assert_clipped_sums_close(clipped, expected, factors)
 
@@ -95,7 +122,9 @@ def test_batch_norm_in_training_mode_keeps_the_layer_local_rule():
     from per_example_grads.engines.capture import capturing, plan_units
 
     model, x, _ = _frozen_bn_model()
-    bn = [u for u in plan_units(model, model.trainable_variables) if isinstance(u.layer, keras.layers.BatchNormalization)]
+    bn = [
+        u for u in plan_units(model, model.trainable_variables) if isinstance(u.layer, keras.layers.BatchNormalization)
+    ]
     for training in (True, tf.constant(False)):
         with capturing(bn) as records:
             model.layers[0](x)  # build nothing new: only the BN call is captured
@@ -103,7 +132,9 @@ def test_batch_norm_in_training_mode_keeps_the_layer_local_rule():
         assert records[0].saved[0] is None and records[0].saved[2] is not None
 
 
-@pytest.mark.parametrize("name", ["group_norm", "group_norm_rank4_eps", "group_norm_axis1_no_center", "group_norm_one_group_no_scale"])
+@pytest.mark.parametrize(
+    "name", ["group_norm", "group_norm_rank4_eps", "group_norm_axis1_no_center", "group_norm_one_group_no_scale"]
+)
 def test_group_norm_uses_its_closed_form(name):
     from per_example_grads.engines.capture import plan_units
     from per_example_grads.rules.normalization import GroupNormRule
@@ -120,12 +151,16 @@ def test_normalization_clipped_sum_under_xla(name):
 
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
-@pytest.mark.parametrize("shape, settings", [
-    ((3, 5, 6, 8), dict(groups=4)),
-    ((3, 6, 7), dict(groups=2, axis=1)),
-    ((2, 4, 4, 4, 6), dict(groups=3, center=False, epsilon=1e-2)),
-    ((3, 5, 6), dict(groups=6, scale=False)),
-], ids=str)
+@pytest.mark.parametrize(
+    "shape, settings",
+    [
+        ((3, 5, 6, 8), dict(groups=4)),
+        ((3, 6, 7), dict(groups=2, axis=1)),
+        ((2, 4, 4, 4, 6), dict(groups=3, center=False, epsilon=1e-2)),
+        ((3, 5, 6), dict(groups=6, scale=False)),
+    ],
+    ids=str,
+)
 def test_group_norm_output_is_the_layers_own_bit_for_bit(shape, settings, policy):
     """The rule builds ``y`` from its one set of moments by the layer's formula and ops: the values of ``layer(x)``.
 
@@ -141,20 +176,27 @@ def test_group_norm_output_is_the_layers_own_bit_for_bit(shape, settings, policy
     x = tf.cast(tf.random.stateless_normal(shape, [5, 6]) * 3 + 1, layer.compute_dtype)
     forward = lambda x: GroupNormRule().forward(layer, layer.call, (x,), {})[0]  # noqa: E731
     spec = [tf.TensorSpec([None, *shape[1:]], x.dtype)]
-    for ours, keras_own in ((forward, layer), (tf.function(forward, input_signature=spec), tf.function(layer, input_signature=spec))):
+    for ours, keras_own in (
+        (forward, layer),
+        (tf.function(forward, input_signature=spec), tf.function(layer, input_signature=spec)),
+    ):
         got, expected = ours(x), keras_own(x)
         assert got.dtype == expected.dtype
         np.testing.assert_array_equal(got.numpy(), expected.numpy())
 
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
-@pytest.mark.parametrize("layer_class, settings, shape", [
-    (keras.layers.LayerNormalization, {}, (3, 5, 8)),
-    (keras.layers.LayerNormalization, dict(axis=[1, 2], center=False, epsilon=1e-2), (3, 5, 8)),
-    (keras.layers.LayerNormalization, dict(axis=1), (3, 6, 7)),
-    (keras.layers.RMSNormalization, {}, (3, 5, 8)),
-    (keras.layers.RMSNormalization, dict(axis=[1, 2], epsilon=1e-3), (3, 5, 8)),
-], ids=str)
+@pytest.mark.parametrize(
+    "layer_class, settings, shape",
+    [
+        (keras.layers.LayerNormalization, {}, (3, 5, 8)),
+        (keras.layers.LayerNormalization, dict(axis=[1, 2], center=False, epsilon=1e-2), (3, 5, 8)),
+        (keras.layers.LayerNormalization, dict(axis=1), (3, 6, 7)),
+        (keras.layers.RMSNormalization, {}, (3, 5, 8)),
+        (keras.layers.RMSNormalization, dict(axis=[1, 2], epsilon=1e-3), (3, 5, 8)),
+    ],
+    ids=str,
+)
 def test_layer_and_rms_norm_outputs_are_the_layers_own_bit_for_bit(layer_class, settings, shape, policy):
     """The rules run the layer's call: ``y`` is ``layer(x)`` bit for bit, eagerly and in a graph.
 
@@ -177,7 +219,10 @@ def test_layer_and_rms_norm_outputs_are_the_layers_own_bit_for_bit(layer_class, 
             return layer(x)
 
     spec = [tf.TensorSpec([None, *shape[1:]], x.dtype)]
-    for ours, keras_own in ((forward, layer), (tf.function(forward, input_signature=spec), tf.function(layer, input_signature=spec))):
+    for ours, keras_own in (
+        (forward, layer),
+        (tf.function(forward, input_signature=spec), tf.function(layer, input_signature=spec)),
+    ):
         got, expected = ours(x), keras_own(x)
         assert got.dtype == expected.dtype
         np.testing.assert_array_equal(got.numpy(), expected.numpy())
@@ -189,12 +234,16 @@ def _rms_model(r, norm, x_shape):
     return model, x, y
 
 
-@pytest.mark.parametrize("settings, x_shape", [
-    ({}, (4, 5, 6)),
-    (dict(axis=[1, 2], epsilon=1e-2), (4, 5, 6)),
-    (dict(axis=-1), (4, 3, 2, 6)),
-    ({}, (4, 6)),
-], ids=str)
+@pytest.mark.parametrize(
+    "settings, x_shape",
+    [
+        ({}, (4, 5, 6)),
+        (dict(axis=[1, 2], epsilon=1e-2), (4, 5, 6)),
+        (dict(axis=-1), (4, 3, 2, 6)),
+        ({}, (4, 6)),
+    ],
+    ids=str,
+)
 def test_keras_rms_normalization_matches_the_loop(settings, x_shape):
     from per_example_grads.engines.capture import plan_units
     from per_example_grads.rules.normalization import KerasRMSNormRule
@@ -207,7 +256,9 @@ def test_keras_rms_normalization_matches_the_loop(settings, x_shape):
     assert np.abs(expected[2]).max() > 0
     norms = reference_norms(expected)
     clip = float(np.median(norms))
-    got, got_norms = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=clip, return_norms=True, method="layerwise")
+    got, got_norms = peg.clipped_gradients(
+        model, sparse_ce, x, y, l2_norm_clip=clip, return_norms=True, method="layerwise"
+    )
     assert_norms_close(got_norms, expected)
     assert_clipped_sums_close(got, expected, clip / np.maximum(norms, clip))
 

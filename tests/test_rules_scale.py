@@ -21,4 +21,8 @@ def test_layer_scale_uses_its_closed_form():
     from per_example_grads.engines.capture import plan_units
 
     model, _, _ = layer_case("layer_scale_rank4")
-    assert [type(u.rule).__name__ for u in plan_units(model, model.trainable_variables)] == ["DenseRule", "LayerScaleRule", "DenseRule"]
+    assert [type(u.rule).__name__ for u in plan_units(model, model.trainable_variables)] == [
+        "DenseRule",
+        "LayerScaleRule",
+        "DenseRule",
+    ]

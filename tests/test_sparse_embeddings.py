@@ -21,16 +21,20 @@ from dp_accounting.rdp import RdpAccountant
 import per_example_grads as peg
 from helpers import sparse_ce
 from per_example_grads.dp.sparse_embeddings import SparseEmbeddings, bernoulli_positions, noise_multipliers
-from tolerances import ACCOUNTING_COMPOSED_RTOL, EPS32, GRADIENT_RTOL, Z, clipped_sum_rtol, sgd_steps_atol
+from tolerances import ACCOUNTING_COMPOSED_RTOL, EPS32, Z, clipped_sum_rtol, sgd_steps_atol
 
 B, T = 16, 6
 
 
 def _bag(vocab=50, dim=4, mask_zero=False, classes=2):
-    return keras.Sequential([
-        keras.Input((T,), dtype="int32"), keras.layers.Embedding(vocab, dim, mask_zero=mask_zero),
-        keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(classes),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input((T,), dtype="int32"),
+            keras.layers.Embedding(vocab, dim, mask_zero=mask_zero),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(classes),
+        ]
+    )
 
 
 def _two_tables(v1=30, v2=40, dim=8):
@@ -61,8 +65,14 @@ def test_noise_split_composes_to_sigma_so_epsilon_is_dp_sgds():
     # The pair as one Gaussian mechanism on the rescaled concatenation: multiplier (s^-2 + g^-2)^-1/2.
     s, g = noise_multipliers(sigma, 0.1)
     composed = (s**-2 + g**-2) ** -0.5
-    event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(composed)), steps)
-    direct = RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE).compose(event).get_epsilon(delta)
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(composed)), steps
+    )
+    direct = (
+        RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+        .compose(event)
+        .get_epsilon(delta)
+    )
     dense = peg.dp.PrivacyAccountant(sigma, q, accountant="rdp")
     dense.step(steps)
     assert math.isclose(dense.epsilon(delta), direct, rel_tol=ACCOUNTING_COMPOSED_RTOL)
@@ -103,7 +113,9 @@ def test_counts_have_sensitivity_one_for_adversarial_examples():
         assert math.isclose(got[k], total[k], rel_tol=8 * EPS32)
     # Each example's own vector (a batch of one), against its reference; its norm is 1 (0 for the padding row).
     for n in range(len(a)):
-        k1, c1 = sel.contribution_counts({"a": tf.constant(a[n : n + 1]), "b": tf.constant(b[n : n + 1])}, tf.constant(real[n : n + 1]))
+        k1, c1 = sel.contribution_counts(
+            {"a": tf.constant(a[n : n + 1]), "b": tf.constant(b[n : n + 1])}, tf.constant(real[n : n + 1])
+        )
         norm = float(np.linalg.norm(c1.numpy()))
         assert norm <= 1 + 4 * EPS32
         assert math.isclose(norm, 1.0 if real[n] else 0.0, abs_tol=4 * EPS32)
@@ -115,7 +127,9 @@ def test_counts_have_sensitivity_one_for_adversarial_examples():
 
 def test_selection_frequency_matches_the_gaussian_tail():
     vocab = 200_000
-    model = keras.Sequential([keras.Input((1,), dtype="int32"), keras.layers.Embedding(vocab, 1), keras.layers.Flatten()])
+    model = keras.Sequential(
+        [keras.Input((1,), dtype="int32"), keras.layers.Embedding(vocab, 1), keras.layers.Flatten()]
+    )
     sel = _bound(model, sigma=1.0, selection_share=0.5, false_positive_rate=0.01)
     s, tau = sel.selection_noise_multiplier, sel.threshold
     assert math.isclose(0.5 * math.erfc(tau / s / math.sqrt(2)), 0.01, rel_tol=1e-9)
@@ -153,7 +167,9 @@ def test_selected_rows_get_the_clipped_sum_plus_gradient_noise_and_others_nothin
     agg.sparse = _bound(model, sigma, threshold=1.0)  # low: many rows selected, looked up or not
     clipped = agg.clipped_sum(model, sparse_ce, x, y)
     table, kernel, _ = agg.release(clipped, 1.0)
-    ref_table, ref_kernel, _ = [tf.convert_to_tensor(g).numpy() for g in peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=clip)]
+    ref_table, ref_kernel, _ = [
+        tf.convert_to_tensor(g).numpy() for g in peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=clip)
+    ]
     assert isinstance(table, tf.IndexedSlices)
     rows = table.indices.numpy()
     assert np.all(np.diff(rows) > 0)
@@ -187,7 +203,9 @@ def test_untied_reversible_embedding_rows_are_sparse_and_its_projection_dense():
         assert isinstance(g, tf.IndexedSlices)
         looked_up = np.unique(ids[ids != 0]) if table is first.embeddings else np.unique(ids)
         np.testing.assert_array_equal(g.indices.numpy(), looked_up)  # without noise: exactly the rows looked up
-        np.testing.assert_allclose(g.values.numpy(), r[looked_up], rtol=0, atol=clipped_sum_rtol(1, B) * np.abs(r).max() + 1e-30)
+        np.testing.assert_allclose(
+            g.values.numpy(), r[looked_up], rtol=0, atol=clipped_sum_rtol(1, B) * np.abs(r).max() + 1e-30
+        )
     g, r = by_var[id(second.reverse_embeddings)]
     assert not isinstance(g, tf.IndexedSlices)
 
@@ -241,9 +259,18 @@ def test_fit_under_mirrored_strategy_without_noise_is_the_clipped_mean_on_the_lo
     with strategy.scope():
         model = _bag()
         start = model.get_weights()
-        dp = peg.keras.DPModel(model, l2_norm_clip=0.5, noise_multiplier=0.0, seed=5, num_examples=B, expected_batch_size=B,
-                               sparse_embeddings=SparseEmbeddings())
-        dp.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        dp = peg.keras.DPModel(
+            model,
+            l2_norm_clip=0.5,
+            noise_multiplier=0.0,
+            seed=5,
+            num_examples=B,
+            expected_batch_size=B,
+            sparse_embeddings=SparseEmbeddings(),
+        )
+        dp.compile(
+            optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
         with pytest.warns(UserWarning, match="fixed-size batches"):
             dp.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)  # one step, 8 rows per replica
     reference = _bag()
@@ -284,7 +311,12 @@ def test_refused_combinations_say_why():
     with pytest.raises(ValueError, match="ids_fn"):
         SparseEmbeddings().bind(sub, sub.trainable_variables, noise_multiplier=1.0)
     SparseEmbeddings(ids_fn=lambda x: [x]).bind(sub, sub.trainable_variables, noise_multiplier=1.0)
-    for bad in (dict(selection_share=0.0), dict(selection_share=1.0), dict(threshold=-1.0), dict(false_positive_rate=0.7)):
+    for bad in (
+        dict(selection_share=0.0),
+        dict(selection_share=1.0),
+        dict(threshold=-1.0),
+        dict(false_positive_rate=0.7),
+    ):
         with pytest.raises(ValueError):
             SparseEmbeddings(**bad)
     with pytest.raises(TypeError, match="SparseEmbeddings"):

@@ -18,10 +18,27 @@ import pytest
 import tensorflow as tf
 
 import per_example_grads as peg
-from helpers import (assert_clipped_sums_close, assert_close, assert_grads_close, assert_norms_close, gradient_scale,
-                     reference_gradients, reference_norms, sparse_ce)
-from tolerances import (EPS32, EPS64, GRADIENT_RTOL, clipped_sum_rtol, cosine_atol, mean_atol, rounding_rtol,
-                        sgd_steps_atol, variance_atol)
+from helpers import (
+    assert_clipped_sums_close,
+    assert_close,
+    assert_grads_close,
+    assert_norms_close,
+    gradient_scale,
+    reference_gradients,
+    reference_norms,
+    sparse_ce,
+)
+from tolerances import (
+    EPS32,
+    EPS64,
+    GRADIENT_RTOL,
+    clipped_sum_rtol,
+    cosine_atol,
+    mean_atol,
+    rounding_rtol,
+    sgd_steps_atol,
+    variance_atol,
+)
 
 N = 6  # examples; batches of BATCH leave a shorter last batch
 BATCH = 4
@@ -99,16 +116,21 @@ def _assert_report_matches(report, expected):
     f64 = rounding_rtol(N, EPS64)
     assert report.num_examples == N
     assert_close(np.concatenate([m.ravel() for m in report.mean]), flat.mean(0), rtol=f64, atol=mean_atol(flat, err))
-    assert_close(np.concatenate([v.ravel() for v in report.variance]), flat.var(0, ddof=1), rtol=f64,
-                 atol=variance_atol(flat, err))
+    assert_close(
+        np.concatenate([v.ravel() for v in report.variance]),
+        flat.var(0, ddof=1),
+        rtol=f64,
+        atol=variance_atol(flat, err),
+    )
     assert_norms_close(report.per_example_norms, expected)
     if report.cosines is not None:
         cos = flat @ flat.mean(0) / (np.linalg.norm(flat, axis=1) * np.linalg.norm(flat.mean(0)))
         assert_close(report.cosines, cos, atol=cosine_atol(flat, err, flat.mean(0), mean_atol(flat, err)))
 
 
-@pytest.mark.parametrize("structure", ["dict", pytest.param("list", marks=pytest.mark.slow),
-                                       pytest.param("nested", marks=pytest.mark.slow)])  # two streams, two passes each
+@pytest.mark.parametrize(
+    "structure", ["dict", pytest.param("list", marks=pytest.mark.slow), pytest.param("nested", marks=pytest.mark.slow)]
+)  # two streams, two passes each
 def test_gradient_statistics_on_arrays_equal_the_dataset_and_the_loop(structure):
     model, x, y = _model_and_data(structure)
     expected = reference_gradients(model, sparse_ce, x, y)
@@ -124,8 +146,9 @@ def test_statistics_callback_on_dict_arrays_equals_the_dataset(tmp_path):
     model, x, y = _model_and_data("dict")
     expected = reference_gradients(model, sparse_ce, x, y)
     for i, data in enumerate([(x, y), _dataset(x, y)]):
-        callback = peg.diagnostics.GradientStatisticsCallback(data, log_dir=str(tmp_path / str(i)), loss_fn=sparse_ce,
-                                                              batch_size=BATCH)
+        callback = peg.diagnostics.GradientStatisticsCallback(
+            data, log_dir=str(tmp_path / str(i)), loss_fn=sparse_ce, batch_size=BATCH
+        )
         callback.set_model(model)
         report = callback.compute_and_log(1)
         assert report.batch_sizes == [4, 2]
@@ -139,12 +162,15 @@ def test_similarity_and_tracin_on_structures_match_the_loop(structure):
     flat = np.concatenate([e.reshape(N, -1) for e in expected], axis=1).astype(np.float64)
     dots = flat[:2] @ flat[2:].T
     p = flat.shape[1]
-    atol = (GRADIENT_RTOL * 2 + rounding_rtol(p)) * np.abs(flat[:2]) @ np.abs(flat[2:]).T  # two inexact factors, one sum
+    atol = (
+        (GRADIENT_RTOL * 2 + rounding_rtol(p)) * np.abs(flat[:2]) @ np.abs(flat[2:]).T
+    )  # two inexact factors, one sum
     got = peg.diagnostics.gradient_similarity(model, sparse_ce, _rows(x, 0, 2), y[:2], _rows(x, 2, N), y[2:])
     np.testing.assert_array_less(np.abs(got.numpy() - dots), atol + 1e-300)
     # TracIn over blocks of BATCH rows (sliced leaf by leaf) at one checkpoint: lr times all the dot products.
-    tracin = peg.diagnostics.tracin_scores([model.get_weights()], model, sparse_ce, x, y, x, y, learning_rates=0.5,
-                                           batch_size=BATCH)
+    tracin = peg.diagnostics.tracin_scores(
+        [model.get_weights()], model, sparse_ce, x, y, x, y, learning_rates=0.5, batch_size=BATCH
+    )
     all_atol = (GRADIENT_RTOL * 2 + rounding_rtol(p)) * np.abs(flat) @ np.abs(flat).T * 0.5
     np.testing.assert_array_less(np.abs(tracin.scores - 0.5 * flat @ flat.T), all_atol + 1e-300)
 
@@ -161,7 +187,9 @@ def test_dp_model_fit_on_dict_arrays_equals_fit_on_the_dataset():
             start = [w.copy() for w in model.get_weights()]
         model.set_weights(start)
         dp = peg.keras.DPModel(model, l2_norm_clip=0.5, noise_multiplier=0.0, expected_batch_size=3, num_examples=N)
-        dp.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        dp.compile(
+            optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
         dp.fit(epochs=1, verbose=0, **data)
         weights.append(model.get_weights())
     assert any(not np.array_equal(a, b) for a, b in zip(start, weights[0]))

@@ -233,9 +233,8 @@ def test_one_inner_tensor_tapped_twice_is_refused():
 
 
 def test_the_wrapper_applies_once_per_class_and_keeps_the_docstring():
-    from per_example_grads.rules.dense import DenseRule
+    from per_example_grads.rules.dense import DenseLoraRule, DenseRule
     from per_example_grads.rules.local import LocalRule
-    from per_example_grads.rules.dense import DenseLoraRule
 
     for cls in (DenseRule, LocalRule):
         assert getattr(cls.forward, "_separates_taps", False)
@@ -270,18 +269,24 @@ def _t5_child() -> None:
     y = r.integers(0, T5_V, (T5_B, T5_T)).astype("int32")
     expected = reference_gradients(model, sparse_ce, x, y)
     tables = [i for i, v in enumerate(model.trainable_variables) if "self_attention/embeddings" in v.path]
-    report = {"relative_attention_bias_tables": len(tables),
-              "tables_nonzero": bool(all(np.abs(expected[i]).max() > 0 for i in tables))}
+    report = {
+        "relative_attention_bias_tables": len(tables),
+        "tables_nonzero": bool(all(np.abs(expected[i]).max() > 0 for i in tables)),
+    }
     norms = reference_norms(expected)
     clip = float(np.median(norms))
     checks = {
         "per_example_gradients": lambda: assert_grads_close(
-            peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise"), expected),
+            peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise"), expected
+        ),
         "per_example_norms": lambda: assert_norms_close(
-            peg.per_example_norms(model, sparse_ce, x, y, method="layerwise"), expected),
+            peg.per_example_norms(model, sparse_ce, x, y, method="layerwise"), expected
+        ),
         "clipped_gradients": lambda: assert_clipped_sums_close(
             peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=clip, method="layerwise"),
-            expected, clip / np.maximum(norms, clip)),
+            expected,
+            clip / np.maximum(norms, clip),
+        ),
     }
     for name, check in checks.items():
         try:
@@ -296,9 +301,17 @@ def _t5_child() -> None:
 def test_keras_hub_t5_matches_the_loop_relative_attention_bias_included():
     pytest.importorskip("keras_hub")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]), TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "t5"], capture_output=True, text=True,
-                          env=env, cwd=root, timeout=900)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]), TF_CPP_MIN_LOG_LEVEL="2"
+    )
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "t5"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+        timeout=900,
+    )
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     assert proc.returncode == 0 and lines, f"the child failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
     report = json.loads(lines[-1])

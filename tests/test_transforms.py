@@ -6,7 +6,7 @@ import tensorflow as tf
 
 import per_example_grads as peg
 from helpers import assert_close
-from tolerances import EPS32, ELEMENTWISE_RTOL, norm_rtol, rounding_rtol
+from tolerances import ELEMENTWISE_RTOL, EPS32, norm_rtol, rounding_rtol
 
 P = 17  # entries per example in _grads(): 6 + 6 + 5
 

@@ -68,7 +68,9 @@ def _norm_atol(units, scale, ids, positions):
     return norms, np.minimum(delta / np.maximum(norms, 1e-300), np.sqrt(delta))
 
 
-def _check(model, loss_fn, x, y, ids, num_units, *, clip, method="layerwise", positions=1, sample_weight=None, reference=None):
+def _check(
+    model, loss_fn, x, y, ids, num_units, *, clip, method="layerwise", positions=1, sample_weight=None, reference=None
+):
     rows, units, scale = reference or _reference(model, loss_fn, x, y, ids, num_units, sample_weight)
     ref_norms, atol = _norm_atol(units, scale, ids, positions)
     kwargs = dict(method=method, unit_ids=ids, num_units=num_units, sample_weight=sample_weight)
@@ -84,9 +86,11 @@ def _check(model, loss_fn, x, y, ids, num_units, *, clip, method="layerwise", po
     p = sum(int(np.prod(u.shape[1:])) for u in units)
     terms = [np.tensordot(factors[ids], np.abs(r), axes=1) for r in rows]
     largest = max(float(np.max(t)) for t in terms)  # entries that cancel to ~0 (an attention key bias's) err by this
-    for k, (s, r, u, t) in enumerate(zip(sums, rows, units, terms)):
+    for k, (s, _r, u, t) in enumerate(zip(sums, rows, units, terms)):
         want = np.tensordot(factors, u, axes=1)
-        entry_atol = clipped_sum_rtol(p, len(ids)) * (t + largest) + np.tensordot(factor_rtol * factors, np.abs(u), axes=1)
+        entry_atol = clipped_sum_rtol(p, len(ids)) * (t + largest) + np.tensordot(
+            factor_rtol * factors, np.abs(u), axes=1
+        )
         s = np.asarray(tf.convert_to_tensor(s), np.float64)
         assert s.shape == want.shape
         np.testing.assert_array_less(np.abs(s - want), entry_atol + 1e-30, err_msg=f"clipped sum, variable {k}")
@@ -167,7 +171,10 @@ def test_units_of_one_row_are_the_examples():
         usums, un = peg.clipped_gradients(
             model, sparse_ce, x, y, l2_norm_clip=0.1, method=method, return_norms=True, unit_ids=ids
         )
-        sums, usums = [np.asarray(tf.convert_to_tensor(t)) for t in sums], [np.asarray(tf.convert_to_tensor(t)) for t in usums]
+        sums, usums = (
+            [np.asarray(tf.convert_to_tensor(t)) for t in sums],
+            [np.asarray(tf.convert_to_tensor(t)) for t in usums],
+        )
         if method == "vectorized":
             np.testing.assert_array_equal(un, n)
             for a, b in zip(usums, sums):
@@ -176,7 +183,9 @@ def test_units_of_one_row_are_the_examples():
             np.testing.assert_allclose(un, n, rtol=rtol)
             scale = max(float(np.max(np.abs(b))) for b in sums)
             for a, b in zip(usums, sums):
-                np.testing.assert_allclose(a, b, rtol=rtol + clipped_sum_rtol(p, B), atol=(rtol + clipped_sum_rtol(p, B)) * scale)
+                np.testing.assert_allclose(
+                    a, b, rtol=rtol + clipped_sum_rtol(p, B), atol=(rtol + clipped_sum_rtol(p, B)) * scale
+                )
 
 
 @pytest.mark.slow
@@ -212,13 +221,22 @@ def test_zero_weight_rows_add_nothing_and_graph_mode_matches():
     weight = np.ones(B, np.float32)
     weight[[0, 5, 9]] = 0.0  # padding rows, in units 3 and 2
     keep = weight > 0
-    want = peg.clipped_gradients(model, sparse_ce, [t[keep] for t in x], y[keep], l2_norm_clip=0.1,
-                                 unit_ids=IDS[keep], num_units=NUM_UNITS, return_norms=True)
+    want = peg.clipped_gradients(
+        model,
+        sparse_ce,
+        [t[keep] for t in x],
+        y[keep],
+        l2_norm_clip=0.1,
+        unit_ids=IDS[keep],
+        num_units=NUM_UNITS,
+        return_norms=True,
+    )
 
     @tf.function(autograph=False)  # AutoGraph would convert the library's Python too (seconds of tracing)
     def step(x, y, ids, weight):
-        return peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.1, unit_ids=ids, sample_weight=weight,
-                                     return_norms=True)  # num_units inferred inside the graph
+        return peg.clipped_gradients(
+            model, sparse_ce, x, y, l2_norm_clip=0.1, unit_ids=ids, sample_weight=weight, return_norms=True
+        )  # num_units inferred inside the graph
 
     got = step([tf.constant(t) for t in x], tf.constant(y), tf.constant(IDS), tf.constant(weight))
     p = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
@@ -235,11 +253,13 @@ def test_a_unit_with_a_nonfinite_gradient_is_left_out():
     bad = [x[0].copy(), x[1]]
     bad[0][2] = np.nan  # a row of unit 1 (2 rows)
     keep = IDS != 1
-    want = peg.clipped_gradients(model, sparse_ce, [t[keep] for t in x], y[keep], l2_norm_clip=0.1,
-                                 unit_ids=IDS[keep], num_units=NUM_UNITS)
+    want = peg.clipped_gradients(
+        model, sparse_ce, [t[keep] for t in x], y[keep], l2_norm_clip=0.1, unit_ids=IDS[keep], num_units=NUM_UNITS
+    )
     with pytest.warns(RuntimeWarning, match="unit"):
-        got, norms = peg.clipped_gradients(model, sparse_ce, bad, y, l2_norm_clip=0.1, unit_ids=IDS,
-                                           num_units=NUM_UNITS, return_norms=True)
+        got, norms = peg.clipped_gradients(
+            model, sparse_ce, bad, y, l2_norm_clip=0.1, unit_ids=IDS, num_units=NUM_UNITS, return_norms=True
+        )
     assert not np.isfinite(norms[1]) and np.all(np.isfinite(np.delete(np.asarray(norms), 1)))
     p = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     rtol = clipped_sum_rtol(p, B)
@@ -277,20 +297,25 @@ def test_per_unit_gradients_and_mean():
         assert g.shape == u.shape
         np.testing.assert_allclose(g, u, rtol=0, atol=(GRADIENT_RTOL + rounding_rtol(8)) * np.max(scale) + 1e-30)
     total = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.1, unit_ids=IDS, num_units=NUM_UNITS)
-    mean = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=0.1, unit_ids=IDS, num_units=NUM_UNITS,
-                                 reduction="mean")
+    mean = peg.clipped_gradients(
+        model, sparse_ce, x, y, l2_norm_clip=0.1, unit_ids=IDS, num_units=NUM_UNITS, reduction="mean"
+    )
     p = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     rtol = clipped_sum_rtol(p, B)  # two runs of the sum (oneDNN may block them differently) and a division
     scale = max(float(np.max(np.abs(tf.convert_to_tensor(t)))) for t in total) / NUM_UNITS
     for t, m in zip(total, mean):
-        np.testing.assert_allclose(tf.convert_to_tensor(m), tf.convert_to_tensor(t) / NUM_UNITS, rtol=rtol, atol=rtol * scale)
+        np.testing.assert_allclose(
+            tf.convert_to_tensor(m), tf.convert_to_tensor(t) / NUM_UNITS, rtol=rtol, atol=rtol * scale
+        )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2_lm"])  # BERT's layers (EinsumDense, Embedding, LayerNorm): all in GPT-2 too
 def test_keras_hub_models(name):
     pytest.importorskip("keras_hub")
-    model, x, y = apps_zoo.build(name, 8, vocabulary_size=32, num_layers=1, hidden_dim=16, intermediate_dim=16, seq_len=6)
+    model, x, y = apps_zoo.build(
+        name, 8, vocabulary_size=32, num_layers=1, hidden_dim=16, intermediate_dim=16, seq_len=6
+    )
     ids = np.array([0, 1, 1, 2, 2, 2, 0, 3], np.int32)  # 2, 2, 3 and 1 rows
     _check(model, sparse_ce, x, y, ids, 4, clip=0.05, positions=6)
 
@@ -298,7 +323,9 @@ def test_keras_hub_models(name):
 def test_the_three_dense_forms_agree_with_numpy():
     """``rules.grouped``'s masked Gram, per-unit Gram and per-unit kernels, each against numpy, on uneven units and two calls."""
     rng = np.random.default_rng(7)
-    pairs = [(rng.normal(size=(B, t, 5)).astype("float32"), rng.normal(size=(B, t, 3)).astype("float32")) for t in (1, 3)]
+    pairs = [
+        (rng.normal(size=(B, t, 5)).astype("float32"), rng.normal(size=(B, t, 3)).astype("float32")) for t in (1, 3)
+    ]
     ids = tf.constant(IDS)
 
     def kernel(u):

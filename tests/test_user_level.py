@@ -26,7 +26,7 @@ def _batches(q, steps, k=None, seed=0, **kwargs):
     x = np.arange(ROWS, dtype="float32")[:, None]  # each row's own index, to check which rows came
     ds = poisson_batches(x, unit_ids=IDS, rows_per_unit=k, sampling_probability=q, steps=steps, seed=seed, **kwargs)
     out = []
-    for xb, yb, mask, ids in ds:
+    for xb, _yb, mask, ids in ds:
         b = int(mask.numpy().sum())
         rows = xb.numpy()[:b, 0].astype(int)
         out.append((rows, ids.numpy(), mask.numpy(), xb.numpy()))
@@ -56,7 +56,12 @@ def test_units_bring_at_most_rows_per_unit_rows_drawn_afresh_each_step():
     k = 3
     ds, batches = _batches(1.0, 60, k)
     sampling = ds.pegrad_sampling
-    assert (sampling.privacy_unit, sampling.num_examples, sampling.num_rows, sampling.rows_per_unit) == ("unit", U, ROWS, k)
+    assert (sampling.privacy_unit, sampling.num_examples, sampling.num_rows, sampling.rows_per_unit) == (
+        "unit",
+        U,
+        ROWS,
+        k,
+    )
     assert sampling.expected_batch_size == pytest.approx(U)
     seen = set()
     big = IDS == IDS[np.argmax(SIZES[np.searchsorted(1000 + 3 * np.arange(U), IDS)])]  # rows of a 5-row unit
@@ -89,7 +94,7 @@ def test_units_of_one_row_sample_as_examples():
     x = np.random.default_rng(1).normal(size=(40, 3)).astype("float32")
     rows = poisson_batches(x, sampling_probability=0.3, seed=5, steps=6)
     units = poisson_batches(x, unit_ids=np.arange(40), sampling_probability=0.3, seed=5, steps=6)
-    for (xa, _, ma), (xb, _, mb, ids) in zip(rows, units):
+    for (xa, _, ma), (xb, _, mb, _ids) in zip(rows, units):
         np.testing.assert_array_equal(xa.numpy(), xb.numpy())
         np.testing.assert_array_equal(ma.numpy(), mb.numpy())
     assert units.pegrad_sampling.num_examples == rows.pegrad_sampling.num_examples == 40
@@ -178,10 +183,14 @@ def test_units_of_one_row_train_as_examples():
 
 
 def _dp_accounting_epsilon(kind, q, sigma, steps, delta):
-    event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
+    )
     relation = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
     accountant = (
-        dp_accounting.pld.PLDAccountant(relation) if kind == "pld" else dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
+        dp_accounting.pld.PLDAccountant(relation)
+        if kind == "pld"
+        else dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
     )
     return accountant.compose(event).get_epsilon(delta)
 
@@ -220,7 +229,9 @@ def _unit_dp(**options):
         ),
         (
             lambda: _unit_dp(physical_batch_size=2),
-            lambda x, y: poisson_batches(x, y, unit_ids=np.arange(N_ROWS) // 4, rows_per_unit=3, sampling_probability=Q),
+            lambda x, y: poisson_batches(
+                x, y, unit_ids=np.arange(N_ROWS) // 4, rows_per_unit=3, sampling_probability=Q
+            ),
             "rows_per_unit=3 rows, more than physical_batch_size=2",
         ),
         (
@@ -241,7 +252,9 @@ def test_dp_model_refuses_bad_privacy_unit_settings():
     with pytest.raises(ValueError, match="privacy_unit must be one of 'example', 'unit'; got 'user'"):
         peg.keras.DPModel(_net(), noise_multiplier=1.0, privacy_unit="user")
     with pytest.raises(ValueError, match="adaptive_clipping is not available with privacy_unit='unit'"):
-        peg.keras.DPModel(_net(), noise_multiplier=1.0, privacy_unit="unit", adaptive_clipping=peg.dp.AdaptiveClipping())
+        peg.keras.DPModel(
+            _net(), noise_multiplier=1.0, privacy_unit="unit", adaptive_clipping=peg.dp.AdaptiveClipping()
+        )
 
 
 # Uneven units, rows of a unit consecutive (as the sampler gives them), then two padding rows (id -1, weight 0).
@@ -262,7 +275,9 @@ def _unit_reference(net, x, y, ids, weights):
     return total, magnitude
 
 
-@pytest.mark.parametrize("physical_batch_size", [None, pytest.param(3, marks=pytest.mark.slow), pytest.param(7, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "physical_batch_size", [None, pytest.param(3, marks=pytest.mark.slow), pytest.param(7, marks=pytest.mark.slow)]
+)
 def test_step_clips_each_units_summed_gradient(physical_batch_size):
     x, y = _xy(len(BATCH_IDS))
     net = _net()
@@ -291,7 +306,12 @@ def test_removing_a_unit_changes_the_clipped_sum_by_at_most_c():
         without = aggregator.clipped_sum(
             net, sparse_ce, x[keep], y[keep], BATCH_WEIGHTS[keep], unit_ids=BATCH_IDS[keep], rows_per_unit=3
         ).sums
-        change = np.sqrt(sum(np.sum((tf.convert_to_tensor(a).numpy() - tf.convert_to_tensor(b).numpy()) ** 2) for a, b in zip(full, without)))
+        change = np.sqrt(
+            sum(
+                np.sum((tf.convert_to_tensor(a).numpy() - tf.convert_to_tensor(b).numpy()) ** 2)
+                for a, b in zip(full, without)
+            )
+        )
         assert change <= CLIP * (1 + norm_rtol(p)) + clipped_sum_rtol(p, len(BATCH_IDS)) * 5 * CLIP
 
 
@@ -300,8 +320,15 @@ def test_private_gradients_with_units_is_the_clipped_unit_sum_over_q_u():
     net = _net()
     dense = np.unique(BATCH_IDS, return_inverse=True)[1]
     grads = peg.dp.private_gradients(
-        net, sparse_ce, x, y, l2_norm_clip=CLIP, noise_multiplier=0.0, sample_weight=BATCH_WEIGHTS,
-        unit_ids=dense, expected_batch_size=2.5,
+        net,
+        sparse_ce,
+        x,
+        y,
+        l2_norm_clip=CLIP,
+        noise_multiplier=0.0,
+        sample_weight=BATCH_WEIGHTS,
+        unit_ids=dense,
+        expected_batch_size=2.5,
     )
     expected, magnitude = _unit_reference(net, x, y, BATCH_IDS, BATCH_WEIGHTS)
     p = sum(int(np.prod(v.shape)) for v in net.trainable_variables)
@@ -322,17 +349,23 @@ def test_keras_hub_gpt2_trains_a_step_per_user():
     ids, mask = byte_tokens(texts, seq_len=t + 1)
     x, y = {"token_ids": ids[:, :t], "padding_mask": mask[:, :t]}, ids[:, 1:]
     author = np.repeat(np.arange(users), per_user)  # a user's texts are rows of one unit
-    model = zoo.build_model("gpt2_lm", vocabulary_size=VOCABULARY_SIZE, seq_len=t, num_layers=1, hidden_dim=16, intermediate_dim=32)
+    model = zoo.build_model(
+        "gpt2_lm", vocabulary_size=VOCABULARY_SIZE, seq_len=t, num_layers=1, hidden_dim=16, intermediate_dim=32
+    )
     before = [v.numpy().copy() for v in model.trainable_variables]
     dp = peg.keras.DPModel(model, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0, privacy_unit="unit")
-    dp.compile(optimizer=keras.optimizers.Adam(1e-3),
-               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0))
+    dp.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0),
+    )
     data = poisson_batches(x, y, unit_ids=author, rows_per_unit=2, sampling_probability=0.5, steps=1, seed=0)
     history = dp.fit(data, verbose=0)
     assert int(dp.dp_steps.numpy()) == 1 and dp.num_examples == users
     assert np.isfinite(history.history["loss"]).all()
     assert all(not np.array_equal(v.numpy(), b) for v, b in zip(model.trainable_variables, before))
-    assert dp.epsilon(1e-2, accountant="rdp") == pytest.approx(_dp_accounting_epsilon("rdp", 0.5, 1.0, 1, 1e-2), rel=ACCOUNTING_SAME_RTOL)
+    assert dp.epsilon(1e-2, accountant="rdp") == pytest.approx(
+        _dp_accounting_epsilon("rdp", 0.5, 1.0, 1, 1e-2), rel=ACCOUNTING_SAME_RTOL
+    )
 
 
 def test_dp_model_per_unit_refuses_xla():

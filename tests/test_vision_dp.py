@@ -24,4 +24,6 @@ def test_dp_model_trains_a_fixed_application_on_digit_images(name, config):
     assert np.isfinite(history.history["loss"]).all()
     assert any(not np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
     # The ledger's 4 Poisson steps at q = 1/4, against the accountant called directly.
-    assert dp.epsilon(1e-5) == pytest.approx(peg.dp.compute_epsilon(48, 12, 1, noise_multiplier=1.0, delta=1e-5), rel=1e-9)
+    assert dp.epsilon(1e-5) == pytest.approx(
+        peg.dp.compute_epsilon(48, 12, 1, noise_multiplier=1.0, delta=1e-5), rel=1e-9
+    )

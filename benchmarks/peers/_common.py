@@ -93,18 +93,30 @@ def parse_args(description: str, peers: tuple[str, ...]) -> argparse.Namespace:
     p.add_argument("--batch-sizes", default=None, help="comma list (default 64,256; --quick: 16)")
     p.add_argument("--repeats", type=int, default=None, help="timed calls per quantity (default 7; --quick: 2)")
     p.add_argument("--warmup", type=int, default=2, help="untimed full-size calls first (default 2; --quick: 1)")
-    p.add_argument("--max-seconds-per-call", type=float, default=60.0,
-                   help="a quantity whose single call takes longer stops being timed and is marked '> cap'")
+    p.add_argument(
+        "--max-seconds-per-call",
+        type=float,
+        default=60.0,
+        help="a quantity whose single call takes longer stops being timed and is marked '> cap'",
+    )
     p.add_argument("--peers", default=",".join(peers), help="comma list of %s" % ",".join(peers))
-    p.add_argument("--no-check", action="store_true",
-                   help="skip the check that per-example grads average to the batch grad")
-    p.add_argument("--threads", type=int, default=2,
-                   help="pin the process to this many CPUs before the framework starts (default 2)")
+    p.add_argument(
+        "--no-check", action="store_true", help="skip the check that per-example grads average to the batch grad"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="pin the process to this many CPUs before the framework starts (default 2)",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: B=16, 2 repeats, 1 warm-up")
     p.add_argument("--out", default=None, help="also write the Markdown report to this file")
-    p.add_argument("--serve", action="store_true",
-                   help="worker for benchmarks/bench_vs_peers.py: JSON-line commands on stdin, answers on "
-                   "stdout (see serve()); of the other flags only --peers and --threads then apply")
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="worker for benchmarks/bench_vs_peers.py: JSON-line commands on stdin, answers on "
+        "stdout (see serve()); of the other flags only --peers and --threads then apply",
+    )
     a = p.parse_args()
     if a.serve:
         a.answers = claim_stdout()
@@ -273,7 +285,9 @@ class Report:
             "from the same round-robin.",
             "",
         ]
-        lines += markdown_table(["peer", "model", "B", "quantity", "median ms", "ratio to (a)", "IQR ms", "status"], self.rows)
+        lines += markdown_table(
+            ["peer", "model", "B", "quantity", "median ms", "ratio to (a)", "IQR ms", "status"], self.rows
+        )
         return with_notes(lines, self.notes)
 
     def emit(self) -> None:
@@ -299,8 +313,9 @@ def with_notes(lines: list[str], notes: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(args: argparse.Namespace, title: str, versions: dict, notes: list[str],
-        make_tasks: Callable[[str, int], tuple]) -> int:
+def run(
+    args: argparse.Namespace, title: str, versions: dict, notes: list[str], make_tasks: Callable[[str, int], tuple]
+) -> int:
     """A peer script's main: serve a ``bench_vs_peers.py`` coordinator (``--serve``) or run standalone.
 
     ``notes`` (what the peer's numbers mean) go into the report or the hello answer.
@@ -384,7 +399,11 @@ def _build(cmd: dict, make_tasks: Callable[[str, int], tuple]) -> tuple[Cell, di
     """Build the (model, B) of a ``build`` command, warm its requested quantities up; the cell and the answer."""
     log(f"== {cmd['model']} B={cmd['b']}")
     wants_epoch = "e" in cmd["quantities"]  # only scripts with (e) tasks take the keyword
-    tasks, notes, check = make_tasks(cmd["model"], cmd["b"], quantities=cmd["quantities"]) if wants_epoch else make_tasks(cmd["model"], cmd["b"])
+    tasks, notes, check = (
+        make_tasks(cmd["model"], cmd["b"], quantities=cmd["quantities"])
+        if wants_epoch
+        else make_tasks(cmd["model"], cmd["b"])
+    )
     tasks = [t for t in tasks if t.quantity in cmd["quantities"]]
     for t in tasks:
         warm_up(t, cmd["warmup"], cmd["cap"], log)

@@ -24,10 +24,9 @@ def main() -> int:
     import warnings
 
     warnings.filterwarnings("ignore")
+    import peer_models_torch as P
     import torch
     from torch.func import functional_call, grad, vmap
-
-    import peer_models_torch as P
 
     spec, size, b = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     torch.set_num_threads(2)
@@ -42,8 +41,9 @@ def main() -> int:
         return P.per_example_loss(cell, P.logits_of(model(**inp)), lab)
 
     def rel(a, b_):  # per parameter: max abs diff / max abs of the float64 value
-        return max((float((x.double() - r).abs().max() / r.abs().max().clamp(min=1e-300)), n)
-                   for x, r, n in zip(a, b_, names))
+        return max(
+            (float((x.double() - r).abs().max() / r.abs().max().clamp(min=1e-300)), n) for x, r, n in zip(a, b_, names)
+        )
 
     batch32 = torch.autograd.grad(loss(m, inputs, y).mean(), list(m.parameters()))
     batch64 = torch.autograd.grad(loss(m64, in64, y).mean(), list(m64.parameters()))
@@ -59,10 +59,10 @@ def main() -> int:
     g = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, tensors, y)
     worst_loop, worst_func = (0.0, "", -1), (0.0, "", -1)
     for i in range(b):
-        one32 = {k: (v[i:i + 1] if torch.is_tensor(v) else v) for k, v in inputs.items()}
-        one64 = {k: (v[i:i + 1] if torch.is_tensor(v) else v) for k, v in in64.items()}
-        r = torch.autograd.grad(loss(m64, one64, y[i:i + 1])[0], list(m64.parameters()))
-        l32 = torch.autograd.grad(loss(m, one32, y[i:i + 1])[0], list(m.parameters()))
+        one32 = {k: (v[i : i + 1] if torch.is_tensor(v) else v) for k, v in inputs.items()}
+        one64 = {k: (v[i : i + 1] if torch.is_tensor(v) else v) for k, v in in64.items()}
+        r = torch.autograd.grad(loss(m64, one64, y[i : i + 1])[0], list(m64.parameters()))
+        l32 = torch.autograd.grad(loss(m, one32, y[i : i + 1])[0], list(m.parameters()))
         worst_loop = max(worst_loop, (*rel(l32, r), i))
         worst_func = max(worst_func, (*rel([g[n][i] for n in names], r), i))
     print("float32 loop over examples vs float64: worst %.1e (%s, example %d)" % worst_loop)

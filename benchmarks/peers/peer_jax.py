@@ -73,7 +73,9 @@ def init_params(name: str, key):
         return {
             "tokens": embedding(C.TF_VOCAB, d),
             "positions": 0.05 * jax.random.normal(next(keys), (C.TF_SEQ_LEN, d), jnp.float32),
-            "query": proj(), "key": proj(), "value": proj(),
+            "query": proj(),
+            "key": proj(),
+            "value": proj(),
             "output": {"kernel": glorot((h, hd, d), h * hd, d), "bias": jnp.zeros((d,), jnp.float32)},
             "norm1": ln(),
             "ff1": dense(d, C.TF_FFN),
@@ -102,8 +104,7 @@ def apply(name: str, p, x):
     if name == "cnn":
 
         def conv(q, h):
-            out = lax.conv_general_dilated(h, q["kernel"], (1, 1), "VALID",
-                                           dimension_numbers=("NHWC", "HWIO", "NHWC"))
+            out = lax.conv_general_dilated(h, q["kernel"], (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
             return jax.nn.relu(out + q["bias"])
 
         def pool(h):
@@ -178,6 +179,7 @@ def make_tasks(model_name: str, b: int, log):
         C.Task("jax", "b", lambda: jax.block_until_ready(per_example_jit(params, x, y))),
         C.Task("jax", "c", lambda: jax.block_until_ready(clip_sum_jit(params, x, y))),
     ]
+
     def check():
         """Per-example grads have shape [B, *param] and average to the batch gradient."""
         ref = jax.tree_util.tree_leaves(batch_grad_jit(params, x, y))
@@ -220,7 +222,9 @@ def main() -> int:
         "not timed (its duration is in the status column). (c) is compiled as one program, so XLA "
         "may avoid writing the full per-example gradients."
     ]
-    return C.run(args, "Peer benchmark: JAX jit(vmap(grad))", versions, general, lambda m, b, **kw: make_tasks(m, b, C.log))  # no (e) tasks: JAX has no DP training loop here
+    return C.run(
+        args, "Peer benchmark: JAX jit(vmap(grad))", versions, general, lambda m, b, **kw: make_tasks(m, b, C.log)
+    )  # no (e) tasks: JAX has no DP training loop here
 
 
 if __name__ == "__main__":

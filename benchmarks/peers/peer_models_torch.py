@@ -76,8 +76,9 @@ DEFAULT_MODELS = MODELS
 METHODS = ("torch.func", "opacus", "opacus ghost")
 
 GPT2_CFG = dict(vocab_size=8192, n_positions=128, n_embd=256, n_layer=4, n_head=4)
-BERT_CFG = dict(vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                intermediate_size=1024, num_labels=2)
+BERT_CFG = dict(
+    vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024, num_labels=2
+)
 LORA_RANK = 8
 N_CLASSES_VISION = 10
 
@@ -134,7 +135,8 @@ def torchvision_cpu_shim() -> str | None:
         return None
     except (OSError, RuntimeError) as e:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0].replace(
-            os.path.dirname(os.path.dirname(spec.origin)) + os.sep, "")
+            os.path.dirname(os.path.dirname(spec.origin)) + os.sep, ""
+        )
     lib = torch.library.Library("torchvision", "FRAGMENT")
     lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
     lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
@@ -195,8 +197,9 @@ def text_preflight(model, inputs, opacus_inputs, labels, kind):
     params = {n: p.detach() for n, p in model.named_parameters()}
 
     def loss_one(p, xi, yi):
-        out = functional_call(model, p, args=(), kwargs={k: (v.unsqueeze(0) if torch.is_tensor(v) else v)
-                                                         for k, v in xi.items()})
+        out = functional_call(
+            model, p, args=(), kwargs={k: (v.unsqueeze(0) if torch.is_tensor(v) else v) for k, v in xi.items()}
+        )
         return per_example_loss(cell, logits_of(out), yi.unsqueeze(0))[0]
 
     tensors = {k: v for k, v in cut.items() if torch.is_tensor(v)}
@@ -204,24 +207,33 @@ def text_preflight(model, inputs, opacus_inputs, labels, kind):
         vmap(grad(loss_one), in_dims=(None, 0, 0))(params, tensors, y)
         notes.append("torch.func also runs with the [B, T] `position_ids` passed in")
     except Exception as e:  # noqa: BLE001 - reported
-        notes.append(f"torch.func with the [B, T] `position_ids` passed in is refused: `{first_line(e)[:240]}` "
-                     "(transformers' packed-sequence detection branches on the ids), so torch.func and the "
-                     "plain step get the forward call without them")
+        notes.append(
+            f"torch.func with the [B, T] `position_ids` passed in is refused: `{first_line(e)[:240]}` "
+            "(transformers' packed-sequence detection branches on the ids), so torch.func and the "
+            "plain step get the forward call without them"
+        )
     gsm = GradSampleModule(copy.deepcopy(model), batch_first=True, loss_reduction="sum").train()
     try:
         per_example_loss(cell, logits_of(gsm(**plain_cut)), y).sum().backward()
-        shapes = {n: tuple(p.grad_sample.shape) for n, p in gsm._module.named_parameters()
-                  if getattr(p, "grad_sample", None) is not None and p.grad_sample.shape[0] != 2}
+        shapes = {
+            n: tuple(p.grad_sample.shape)
+            for n, p in gsm._module.named_parameters()
+            if getattr(p, "grad_sample", None) is not None and p.grad_sample.shape[0] != 2
+        }
         if shapes:
-            notes.append("Opacus hooks without `position_ids` raise nothing but return grad_sample with a "
-                         "batch dimension of 1 (the batch's sum, not per example) for "
-                         + ", ".join(f"`{n}` {s}" for n, s in shapes.items())
-                         + ", so `position_ids` is passed to Opacus as a [B, T] tensor by hand")
+            notes.append(
+                "Opacus hooks without `position_ids` raise nothing but return grad_sample with a "
+                "batch dimension of 1 (the batch's sum, not per example) for "
+                + ", ".join(f"`{n}` {s}" for n, s in shapes.items())
+                + ", so `position_ids` is passed to Opacus as a [B, T] tensor by hand"
+            )
         else:
             notes.append("Opacus hooks without `position_ids` gave per-example shapes everywhere")
     except Exception as e:  # noqa: BLE001 - reported
-        notes.append(f"Opacus hooks without `position_ids` are refused: `{first_line(e)[:240]}`; "
-                     "`position_ids` is passed to Opacus as a [B, T] tensor by hand")
+        notes.append(
+            f"Opacus hooks without `position_ids` are refused: `{first_line(e)[:240]}`; "
+            "`position_ids` is passed to Opacus as a [B, T] tensor by hand"
+        )
     return notes
 
 
@@ -233,12 +245,20 @@ def build_text(name: str, t: int, b: int, rng):
     torch.manual_seed(0)
     notes = []
     if name.startswith("gpt2"):
-        cfg = transformers.GPT2Config(**GPT2_CFG, **no_dropout_configs(), use_cache=False,
-                                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
+        cfg = transformers.GPT2Config(
+            **GPT2_CFG,
+            **no_dropout_configs(),
+            use_cache=False,
+            tie_word_embeddings=True,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         model = transformers.GPT2LMHeadModel(cfg)
         tied = model.lm_head.weight is model.transformer.wte.weight
-        notes.append(f"{name}: lm_head.weight is transformer.wte.weight: {tied}; "
-                     f"attention implementation `{model.config._attn_implementation}`")
+        notes.append(
+            f"{name}: lm_head.weight is transformer.wte.weight: {tied}; "
+            f"attention implementation `{model.config._attn_implementation}`"
+        )
         ids = torch.from_numpy(rng.integers(0, GPT2_CFG["vocab_size"], (b, t)).astype(np.int64))
         inputs = {"input_ids": ids, "use_cache": False}
         labels = ids
@@ -246,13 +266,20 @@ def build_text(name: str, t: int, b: int, rng):
         if name == "gpt2-lora":
             import peft
 
-            lcfg = peft.LoraConfig(r=LORA_RANK, lora_alpha=16, lora_dropout=0.0,
-                                   target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True)
+            lcfg = peft.LoraConfig(
+                r=LORA_RANK,
+                lora_alpha=16,
+                lora_dropout=0.0,
+                target_modules=["c_attn", "c_proj", "c_fc"],
+                fan_in_fan_out=True,
+            )
             model = peft.get_peft_model(model, lcfg)
-            notes.append(f"{name}: peft {peft.__version__} LoRA r={LORA_RANK} on c_attn, c_proj, c_fc "
-                         "(GPT-2's transformers Conv1D, fan_in_fan_out=True); only the adapters train. As peft "
-                         "initialises lora_B to zero, the lora_A gradients are zero at this point; "
-                         "the computation is the same as later in training")
+            notes.append(
+                f"{name}: peft {peft.__version__} LoRA r={LORA_RANK} on c_attn, c_proj, c_fc "
+                "(GPT-2's transformers Conv1D, fan_in_fan_out=True); only the adapters train. As peft "
+                "initialises lora_B to zero, the lora_A gradients are zero at this point; "
+                "the computation is the same as later in training"
+            )
     else:  # bert
         cfg = transformers.BertConfig(**BERT_CFG, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         model = transformers.BertForSequenceClassification(cfg)
@@ -302,9 +329,11 @@ def build_vision(name: str, size: int, b: int, rng):
     y = torch.from_numpy(rng.integers(0, N_CLASSES_VISION, b).astype(np.int64))
     strided = noncontiguous_conv_inputs(fixed, x[:2])
     if strided:
-        notes.append(f"{name}: {len(strided)} Conv2d layer(s) receive a non-contiguous input "
-                     f"({', '.join(strided[:4])}{', ...' if len(strided) > 4 else ''}: "
-                     "channels_last strides, the output of a permute); see the Opacus check below")
+        notes.append(
+            f"{name}: {len(strided)} Conv2d layer(s) receive a non-contiguous input "
+            f"({', '.join(strided[:4])}{', ...' if len(strided) > 4 else ''}: "
+            "channels_last strides, the output of a permute); see the Opacus check below"
+        )
     inplace = [m for m in fixed.modules() if getattr(m, "inplace", False) is True]
     if inplace:
         notes.append(f"{name}: {vision_preflight(fixed, x[:2], y[:2], inplace)}")
@@ -318,8 +347,11 @@ def noncontiguous_conv_inputs(model, x):
     found, handles = [], []
     for n, m in model.named_modules():
         if isinstance(m, torch.nn.Conv2d):
-            handles.append(m.register_forward_pre_hook(
-                lambda mod, inp, n=n: found.append(n) if not inp[0].is_contiguous() else None))
+            handles.append(
+                m.register_forward_pre_hook(
+                    lambda mod, inp, n=n: found.append(n) if not inp[0].is_contiguous() else None
+                )
+            )
     try:
         with torch.no_grad():
             model(x)
@@ -353,10 +385,15 @@ def vision_preflight(fixed, x, y, inplace):
     for m in inplace:
         m.inplace = False
     after = attempt()
-    return ((f"Opacus hooks refused the fixed model: {before}. " if before else
-             "Opacus hooks accepted the fixed model with its in-place activations. ")
-            + f"The script set inplace=False on its {len(inplace)} in-place modules ({', '.join(kinds)}), "
-            "for every method; " + (f"Opacus still refused it: {after}" if after else "then Opacus ran"))
+    return (
+        (
+            f"Opacus hooks refused the fixed model: {before}. "
+            if before
+            else "Opacus hooks accepted the fixed model with its in-place activations. "
+        )
+        + f"The script set inplace=False on its {len(inplace)} in-place modules ({', '.join(kinds)}), "
+        "for every method; " + (f"Opacus still refused it: {after}" if after else "then Opacus ran")
+    )
 
 
 def where(e: BaseException) -> str:
@@ -453,8 +490,10 @@ def opacus_coverage(model) -> str:
     native = [t for t in counts if t in GradSampleModule.GRAD_SAMPLERS]
     fallback = [t for t in counts if t not in GradSampleModule.GRAD_SAMPLERS]
     ghost = [t for t in counts if t in GradSampleModuleFastGradientClipping.NORM_SAMPLERS]
-    return (f"layers with trainable parameters: Opacus grad sampler for {fmt(native)}; functorch fallback "
-            f"for {fmt(fallback)}; ghost-clipped (norm sampler) {fmt(ghost)}")
+    return (
+        f"layers with trainable parameters: Opacus grad sampler for {fmt(native)}; functorch fallback "
+        f"for {fmt(fallback)}; ghost-clipped (norm sampler) {fmt(ghost)}"
+    )
 
 
 def first_line(e: BaseException) -> str:
@@ -593,13 +632,21 @@ def make_tasks(cell: Cell, methods, norms_for, log):
             from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
             ghost = GradSampleModuleFastGradientClipping(
-                copy.deepcopy(model), batch_first=True, loss_reduction="mean",
-                max_grad_norm=C.CLIP_NORM, use_ghost_clipping=True)
+                copy.deepcopy(model),
+                batch_first=True,
+                loss_reduction="mean",
+                max_grad_norm=C.CLIP_NORM,
+                use_ghost_clipping=True,
+            )
             ghost.train()
             g_params = [p for p in ghost._module.parameters() if p.requires_grad]
             opt = DPOptimizerFastGradientClipping(
-                torch.optim.SGD(g_params, lr=0.0), noise_multiplier=0.0, max_grad_norm=C.CLIP_NORM,
-                expected_batch_size=cell.b, loss_reduction="mean")
+                torch.optim.SGD(g_params, lr=0.0),
+                noise_multiplier=0.0,
+                max_grad_norm=C.CLIP_NORM,
+                expected_batch_size=cell.b,
+                loss_reduction="mean",
+            )
             criterion = torch.nn.CrossEntropyLoss(reduction="mean")
             dp_loss = DPLossFastGradientClipping(ghost, opt, criterion, loss_reduction="mean")
 
@@ -614,8 +661,7 @@ def make_tasks(cell: Cell, methods, norms_for, log):
                 logits = logits_of(ghost(**cell.opacus_inputs))
                 if cell.kind == "lm":
                     b, t, v = logits.shape
-                    loss = dp_loss(logits[:, :-1].reshape(-1, v), labels[:, 1:].reshape(-1),
-                                   shape=(b, t - 1, v))
+                    loss = dp_loss(logits[:, :-1].reshape(-1, v), labels[:, 1:].reshape(-1), shape=(b, t - 1, v))
                 else:
                     loss = dp_loss(logits, labels)
                 loss.backward()  # both backward passes; p.grad is the clipped sum
@@ -635,8 +681,8 @@ def make_tasks(cell: Cell, methods, norms_for, log):
         """Each method's norms and clipped sum against a loop of single-example gradients."""
         ref_norms, ref_sum, ref_first = [], None, []
         for i in range(cell.b):
-            one = {k: (v[i:i + 1] if torch.is_tensor(v) else v) for k, v in inputs.items()}
-            loss = per_example_loss(cell, logits_of(model(**one)), labels[i:i + 1])[0]
+            one = {k: (v[i : i + 1] if torch.is_tensor(v) else v) for k, v in inputs.items()}
+            loss = per_example_loss(cell, logits_of(model(**one)), labels[i : i + 1])[0]
             g = torch.autograd.grad(loss, params)
             if i < 2:
                 ref_first.append(g)
@@ -646,8 +692,10 @@ def make_tasks(cell: Cell, methods, norms_for, log):
             ref_sum = [f * x for x in g] if ref_sum is None else [s + f * x for s, x in zip(ref_sum, g)]
         ref_norms_t = torch.tensor(ref_norms)
         scale = max(float(s.abs().max()) for s in ref_sum)
-        lines = [f"{cell.spec} B={cell.b}: per-example gradient norms (loop over examples) "
-                 f"min {min(ref_norms):.3g}, median {statistics.median(ref_norms):.3g}, max {max(ref_norms):.3g}"]
+        lines = [
+            f"{cell.spec} B={cell.b}: per-example gradient norms (loop over examples) "
+            f"min {min(ref_norms):.3g}, median {statistics.median(ref_norms):.3g}, max {max(ref_norms):.3g}"
+        ]
         for peer, (fn_both, fn_norms) in results.items():
             try:
                 nrm, cs = fn_both(keep=True) if peer == "opacus" else fn_both()
@@ -664,13 +712,17 @@ def make_tasks(cell: Cell, methods, norms_for, log):
                 cs = [x.detach() for x in cs]
                 ds = max(float((u - v).abs().max()) for u, v in zip(cs, ref_sum)) / scale
                 ok = dn < NORMS_TOL and ds < SUM_TOL
-                lines.append(f"{cell.spec} B={cell.b} {peer}: norms max rel diff {dn:.1e}, clipped sum "
-                             f"max abs diff / max abs {ds:.1e} vs the loop ({'ok' if ok else 'MISMATCH'})")
+                lines.append(
+                    f"{cell.spec} B={cell.b} {peer}: norms max rel diff {dn:.1e}, clipped sum "
+                    f"max abs diff / max abs {ds:.1e} vs the loop ({'ok' if ok else 'MISMATCH'})"
+                )
                 if not ok:
                     log(f"  CHECK FAILED: {lines[-1]}")
                     if peer == "opacus":
-                        lines.append(f"{cell.spec} B={cell.b} opacus: parameters whose grad_sample differs from "
-                                     f"the loop's on examples 0-1: {wrong_grad_samples(o_params, names, ref_first)}")
+                        lines.append(
+                            f"{cell.spec} B={cell.b} opacus: parameters whose grad_sample differs from "
+                            f"the loop's on examples 0-1: {wrong_grad_samples(o_params, names, ref_first)}"
+                        )
                 if peer == "opacus":
                     release()
             except Exception as e:  # noqa: BLE001
@@ -713,8 +765,12 @@ class ModelsReport:
             by[(t.peer, t.quantity)] = (med_s, ratio, t.status)
         self.sections.append((f"{cell.spec} {shape} B={cell.b}", rows, cell_notes))
 
-        wrong = {p for p in METHODS for line in cell_notes
-                 if line.startswith(f"{cell.spec} B={cell.b} {p}: norms") and "MISMATCH" in line}
+        wrong = {
+            p
+            for p in METHODS
+            for line in cell_notes
+            if line.startswith(f"{cell.spec} B={cell.b} {p}: norms") and "MISMATCH" in line
+        }
 
         def short(peer, q):
             if (peer, q) not in by:
@@ -729,9 +785,11 @@ class ModelsReport:
             return ratio + (" **wrong**" if peer in wrong else "")
 
         plain_ms = by.get(("torch", "plain"), ("—",))[0]
-        self.summary.append([cell.spec, shape, str(cell.b), plain_ms]
-                            + [short(p, "clipped") for p in self.args.methods]
-                            + [short(p, "norms") for p in self.args.norms if p in self.args.methods])
+        self.summary.append(
+            [cell.spec, shape, str(cell.b), plain_ms]
+            + [short(p, "clipped") for p in self.args.methods]
+            + [short(p, "norms") for p in self.args.norms if p in self.args.methods]
+        )
 
     def render(self) -> str:
         import platform
@@ -761,11 +819,17 @@ class ModelsReport:
             "",
         ]
         lines += C.markdown_table(
-            ["model", "shape", "B", "plain ms"] + [f"{m} clipped sum" for m in a.methods]
-            + [f"{m} norms" for m in a.norms if m in a.methods], self.summary)
-        lines += ["", "refused: the method raised (the cell's table gives the first line of the error); "
-                  "**wrong**: it ran, but its norms or clipped sum differ from a loop over single "
-                  "examples (the cell's notes say by how much and where)."]
+            ["model", "shape", "B", "plain ms"]
+            + [f"{m} clipped sum" for m in a.methods]
+            + [f"{m} norms" for m in a.norms if m in a.methods],
+            self.summary,
+        )
+        lines += [
+            "",
+            "refused: the method raised (the cell's table gives the first line of the error); "
+            "**wrong**: it ran, but its norms or clipped sum differ from a loop over single "
+            "examples (the cell's notes say by how much and where).",
+        ]
         for title, rows, cell_notes in self.sections:
             lines += ["", f"## {title}", ""]
             lines += C.markdown_table(["method", "quantity", "median ms", "ratio to plain", "IQR ms", "status"], rows)
@@ -777,7 +841,9 @@ class ModelsReport:
         """Write the report so far to --out (after every cell, so a crash keeps the finished cells)."""
         text = self.render()
         if not final:
-            text = text.replace("\n## Summary", "\n**Partial: the run is still going or stopped early.**\n\n## Summary", 1)
+            text = text.replace(
+                "\n## Summary", "\n**Partial: the run is still going or stopped early.**\n\n## Summary", 1
+            )
         if self.args.out:
             os.makedirs(os.path.dirname(os.path.abspath(self.args.out)), exist_ok=True)
             with open(self.args.out, "w") as f:
@@ -797,18 +863,33 @@ class ModelsReport:
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
-                   help="comma list of %s; a vision model may be NAME@224 for 224x224 inputs" % ",".join(MODELS))
-    p.add_argument("--batch-sizes", default=None,
-                   help="comma list for every model (default: 8,32 for text, 32 for 32x32 images, 8 for 224x224)")
-    p.add_argument("--seq-lens", default=None, help="comma list of T for the text models (default: GPT-2 64,128; BERT 64)")
+    p.add_argument(
+        "--models",
+        default=",".join(DEFAULT_MODELS),
+        help="comma list of %s; a vision model may be NAME@224 for 224x224 inputs" % ",".join(MODELS),
+    )
+    p.add_argument(
+        "--batch-sizes",
+        default=None,
+        help="comma list for every model (default: 8,32 for text, 32 for 32x32 images, 8 for 224x224)",
+    )
+    p.add_argument(
+        "--seq-lens", default=None, help="comma list of T for the text models (default: GPT-2 64,128; BERT 64)"
+    )
     p.add_argument("--methods", default=",".join(METHODS), help="comma list of %s" % ",".join(METHODS))
-    p.add_argument("--norms", default=",".join(METHODS),
-                   help="comma list of the methods whose norms alone are also timed, or 'none' (default: all)")
+    p.add_argument(
+        "--norms",
+        default=",".join(METHODS),
+        help="comma list of the methods whose norms alone are also timed, or 'none' (default: all)",
+    )
     p.add_argument("--repeats", type=int, default=None, help="timed calls per task (default 5; --quick: 1)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls per task first (default 1)")
-    p.add_argument("--max-seconds-per-call", type=float, default=60.0,
-                   help="a task whose call takes longer stops being timed and is marked '> cap'")
+    p.add_argument(
+        "--max-seconds-per-call",
+        type=float,
+        default=60.0,
+        help="a task whose call takes longer stops being timed and is marked '> cap'",
+    )
     p.add_argument("--threads", type=int, default=2, help="CPUs to pin to and torch.set_num_threads (default 2)")
     p.add_argument("--no-check", action="store_true", help="skip the check against a loop over examples")
     p.add_argument("--quick", action="store_true", help="smoke run: B=2, T=16, 1 repeat")
@@ -844,7 +925,7 @@ def cells_of(args):
     for spec in args.models:
         name, size = parse_spec(spec)
         if name in TEXT_MODELS:
-            for t in (args.seq_lens or ([size] if size else DEFAULT_T[name])):
+            for t in args.seq_lens or ([size] if size else DEFAULT_T[name]):
                 for b in args.batch_sizes or DEFAULT_B[name]:
                     out.append((spec, f"T={t}", t, b))
         else:
@@ -875,9 +956,13 @@ def main() -> int:
     transformers.logging.set_verbosity_error()
     logging.getLogger("opacus").setLevel(logging.WARNING)
     versions = {
-        "python": sys.version.split()[0], "CPUs": cpus, "torch": torch.__version__,
-        "torchvision": torchvision.__version__, "transformers": transformers.__version__,
-        "opacus": opacus.__version__, "numpy": numpy.__version__,
+        "python": sys.version.split()[0],
+        "CPUs": cpus,
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "transformers": transformers.__version__,
+        "opacus": opacus.__version__,
+        "numpy": numpy.__version__,
         "OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"],
         "torch threads": f"{torch.get_num_threads()} intra-op, {torch.get_num_interop_threads()} inter-op",
     }

@@ -54,9 +54,17 @@ def small_cnn():
 
     L = keras.layers
     keras.utils.set_random_seed(0)
-    return keras.Sequential([
-        keras.Input((28, 28, 1)), L.Conv2D(16, 5, strides=2, activation="relu"), L.Conv2D(32, 3, strides=2, activation="relu"),
-        L.Flatten(), L.Dense(64, activation="relu"), L.Dense(10)], name="small_cnn")
+    return keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            L.Conv2D(16, 5, strides=2, activation="relu"),
+            L.Conv2D(32, 3, strides=2, activation="relu"),
+            L.Flatten(),
+            L.Dense(64, activation="relu"),
+            L.Dense(10),
+        ],
+        name="small_cnn",
+    )
 
 
 def keras_model(model_name: str, b: int):
@@ -83,11 +91,15 @@ def epoch_tasks(model_name: str) -> list:
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     plain = keras_model(model_name, C.EPOCH_BATCH)
     plain.compile(optimizer=keras.optimizers.SGD(C.EPOCH_LR), loss=loss)
-    dp = peg.keras.DPModel(keras_model(model_name, C.EPOCH_BATCH), l2_norm_clip=C.CLIP_NORM, noise_multiplier=C.EPOCH_SIGMA)
+    dp = peg.keras.DPModel(
+        keras_model(model_name, C.EPOCH_BATCH), l2_norm_clip=C.CLIP_NORM, noise_multiplier=C.EPOCH_SIGMA
+    )
     dp.compile(optimizer=keras.optimizers.SGD(C.EPOCH_LR), loss=loss)
     data = peg.dp.poisson_batches(x, y, sampling_probability=C.EPOCH_BATCH / C.EPOCH_N, seed=0)
     return [
-        C.Task("keras fit (not private)", "e", lambda: C.Seconds(DF._timed_epoch(plain, x, y, batch_size=C.EPOCH_BATCH)[0])),
+        C.Task(
+            "keras fit (not private)", "e", lambda: C.Seconds(DF._timed_epoch(plain, x, y, batch_size=C.EPOCH_BATCH)[0])
+        ),
         C.Task("DPModel.fit", "e", lambda: C.Seconds(DF._timed_epoch(dp, data)[0])),
     ]
 
@@ -107,18 +119,29 @@ def make_tasks(model_name: str, b: int, log, quantities=("a", "b", "c")):
     fns = {q: BL.quantity_fn(name, model, x_np) for q, name in QUANTITY_FN.items()}
     variables = model.trainable_variables
     n_params = sum(int(np.prod(v.shape)) for v in variables)
-    notes = [f"{model_name}: {n_params:,} parameters (keras model {'of benchmarks/peers/peer_tf.py' if model_name == 'small_cnn' else 'of benchmarks/bench_layerwise.py'})"]
+    notes = [
+        f"{model_name}: {n_params:,} parameters (keras model {'of benchmarks/peers/peer_tf.py' if model_name == 'small_cnn' else 'of benchmarks/bench_layerwise.py'})"
+    ]
     tasks = [C.Task(PEER_OF[q], q, lambda fn=fn: BL.wait_for(fn(x, y))) for q, fn in fns.items()]
     if "e" in quantities:
         tasks += epoch_tasks(model_name)
     has_table = any(isinstance(layer, keras.layers.Embedding) for layer in iter_layers(model))
-    per_example = "grads_layerwise_sparse" if has_table else QUANTITY_FN["b"]  # (b) under XLA: sparse where there is a table
-    variants = {"b xla": ("b", per_example, True), "c xla": ("c", QUANTITY_FN["c"], True)}  # key -> (quantity, fn name, jit)
+    per_example = (
+        "grads_layerwise_sparse" if has_table else QUANTITY_FN["b"]
+    )  # (b) under XLA: sparse where there is a table
+    variants = {
+        "b xla": ("b", per_example, True),
+        "c xla": ("c", QUANTITY_FN["c"], True),
+    }  # key -> (quantity, fn name, jit)
     if has_table:
         variants["b sparse"] = ("b", per_example, False)
     for key, (q, name, jit) in variants.items():
         fns[key] = BL.quantity_fn(name, model, x_np, jit_compile=jit)
-        label = PEER_OF[q] + (", sparse_embeddings=True" if "sparse" in name else "") + (", jit_compile=True" if jit else "")
+        label = (
+            PEER_OF[q]
+            + (", sparse_embeddings=True" if "sparse" in name else "")
+            + (", jit_compile=True" if jit else "")
+        )
         tasks.append(C.Task(label, q, lambda fn=fns[key]: BL.wait_for(fn(x, y))))
 
     def check():
@@ -128,8 +151,13 @@ def make_tasks(model_name: str, b: int, log, quantities=("a", "b", "c")):
         shapes_ok = all(tuple(g.shape) == (b, *v.shape) for g, v in zip(per_ex, variables))
         err = _max_rel_diff([tf.reduce_mean(g, axis=0) for g in per_ex], ref)
         err_c = _max_rel_diff([tf.convert_to_tensor(g) for g in fns["c"](x, y)], _clip_and_sum(per_ex))
-        variant_errs = {key: _max_rel_diff([tf.convert_to_tensor(g) for g in fns[key](x, y)], per_ex if key[0] == "b" else
-                                           [tf.convert_to_tensor(g) for g in fns["c"](x, y)]) for key in variants}
+        variant_errs = {
+            key: _max_rel_diff(
+                [tf.convert_to_tensor(g) for g in fns[key](x, y)],
+                per_ex if key[0] == "b" else [tf.convert_to_tensor(g) for g in fns["c"](x, y)],
+            )
+            for key in variants
+        }
         ok = shapes_ok and err < 1e-4 and err_c < 1e-4 and all(e < 1e-4 for e in variant_errs.values())
         line = (
             f"{model_name} B={b} per_example_grads: per-example grads [B, *shape] "
@@ -165,8 +193,9 @@ def _clip_and_sum(per_example: list) -> list:
 def _git_revision() -> str:
     """``git describe --always --dirty`` of the checkout this file is in, or ``n/a``."""
     try:
-        out = subprocess.run(["git", "-C", REPO, "describe", "--always", "--dirty"],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "-C", REPO, "describe", "--always", "--dirty"], capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.TimeoutExpired):
         return "n/a"
     return out.stdout.strip() or "n/a"
@@ -192,12 +221,18 @@ def main() -> int:
     }
     general = [
         "tf (a) is `tape.gradient` of the mean loss; per_example_grads (b) is "
-        "`per_example_gradients(method=\"layerwise\")`, (c) `clipped_gradients(l2_norm_clip=1.0, "
-        "method=\"layerwise\")`; each a `tf.function` (benchmarks/bench_layerwise.quantity_fn) whose "
+        '`per_example_gradients(method="layerwise")`, (c) `clipped_gradients(l2_norm_clip=1.0, '
+        'method="layerwise")`; each a `tf.function` (benchmarks/bench_layerwise.quantity_fn) whose '
         "first call traces it, waited for by reading one element of each output through a zero-copy "
         "`memoryview`."
     ]
-    return C.run(args, "Peer benchmark: per_example_grads layer-wise engine (TensorFlow)", versions, general, lambda m, b, **kw: make_tasks(m, b, C.log, **kw))
+    return C.run(
+        args,
+        "Peer benchmark: per_example_grads layer-wise engine (TensorFlow)",
+        versions,
+        general,
+        lambda m, b, **kw: make_tasks(m, b, C.log, **kw),
+    )
 
 
 if __name__ == "__main__":

@@ -97,19 +97,30 @@ def build_model(name: str):
             return self.head(self.embedding(tokens).mean(dim=1))
 
     if name == "mlp":
-        return nn.Sequential(
-            nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
-        )
+        return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
     if name == "cnn":
         return nn.Sequential(
-            nn.Conv2d(1, 16, 3), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, 3), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(32 * 5 * 5, 64), nn.ReLU(), nn.Linear(64, 10),
+            nn.Conv2d(1, 16, 3),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(32 * 5 * 5, 64),
+            nn.ReLU(),
+            nn.Linear(64, 10),
         )
     if name == "small_cnn":
         return nn.Sequential(
-            nn.Conv2d(1, 16, 5, stride=2), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2), nn.ReLU(),
-            nn.Flatten(), nn.Linear(32 * 5 * 5, 64), nn.ReLU(), nn.Linear(64, 10),
+            nn.Conv2d(1, 16, 5, stride=2),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, stride=2),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(32 * 5 * 5, 64),
+            nn.ReLU(),
+            nn.Linear(64, 10),
         )
     if name == "transformer":
         return Transformer()
@@ -170,11 +181,16 @@ def epoch_tasks(model_name: str, log) -> list:
                 criterion(model(xb), yb).backward()
                 optimizer.step()
             return C.Seconds(time.perf_counter() - start)
+
         return epoch
 
     model = build_model(model_name)
-    plain = (model, torch.optim.SGD(model.parameters(), lr=C.EPOCH_LR), torch.nn.CrossEntropyLoss(),
-             DataLoader(dataset, batch_size=C.EPOCH_BATCH, shuffle=True))
+    plain = (
+        model,
+        torch.optim.SGD(model.parameters(), lr=C.EPOCH_LR),
+        torch.nn.CrossEntropyLoss(),
+        DataLoader(dataset, batch_size=C.EPOCH_BATCH, shuffle=True),
+    )
     tasks = [C.Task("torch (not private)", "e", epoch_of(*plain))]
     try:
         from opacus import PrivacyEngine
@@ -187,10 +203,18 @@ def epoch_tasks(model_name: str, log) -> list:
             optimizer = torch.optim.SGD(model.parameters(), lr=C.EPOCH_LR)
             loader = DataLoader(dataset, batch_size=C.EPOCH_BATCH)
             criterion = torch.nn.CrossEntropyLoss()
-            common = dict(module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=C.EPOCH_SIGMA,
-                          max_grad_norm=C.CLIP_NORM, poisson_sampling=True)
+            common = dict(
+                module=model,
+                optimizer=optimizer,
+                data_loader=loader,
+                noise_multiplier=C.EPOCH_SIGMA,
+                max_grad_norm=C.CLIP_NORM,
+                poisson_sampling=True,
+            )
             if mode == "ghost":
-                model, optimizer, criterion, loader = engine.make_private(**common, criterion=criterion, grad_sample_mode="ghost")
+                model, optimizer, criterion, loader = engine.make_private(
+                    **common, criterion=criterion, grad_sample_mode="ghost"
+                )
             else:
                 model, optimizer, loader = engine.make_private(**common)
             tasks.append(C.Task(f"opacus {mode}", "e", epoch_of(model, optimizer, criterion, loader)))
@@ -354,8 +378,13 @@ def main() -> int:
             "transposed (strides read as channels_last), Opacus 1.6.0 returned wrong grad_sample "
             "for the second conv (max rel. error ~0.9 vs a per-example loop); torch.func was right."
         )
-    return C.run(args, "Peer benchmark: PyTorch (torch.func vmap(grad), Opacus hooks)", versions, general,
-                 lambda m, b, **kw: make_tasks(m, b, args.peers, C.log, **kw))
+    return C.run(
+        args,
+        "Peer benchmark: PyTorch (torch.func vmap(grad), Opacus hooks)",
+        versions,
+        general,
+        lambda m, b, **kw: make_tasks(m, b, args.peers, C.log, **kw),
+    )
 
 
 if __name__ == "__main__":

@@ -126,7 +126,9 @@ def _no_examples(results: Any, b: tf.Tensor | int) -> Any:
             dense_shape = tf.get_static_value(value.dense_shape)
             if dense_shape is None:
                 raise ValueError("unless_empty needs tf.IndexedSlices results with a static dense_shape.")
-            return tf.IndexedSlices(zeros(value.values), zeros(value.indices), tf.constant(dense_shape, value.dense_shape.dtype))
+            return tf.IndexedSlices(
+                zeros(value.values), zeros(value.indices), tf.constant(dense_shape, value.dense_shape.dtype)
+            )
         if isinstance(value, tf.experimental.ExtensionType):  # PerExampleSlices: its tensors, its static fields kept
             return tf.nest.map_structure(zeros, value, expand_composites=True)
         if tf.is_tensor(value) and not isinstance(value, tf.Tensor):
@@ -244,9 +246,7 @@ def _to_tensor(label: str, leaf: Any) -> tf.Tensor:
     else:
         arr = np.asarray(leaf)
         if arr.dtype == object or arr.dtype.kind in "USV":
-            raise TypeError(
-                f"{label} must be numeric, shape [B, ...]; got an array of dtype {arr.dtype}."
-            )
+            raise TypeError(f"{label} must be numeric, shape [B, ...]; got an array of dtype {arr.dtype}.")
         t = tf.convert_to_tensor(arr)
     if t.dtype == tf.string or t.dtype.is_complex:
         raise TypeError(f"{label} must be real numbers, shape [B, ...]; got dtype {t.dtype.name}.")
@@ -286,15 +286,16 @@ def _check_leading_dims(batch: Batch) -> Batch:
         a, b = ref.shape[0], leaf.shape[0]
         if a is not None and b is not None and a != b:
             raise ValueError(
-                f"All inputs must share the leading batch dimension B: {ref_name} "
-                f"has B={a} but {name} has B={b}."
+                f"All inputs must share the leading batch dimension B: {ref_name} has B={a} but {name} has B={b}."
             )
         if a is None or b is None:
-            checks.append(tf.debugging.assert_equal(
-                tf.shape(ref)[0],
-                tf.shape(leaf)[0],
-                message=f"{ref_name} and {name} must share the leading batch dimension B",
-            ))
+            checks.append(
+                tf.debugging.assert_equal(
+                    tf.shape(ref)[0],
+                    tf.shape(leaf)[0],
+                    message=f"{ref_name} and {name} must share the leading batch dimension B",
+                )
+            )
     checks = [c for c in checks if c is not None]  # eagerly, assert_equal has already checked
     if not checks:
         return batch

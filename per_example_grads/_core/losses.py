@@ -41,9 +41,7 @@ def as_per_example_loss(loss_fn: Any) -> PerExampleLoss:
         try:
             loss_fn = keras.losses.get(loss_fn)
         except ValueError as err:
-            raise ValueError(
-                f"loss_fn={loss_fn!r} is not a Keras loss name: {err}"
-            ) from None
+            raise ValueError(f"loss_fn={loss_fn!r} is not a Keras loss name: {err}") from None
     if isinstance(loss_fn, keras.losses.Loss):
         loss_object = loss_fn
 
@@ -84,9 +82,7 @@ def as_per_example_loss(loss_fn: Any) -> PerExampleLoss:
                 "a function such as keras.losses.sparse_categorical_crossentropy."
             )
         if not values.dtype.is_floating:
-            raise InvalidLossError(
-                f"loss_fn must return floating-point losses; got {values.dtype.name}."
-            )
+            raise InvalidLossError(f"loss_fn must return floating-point losses; got {values.dtype.name}.")
         _check_leading_axis(values, y_pred)
         mask = _keras_mask(y_pred)
         if values.shape.rank is not None and values.shape.rank > 1:

@@ -44,11 +44,7 @@ def batch_coupling_layers(model: Any, training: bool) -> list[keras.layers.Layer
     """
     if not training:
         return []
-    return [
-        l
-        for l in iter_layers(model)
-        if isinstance(l, BATCH_COUPLING_LAYERS) and l.trainable
-    ]
+    return [l for l in iter_layers(model) if isinstance(l, BATCH_COUPLING_LAYERS) and l.trainable]
 
 
 def random_layers(model: Any) -> list[keras.layers.Layer]:
@@ -59,9 +55,7 @@ def random_layers(model: Any) -> list[keras.layers.Layer]:
     """
     found = []
     for layer in iter_layers(model):
-        has_seed = any(
-            isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values()
-        )
+        has_seed = any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values())
         if has_seed and getattr(layer, "rate", 1.0) != 0:
             found.append(layer)
     return found

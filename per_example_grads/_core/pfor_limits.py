@@ -68,11 +68,15 @@ def over_limit_ops(ops: Iterable[tf.Operation], graph: tf.Graph, added_axes: int
             if limit is not None and op.inputs:
                 rank = op.inputs[0].shape.rank
                 if rank is not None and rank + added_axes > limit:
-                    found.append(f"{op.type} on rank {rank} ('{op.name}'; rank {rank + added_axes} under "
-                                 f"tf.vectorized_map, over the CPU kernel's limit of {limit})")
+                    found.append(
+                        f"{op.type} on rank {rank} ('{op.name}'; rank {rank + added_axes} under "
+                        f"tf.vectorized_map, over the CPU kernel's limit of {limit})"
+                    )
             if op.type in BATCH_MATMULS and broadcast_matmul_hazard(op.inputs[0].shape, op.inputs[1].shape):
-                found.append(f"{op.type} broadcasting {op.inputs[0].shape} with {op.inputs[1].shape} ('{op.name}'; "
-                             "a unit batch axis under tf.vectorized_map, which corrupts oneDNN's heap)")
+                found.append(
+                    f"{op.type} broadcasting {op.inputs[0].shape} with {op.inputs[1].shape} ('{op.name}'; "
+                    "a unit batch axis under tf.vectorized_map, which corrupts oneDNN's heap)"
+                )
             for name in _nested_function_names(op):
                 if name in seen:
                     continue
@@ -111,6 +115,7 @@ def vectorization_hazards(fn: Callable, specs: Any) -> list[str]:
     (``tf.vectorized_map`` would trace it the same way), so the caller takes
     its non-vectorized path.
     """
+
     def scoped(example):
         # As inside tf.vectorized_map, the function runs below a name scope:
         # at the root, a layer named "_x" is not a valid scope name.

@@ -74,8 +74,7 @@ def resolve_variables(model: Any, variables: Sequence | None) -> tuple:
     if variables is None:
         if not hasattr(model, "trainable_variables"):
             raise TypeError(
-                "model is a plain callable, so pass variables=[...] listing the "
-                "variables to differentiate."
+                "model is a plain callable, so pass variables=[...] listing the variables to differentiate."
             )
         variables = model.trainable_variables
     variables = tuple(variables)
@@ -99,9 +98,7 @@ def _accepts_training(fn: Callable) -> bool:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
-    return "training" in params or any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
-    )
+    return "training" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def make_problem(model, loss_fn, variables, training: bool, allow_batch_coupling: bool) -> Problem:

@@ -130,6 +130,4 @@ def import_tensorflow_filtered(notices: tuple[str, ...] = STARTUP_NOTICES):
 
 def without_notices(text: str, notices: tuple[str, ...] = STARTUP_NOTICES) -> str:
     """``text`` without the lines that contain one of ``notices``."""
-    return "".join(
-        line for line in text.splitlines(keepends=True) if not any(n in line for n in notices)
-    )
+    return "".join(line for line in text.splitlines(keepends=True) if not any(n in line for n in notices))

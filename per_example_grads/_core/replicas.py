@@ -61,4 +61,3 @@ def global_sum(values: tf.Tensor | Sequence[tf.Tensor]):
     if ctx is None:
         return values
     return ctx.all_reduce(tf.distribute.ReduceOp.SUM, values)
-

@@ -30,14 +30,10 @@ def dense_or_zeros(grads, variables, leading_shape=None) -> list:
     not reach as None. (TensorFlow's own ``UnconnectedGradients.ZERO`` cannot
     be used: it fails on Keras variables, whose ``dtype`` is a string.)
     """
+
     def zeros(v):
         if leading_shape is None:
             return tf.zeros(v.shape, v.dtype)
         return tf.zeros(tf.concat([leading_shape, tf.constant(v.shape, tf.int32)], 0), v.dtype)
 
-    return [
-        zeros(v)
-        if g is None
-        else tf.convert_to_tensor(g)
-        for g, v in zip(grads, variables)
-    ]
+    return [zeros(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, variables)]

@@ -45,7 +45,9 @@ KINDS = ("gradient", "input")
 
 def digits_parameters() -> int:
     """Trainable parameters of the demo's MLP: the most gradient canaries it takes."""
-    return N_FEATURES * zoo.DIGITS_HIDDEN_UNITS + zoo.DIGITS_HIDDEN_UNITS + zoo.DIGITS_HIDDEN_UNITS * N_CLASSES + N_CLASSES
+    return (
+        N_FEATURES * zoo.DIGITS_HIDDEN_UNITS + zoo.DIGITS_HIDDEN_UNITS + zoo.DIGITS_HIDDEN_UNITS * N_CLASSES + N_CLASSES
+    )
 
 
 def run_audit_demo(
@@ -119,22 +121,30 @@ def run_audit_demo(
     if kind == "gradient":
         limit = digits_parameters()
         if not 2 <= num_canaries <= limit:
-            raise InputError(f"--num-canaries must be in [2, {limit}] for gradient canaries (one parameter each); got {num_canaries}")
+            raise InputError(
+                f"--num-canaries must be in [2, {limit}] for gradient canaries (one parameter each); got {num_canaries}"
+            )
         canaries = audit_lib.GradientCanaries(num_canaries, seed=seed)
     else:
         limit = len(x) // 3
         if not 2 <= num_canaries <= limit:
-            raise InputError(f"--num-canaries must be in [2, {limit}] for input canaries (a third of the digits); got {num_canaries}")
+            raise InputError(
+                f"--num-canaries must be in [2, {limit}] for input canaries (a third of the digits); got {num_canaries}"
+            )
         canaries, x, y = audit_lib.mislabeled_canaries(x, y, num_canaries, num_classes=N_CLASSES, seed=seed)
     n = len(x) + (num_canaries if kind == "input" else 0)
     q = 1.0 if full_batch else min(1.0, EXPECTED_BATCH_SIZE / n)
     steps = max(1, round(epochs / q))
-    say(f"Calibrating the noise: epsilon <= {target_epsilon:g} at delta = {delta:g} after {steps} steps (q = {q:.4f}, N = {n})...")
+    say(
+        f"Calibrating the noise: epsilon <= {target_epsilon:g} at delta = {delta:g} after {steps} steps (q = {q:.4f}, N = {n})..."
+    )
     t0 = time.perf_counter()
     try:
         sigma = noise_multiplier_for_epsilon(target_epsilon, delta, n, q * n, None, steps=steps)
     except (ValueError, OverflowError) as e:
-        raise InputError(f"no noise multiplier for epsilon <= {target_epsilon:g} at delta = {delta:g}: {first_line(e)}") from e
+        raise InputError(
+            f"no noise multiplier for epsilon <= {target_epsilon:g} at delta = {delta:g}: {first_line(e)}"
+        ) from e
     calibration_seconds = time.perf_counter() - t0
 
     network = zoo.build_model("digits_dp_mlp", seed)
@@ -149,8 +159,16 @@ def run_audit_demo(
     )
     say(f"Training it with DP-SGD (sigma = {sigma:.3f}) and {num_canaries} {kind} canaries for {steps} steps...")
     report = audit_lib.audit(
-        dp_model, x, y, canaries=canaries, sampling_probability=q, steps=steps, delta=delta,
-        significance=significance, seed=seed, title=title,
+        dp_model,
+        x,
+        y,
+        canaries=canaries,
+        sampling_probability=q,
+        steps=steps,
+        delta=delta,
+        significance=significance,
+        seed=seed,
+        title=title,
     )
     say("")
     say(report.summary())
@@ -158,10 +176,12 @@ def run_audit_demo(
     png_path, json_path = out_dir / PLOT_NAME, out_dir / JSON_NAME
     result["calibration_seconds"] = calibration_seconds
     result["png_path"], result["json_path"] = str(png_path), str(json_path)
-    write_files({
-        png_path: lambda path: report.figure().savefig(path, format="png"),
-        json_path: lambda path: path.write_text(json.dumps(result, indent=2) + "\n"),
-    })
+    write_files(
+        {
+            png_path: lambda path: report.figure().savefig(path, format="png"),
+            json_path: lambda path: path.write_text(json.dumps(result, indent=2) + "\n"),
+        }
+    )
     say(f"Score distributions and trade-off curve: {png_path}; the numbers: {json_path}")
     result["seconds"] = time.perf_counter() - started
     say(f"Wall time of the demo: {result['seconds']:.1f} s.")

@@ -99,26 +99,33 @@ def _add_demo_parser(subparsers: "argparse._SubParsersAction") -> None:
         ),
     )
     p.add_argument(
-        "--dp", action="store_true",
+        "--dp",
+        action="store_true",
         help="the private demo: DP-SGD against non-private training",
     )
     p.add_argument(
-        "--out", default="pegrad_out", metavar="DIR",
-        help="folder for norms_histogram.png, or dp_training.png with --dp "
-        "(default: %(default)s)",
+        "--out",
+        default="pegrad_out",
+        metavar="DIR",
+        help="folder for norms_histogram.png, or dp_training.png with --dp (default: %(default)s)",
     )
     p.add_argument(
-        "--fast", action="store_true",
-        help="1 epoch on a subset and fewer timing repeats (a few seconds); "
-        "with --dp: 5 epochs",
+        "--fast",
+        action="store_true",
+        help="1 epoch on a subset and fewer timing repeats (a few seconds); with --dp: 5 epochs",
     )
     p.add_argument(
-        "--epochs", type=_positive_int, default=None,
+        "--epochs",
+        type=_positive_int,
+        default=None,
         help="training epochs (default: 15, or 1 with --fast; with --dp: 30, or 5 with --fast)",
     )
     p.add_argument("--seed", type=_seed, default=0, help="random seed (default: %(default)s)")
     p.add_argument(
-        "--target-epsilon", type=_positive_float, default=None, metavar="E",
+        "--target-epsilon",
+        type=_positive_float,
+        default=None,
+        metavar="E",
         help="with --dp: the privacy budget epsilon, at delta = 1e-5 (default: 8)",
     )
     p.set_defaults(run=_run_demo, parser=p)
@@ -133,9 +140,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         from per_example_grads.apps.dp_demo import DEFAULT_TARGET_EPSILON, run_dp_demo
 
         target = DEFAULT_TARGET_EPSILON if args.target_epsilon is None else args.target_epsilon
-        run_dp_demo(
-            args.out, target_epsilon=target, epochs=args.epochs, fast=args.fast, seed=args.seed
-        )
+        run_dp_demo(args.out, target_epsilon=target, epochs=args.epochs, fast=args.fast, seed=args.seed)
         return 0
     from per_example_grads.apps.demo import run_demo
 
@@ -218,25 +223,42 @@ def _add_epsilon_parser(subparsers: "argparse._SubParsersAction") -> None:
             "is q = batch size / examples and the steps ceil(epochs / q)."
         ),
     )
-    p.add_argument("--num-examples", type=_positive_int, required=True, metavar="N",
-                   help="training examples N")
-    p.add_argument("--batch-size", type=_positive_float, required=True, metavar="B",
-                   help="(expected) batch size B; q = B / N")
+    p.add_argument("--num-examples", type=_positive_int, required=True, metavar="N", help="training examples N")
+    p.add_argument(
+        "--batch-size", type=_positive_float, required=True, metavar="B", help="(expected) batch size B; q = B / N"
+    )
     length = p.add_mutually_exclusive_group(required=True)
     length.add_argument("--epochs", type=_positive_float, metavar="E", help="epochs of training")
     length.add_argument("--steps", type=_positive_int, metavar="T", help="training steps (instead of --epochs)")
     goal = p.add_mutually_exclusive_group(required=True)
-    goal.add_argument("--noise-multiplier", type=_non_negative_float, metavar="SIGMA",
-                      help="noise std / clip norm; print the epsilon spent")
-    goal.add_argument("--target-epsilon", type=_positive_float, metavar="EPS",
-                      help="print the noise multiplier needed for this epsilon")
-    p.add_argument("--delta", type=_probability, required=True, metavar="D",
-                   help="delta in (0, 1), much smaller than 1/N")
-    p.add_argument("--accountant", choices=("pld", "rdp"), default="pld",
-                   help="privacy loss distributions (tighter) or Renyi DP (default: %(default)s)")
-    p.add_argument("--sampling", choices=("poisson", "shuffle"), default="poisson",
-                   help="how batches are drawn; 'shuffle' is accounted as Poisson, a "
-                        "heuristic without a proven bound (default: %(default)s)")
+    goal.add_argument(
+        "--noise-multiplier",
+        type=_non_negative_float,
+        metavar="SIGMA",
+        help="noise std / clip norm; print the epsilon spent",
+    )
+    goal.add_argument(
+        "--target-epsilon",
+        type=_positive_float,
+        metavar="EPS",
+        help="print the noise multiplier needed for this epsilon",
+    )
+    p.add_argument(
+        "--delta", type=_probability, required=True, metavar="D", help="delta in (0, 1), much smaller than 1/N"
+    )
+    p.add_argument(
+        "--accountant",
+        choices=("pld", "rdp"),
+        default="pld",
+        help="privacy loss distributions (tighter) or Renyi DP (default: %(default)s)",
+    )
+    p.add_argument(
+        "--sampling",
+        choices=("poisson", "shuffle"),
+        default="poisson",
+        help="how batches are drawn; 'shuffle' is accounted as Poisson, a "
+        "heuristic without a proven bound (default: %(default)s)",
+    )
     p.set_defaults(run=_run_epsilon, parser=p)
 
 
@@ -245,14 +267,16 @@ def _run_epsilon(args: argparse.Namespace) -> int:
     import warnings
 
     if args.batch_size > args.num_examples:
-        args.parser.error(
-            f"--batch-size ({args.batch_size:g}) must be <= --num-examples ({args.num_examples})"
-        )
+        args.parser.error(f"--batch-size ({args.batch_size:g}) must be <= --num-examples ({args.num_examples})")
     from per_example_grads.dp import accounting  # dp_accounting only: no TensorFlow
 
     run = dict(
-        num_examples=args.num_examples, batch_size=args.batch_size, epochs=args.epochs,
-        steps=args.steps, accountant=args.accountant, sampling=args.sampling,
+        num_examples=args.num_examples,
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        steps=args.steps,
+        accountant=args.accountant,
+        sampling=args.sampling,
     )
     # What the accounting refuses, or cannot represent, is these inputs' fault.
     try:
@@ -280,10 +304,14 @@ def _run_epsilon(args: argparse.Namespace) -> int:
     answered = "rdp" if fell_back else args.accountant
 
     length = f"{args.epochs:g} epochs" if args.steps is None else "given"
-    print(f"sampling probability q = {q:.6g} (batch size {args.batch_size:g} / {args.num_examples} examples, {args.sampling} sampling)")
+    print(
+        f"sampling probability q = {q:.6g} (batch size {args.batch_size:g} / {args.num_examples} examples, {args.sampling} sampling)"
+    )
     print(f"steps = {steps} ({length})")
     if args.target_epsilon is not None:
-        print(f"noise multiplier = {sigma:.6g} for epsilon <= {args.target_epsilon:g} at delta = {args.delta:g} ({args.accountant} accountant)")
+        print(
+            f"noise multiplier = {sigma:.6g} for epsilon <= {args.target_epsilon:g} at delta = {args.delta:g} ({args.accountant} accountant)"
+        )
     print(f"epsilon = {epsilon:.6g} at delta = {args.delta:g} with noise multiplier {sigma:g} ({answered} accountant)")
     return 0
 
@@ -334,13 +362,24 @@ def _add_diagnose_parser(subparsers: "argparse._SubParsersAction") -> None:
     )
     p.add_argument("model", nargs="?", default=None, metavar="MODEL.keras", help="a saved Keras model")
     p.add_argument("data", nargs="?", default=None, metavar="DATA.npz", help="arrays x and y")
-    p.add_argument("--out", default="pegrad_diagnose", metavar="DIR",
-                   help="folder for the report files (default: %(default)s)")
+    p.add_argument(
+        "--out", default="pegrad_diagnose", metavar="DIR", help="folder for the report files (default: %(default)s)"
+    )
     p.add_argument("--fast", action="store_true", help="a small subset and 1 training epoch for the demo")
-    p.add_argument("--batch-size", type=_positive_int, default=32, metavar="B",
-                   help="current training batch size, for the accumulation advice (default: %(default)s)")
-    p.add_argument("--top-k", type=_positive_int, default=10, metavar="K",
-                   help="largest-norm examples to report (default: %(default)s)")
+    p.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=32,
+        metavar="B",
+        help="current training batch size, for the accumulation advice (default: %(default)s)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=_positive_int,
+        default=10,
+        metavar="K",
+        help="largest-norm examples to report (default: %(default)s)",
+    )
     p.add_argument("--loss", default=None, metavar="NAME", help="Keras loss name, if the model has none")
     p.add_argument("--seed", type=_seed, default=0, help="random seed for the demo (default: %(default)s)")
     p.set_defaults(run=_run_diagnose, parser=p)
@@ -357,8 +396,14 @@ def _run_diagnose(args: argparse.Namespace) -> int:
     from per_example_grads.apps.diagnose import run_diagnose
 
     run_diagnose(
-        args.out, args.model, args.data, fast=args.fast, batch_size=args.batch_size,
-        top_k=args.top_k, loss=args.loss, seed=args.seed,
+        args.out,
+        args.model,
+        args.data,
+        fast=args.fast,
+        batch_size=args.batch_size,
+        top_k=args.top_k,
+        loss=args.loss,
+        seed=args.seed,
     )
     return 0
 
@@ -375,21 +420,49 @@ def _add_audit_parser(subparsers: "argparse._SubParsersAction") -> None:
             "nothing. Writes audit.png and audit.json."
         ),
     )
-    p.add_argument("--out", default="pegrad_audit", metavar="DIR",
-                   help="folder for audit.png and audit.json (default: %(default)s)")
+    p.add_argument(
+        "--out",
+        default="pegrad_audit",
+        metavar="DIR",
+        help="folder for audit.png and audit.json (default: %(default)s)",
+    )
     p.add_argument("--fast", action="store_true", help="2 epochs instead of 10 (seconds)")
-    p.add_argument("--canaries", choices=("gradient", "input"), default="gradient",
-                   help="gradient: white-box Dirac canaries of the clipped sum, scored on the released "
-                        "gradients; input: mislabeled digits, scored by their loss (default: %(default)s)")
-    p.add_argument("--num-canaries", type=_positive_int, default=1000, metavar="M",
-                   help="canaries (default: %(default)s; gradient: at most the MLP's 4,810 parameters)")
-    p.add_argument("--target-epsilon", type=_positive_float, default=4.0, metavar="E",
-                   help="the epsilon claimed, at delta = 1e-5 (default: %(default)s)")
-    p.add_argument("--epochs", type=_positive_int, default=None, help="passes over the data (default: 10, or 2 with --fast)")
-    p.add_argument("--full-batch", action="store_true",
-                   help="every example at every step (q = 1), where white-box canaries can reach the accountant's epsilon")
-    p.add_argument("--significance", type=_probability, default=0.05, metavar="A",
-                   help="the bounds hold with probability 1 - A (default: %(default)s)")
+    p.add_argument(
+        "--canaries",
+        choices=("gradient", "input"),
+        default="gradient",
+        help="gradient: white-box Dirac canaries of the clipped sum, scored on the released "
+        "gradients; input: mislabeled digits, scored by their loss (default: %(default)s)",
+    )
+    p.add_argument(
+        "--num-canaries",
+        type=_positive_int,
+        default=1000,
+        metavar="M",
+        help="canaries (default: %(default)s; gradient: at most the MLP's 4,810 parameters)",
+    )
+    p.add_argument(
+        "--target-epsilon",
+        type=_positive_float,
+        default=4.0,
+        metavar="E",
+        help="the epsilon claimed, at delta = 1e-5 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--epochs", type=_positive_int, default=None, help="passes over the data (default: 10, or 2 with --fast)"
+    )
+    p.add_argument(
+        "--full-batch",
+        action="store_true",
+        help="every example at every step (q = 1), where white-box canaries can reach the accountant's epsilon",
+    )
+    p.add_argument(
+        "--significance",
+        type=_probability,
+        default=0.05,
+        metavar="A",
+        help="the bounds hold with probability 1 - A (default: %(default)s)",
+    )
     p.add_argument("--seed", type=_seed, default=0, help="random seed (default: %(default)s)")
     p.set_defaults(run=_run_audit, parser=p)
 
@@ -400,8 +473,14 @@ def _run_audit(args: argparse.Namespace) -> int:
     from per_example_grads.apps.audit_demo import run_audit_demo
 
     run_audit_demo(
-        args.out, target_epsilon=args.target_epsilon, kind=args.canaries, num_canaries=args.num_canaries,
-        epochs=args.epochs, full_batch=args.full_batch, fast=args.fast, significance=args.significance,
+        args.out,
+        target_epsilon=args.target_epsilon,
+        kind=args.canaries,
+        num_canaries=args.num_canaries,
+        epochs=args.epochs,
+        full_batch=args.full_batch,
+        fast=args.fast,
+        significance=args.significance,
         seed=args.seed,
     )
     return 0

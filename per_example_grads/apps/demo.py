@@ -64,7 +64,7 @@ TIMINGS_LEGEND = (
     "  per-example gradients, on this machine: the median of {repeats} measurements after a\n"
     "  warm-up call, each the mean of enough back-to-back calls to last 10 ms (at most 64).\n"
     "  vs batch grad: that time over the first row's, one tape.gradient of the mean loss\n"
-    "  (which gives no per-example gradients). auto: what method=\"auto\" runs, the first\n"
+    '  (which gives no per-example gradients). auto: what method="auto" runs, the first\n'
     "  of layerwise, vectorized, weight_copies, loop that handles the model."
 )
 
@@ -228,9 +228,7 @@ def training_set_norms(
         input_signature=_batch_signature(x, y),
     )
     parts = []
-    with tqdm(
-        total=len(x), desc="per-example norms", unit="ex", disable=not progress
-    ) as bar:
+    with tqdm(total=len(x), desc="per-example norms", unit="ex", disable=not progress) as bar:
         for start in range(0, len(x), batch_size):
             xb, yb = x[start : start + batch_size], y[start : start + batch_size]
             parts.append(norms_fn(xb, yb).numpy())
@@ -315,9 +313,7 @@ def time_methods(
     for method in [m for m in peg.METHODS if m != "auto"] + ["auto"]:
         candidates[method] = functools.partial(_per_example_gradients, model, loss, method)
     signature = _batch_signature(x, y)
-    functions = {
-        name: tf.function(fn, input_signature=signature) for name, fn in candidates.items()
-    }
+    functions = {name: tf.function(fn, input_signature=signature) for name, fn in candidates.items()}
     ms = _median_ms(functions, (x, y), repeats)
     return {name: {"ms": t, "ratio": t / ms[BASELINE]} for name, t in ms.items()}
 
@@ -340,9 +336,7 @@ def save_norms_histogram(
     return path
 
 
-def format_norm_stats(
-    stats: dict[int, dict[str, float]], norms: np.ndarray | None = None
-) -> str:
+def format_norm_stats(stats: dict[int, dict[str, float]], norms: np.ndarray | None = None) -> str:
     """The per-class table of ``class_norm_stats``, with an ``all`` row if ``norms`` is given."""
 
     def row(name, count, mean, median, maximum):
@@ -382,9 +376,7 @@ def _batch_gradient(model: keras.Model, loss: Callable, x: tf.Tensor, y: tf.Tens
     return tape.gradient(mean_loss, model.trainable_variables)
 
 
-def _per_example_gradients(
-    model: keras.Model, loss: Callable, method: str, x: tf.Tensor, y: tf.Tensor
-) -> list:
+def _per_example_gradients(model: keras.Model, loss: Callable, method: str, x: tf.Tensor, y: tf.Tensor) -> list:
     """``peg.per_example_gradients`` with ``method``: list of ``[B, *var.shape]``."""
     return peg.per_example_gradients(model, loss, x, y, method=method)
 

@@ -55,9 +55,7 @@ class DiagnoseInputError(InputError):
 MODEL_SUFFIXES = (".keras", ".h5", ".hdf5")
 
 
-def check_paths(
-    out_dir: str | Path, model_path: str | Path | None, data_path: str | Path | None
-) -> None:
+def check_paths(out_dir: str | Path, model_path: str | Path | None, data_path: str | Path | None) -> None:
     """Checks what can be checked without reading the files (or importing TensorFlow).
 
     That includes ``check_output_folder(out_dir)``, which tries the folder
@@ -88,9 +86,7 @@ def check_paths(
             "(or a legacy .h5) written by model.save()"
         )
     if not zipfile.is_zipfile(data):
-        raise DiagnoseInputError(
-            f"data file {data} is not an .npz archive: write one with numpy.savez(path, x=x, y=y)"
-        )
+        raise DiagnoseInputError(f"data file {data} is not an .npz archive: write one with numpy.savez(path, x=x, y=y)")
 
 
 def load_npz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
@@ -106,29 +102,26 @@ def load_npz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     except (OSError, ValueError, zipfile.BadZipFile) as e:
         raise DiagnoseInputError(f"data file {path} could not be read as an .npz archive ({first_line(e)})") from e
     if not isinstance(arrays, np.lib.npyio.NpzFile):
-        raise DiagnoseInputError(
-            f"data file {path} holds a single array, not an .npz archive with arrays x and y"
-        )
+        raise DiagnoseInputError(f"data file {path} holds a single array, not an .npz archive with arrays x and y")
     with arrays:
         missing = {"x", "y"} - set(arrays.files)
         if missing:
-            raise DiagnoseInputError(
-                f"data file {path} must hold arrays 'x' and 'y'; it has {sorted(arrays.files)}"
-            )
+            raise DiagnoseInputError(f"data file {path} must hold arrays 'x' and 'y'; it has {sorted(arrays.files)}")
         loaded = {}
         for name in ("x", "y"):
             try:
                 loaded[name] = arrays[name]
             except ValueError as e:  # object arrays need pickle, which stays off
                 raise DiagnoseInputError(
-                    f"array '{name}' in data file {path} holds Python objects (dtype=object); "
-                    "save numeric arrays"
+                    f"array '{name}' in data file {path} holds Python objects (dtype=object); save numeric arrays"
                 ) from e
             except (OSError, zipfile.BadZipFile) as e:
                 raise DiagnoseInputError(f"array '{name}' in data file {path} is unreadable ({first_line(e)})") from e
     x, y = loaded["x"], loaded["y"]
     if x.ndim == 0 or y.ndim == 0:
-        raise DiagnoseInputError(f"data file {path}: x and y must have an examples axis; got shapes {x.shape} and {y.shape}")
+        raise DiagnoseInputError(
+            f"data file {path}: x and y must have an examples axis; got shapes {x.shape} and {y.shape}"
+        )
     if len(x) != len(y):
         raise DiagnoseInputError(f"data file {path}: x has {len(x)} examples but y has {len(y)}")
     if len(x) == 0:
@@ -285,9 +278,7 @@ def run_diagnose(
     from per_example_grads.apps.demo import save_norms_histogram
     from per_example_grads.diagnostics.statistics import gradient_statistics
 
-    report = gradient_statistics(
-        model, loss_fn, (x, y), batch_size=stats_batch_size, top_k=top_k, progress=verbose
-    )
+    report = gradient_statistics(model, loss_fn, (x, y), batch_size=stats_batch_size, top_k=top_k, progress=verbose)
     d = report.to_dict()
     if rows is not None:  # the demo: name the examples by their row of load_digits()
         for e in d["top_examples"]:
@@ -296,25 +287,35 @@ def run_diagnose(
     loss_name = loss_fn if isinstance(loss_fn, str) else getattr(loss_fn, "name", type(loss_fn).__name__)
     title = f"{model.name} ({model.count_params():,} parameters, loss {loss_name}) on {data_name}"
     # Only now, with everything computed, is anything written: all three files or none.
-    summary = {**d, "suggested_batch_size": suggested, "accumulation_steps": accumulation,
-               "current_batch_size": batch_size, "suggestion_from": "noise_scale_full_data",
-               "top_examples_index": index_meaning, "title": title}
-    files = write_files({
-        out / "report.json": lambda path: _write_json(summary, path),
-        out / "report.png": lambda path: report.save_png(path, title=title),
-        out / "norms_histogram.png": lambda path: save_norms_histogram(
-            report.per_example_norms.astype(np.float32), path, title=title
-        ),
-    })
+    summary = {
+        **d,
+        "suggested_batch_size": suggested,
+        "accumulation_steps": accumulation,
+        "current_batch_size": batch_size,
+        "suggestion_from": "noise_scale_full_data",
+        "top_examples_index": index_meaning,
+        "title": title,
+    }
+    files = write_files(
+        {
+            out / "report.json": lambda path: _write_json(summary, path),
+            out / "report.png": lambda path: report.save_png(path, title=title),
+            out / "norms_histogram.png": lambda path: save_norms_histogram(
+                report.per_example_norms.astype(np.float32), path, title=title
+            ),
+        }
+    )
 
     say("")
     say(report.summary())
     if suggested is None:
         say("suggested batch size: undefined, since B_simple is")
     else:
-        say(f"suggested batch size ~ B_simple = {suggested}, about the critical batch size above which "
+        say(
+            f"suggested batch size ~ B_simple = {suggested}, about the critical batch size above which "
             "larger batches\n  stop cutting the number of steps much; at your batch size "
-            f"{batch_size}: {accumulation} gradient accumulation step(s) per update")
+            f"{batch_size}: {accumulation} gradient accumulation step(s) per update"
+        )
     top = ", ".join(f"{e['index']} ({e['norm']:.3g})" for e in d["top_examples"][:5])
     say(f"largest per-example gradient norms, as index (norm), index = {index_meaning}:\n  {top}")
     say(f"wrote {', '.join(str(p) for p in files)}")

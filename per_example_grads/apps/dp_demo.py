@@ -27,9 +27,9 @@ import numpy as np
 import tensorflow as tf
 from tqdm import tqdm
 
-from per_example_grads.data import N_CLASSES, N_FEATURES, train_test_split_digits
 from per_example_grads.apps import zoo
 from per_example_grads.apps.tables import InputError, check_output_folder, first_line, format_table, write_files
+from per_example_grads.data import N_CLASSES, N_FEATURES, train_test_split_digits
 from per_example_grads.dp import compute_epsilon, noise_multiplier_for_epsilon, poisson_batches
 from per_example_grads.keras import DPModel
 
@@ -154,9 +154,7 @@ def run_dp_demo(
     )
     t0 = time.perf_counter()
     try:
-        sigma = noise_multiplier_for_epsilon(
-            target_epsilon, delta, n, EXPECTED_BATCH_SIZE, None, steps=steps
-        )
+        sigma = noise_multiplier_for_epsilon(target_epsilon, delta, n, EXPECTED_BATCH_SIZE, None, steps=steps)
     except (ValueError, OverflowError) as e:
         raise InputError(
             f"no noise multiplier for epsilon <= {target_epsilon:g} at delta = {delta:g}: {first_line(e)}"
@@ -181,9 +179,7 @@ def run_dp_demo(
         optimizer=keras.optimizers.Adam(LEARNING_RATE),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
-    batches = poisson_batches(
-        split.x_train, split.y_train, sampling_probability=q, steps=steps, seed=seed
-    )
+    batches = poisson_batches(split.x_train, split.y_train, sampling_probability=q, steps=steps, seed=seed)
     private_log = TrainingLog(
         split.x_test,
         split.y_test,
@@ -201,9 +197,7 @@ def run_dp_demo(
         optimizer=keras.optimizers.Adam(LEARNING_RATE),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
-    nonprivate_log = TrainingLog(
-        split.x_test, split.y_test, desc="non-private", progress=verbose
-    )
+    nonprivate_log = TrainingLog(split.x_test, split.y_test, desc="non-private", progress=verbose)
     model.fit(
         split.x_train,
         split.y_train,
@@ -219,15 +213,11 @@ def run_dp_demo(
     dp_steps = int(dp_model.dp_steps.numpy())
     epsilon = dp_model.epsilon(delta)
     epsilon_check = compute_epsilon(n, EXPECTED_BATCH_SIZE, None, sigma, delta, steps=dp_steps)
-    epsilon_rdp = compute_epsilon(
-        n, EXPECTED_BATCH_SIZE, None, sigma, delta, steps=dp_steps, accountant="rdp"
-    )
+    epsilon_rdp = compute_epsilon(n, EXPECTED_BATCH_SIZE, None, sigma, delta, steps=dp_steps, accountant="rdp")
     if dp_steps != steps:
         raise RuntimeError(f"planned {steps} DP-SGD steps but DPModel counted {dp_steps}.")
     if not math.isclose(epsilon, epsilon_check, rel_tol=1e-9):
-        raise RuntimeError(
-            f"DPModel.epsilon ({epsilon}) disagrees with compute_epsilon ({epsilon_check})."
-        )
+        raise RuntimeError(f"DPModel.epsilon ({epsilon}) disagrees with compute_epsilon ({epsilon_check}).")
     accounting_seconds = time.perf_counter() - t0
 
     result = {
@@ -263,10 +253,7 @@ def run_dp_demo(
     say(COMPARISON_LEGEND.format(test=result["test_size"], delta=result["delta"]) + "\n")
     say(format_settings(result))
     say(SETTINGS_LEGEND + "\n")
-    say(
-        "The clipped fractions in the plot are computed from the private data and "
-        "are not covered by epsilon."
-    )
+    say("The clipped fractions in the plot are computed from the private data and are not covered by epsilon.")
 
     png_path = out_dir / PLOT_NAME
     write_files({png_path: lambda path: save_dp_training_plot(result, path)})
@@ -326,10 +313,7 @@ class TrainingLog(keras.callbacks.Callback):
             self.clipped_fraction.append(float(logs["step_clipped_fraction"]))
         if self._epoch_ends is None:
             return
-        while (
-            self._next_end < len(self._epoch_ends)
-            and self._steps_done >= self._epoch_ends[self._next_end]
-        ):
+        while self._next_end < len(self._epoch_ends) and self._steps_done >= self._epoch_ends[self._next_end]:
             self._next_end += 1
             self._record_epoch()
 
@@ -437,13 +421,18 @@ def dp_training_figure(result: dict[str, Any]) -> "Figure":
     )
     for key, label, color in (
         ("private_curve", private, "tab:blue"),
-        ("nonprivate_curve", "non-private (ε = ∞), batches of "
-         f"{result['expected_batch_size']:g}", "tab:orange"),
+        ("nonprivate_curve", f"non-private (ε = ∞), batches of {result['expected_batch_size']:g}", "tab:orange"),
     ):
         curve = result[key]
         final = curve[-1] if curve else float("nan")
-        acc_ax.plot(range(1, len(curve) + 1), curve, marker="o", markersize=3, color=color,
-                    label=f"{label}\nfinal test accuracy {final:.3f}")
+        acc_ax.plot(
+            range(1, len(curve) + 1),
+            curve,
+            marker="o",
+            markersize=3,
+            color=color,
+            label=f"{label}\nfinal test accuracy {final:.3f}",
+        )
     acc_ax.set_title("Test accuracy after each epoch", fontsize=10)
     acc_ax.set_xlabel("epoch (one pass over the training set; DP-SGD: 1/q Poisson steps)")
     acc_ax.set_ylabel(f"test accuracy (fraction of {result['test_size']:,} examples)")
@@ -454,8 +443,14 @@ def dp_training_figure(result: dict[str, Any]) -> "Figure":
 
     fractions = np.asarray(result["clipped_fraction"], dtype=float)
     steps = np.arange(1, len(fractions) + 1)
-    clip_ax.plot(steps, fractions, color="tab:blue", alpha=0.35, linewidth=0.8,
-                 label=f"per step (mean {np.mean(fractions):.2f})" if len(fractions) else "per step")
+    clip_ax.plot(
+        steps,
+        fractions,
+        color="tab:blue",
+        alpha=0.35,
+        linewidth=0.8,
+        label=f"per step (mean {np.mean(fractions):.2f})" if len(fractions) else "per step",
+    )
     window = min(len(fractions), 10)
     if window > 1:
         smooth = np.convolve(fractions, np.ones(window) / window, mode="valid")
@@ -482,4 +477,3 @@ def dp_training_figure(result: dict[str, Any]) -> "Figure":
 
 def _silent(*args: Any, **kwargs: Any) -> None:
     pass
-

@@ -47,16 +47,32 @@ DIGITS_HIDDEN_UNITS = 64
 
 
 def _mlp() -> keras.Model:
-    return keras.Sequential([keras.Input((784,)), keras.layers.Dense(512, activation="relu"),
-                             keras.layers.Dense(512, activation="relu"), keras.layers.Dense(10)], name="mlp")
+    return keras.Sequential(
+        [
+            keras.Input((784,)),
+            keras.layers.Dense(512, activation="relu"),
+            keras.layers.Dense(512, activation="relu"),
+            keras.layers.Dense(10),
+        ],
+        name="mlp",
+    )
 
 
 def _cnn() -> keras.Model:
     L = keras.layers
-    return keras.Sequential([
-        keras.Input((28, 28, 1)), L.Conv2D(16, 3, activation="relu"), L.MaxPooling2D(),
-        L.Conv2D(32, 3, activation="relu"), L.MaxPooling2D(), L.Flatten(),
-        L.Dense(64, activation="relu"), L.Dense(10)], name="cnn")
+    return keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            L.Conv2D(16, 3, activation="relu"),
+            L.MaxPooling2D(),
+            L.Conv2D(32, 3, activation="relu"),
+            L.MaxPooling2D(),
+            L.Flatten(),
+            L.Dense(64, activation="relu"),
+            L.Dense(10),
+        ],
+        name="cnn",
+    )
 
 
 def _transformer(t: int = 32, d: int = 64, vocabulary: int = 1000) -> keras.Model:
@@ -72,24 +88,43 @@ def _transformer(t: int = 32, d: int = 64, vocabulary: int = 1000) -> keras.Mode
 
 
 def _embedding_bag() -> keras.Model:
-    return keras.Sequential([keras.Input((64,), dtype="int32"), keras.layers.Embedding(20000, 32),
-                             keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)], name="embedding_bag")
+    return keras.Sequential(
+        [
+            keras.Input((64,), dtype="int32"),
+            keras.layers.Embedding(20000, 32),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(2),
+        ],
+        name="embedding_bag",
+    )
 
 
 def _conv_decoder() -> keras.Model:
     """An encoder-decoder on 32x32x3 images: two strided convolutions down, two transposed convolutions up."""
     L = keras.layers
-    return keras.Sequential([
-        keras.Input((32, 32, 3)),
-        L.Conv2D(32, 3, strides=2, padding="same", activation="relu"), L.Conv2D(64, 3, strides=2, padding="same", activation="relu"),
-        L.Conv2DTranspose(32, 3, strides=2, padding="same", activation="relu"),
-        L.Conv2DTranspose(16, 3, strides=2, padding="same", activation="relu"),
-        L.Conv2D(10, 1), L.GlobalAveragePooling2D()], name="conv_decoder")
+    return keras.Sequential(
+        [
+            keras.Input((32, 32, 3)),
+            L.Conv2D(32, 3, strides=2, padding="same", activation="relu"),
+            L.Conv2D(64, 3, strides=2, padding="same", activation="relu"),
+            L.Conv2DTranspose(32, 3, strides=2, padding="same", activation="relu"),
+            L.Conv2DTranspose(16, 3, strides=2, padding="same", activation="relu"),
+            L.Conv2D(10, 1),
+            L.GlobalAveragePooling2D(),
+        ],
+        name="conv_decoder",
+    )
 
 
 def _digits_mlp(activation: str = "relu", name: str = "digits_mlp") -> keras.Model:
-    return keras.Sequential([keras.Input((N_FEATURES,)), keras.layers.Dense(DIGITS_HIDDEN_UNITS, activation=activation),
-                             keras.layers.Dense(N_CLASSES)], name=name)
+    return keras.Sequential(
+        [
+            keras.Input((N_FEATURES,)),
+            keras.layers.Dense(DIGITS_HIDDEN_UNITS, activation=activation),
+            keras.layers.Dense(N_CLASSES),
+        ],
+        name=name,
+    )
 
 
 def _images(shape: tuple[int, ...]) -> Callable:
@@ -134,8 +169,12 @@ def _hub_config(config: dict) -> dict:
 def _hub_backbone(family: str, c: dict):
     import keras_hub
 
-    common = dict(vocabulary_size=c["vocabulary_size"], num_layers=c["num_layers"],
-                  hidden_dim=c["hidden_dim"], intermediate_dim=c["intermediate_dim"])
+    common = dict(
+        vocabulary_size=c["vocabulary_size"],
+        num_layers=c["num_layers"],
+        hidden_dim=c["hidden_dim"],
+        intermediate_dim=c["intermediate_dim"],
+    )
     heads = max(2, c["hidden_dim"] // 64)
     if family == "gpt2":
         return keras_hub.models.GPT2Backbone(num_heads=heads, max_sequence_length=max(16, c["seq_len"]), **common)
@@ -158,8 +197,11 @@ def _hub_model(family: str, **config) -> keras.Model:
         backbone.enable_lora(rank=c["lora_rank"])
     if family == "bert":
         return keras_hub.models.BertTextClassifier(backbone=backbone, num_classes=2, preprocessor=None)
-    head = {"gpt2": keras_hub.models.GPT2CausalLM, "gemma": keras_hub.models.GemmaCausalLM,
-            "llama": keras_hub.models.LlamaCausalLM}[family]
+    head = {
+        "gpt2": keras_hub.models.GPT2CausalLM,
+        "gemma": keras_hub.models.GemmaCausalLM,
+        "llama": keras_hub.models.LlamaCausalLM,
+    }[family]
     return head(backbone=backbone, preprocessor=None)
 
 
@@ -183,11 +225,13 @@ def _hub(family: str) -> ZooModel:
 # ------------------------------------------------------- keras.applications
 # 32x32x3 inputs, 10 classes, random initialization (weights=None).
 
+
 def _application(name: str) -> ZooModel:
     def model(image_size: int = 32, **config) -> keras.Model:
         make = getattr(keras.applications, name)
-        return make(input_shape=(image_size, image_size, 3), weights=None, classes=10,
-                    classifier_activation=None, **config)  # logits, as every zoo model
+        return make(
+            input_shape=(image_size, image_size, 3), weights=None, classes=10, classifier_activation=None, **config
+        )  # logits, as every zoo model
 
     def data(rng, b, image_size: int = 32, **config):
         return _images((image_size, image_size, 3))(rng, b), _labels(10)(rng, b)

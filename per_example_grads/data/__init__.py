@@ -77,9 +77,7 @@ def train_test_split_digits(seed: int = 0, test_fraction: float = 0.2) -> Digits
     order = np.random.default_rng(seed).permutation(len(x))
     n_test = int(round(len(x) * test_fraction))
     if not 0 < n_test < len(x):
-        raise ValueError(
-            f"test_fraction={test_fraction} leaves an empty train or test set."
-        )
+        raise ValueError(f"test_fraction={test_fraction} leaves an empty train or test set.")
     test_index, train_index = np.sort(order[:n_test]), np.sort(order[n_test:])
     return DigitsSplit(
         x_train=x[train_index],

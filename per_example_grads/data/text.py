@@ -36,9 +36,7 @@ def reviews(n: int, seed: int = 0) -> tuple[list[str], np.ndarray]:
     texts = []
     for label in labels:
         words = _POSITIVE if label else _NEGATIVE
-        texts.append(
-            f"{rng.choice(_SUBJECTS)} was {rng.choice(_ADVERBS)}{rng.choice(words)}{rng.choice(_ENDINGS)}"
-        )
+        texts.append(f"{rng.choice(_SUBJECTS)} was {rng.choice(_ADVERBS)}{rng.choice(words)}{rng.choice(_ENDINGS)}")
     return texts, labels
 
 

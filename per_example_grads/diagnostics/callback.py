@@ -121,7 +121,9 @@ class GradientStatisticsCallback(keras.callbacks.Callback):
                         if np.isfinite(value):
                             write_scalar(f"{p}/gsnr/{path}", value)
                 elif name in SCALARS:
-                    value = float(getattr(report, name) if name != "per_example_norm_mean" else np.mean(report.per_example_norms))
+                    value = float(
+                        getattr(report, name) if name != "per_example_norm_mean" else np.mean(report.per_example_norms)
+                    )
                     if np.isfinite(value):
                         write_scalar(f"{p}/{name}", value)
             if "norm_histograms" in self.statistics:
@@ -154,7 +156,9 @@ def _metadata(plugin: str, data_class: int) -> summary_pb2.SummaryMetadata:
 
 def write_scalar(tag: str, value: float) -> None:
     """A TensorBoard scalar (plugin ``scalars``) at the default writer's step."""
-    tf.summary.write(tag, tf.constant(float(value), tf.float32), metadata=_metadata("scalars", summary_pb2.DATA_CLASS_SCALAR))
+    tf.summary.write(
+        tag, tf.constant(float(value), tf.float32), metadata=_metadata("scalars", summary_pb2.DATA_CLASS_SCALAR)
+    )
 
 
 def write_histogram(tag: str, values: np.ndarray, bins: int = 30) -> None:
@@ -169,4 +173,6 @@ def write_histogram(tag: str, values: np.ndarray, bins: int = 30) -> None:
             low, high = low - 0.5, high + 0.5
         counts, edges = np.histogram(values, bins=bins, range=(low, high))
         table = np.stack([edges[:-1], edges[1:], counts.astype(np.float64)], axis=1)
-    tf.summary.write(tag, tf.constant(table, tf.float64), metadata=_metadata("histograms", summary_pb2.DATA_CLASS_TENSOR))
+    tf.summary.write(
+        tag, tf.constant(table, tf.float64), metadata=_metadata("histograms", summary_pb2.DATA_CLASS_TENSOR)
+    )

@@ -26,8 +26,8 @@ from typing import Any, Sequence
 import tensorflow as tf
 
 from per_example_grads._core.batch import Batch
-from per_example_grads.engines import selection
 from per_example_grads._core.problem import Problem
+from per_example_grads.engines import selection
 
 F64 = tf.float64
 

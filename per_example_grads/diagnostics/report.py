@@ -142,7 +142,11 @@ class GradientReport:
         """
         norms = np.asarray(self.per_example_norms, np.float64)
         counts, edges = np.histogram(_finite_values(norms), bins=bins)
-        return {"counts": counts.astype(int).tolist(), "edges": edges.tolist(), "non_finite": int(np.sum(~np.isfinite(norms)))}
+        return {
+            "counts": counts.astype(int).tolist(),
+            "edges": edges.tolist(),
+            "non_finite": int(np.sum(~np.isfinite(norms))),
+        }
 
     def top_examples(self, k: int | None = None) -> list[dict[str, Any]]:
         """The ``k`` largest norms, largest first: ``{"index", "norm", "cosine"}``, ``index`` the dataset index."""
@@ -233,12 +237,18 @@ class GradientReport:
         fig.suptitle(heading, fontsize=12)
 
         _layer_bars(
-            ax_var, labels, [layers[n]["trace_covariance"] for n in names], "tab:blue",
+            ax_var,
+            labels,
+            [layers[n]["trace_covariance"] for n in names],
+            "tab:blue",
             "Gradient noise per layer: tr(Σ) = Σ_p Var[g_p] over its parameters p",
             "tr(Σ) (gradient units², log scale)",
         )
         _layer_bars(
-            ax_gsnr, labels, [layers[n]["gsnr"] for n in names], "tab:green",
+            ax_gsnr,
+            labels,
+            [layers[n]["gsnr"] for n in names],
+            "tab:green",
             "Gradient signal-to-noise ratio per layer: GSNR = mean_p E[g_p]² / Var[g_p]",
             "GSNR (dimensionless, log scale)",
         )
@@ -257,18 +267,34 @@ class GradientReport:
         full, batched = self.noise_scale_full_data, self.noise_scale
         values = list(trace[ok])
         if ok.any():
-            ax.plot(seen[ok], trace[ok], marker=".", color="tab:red",
-                    label=f"per-batch estimate, running; final {_g(batched)}")
+            ax.plot(
+                seen[ok],
+                trace[ok],
+                marker=".",
+                color="tab:red",
+                label=f"per-batch estimate, running; final {_g(batched)}",
+            )
             last = (seen[ok][-1], trace[ok][-1])
-            ax.annotate(_g(last[1]), last, textcoords="offset points", xytext=(0, 6), ha="right", fontsize=8,
-                        color="tab:red")
+            ax.annotate(
+                _g(last[1]), last, textcoords="offset points", xytext=(0, 6), ha="right", fontsize=8, color="tab:red"
+            )
         else:
             ax.plot([], [], " ", label=f"per-batch estimate: {_g(batched)} (undefined)")
         if math.isfinite(full) and full > 0:
-            ax.axhline(full, color="black", linestyle="--",
-                       label=f"from all {self.num_examples:,} examples: {_g(full)} (use this)")
-            ax.annotate(_g(full), (0.0, full), xycoords=("axes fraction", "data"), textcoords="offset points",
-                        xytext=(4, 3), fontsize=8)
+            ax.axhline(
+                full,
+                color="black",
+                linestyle="--",
+                label=f"from all {self.num_examples:,} examples: {_g(full)} (use this)",
+            )
+            ax.annotate(
+                _g(full),
+                (0.0, full),
+                xycoords=("axes fraction", "data"),
+                textcoords="offset points",
+                xytext=(4, 3),
+                fontsize=8,
+            )
             values.append(full)
         else:
             ax.plot([], [], " ", label=f"from all {self.num_examples:,} examples: undefined ({_why_undefined(full)})")
@@ -308,7 +334,11 @@ class GradientReport:
         return "\n".join(
             [
                 f"examples: {self.num_examples}, streamed in {batches} batches of up to {largest}",
-                *([f"{self.left_out()}: every number below is over the other {self.num_examples}"] if self.num_nonfinite else []),
+                *(
+                    [f"{self.left_out()}: every number below is over the other {self.num_examples}"]
+                    if self.num_nonfinite
+                    else []
+                ),
                 f"|G|, norm of the mean-loss gradient: {self.mean_gradient_norm:.4g}",
                 f"tr(Σ), trace of the per-example gradient covariance: {self.trace_covariance:.4g}",
                 f"gradient noise scale B_simple = tr(Σ)/|G|^2: {headline}",
@@ -347,10 +377,18 @@ def _layer_bars(ax: Any, labels: list[str], values: list[float], color: str, tit
         plots.plain_log_ticks(ax.yaxis)
     for xi, v in zip(x, shown):
         text = _g(v) if math.isfinite(v) else "n/a"
-        ax.annotate(text, (xi, v if math.isfinite(v) else (min(ok) if ok else 1.0)),
-                    textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8)
+        ax.annotate(
+            text,
+            (xi, v if math.isfinite(v) else (min(ok) if ok else 1.0)),
+            textcoords="offset points",
+            xytext=(0, 3),
+            ha="center",
+            fontsize=8,
+        )
     ax.set_xticks(x)
-    ax.set_xticklabels(labels, rotation=30 if len(labels) > 4 else 0, ha="right" if len(labels) > 4 else "center", fontsize=8)
+    ax.set_xticklabels(
+        labels, rotation=30 if len(labels) > 4 else 0, ha="right" if len(labels) > 4 else "center", fontsize=8
+    )
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("layer")
     ax.set_ylabel(ylabel, fontsize=9)

@@ -44,17 +44,18 @@ import numpy as np
 import tensorflow as tf
 
 from per_example_grads._core.batch import common_rows, make_batch
+from per_example_grads._core.problem import Problem, make_problem
 from per_example_grads.engines import selection
 from per_example_grads.engines.moments import GradientFeatures
-from per_example_grads._core.problem import Problem
-from per_example_grads._core.problem import make_problem
 
 F64 = tf.float64
 
 
 def _features(problem: Problem, x: Any, y: Any, method: str, materialize: bool = False) -> GradientFeatures:
     batch = make_batch(problem.model, x, y)
-    return selection.run(method, problem, lambda engine: engine.features(problem, batch, factored=not materialize), batch)
+    return selection.run(
+        method, problem, lambda engine: engine.features(problem, batch, factored=not materialize), batch
+    )
 
 
 def _dots(fa: GradientFeatures, fb: GradientFeatures) -> tf.Tensor:
@@ -202,7 +203,10 @@ def tracin_scores(
                 model.load_weights(checkpoint)
             else:
                 model.set_weights(checkpoint)
-            test_features = [_features(problem, *chunk(x_test, y_test, t0), method, materialize) for t0 in range(0, n_test, batch_size)]
+            test_features = [
+                _features(problem, *chunk(x_test, y_test, t0), method, materialize)
+                for t0 in range(0, n_test, batch_size)
+            ]
             for s0 in range(0, n_train, batch_size):
                 train_features = _features(problem, *chunk(x_train, y_train, s0), method, materialize)
                 for t0, ft in zip(range(0, n_test, batch_size), test_features):

@@ -71,11 +71,11 @@ import tensorflow as tf
 from tqdm import tqdm
 
 from per_example_grads._core.batch import make_batch
+from per_example_grads._core.problem import make_problem
 from per_example_grads.diagnostics.moments import batch_moments
 from per_example_grads.diagnostics.report import GradientReport
 from per_example_grads.diagnostics.streams import check_batch_size, check_count, iterate_batches, num_batches
 from per_example_grads.engines import selection
-from per_example_grads._core.problem import make_problem
 
 COSINE_MODES = ("final", "running", None)
 
@@ -112,9 +112,7 @@ class GradientStatistics:
         self.training = training
         self.running_cosine = running_cosine
         self.variables = list(self.problem.variables)
-        self._fn = tf.function(
-            functools.partial(_moments, self.problem, method, training), reduce_retracing=True
-        )
+        self._fn = tf.function(functools.partial(_moments, self.problem, method, training), reduce_retracing=True)
         self.reset()
 
     def reset(self) -> None:
@@ -198,7 +196,8 @@ class GradientStatistics:
             warnings.warn(
                 f"{self.num_nonfinite} example(s) have a non-finite (NaN or Inf) gradient; they were left out of "
                 f"the gradient statistics, which are over the other {self.count}. Check their inputs and labels.",
-                RuntimeWarning, stacklevel=2,
+                RuntimeWarning,
+                stacklevel=2,
             )
         n = self.count
         mean = self.mean()

@@ -77,8 +77,7 @@ def iterate_batches(data: Any, batch_size: int | None = None) -> Iterator[tuple[
             )
         return
     raise TypeError(
-        "data must be a batched tf.data.Dataset of (x, y) or a tuple (x, y) of arrays; "
-        f"got {type(data).__name__}."
+        f"data must be a batched tf.data.Dataset of (x, y) or a tuple (x, y) of arrays; got {type(data).__name__}."
     )
 
 

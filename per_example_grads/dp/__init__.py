@@ -53,31 +53,39 @@ __all__ = sorted([*_EXPORTS, *_SUBPACKAGES], key=str.lower)
 
 if _TYPE_CHECKING:  # what static tools see; at run time __getattr__ does this
     from per_example_grads.dp import audit  # noqa: F401
+    from per_example_grads.dp.accounting import (
+        AccountantFallbackWarning,  # noqa: F401
+        PrivacyAccountant,  # noqa: F401
+        adaptive_clipping_noise_multiplier,  # noqa: F401
+        compute_epsilon,  # noqa: F401
+        noise_multiplier_for_epsilon,  # noqa: F401
+    )
     from per_example_grads.dp.accumulation import GradientAccumulator  # noqa: F401
-    from per_example_grads.dp.accounting import AccountantFallbackWarning  # noqa: F401
-    from per_example_grads.dp.accounting import PrivacyAccountant  # noqa: F401
-    from per_example_grads.dp.accounting import adaptive_clipping_noise_multiplier  # noqa: F401
-    from per_example_grads.dp.accounting import compute_epsilon  # noqa: F401
-    from per_example_grads.dp.accounting import noise_multiplier_for_epsilon  # noqa: F401
     from per_example_grads.dp.adaptive import AdaptiveClipping  # noqa: F401
-    from per_example_grads.dp.aggregator import ClippedSum  # noqa: F401
-    from per_example_grads.dp.aggregator import DPAggregator  # noqa: F401
+    from per_example_grads.dp.aggregator import (
+        ClippedSum,  # noqa: F401
+        DPAggregator,  # noqa: F401
+    )
     from per_example_grads.dp.applied_steps import AppliedSteps  # noqa: F401
-    from per_example_grads.dp.model_fixer import fix_model  # noqa: F401
-    from per_example_grads.dp.private import private_gradients  # noqa: F401
     from per_example_grads.dp.budget import PrivacyBudget  # noqa: F401
-    from per_example_grads.dp.noise import RepeatedNoiseWarning  # noqa: F401
     from per_example_grads.dp.mechanisms import BLT, BandMF, GaussianNoise, NoiseMechanism  # noqa: F401
-    from per_example_grads.dp.sampling import PhysicalChunk  # noqa: F401
-    from per_example_grads.dp.sampling import PoissonSampling  # noqa: F401
-    from per_example_grads.dp.sampling import default_max_batch_size  # noqa: F401
-    from per_example_grads.dp.sampling import physical_chunks  # noqa: F401
-    from per_example_grads.dp.sampling import physical_chunks_dataset  # noqa: F401
-    from per_example_grads.dp.sampling import poisson_batches  # noqa: F401
-    from per_example_grads.dp.sampling import poisson_batches_from_dataset  # noqa: F401
+    from per_example_grads.dp.model_fixer import fix_model  # noqa: F401
+    from per_example_grads.dp.noise import RepeatedNoiseWarning  # noqa: F401
+    from per_example_grads.dp.private import private_gradients  # noqa: F401
+    from per_example_grads.dp.sampling import (
+        PhysicalChunk,  # noqa: F401
+        PoissonSampling,  # noqa: F401
+        default_max_batch_size,  # noqa: F401
+        physical_chunks,  # noqa: F401
+        physical_chunks_dataset,  # noqa: F401
+        poisson_batches,  # noqa: F401
+        poisson_batches_from_dataset,  # noqa: F401
+    )
     from per_example_grads.dp.sparse_embeddings import SparseEmbeddings  # noqa: F401
-    from per_example_grads.dp.validation import ValidationReport  # noqa: F401
-    from per_example_grads.dp.validation import check_model  # noqa: F401
-    from per_example_grads.dp.validation import validate  # noqa: F401
+    from per_example_grads.dp.validation import (
+        ValidationReport,  # noqa: F401
+        check_model,  # noqa: F401
+        validate,  # noqa: F401
+    )
 
 __getattr__, __dir__ = _lazy.exports(globals(), _EXPORTS)

@@ -152,6 +152,8 @@ class AccountantFallbackWarning(UserWarning):
     Its own class so that a caller (``pegrad epsilon``) can tell which
     accountant gave the epsilon it reports.
     """
+
+
 SAMPLINGS: tuple[str, ...] = ("poisson", "shuffle")
 
 # The PLD accountant's bounds (see "Bounded cost" in the module docstring).
@@ -196,7 +198,9 @@ class _Segment:
 
     def same_release(self, other: "_Segment") -> bool:
         return (self.kind, self.noise_multipliers, self.sampling_probability) == (
-            other.kind, other.noise_multipliers, other.sampling_probability,
+            other.kind,
+            other.noise_multipliers,
+            other.sampling_probability,
         )
 
     def dp_event(self) -> dp_accounting.DpEvent:
@@ -323,12 +327,14 @@ class PrivacyAccountant:
         """
         n = check_count("n", n, MAX_STEPS)
         sigma = self._noise_multiplier if noise_multiplier is None else check_noise_multiplier(noise_multiplier)
-        q = self._sampling_probability if sampling_probability is None else check_sampling_probability(sampling_probability)
+        q = (
+            self._sampling_probability
+            if sampling_probability is None
+            else check_sampling_probability(sampling_probability)
+        )
         self._record(_Segment(_STEP, (sigma, *self._extra), q, n))
 
-    def compose_gaussian(
-        self, noise_multiplier: float, count: int = 1, *, sampling_probability: float = 1.0
-    ) -> None:
+    def compose_gaussian(self, noise_multiplier: float, count: int = 1, *, sampling_probability: float = 1.0) -> None:
         """Records ``count`` further Gaussian releases that are not DP-SGD steps.
 
         For example a noisy statistic of the whole training set
@@ -482,8 +488,7 @@ def dp_sgd_schedule(
     if steps is not None:
         if epochs is not None:
             raise ValueError(
-                f"give epochs or steps, not both (got epochs={epochs!r}, steps={steps!r}): steps would "
-                "silently win."
+                f"give epochs or steps, not both (got epochs={epochs!r}, steps={steps!r}): steps would silently win."
             )
         steps = check_count("steps", steps, MAX_STEPS)
     else:
@@ -562,7 +567,11 @@ def _run_segments(sigma: float, q: float, steps: int, mechanism: Any = None) -> 
     """The ledger of ``steps`` steps at ``(sigma, q)`` with ``mechanism`` (None: DP-SGD), as ``_Segment`` s."""
     if mechanism is not None:
         sigma, q, steps = mechanism.accounted_as(sigma, q, steps)
-        sigma, q, steps = check_noise_multiplier(sigma), check_sampling_probability(q), check_count("steps", steps, MAX_STEPS)
+        sigma, q, steps = (
+            check_noise_multiplier(sigma),
+            check_sampling_probability(q),
+            check_count("steps", steps, MAX_STEPS),
+        )
     return [_Segment(_STEP, (sigma,), q, steps)] if steps else []
 
 
@@ -666,8 +675,11 @@ def noise_multiplier_for_epsilon(
     except _AboveRange:
         raise ValueError(above) from None
     except _TooCostly as e:
-        rdp = (f"the RDP accountant needs noise_multiplier above {_SIGMA_RANGE[1]:g}" if math.isinf(rdp_sigma)
-               else f"accountant='rdp' gives noise_multiplier={_round_up(rdp_sigma)}, a valid but looser calibration")
+        rdp = (
+            f"the RDP accountant needs noise_multiplier above {_SIGMA_RANGE[1]:g}"
+            if math.isinf(rdp_sigma)
+            else f"accountant='rdp' gives noise_multiplier={_round_up(rdp_sigma)}, a valid but looser calibration"
+        )
         raise ValueError(f"target_epsilon={target!r}: {e}; {rdp}.") from None
 
 
@@ -838,7 +850,9 @@ def adaptive_clipping_noise_multiplier(
             raise ValueError(f"expected_batch_size must be > 0; got {expected_batch_size!r}.")
     if clipped_count_stddev is None:
         if expected_batch_size is None:
-            raise ValueError("give clipped_count_stddev, or expected_batch_size for its default expected_batch_size / 20.")
+            raise ValueError(
+                "give clipped_count_stddev, or expected_batch_size for its default expected_batch_size / 20."
+            )
         sigma_b = batch / 20
     else:
         sigma_b = check_real("clipped_count_stddev", clipped_count_stddev)
@@ -1053,7 +1067,9 @@ def _single_step_probabilities(sigma: float, q: float, interval: float) -> tuple
     """
     with quiet_accounting():
         distribution = pld.privacy_loss_distribution.from_gaussian_mechanism(
-            sigma, value_discretization_interval=interval, sampling_prob=q,
+            sigma,
+            value_discretization_interval=interval,
+            sampling_prob=q,
             neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
         )
     try:

@@ -50,10 +50,10 @@ import tensorflow as tf
 
 from per_example_grads._core import replicas
 from per_example_grads._core.batch import batch_size, make_batch, unless_empty
+from per_example_grads._core.problem import make_problem
 from per_example_grads.dp.aggregator import DPAggregator, add_regularization, regularization_gradients
 from per_example_grads.dp.applied_steps import AppliedSteps
 from per_example_grads.dp.noise import NoiseSeed
-from per_example_grads._core.problem import make_problem
 from per_example_grads.engines.selection import check_method
 
 
@@ -131,16 +131,25 @@ class GradientAccumulator(tf.Module):
                     "examples accumulated would reveal it through the noise."
                 )
             self.aggregator = DPAggregator(
-                l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
-                expected_batch_size=expected_batch_size, seed=seed, method=method, training=training,
+                l2_norm_clip=l2_norm_clip,
+                noise_multiplier=noise_multiplier,
+                expected_batch_size=expected_batch_size,
+                seed=seed,
+                method=method,
+                training=training,
                 mechanism=mechanism,
             )
             self.aggregator.attach(self.variables_)
         else:
             dp_only = dict(
-                noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size, seed=seed, mechanism=mechanism
+                noise_multiplier=noise_multiplier,
+                expected_batch_size=expected_batch_size,
+                seed=seed,
+                mechanism=mechanism,
             )
-            given = [name for name, value in dp_only.items() if value is not None] + (["method"] if method != "auto" else [])
+            given = [name for name, value in dp_only.items() if value is not None] + (
+                ["method"] if method != "auto" else []
+            )
             if given:
                 raise ValueError(
                     f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} in DP mode, which l2_norm_clip enables; without it they "
@@ -189,7 +198,9 @@ class GradientAccumulator(tf.Module):
         with tf.GradientTape() as tape:
             total = tf.reduce_sum(self._problem.losses(batch))
         grads = tape.gradient(total, self.variables_)
-        return [tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, self.variables_)]
+        return [
+            tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, self.variables_)
+        ]
 
     def result(self) -> list[tf.Tensor]:
         """The gradient of the logical batch: ``[*var.shape]`` per variable.

@@ -53,14 +53,14 @@ import tensorflow as tf
 from per_example_grads._core import replicas
 from per_example_grads._core.arguments import check_dp_arguments, check_positive_int, total_clip
 from per_example_grads._core.batch import make_batch
+from per_example_grads._core.example_ops import in_dtype
+from per_example_grads._core.xla_context import in_xla_context
 from per_example_grads.clipping import clipped_sums_and_predictions, dense_sums
 from per_example_grads.dp import adaptive as adaptive_clipping
 from per_example_grads.dp.accounting import adaptive_clipping_noise_multiplier
 from per_example_grads.dp.mechanisms import NoiseMechanism, check_mechanism
 from per_example_grads.dp.noise import NoiseSeed, gaussian_like, noise_source
-from per_example_grads._core.example_ops import in_dtype
 from per_example_grads.dp.sampling import real_rows, split_into_chunks
-from per_example_grads._core.xla_context import in_xla_context
 from per_example_grads.engines.selection import check_method
 
 
@@ -196,8 +196,16 @@ def clipped_sum(
     if unit_ids is not None:
         args = dict(l2_norm_clip=l2_norm_clip, method=method, training=training, variables=variables)
         return _unit_clipped_sum(
-            model, loss_fn, batch["x"], batch.get("y"), batch.get("sample_weight"), unit_ids, num_units, args,
-            physical_batch_size, rows_per_unit,
+            model,
+            loss_fn,
+            batch["x"],
+            batch.get("y"),
+            batch.get("sample_weight"),
+            unit_ids,
+            num_units,
+            args,
+            physical_batch_size,
+            rows_per_unit,
         )
     args = dict(l2_norm_clip=l2_norm_clip, method=method, training=training, variables=variables)
     x, y, sample_weight = batch["x"], batch.get("y"), batch.get("sample_weight")
@@ -327,9 +335,13 @@ class DPAggregator(keras.layers.Layer):
         self.physical_batch_size = physical_batch_size
         self.adaptive = adaptive_clipping
         if adaptive_clipping is not None:
-            self._gradient_noise_multiplier = adaptive_clipping_noise_multiplier(
-                sigma, adaptive_clipping.clipped_count_stddev, self.expected_batch_size or 1
-            ) if sigma > 0 else 0.0
+            self._gradient_noise_multiplier = (
+                adaptive_clipping_noise_multiplier(
+                    sigma, adaptive_clipping.clipped_count_stddev, self.expected_batch_size or 1
+                )
+                if sigma > 0
+                else 0.0
+            )
             # every replica computes the same next C from the all-reduced noisy count
             self.l2_norm_clip = _ledger_variable(clip, "float32", "l2_norm_clip")
         else:
@@ -352,7 +364,11 @@ class DPAggregator(keras.layers.Layer):
 
     def clip(self):
         """The clip norm in force: a number or dict, or (adaptive) the variable's current value."""
-        return tf.convert_to_tensor(self.l2_norm_clip) if isinstance(self.l2_norm_clip, keras.Variable) else self.l2_norm_clip
+        return (
+            tf.convert_to_tensor(self.l2_norm_clip)
+            if isinstance(self.l2_norm_clip, keras.Variable)
+            else self.l2_norm_clip
+        )
 
     def clipped_sum(
         self, model, loss_fn, x, y=None, sample_weight=None, *, variables=None, unit_ids=None, rows_per_unit=None
@@ -366,9 +382,18 @@ class DPAggregator(keras.layers.Layer):
         ``_unit_clipped_sum``), not with sparse embedding noise.
         """
         clipped = clipped_sum(
-            model, loss_fn, x, y, sample_weight, l2_norm_clip=self.clip(), method=self.method,
-            training=self.training, variables=variables, physical_batch_size=self.physical_batch_size,
-            unit_ids=unit_ids, rows_per_unit=rows_per_unit,
+            model,
+            loss_fn,
+            x,
+            y,
+            sample_weight,
+            l2_norm_clip=self.clip(),
+            method=self.method,
+            training=self.training,
+            variables=variables,
+            physical_batch_size=self.physical_batch_size,
+            unit_ids=unit_ids,
+            rows_per_unit=rows_per_unit,
         )
         if self.sparse is not None:
             self.sparse.check_context()
@@ -471,12 +496,18 @@ class DPAggregator(keras.layers.Layer):
         clip = self.clip()
         sums = clipped_sums
         if self.canaries is not None:  # an audit: canaries' clipped gradients (norm C each) join the sum
-            sums = self.canaries.insert(sums, step=step, l2_norm_clip=total_clip(clip), sampling_probability=sampling_probability)
+            sums = self.canaries.insert(
+                sums, step=step, l2_norm_clip=total_clip(clip), sampling_probability=sampling_probability
+            )
         if self.sparse is not None:
             grads = self._sparse_release(given, sums, clip, divisor, step)
         else:
             grads = noised_average(
-                sums, self._gradient_noise_multiplier * total_clip(clip), divisor, self._noise, step=step,
+                sums,
+                self._gradient_noise_multiplier * total_clip(clip),
+                divisor,
+                self._noise,
+                step=step,
                 mechanism=self.mechanism,
             )
         if self.canaries is not None:  # and what the release shows of them, for their scores
@@ -485,8 +516,13 @@ class DPAggregator(keras.layers.Layer):
         if self.adaptive is not None:
             self.l2_norm_clip.assign(
                 adaptive_clipping.updated_clip(
-                    self.adaptive, clip, given.norms, given.real, divisor,
-                    _count_source(self._noise), step=step,
+                    self.adaptive,
+                    clip,
+                    given.norms,
+                    given.real,
+                    divisor,
+                    _count_source(self._noise),
+                    step=step,
                 )
             )
         self.record_step(sampling_probability, poisson)
@@ -510,7 +546,10 @@ class DPAggregator(keras.layers.Layer):
         rows = sparse.release(sums, selected, total_clip(clip), divisor, self._noise, step)
         others = [i for i in range(len(sums)) if i not in rows]
         dense = noised_average(
-            [sums[i] for i in others], sparse.gradient_noise_multiplier * total_clip(clip), divisor, self._noise,
+            [sums[i] for i in others],
+            sparse.gradient_noise_multiplier * total_clip(clip),
+            divisor,
+            self._noise,
             step=step,
         )
         grads = dict(zip(others, dense)) | rows
@@ -580,7 +619,9 @@ def _chunked(model, loss_fn, data, args, p):
     sliced = [isinstance(t, tf.IndexedSlices) for t in sums_spec]
 
     def array(t, rows_vary=not fixed):
-        return tf.TensorArray(t.dtype, size=count, element_shape=None if rows_vary else t.shape, infer_shape=not rows_vary)
+        return tf.TensorArray(
+            t.dtype, size=count, element_shape=None if rows_vary else t.shape, infer_shape=not rows_vary
+        )
 
     def start(t, is_sliced):  # a dense running sum, or the rows (values, indices) of every chunk
         return (array(t.values, True), array(t.indices, True)) if is_sliced else tf.zeros(t.shape, t.dtype)
@@ -613,7 +654,9 @@ def _chunked(model, loss_fn, data, args, p):
         return out
 
     sums = [
-        tf.IndexedSlices(total[0].concat(), total[1].concat(), tf.constant([int(d) for d in v.shape], tf.int64)) if k else total
+        tf.IndexedSlices(total[0].concat(), total[1].concat(), tf.constant([int(d) for d in v.shape], tf.int64))
+        if k
+        else total
         for total, k, v in zip(sums, sliced, variables)
     ]
     return sums, rows_of(norms, tf.TensorSpec([None])), tf.nest.map_structure(rows_of, predictions, predictions_spec)
@@ -665,13 +708,21 @@ def _unit_clipped_sum(
     count = tf.reduce_max(tf.concat([dense, [-1]], 0)) + 1
     if physical_batch_size is None:
         sums, norms, predictions = clipped_sums_and_predictions(
-            model, loss_fn, data["x"], data.get("y"), sample_weight=data["sample_weight"], unit_ids=dense,
-            num_units=num_units, **args
+            model,
+            loss_fn,
+            data["x"],
+            data.get("y"),
+            sample_weight=data["sample_weight"],
+            unit_ids=dense,
+            num_units=num_units,
+            **args,
         )
     elif num_units is not None:
         raise ValueError("physical chunks of units need the ids of a unit-level Poisson batch, not num_units.")
     else:
-        sums, norms, predictions = _whole_unit_chunks(model, loss_fn, data, dense, count, args, physical_batch_size, rows_per_unit)
+        sums, norms, predictions = _whole_unit_chunks(
+            model, loss_fn, data, dense, count, args, physical_batch_size, rows_per_unit
+        )
     if isinstance(norms, dict):
         norms = tf.sqrt(tf.add_n([tf.square(tf.cast(v, tf.float32)) for v in norms.values()]))
     norms = tf.cast(norms, tf.float32)
@@ -706,9 +757,7 @@ def _whole_unit_chunks(model, loss_fn, data, dense, count, args, p, k):
     source = tf.scatter_nd(
         tf.boolean_mask(slot, placed)[:, None], tf.boolean_mask(positions, placed) + 1, tf.reshape(slots, [1])
     )
-    laid = tf.nest.map_structure(
-        lambda t: tf.gather(tf.concat([tf.zeros_like(t[:1]), t], 0), source), data
-    )
+    laid = tf.nest.map_structure(lambda t: tf.gather(tf.concat([tf.zeros_like(t[:1]), t], 0), source), data)
     laid["unit_ids"] = (tf.range(slots) // k) % m  # the unit's place within its chunk
     sums, norms, predictions = _chunked(model, loss_fn, laid, dict(args, num_units=m), m * k)
     predictions = tf.nest.map_structure(lambda t: tf.gather(t, slot), predictions)

@@ -46,7 +46,10 @@ class AppliedSteps(tf.Module):
         super().__init__(name=name)
         with tf.init_scope():
             self.count = tf.Variable(
-                0, dtype=tf.int64, trainable=False, name="count",
+                0,
+                dtype=tf.int64,
+                trainable=False,
+                name="count",
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
             )
 
@@ -65,8 +68,7 @@ class AppliedSteps(tf.Module):
         counted = int(self.count.numpy())
         if accountant.steps > counted:
             raise ValueError(
-                f"accountant has {accountant.steps} steps but only {counted} were applied; "
-                "it belongs to another run."
+                f"accountant has {accountant.steps} steps but only {counted} were applied; it belongs to another run."
             )
         accountant.step(counted - accountant.steps)
         return accountant

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 import math
+from typing import Any
 
 from per_example_grads._core.arguments import check_choice, check_count, check_delta, check_real
 from per_example_grads.dp.accounting import ACCOUNTANTS, MAX_STEPS, PrivacyAccountant
@@ -92,8 +92,13 @@ class PrivacyBudget:
         if self.steps is not None:
             return int(self.steps)
         return _max_steps(
-            float(self.epsilon), float(self.delta), float(noise_multiplier), float(sampling_probability),
-            self.accountant, float(self.rtol), mechanism,
+            float(self.epsilon),
+            float(self.delta),
+            float(noise_multiplier),
+            float(sampling_probability),
+            self.accountant,
+            float(self.rtol),
+            mechanism,
         )
 
     def describe(self) -> str:

@@ -100,7 +100,9 @@ class NoiseMechanism(keras.layers.Layer):
         """The noise of step ``step`` from its fresh draws ``fresh`` (one per variable), updating the state."""
         raise NotImplementedError
 
-    def accounted_as(self, noise_multiplier: float, sampling_probability: float, steps: int) -> tuple[float, float, int]:
+    def accounted_as(
+        self, noise_multiplier: float, sampling_probability: float, steps: int
+    ) -> tuple[float, float, int]:
         """``(sigma', q', k)``: ``steps`` steps are as private as ``k`` Poisson-sampled Gaussian steps ``(q', sigma')``.
 
         ``sampling_probability`` is the rate at which the part in turn is
@@ -170,7 +172,10 @@ class _BufferedMechanism(NoiseMechanism):
         # coefficients would mix two matrices C, whose columns' norms (hence
         # the sensitivity the accounting assumes) the mixture no longer bounds.
         self._parameters = keras.Variable(
-            self._parameter_values(), dtype="float64", trainable=False, name="mechanism_parameters",
+            self._parameter_values(),
+            dtype="float64",
+            trainable=False,
+            name="mechanism_parameters",
             aggregation="only_first_replica",
         )
         for v in variables:
@@ -179,8 +184,11 @@ class _BufferedMechanism(NoiseMechanism):
         self._shapes = [tuple(int(d) for d in v.shape) for v in variables]
         self._sizes = [int(np.prod(shape, dtype=np.int64)) for shape in self._shapes]
         self._buffer = keras.Variable(
-            np.zeros((self._slots, sum(self._sizes)), np.float32), trainable=False,
-            name="noise_buffer", synchronization="on_read", aggregation="sum",
+            np.zeros((self._slots, sum(self._sizes)), np.float32),
+            trainable=False,
+            name="noise_buffer",
+            synchronization="on_read",
+            aggregation="sum",
         )
 
     def _parameter_values(self) -> np.ndarray:
@@ -198,8 +206,10 @@ class _BufferedMechanism(NoiseMechanism):
         if n not in self._sensitivities:
             self._sensitivities[n] = float(
                 _strategies().sensitivity(
-                    self._coefficients_for(n), n,
-                    min_separation=self.cycle_length, max_participations=-(-n // self.cycle_length),
+                    self._coefficients_for(n),
+                    n,
+                    min_separation=self.cycle_length,
+                    max_participations=-(-n // self.cycle_length),
                 )
             )
         return self._sensitivities[n]
@@ -226,7 +236,10 @@ class _BufferedMechanism(NoiseMechanism):
             )
         z = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in fresh], axis=0)
         x = self._next(z, self._buffer)
-        return [tf.cast(tf.reshape(part, shape), t.dtype) for part, shape, t in zip(tf.split(x, self._sizes), self._shapes, fresh)]
+        return [
+            tf.cast(tf.reshape(part, shape), t.dtype)
+            for part, shape, t in zip(tf.split(x, self._sizes), self._shapes, fresh)
+        ]
 
     def _next(self, z: tf.Tensor, buffer) -> tf.Tensor:
         """The ``[P]`` noise from the ``[P]`` fresh draw, updating ``buffer`` (``[slots, P]``)."""
@@ -389,8 +402,12 @@ class BLT(_BufferedMechanism):
 
     def get_config(self) -> dict:
         return {
-            "buffers": self.buffers, "num_steps": self.num_steps, "cycle_length": self.cycle_length,
-            "theta": self.theta.tolist(), "omega": self.omega.tolist(), "name": self.name,
+            "buffers": self.buffers,
+            "num_steps": self.num_steps,
+            "cycle_length": self.cycle_length,
+            "theta": self.theta.tolist(),
+            "omega": self.omega.tolist(),
+            "name": self.name,
         }
 
 

@@ -142,9 +142,7 @@ def _float_vector(name: str, value: Any) -> np.ndarray:
 def _check_coefficients(coefficients: Any) -> np.ndarray:
     c = _float_vector("coefficients", coefficients)
     if not c[0] > 0:
-        raise ValueError(
-            f"coefficients[0] (c_0, the diagonal of C) must be > 0 so that C is invertible; got {c[0]!r}."
-        )
+        raise ValueError(f"coefficients[0] (c_0, the diagonal of C) must be > 0 so that C is invertible; got {c[0]!r}.")
     return c
 
 
@@ -164,9 +162,7 @@ def _check_blt(theta: Any, omega: Any) -> tuple[np.ndarray, np.ndarray]:
     theta = _float_vector("theta", theta)
     omega = _float_vector("omega", omega)
     if theta.shape != omega.shape:
-        raise ValueError(
-            f"theta and omega must have the same shape [d]; got {theta.shape} and {omega.shape}."
-        )
+        raise ValueError(f"theta and omega must have the same shape [d]; got {theta.shape} and {omega.shape}.")
     if not np.all((theta > 0) & (theta < 1)):
         raise ValueError(f"theta (the buffers' decays) must lie in (0, 1); got {theta!r}.")
     if not np.all(omega > 0):
@@ -309,12 +305,14 @@ def _pattern_count(n: int, s: int, k: int) -> int:
 
 def _patterns(n: int, s: int, k: int):
     """Every non-empty participation pattern, as a tuple of steps."""
+
     def extend(prefix: tuple, start: int):
         for t in range(start, n):
             pattern = prefix + (t,)
             yield pattern
             if len(pattern) < k:
                 yield from extend(pattern, t + s)
+
     yield from extend((), 0)
 
 
@@ -371,9 +369,7 @@ def _toeplitz(c: np.ndarray, n: int) -> np.ndarray:
     return np.where(lag >= 0, padded[np.clip(lag, 0, n - 1)], 0.0)
 
 
-def sensitivity(
-    coefficients: np.ndarray, n: int, *, min_separation: int, max_participations: int
-) -> float:
+def sensitivity(coefficients: np.ndarray, n: int, *, min_separation: int, max_participations: int) -> float:
     """L2 sensitivity of ``C G`` to adding or removing one example, worst case over its participations.
 
     The example participates in at most ``k = max_participations`` of the
@@ -439,11 +435,7 @@ def sensitivity(
     s, k = _check_schema(n, min_separation, max_participations)
     c = c[:n]
     tail = c[1:]
-    closed_form = (
-        k == 1
-        or c.size <= s
-        or (np.all(tail >= 0) and np.all(np.diff(tail) <= 0))
-    )
+    closed_form = k == 1 or c.size <= s or (np.all(tail >= 0) and np.all(np.diff(tail) <= 0))
     if closed_form:
         return float(np.linalg.norm(_earliest_pattern_response(c, n, s, k)))
     return _enumerated_sensitivity(c, n, s, k)

@@ -74,7 +74,9 @@ def fix_model(
     if batch_norm not in BATCH_NORM_FIXES:
         raise ValueError(f"batch_norm must be one of {list(BATCH_NORM_FIXES)}; got {batch_norm!r}.")
     if not isinstance(model, keras.Model):
-        raise TypeError(f"model must be a Sequential or Functional Keras model; got {type(model).__name__} {model!r:.80}.")
+        raise TypeError(
+            f"model must be a Sequential or Functional Keras model; got {type(model).__name__} {model!r:.80}."
+        )
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
         raise ValueError(f"groups must be a positive int; got {groups!r}.")
     if not _is_graph_model(model):
@@ -138,8 +140,13 @@ def _group_norm_for(layer: keras.layers.BatchNormalization, groups: int) -> kera
     axis = layer.axis if isinstance(layer.axis, int) else layer.axis[0]
     channels = int(layer.moving_mean.shape[0])
     return keras.layers.GroupNormalization(
-        groups=max(d for d in range(1, min(channels, groups) + 1) if channels % d == 0), axis=axis, epsilon=layer.epsilon,
-        center=layer.center, scale=layer.scale, name=layer.name, dtype=layer.dtype_policy,
+        groups=max(d for d in range(1, min(channels, groups) + 1) if channels % d == 0),
+        axis=axis,
+        epsilon=layer.epsilon,
+        center=layer.center,
+        scale=layer.scale,
+        name=layer.name,
+        dtype=layer.dtype_policy,
     )
 
 
@@ -152,4 +159,3 @@ def _copy_weights(old: keras.layers.Layer, new: keras.layers.Layer) -> None:
         return
     if old.weights:
         new.set_weights(old.get_weights())
-

@@ -168,7 +168,9 @@ def standard_normal(n: int | tf.Tensor, source: tf.Tensor | tf.random.Generator)
     if isinstance(source, tf.random.Generator):
         source = source.make_seeds(1)[:, 0]
     if in_xla_context():
-        return tf.random.stateless_normal(tf.reshape(tf.cast(n, tf.int64), [1]), seed=source, dtype=tf.float32, alg="threefry")
+        return tf.random.stateless_normal(
+            tf.reshape(tf.cast(n, tf.int64), [1]), seed=source, dtype=tf.float32, alg="threefry"
+        )
     if isinstance(n, int):
         shape, exact = [2, (n + 1) // 2], n % 2 == 0
     else:

@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from per_example_grads._core import replicas
 from per_example_grads._core.arguments import check_dp_arguments, total_clip
+from per_example_grads._core.problem import resolve_variables
 from per_example_grads.dp.aggregator import (
     add_regularization,
     batch_divisor,
@@ -31,7 +32,6 @@ from per_example_grads.dp.aggregator import (
     regularization_gradients,
 )
 from per_example_grads.dp.noise import NoiseSeed, RepeatedNoiseWarning, stateless_key
-from per_example_grads._core.problem import resolve_variables
 
 
 def private_gradients(
@@ -110,8 +110,17 @@ def private_gradients(
     _warn_if_noise_repeats(seed)
     # The DP step's two phases (per_example_grads.dp.aggregator), without its counter and ledger.
     clipped = clipped_sum(
-        model, loss_fn, x, y, sample_weight, l2_norm_clip=l2_norm_clip, method=method,
-        training=training, variables=variables, unit_ids=unit_ids, num_units=num_units,
+        model,
+        loss_fn,
+        x,
+        y,
+        sample_weight,
+        l2_norm_clip=l2_norm_clip,
+        method=method,
+        training=training,
+        variables=variables,
+        unit_ids=unit_ids,
+        num_units=num_units,
     )
     divisor = expected_batch_size if expected_batch_size is not None else batch_divisor(tf.shape(clipped.real)[0])
     grads = noised_average(clipped.sums, noise_multiplier * total_clip(l2_norm_clip), divisor, seed)
@@ -134,14 +143,16 @@ def _warn_if_noise_repeats(seed: NoiseSeed) -> None:
     _seeds_warned.add(key)
     why = (
         "inside a tf.function: every call of the traced function draws the same noise"
-        if inside_function else "a second time in this process: both releases have the same noise"
+        if inside_function
+        else "a second time in this process: both releases have the same noise"
     )
     warnings.warn(
         f"private_gradients got seed={seed!r} {why}, and the difference of two such releases "
         "cancels it, revealing the difference of the clipped sums. Vary the seed at every step "
         "(seed=(run_seed, step) with step a tensor inside tf.function), pass a tf.random.Generator, "
         "or use seed=None.",
-        RepeatedNoiseWarning, stacklevel=3,
+        RepeatedNoiseWarning,
+        stacklevel=3,
     )
 
 

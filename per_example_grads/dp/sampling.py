@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -248,9 +248,7 @@ def _cyclic_parts(n: int, cycle: int, key: tf.Tensor) -> tf.Tensor | None:
 
 def _pad_rows(rows: tf.Tensor, num_rows: tf.Tensor, target: Any) -> tf.Tensor:
     """``rows [num_rows, ...]`` -> ``[target, ...]`` with zero rows appended."""
-    paddings = tf.concat(
-        [[[0, target - num_rows]], tf.zeros([tf.rank(rows) - 1, 2], tf.int32)], axis=0
-    )
+    paddings = tf.concat([[[0, target - num_rows]], tf.zeros([tf.rank(rows) - 1, 2], tf.int32)], axis=0)
     return tf.pad(rows, paddings)
 
 
@@ -392,9 +390,7 @@ def poisson_batches(
       (3, 'unit')
     """
     if unit_ids is None and rows_per_unit is not None:
-        raise ValueError(
-            f"rows_per_unit={rows_per_unit!r} needs unit_ids: without them every row is its own unit."
-        )
+        raise ValueError(f"rows_per_unit={rows_per_unit!r} needs unit_ids: without them every row is its own unit.")
     q = check_sampling_probability(sampling_probability)
     xs = _to_tensors("x", x)
     inputs = {"x": xs}
@@ -477,7 +473,9 @@ def _check_unit_ids(unit_ids: Any, n: int) -> np.ndarray:
     if ids.dtype == bool or not np.issubdtype(ids.dtype, np.integer):
         raise TypeError(f"unit_ids must be integers, one per row; got dtype {ids.dtype}.")
     if ids.shape != (n,):
-        raise ValueError(f"unit_ids must have shape [N] = [{n}] (one unit id per row of x); got shape {list(ids.shape)}.")
+        raise ValueError(
+            f"unit_ids must have shape [N] = [{n}] (one unit id per row of x); got shape {list(ids.shape)}."
+        )
     return ids.astype(np.int64)
 
 
@@ -486,7 +484,11 @@ def _unit_batches(inputs, n, q, ids, rows_per_unit, max_batch_size, steps, seed,
     units, unit_of_row = np.unique(ids, return_inverse=True)  # dense unit index of every row
     u = len(units)
     sizes = np.bincount(unit_of_row, minlength=u)
-    k = int(sizes.max()) if rows_per_unit is None else min(check_positive_int("rows_per_unit", rows_per_unit), int(sizes.max()))
+    k = (
+        int(sizes.max())
+        if rows_per_unit is None
+        else min(check_positive_int("rows_per_unit", rows_per_unit), int(sizes.max()))
+    )
     if cycle > u:
         raise ValueError(f"cycle_length ({cycle}) must be at most the number of units U={u}: every part needs one.")
     brought = np.minimum(sizes, k)  # rows each unit brings when sampled
@@ -551,9 +553,7 @@ def _unit_batches(inputs, n, q, ids, rows_per_unit, max_batch_size, steps, seed,
         xb = _lists_as_tuples(tf.nest.map_structure(take, inputs["x"]))
         yb = _lists_as_tuples(tf.nest.map_structure(take, inputs["y"])) if "y" in inputs else None
         mask = tf.cast(tf.range(m) < b, tf.float32)
-        batch_ids = tf.ensure_shape(
-            tf.concat([tf.gather(ids_t, chosen), -tf.ones([m - b], tf.int64)], axis=0), [m]
-        )
+        batch_ids = tf.ensure_shape(tf.concat([tf.gather(ids_t, chosen), -tf.ones([m - b], tf.int64)], axis=0), [m])
         return xb, yb, mask, batch_ids
 
     ds = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).map(pass_steps)
@@ -648,9 +648,7 @@ def poisson_batches_from_dataset(
     if num_examples is not None:
         num_examples = check_positive_int("num_examples", num_examples)
         if cardinality >= 0 and cardinality != num_examples:
-            raise ValueError(
-                f"num_examples={num_examples} but the dataset has {cardinality} elements."
-            )
+            raise ValueError(f"num_examples={num_examples} but the dataset has {cardinality} elements.")
         limit = num_examples + 1
     x_spec, y_spec = _unpack_element(dataset.element_spec)
     source = dataset if limit is None else dataset.take(limit)
@@ -683,8 +681,7 @@ def poisson_batches_from_dataset(
             bar.close()
     if num_examples is not None and count != num_examples:
         raise ValueError(
-            f"num_examples={num_examples} but the dataset has "
-            f"{'more' if count > num_examples else count} elements."
+            f"num_examples={num_examples} but the dataset has {'more' if count > num_examples else count} elements."
         )
     if count == 0:
         raise ValueError("dataset is empty; Poisson sampling needs at least one example.")
@@ -759,9 +756,7 @@ def _check_chunk_inputs(x: Any, y: Any, mask: Any, physical_batch_size: Any):
     return xs, ys, mask, p
 
 
-def physical_chunks(
-    x_batch: Any, y_batch: Any, mask: Any, physical_batch_size: int
-) -> Iterator[PhysicalChunk]:
+def physical_chunks(x_batch: Any, y_batch: Any, mask: Any, physical_batch_size: int) -> Iterator[PhysicalChunk]:
     """Splits one padded logical batch into fixed-shape chunks (eager only).
 
     Takes the rows where ``mask != 0`` (``b`` of them, in order) and yields
@@ -811,9 +806,7 @@ def physical_chunks(
         )
 
 
-def physical_chunks_dataset(
-    dataset: tf.data.Dataset, physical_batch_size: int
-) -> tf.data.Dataset:
+def physical_chunks_dataset(dataset: tf.data.Dataset, physical_batch_size: int) -> tf.data.Dataset:
     """``physical_chunks`` as a ``tf.data`` transformation.
 
     Turns a dataset of logical batches ``(x_batch, y_batch, mask)`` (as from
@@ -843,10 +836,7 @@ def physical_chunks_dataset(
     p = check_positive_int("physical_batch_size", physical_batch_size)
     spec = dataset.element_spec
     if not (isinstance(spec, tuple) and len(spec) == 3):
-        raise ValueError(
-            "physical_chunks_dataset expects elements (x_batch, y_batch, mask); "
-            f"got element_spec {spec}."
-        )
+        raise ValueError(f"physical_chunks_dataset expects elements (x_batch, y_batch, mask); got element_spec {spec}.")
     mask_spec = spec[2]
     if not isinstance(mask_spec, tf.TensorSpec) or mask_spec.shape.rank != 1:
         raise ValueError(f"mask must be a [M] tensor; got {mask_spec}.")

@@ -168,8 +168,15 @@ class SparseEmbeddings:
         if self.ids_fn is not None and not callable(self.ids_fn):
             raise TypeError(f"ids_fn must be callable or None; got {type(self.ids_fn).__name__}.")
 
-    def bind(self, model: Any, variables: Sequence, *, noise_multiplier: float, mechanism: Any = None,
-             adaptive_clipping: Any = None) -> "SparseSelection":
+    def bind(
+        self,
+        model: Any,
+        variables: Sequence,
+        *,
+        noise_multiplier: float,
+        mechanism: Any = None,
+        adaptive_clipping: Any = None,
+    ) -> "SparseSelection":
         """The step's selection for ``model``'s tables among ``variables``, checked against the rest of the DP step.
 
         Raises:
@@ -200,7 +207,11 @@ def _is_tied(layer) -> bool:
 def _tables(model, variables, wanted) -> list:
     """The covered layers, in order, each with its table among ``variables``."""
     trained = {id(v) for v in variables}
-    embeddings = [l for l in model_inspection.iter_layers(model) if isinstance(l, keras.layers.Embedding) or hasattr(l, "tie_weights")]
+    embeddings = [
+        l
+        for l in model_inspection.iter_layers(model)
+        if isinstance(l, keras.layers.Embedding) or hasattr(l, "tie_weights")
+    ]
     if wanted is None:
         layers = [l for l in embeddings if not _is_tied(l) and id(l.embeddings) in trained]
         if not layers:
@@ -214,7 +225,9 @@ def _tables(model, variables, wanted) -> list:
     for t in wanted:
         layer = t if isinstance(t, keras.layers.Layer) else by_variable.get(id(t))
         if layer is None or layer not in embeddings:
-            raise ValueError(f"sparse_embeddings tables must be Embedding layers of the model or their tables; got {t!r}.")
+            raise ValueError(
+                f"sparse_embeddings tables must be Embedding layers of the model or their tables; got {t!r}."
+            )
         if _is_tied(layer):
             raise ValueError(
                 f"ReversibleEmbedding {layer.name!r} ties its table to the output projection, whose gradient is dense "
@@ -277,9 +290,13 @@ class SparseSelection:
         elif self.selection_noise_multiplier > 0:
             self.threshold = self.selection_noise_multiplier * _inverse_tail(settings.false_positive_rate)
         else:
-            self.threshold = 1e-6  # no noise: the rows some example looked up (every such count is at least 1/sqrt(|U_n|))
+            self.threshold = (
+                1e-6  # no noise: the rows some example looked up (every such count is at least 1/sqrt(|U_n|))
+            )
         self.false_positive_rate = (
-            gaussian_tail(self.threshold / self.selection_noise_multiplier) if self.selection_noise_multiplier > 0 else 0.0
+            gaussian_tail(self.threshold / self.selection_noise_multiplier)
+            if self.selection_noise_multiplier > 0
+            else 0.0
         )
         self._probe = None
         if settings.ids_fn is None:
@@ -381,9 +398,14 @@ class SparseSelection:
         if sigma > 0:
             dense += replicas.noise_share(sigma) * standard_normal(total, _key(source, _COUNT_TAG, step))
         dense = replicas.global_sum(dense)
-        return [tf.where(dense[int(self.offsets[k]) : int(self.offsets[k + 1])] >= self.threshold)[:, 0] for k in range(len(self.layers))]
+        return [
+            tf.where(dense[int(self.offsets[k]) : int(self.offsets[k + 1])] >= self.threshold)[:, 0]
+            for k in range(len(self.layers))
+        ]
 
-    def release(self, sums: Sequence, selected: Sequence[tf.Tensor], clip, divisor, source, step) -> dict[int, tf.IndexedSlices]:
+    def release(
+        self, sums: Sequence, selected: Sequence[tf.Tensor], clip, divisor, source, step
+    ) -> dict[int, tf.IndexedSlices]:
         """``{variable index: (rows of the sum in S + N(0, (sigma_grad C)^2)) / divisor}`` as ``tf.IndexedSlices`` on ``S``."""
         out = {}
         std = replicas.noise_share(self.gradient_noise_multiplier * clip)
@@ -457,7 +479,9 @@ def bernoulli_positions(n: int, p: float, key: tf.Tensor) -> tf.Tensor:
     log_keep = math.log1p(-p)
 
     def body(i, last, found):
-        u = tf.random.stateless_uniform([block], seed=tf.random.experimental.stateless_fold_in(key, tf.cast(i, tf.int64)), dtype=tf.float64)
+        u = tf.random.stateless_uniform(
+            [block], seed=tf.random.experimental.stateless_fold_in(key, tf.cast(i, tf.int64)), dtype=tf.float64
+        )
         gaps = 1 + tf.cast(tf.floor(tf.math.log1p(-u) / log_keep), tf.int64)  # 1 - u is uniform on (0, 1]
         positions = last + tf.cumsum(gaps)
         return i + 1, positions[-1], found.write(i, positions)
@@ -465,7 +489,11 @@ def bernoulli_positions(n: int, p: float, key: tf.Tensor) -> tf.Tensor:
     _, _, found = tf.while_loop(
         lambda i, last, found: last < n - 1,
         body,
-        (tf.constant(0, tf.int32), tf.constant(-1, tf.int64), tf.TensorArray(tf.int64, size=0, dynamic_size=True, infer_shape=False)),
+        (
+            tf.constant(0, tf.int32),
+            tf.constant(-1, tf.int64),
+            tf.TensorArray(tf.int64, size=0, dynamic_size=True, infer_shape=False),
+        ),
     )
     positions = tf.reshape(found.concat(), [-1])
     return tf.boolean_mask(positions, positions < n)

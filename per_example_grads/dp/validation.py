@@ -107,9 +107,7 @@ def why_fallback(layer: keras.layers.Layer) -> str:
     """Why ``layer`` has no closed form (module docstring), as one clause naming the class or the rule's reason."""
     cls = type(layer)
     full = f"{cls.__module__}.{cls.__qualname__}"
-    registered = next(
-        (c for c in cls.__mro__ if c in RULES or f"{c.__module__}.{c.__qualname__}" in RULES), None
-    )
+    registered = next((c for c in cls.__mro__ if c in RULES or f"{c.__module__}.{c.__qualname__}" in RULES), None)
     if registered is None:
         return f"no rule is registered for {full} (peg.register_layer_rule teaches the engine one)"
     rule = rule_for(layer)

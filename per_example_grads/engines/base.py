@@ -43,11 +43,11 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from per_example_grads import transforms
-from per_example_grads.engines.moments import GradientFeatures, moments_of
 from per_example_grads._core.batch import Batch
 from per_example_grads._core.example_ops import weighted_example_sum
-from per_example_grads._core.tape import dense_or_zeros, watch_variables
 from per_example_grads._core.problem import Problem
+from per_example_grads._core.tape import dense_or_zeros, watch_variables
+from per_example_grads.engines.moments import GradientFeatures, moments_of
 
 EngineFn = Callable[[Problem, Batch], list]
 

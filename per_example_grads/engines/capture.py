@@ -97,9 +97,7 @@ def plan_units(model: Any, variables) -> list[Unit]:
     if not isinstance(model, keras.layers.Layer):
         raise NotCoverable("the model is not a Keras layer or model")
     if model_inspection.own_variables(model) and rule_for(model) is None:
-        raise NotCoverable(
-            f"'{model.name}' owns variables itself (add_weight on the model), outside any layer"
-        )
+        raise NotCoverable(f"'{model.name}' owns variables itself (add_weight on the model), outside any layer")
     units: list[Unit] = []
     seen: set[int] = set()
 
@@ -165,9 +163,7 @@ def containers_of(model: Any, units: list[Unit], training: bool = False) -> list
 
 
 @contextlib.contextmanager
-def capturing(
-    units: list[Unit], containers: list = (), batch_size: Any = None
-) -> Iterator[list[Record]]:
+def capturing(units: list[Unit], containers: list = (), batch_size: Any = None) -> Iterator[list[Record]]:
     """Within the block, every call of a unit's layer appends a ``Record``.
 
     With ``containers`` (``containers_of``), a container whose call made a
@@ -283,6 +279,9 @@ def check_batch_axis(records: list[Record], batch_size) -> None:
     first = tf.argmin(tf.cast(matches, tf.int32))
     tf.debugging.Assert(
         tf.reduce_all(matches),
-        ["the layer-wise engine cannot use layer", tf.gather(tf.constant(names), first),
-         ": it was called on a tensor whose leading axis is not the batch"],
+        [
+            "the layer-wise engine cannot use layer",
+            tf.gather(tf.constant(names), first),
+            ": it was called on a tensor whose leading axis is not the batch",
+        ],
     )

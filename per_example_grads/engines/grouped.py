@@ -100,7 +100,9 @@ def make_units(unit_ids: Any, num_units: int | None, batch: Batch) -> Units:
     count = largest + 1 if num_units is None else int(num_units)
     checks = [
         tf.debugging.assert_non_negative(ids, message="unit_ids must be >= 0"),
-        tf.debugging.assert_less(largest, tf.cast(count, tf.int32), message=f"unit_ids must be < num_units = {num_units}"),
+        tf.debugging.assert_less(
+            largest, tf.cast(count, tf.int32), message=f"unit_ids must be < num_units = {num_units}"
+        ),
     ]
     with tf.control_dependencies(checks):
         ids = tf.identity(ids)
@@ -135,7 +137,9 @@ def unit_norms(engine: Engine, problem: Problem, batch: Batch, units: Units, by_
     return [layerwise.norms_of([s], dtype) for s in squared] if by_variable else layerwise.norms_of(squared, dtype)
 
 
-def unit_clipped_sums(engine: Engine, problem: Problem, batch: Batch, clip: ClipGroups, units: Units) -> tuple[list, list, Any]:
+def unit_clipped_sums(
+    engine: Engine, problem: Problem, batch: Batch, clip: ClipGroups, units: Units
+) -> tuple[list, list, Any]:
     """``(sums per variable, [U] norms per group, predictions or None)``: ``sums[k] = sum_u c_ug G_u[k]``.
 
     ``c_ug = C_g / max(n_ug, C_g)`` with ``n_ug`` unit ``u``'s norm over the
@@ -191,7 +195,9 @@ def layerwise_unit_squared_norms(problem: Problem, batch: Batch, units: Units) -
     return _squared_norms(problem, layerwise.capture(problem, batch), units)
 
 
-def layerwise_unit_clipped_sums(problem: Problem, batch: Batch, clip: ClipGroups, units: Units) -> tuple[list, list, Any]:
+def layerwise_unit_clipped_sums(
+    problem: Problem, batch: Batch, clip: ClipGroups, units: Units
+) -> tuple[list, list, Any]:
     """``unit_clipped_sums`` in one forward and one backward pass: each row weighted by its unit's factor."""
     captured = layerwise.capture(problem, batch)
     squared, dtype = _squared_norms(problem, captured, units), layerwise.norm_dtype(problem)

@@ -13,8 +13,8 @@ import tensorflow as tf
 
 from per_example_grads._core import pfor_limits
 from per_example_grads._core.quiet import quiet_vectorization
-from per_example_grads.engines.base import register_engine
 from per_example_grads._core.tape import dense_or_zeros, watch_variables
+from per_example_grads.engines.base import register_engine
 
 
 def why_not_batch(problem, batch) -> str | None:

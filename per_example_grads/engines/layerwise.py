@@ -14,11 +14,11 @@ from typing import Any
 import tensorflow as tf
 
 from per_example_grads import rules as _builtin_rules  # noqa: F401  (registers the rules)
-from per_example_grads._core.batch import Batch, batch_size
 from per_example_grads import transforms
+from per_example_grads._core.batch import Batch, batch_size
+from per_example_grads._core.example_ops import WIDE, compute_dtype
+from per_example_grads._core.problem import Problem
 from per_example_grads.engines.base import ENGINES, ClipGroups, Engine
-from per_example_grads.engines.moments import GradientFeatures, assemble, factored_moments, materialized_moments
-from per_example_grads.errors import EngineError
 from per_example_grads.engines.capture import (
     NotCoverable,
     Record,
@@ -28,11 +28,11 @@ from per_example_grads.engines.capture import (
     containers_of,
     plan_units,
 )
+from per_example_grads.engines.moments import GradientFeatures, assemble, factored_moments, materialized_moments
+from per_example_grads.errors import EngineError
+from per_example_grads.per_example_slices import PerExampleSlices
 from per_example_grads.rules.local import LocalRule
 from per_example_grads.rules.rule import LayerRule
-from per_example_grads._core.example_ops import WIDE, compute_dtype
-from per_example_grads.per_example_slices import PerExampleSlices
-from per_example_grads._core.problem import Problem
 
 
 @dataclasses.dataclass
@@ -385,7 +385,8 @@ def features(problem: Problem, batch: Batch) -> GradientFeatures:
             return GradientFeatures.of(per_example_gradients(problem, batch))
         factors += [
             (None if a is None else tf.cast(a, tf.float64), tf.cast(g, tf.float64))
-            for v, (a, g) in zip(unit.variables, unit_factors) if id(v) in wanted
+            for v, (a, g) in zip(unit.variables, unit_factors)
+            if id(v) in wanted
         ]
     return GradientFeatures(factors=factors)
 
@@ -420,10 +421,16 @@ def _grouped(name: str):
 
 
 ENGINES["layerwise"] = LayerwiseEngine(
-    name="layerwise", compute=layerwise, isolates_examples=True, why_not=why_not,
-    native_squared_norms=squared_norms, native_clipped_sums=clipped_sums,
+    name="layerwise",
+    compute=layerwise,
+    isolates_examples=True,
+    why_not=why_not,
+    native_squared_norms=squared_norms,
+    native_clipped_sums=clipped_sums,
     native_unit_squared_norms=_grouped("layerwise_unit_squared_norms"),
     native_unit_clipped_sums=_grouped("layerwise_unit_clipped_sums"),
-    native_moments=moments, native_features=features,
-    native_sparse_compute=sparse_per_example_gradients, native_slow_layers=slow_layers,
+    native_moments=moments,
+    native_features=features,
+    native_sparse_compute=sparse_per_example_gradients,
+    native_slow_layers=slow_layers,
 )

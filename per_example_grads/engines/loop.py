@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import functools
 
-import tensorflow as tf
-
-from per_example_grads.engines.base import example_gradient, register_engine
 from per_example_grads._core.example_ops import map_examples
+from per_example_grads.engines.base import example_gradient, register_engine
 
 
 @register_engine(name="loop", isolates_examples=True)

@@ -35,7 +35,9 @@ import tensorflow as tf
 F64 = tf.float64
 
 
-def materialized_moments(per_example: tf.Tensor, reference: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
+def materialized_moments(
+    per_example: tf.Tensor, reference: tf.Tensor
+) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
     """``(sum, sumsq, sqnorms, dots)`` of one variable's ``[B, *shape]`` per-example gradients, float64."""
     pe = tf.cast(per_example, F64)
     flat = tf.reshape(pe, [tf.shape(pe)[0], -1])

@@ -72,11 +72,11 @@ import tensorflow as tf
 
 from per_example_grads._core import model_inspection
 from per_example_grads._core.batch import Batch
+from per_example_grads._core.problem import Problem
+from per_example_grads._core.tape import watch_variables
 from per_example_grads._core.xla_context import in_xla_context
 from per_example_grads.engines.base import ENGINES, Engine
 from per_example_grads.errors import EngineError, EngineFallbackWarning, InvalidLossError
-from per_example_grads._core.problem import Problem
-from per_example_grads._core.tape import watch_variables
 from per_example_grads.rules.rule import RULES
 
 AUTO_ORDER = ("layerwise", "vectorized", "weight_copies", "loop")
@@ -99,7 +99,13 @@ def check_method(method: str) -> None:
 # are ValueErrors; pfor raises TypeError (a masked RNN's variant tensors) and NotImplementedError,
 # gradient registries LookupError, Keras re-raises a rule's error with its own type (RuntimeError).
 _FALLBACK_ERRORS = (
-    tf.errors.OpError, ValueError, TypeError, NotImplementedError, AttributeError, LookupError, RuntimeError,
+    tf.errors.OpError,
+    ValueError,
+    TypeError,
+    NotImplementedError,
+    AttributeError,
+    LookupError,
+    RuntimeError,
 )
 
 
@@ -129,7 +135,9 @@ def run(method: str, problem: Problem, use: Callable[[Engine], T], batch: Batch 
         engine = ENGINES[method]
         reason = _refusal(engine, problem, batch, plan)
         if reason:
-            _raise_if_batch_gradient_fails(problem, batch)  # a refusal can stem from the data (a one-example graph that fails to trace)
+            _raise_if_batch_gradient_fails(
+                problem, batch
+            )  # a refusal can stem from the data (a one-example graph that fails to trace)
             raise EngineError(f"method={method!r} cannot run on this model: {reason}.")
         result, err = _attempt(use, engine)
         if err is None:
@@ -169,8 +177,7 @@ def run(method: str, problem: Problem, use: Callable[[Engine], T], batch: Batch 
             reason = f"it raised {type(err).__name__}: {_first_line(err)}"
         skipped.append((name, reason))
     raise EngineError(
-        "No engine could compute per-example gradients for this model:\n"
-        + "\n".join(f"  {n}: {r}" for n, r in skipped)
+        "No engine could compute per-example gradients for this model:\n" + "\n".join(f"  {n}: {r}" for n, r in skipped)
     )
 
 
@@ -215,16 +222,28 @@ def _plan_key(problem: Problem, batch: Batch | None, use: Callable) -> tuple[tup
         shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
         if shape is None or dtype is None:
             return None, ()
-        signature.append((path, tuple(tf.TensorShape(shape).as_list()) if tf.TensorShape(shape).rank is not None else None,
-                          tf.as_dtype(dtype).name))
+        signature.append(
+            (
+                path,
+                tuple(tf.TensorShape(shape).as_list()) if tf.TensorShape(shape).rank is not None else None,
+                tf.as_dtype(dtype).name,
+            )
+        )
     layers = tuple(model_inspection.iter_layers(problem.model))
     loss = problem.loss
     cells = tuple(c.cell_contents for c in (getattr(loss, "__closure__", None) or ()))
     keep = (layers, problem.variables, loss, cells, tuple(RULES.values()))  # not `use`: it holds the batch
     key = (
-        tuple(map(id, layers)), tuple(map(id, problem.variables)), bool(problem.training),
-        id(getattr(loss, "__code__", loss)), tuple(map(id, cells)), tuple(map(id, RULES.values())),
-        id(getattr(use, "__code__", use)), tuple(signature), tf.executing_eagerly(), in_xla_context(),
+        tuple(map(id, layers)),
+        tuple(map(id, problem.variables)),
+        bool(problem.training),
+        id(getattr(loss, "__code__", loss)),
+        tuple(map(id, cells)),
+        tuple(map(id, RULES.values())),
+        id(getattr(use, "__code__", use)),
+        tuple(signature),
+        tf.executing_eagerly(),
+        in_xla_context(),
     )
     return key, keep
 

@@ -25,7 +25,9 @@ def why_not_batch(problem, batch) -> str | None:
     shapes of ``batch`` without its batch axis) is traced once per call; see
     ``per_example_grads._core.pfor_limits``.
     """
-    find = lambda: pfor_limits.vectorization_hazards(functools.partial(example_gradient, problem), pfor_limits.example_specs(batch))
+    find = lambda: pfor_limits.vectorization_hazards(
+        functools.partial(example_gradient, problem), pfor_limits.example_specs(batch)
+    )
     return pfor_limits.refusal(problem.cache, "vectorized_hazards", find, "tf.vectorized_map")
 
 

@@ -20,9 +20,9 @@ import tensorflow as tf
 
 from per_example_grads._core import model_inspection
 from per_example_grads._core.batch import batch_size
-from per_example_grads.engines.base import register_engine
-from per_example_grads._core.tape import dense_or_zeros
 from per_example_grads._core.example_ops import map_examples
+from per_example_grads._core.tape import dense_or_zeros
+from per_example_grads.engines.base import register_engine
 
 
 def why_not(problem) -> str | None:
@@ -49,9 +49,7 @@ def why_not(problem) -> str | None:
 def weight_copies(problem, batch) -> list:
     """Gradient of ``sum_i loss_i(W_i)`` w.r.t. copies ``W_i`` -> list of ``[B, *var.shape]``."""
     b = batch_size(batch)
-    copies = [
-        tf.repeat(tf.expand_dims(tf.identity(v), 0), b, axis=0) for v in problem.variables
-    ]
+    copies = [tf.repeat(tf.expand_dims(tf.identity(v), 0), b, axis=0) for v in problem.variables]
 
     @tf.autograph.experimental.do_not_convert
     def example_loss(args):
@@ -72,4 +70,3 @@ def weight_copies(problem, batch) -> list:
         )
         total = tf.reduce_sum(losses)
     return dense_or_zeros(tape.gradient(total, copies), copies)
-

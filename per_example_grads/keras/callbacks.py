@@ -68,8 +68,7 @@ class EpsilonCallback(keras.callbacks.Callback):
         if accountant is None or isinstance(accountant, str):
             if noise_multiplier is None or sampling_probability is None:
                 raise ValueError(
-                    "give a PrivacyAccountant as accountant, or noise_multiplier and "
-                    "sampling_probability to build one."
+                    "give a PrivacyAccountant as accountant, or noise_multiplier and sampling_probability to build one."
                 )
             accountant = PrivacyAccountant(
                 noise_multiplier, sampling_probability, accountant=accountant or "pld", sampling=sampling
@@ -114,4 +113,6 @@ class EpsilonCallback(keras.callbacks.Callback):
         if logs is not None:
             logs[self.log_name] = epsilon
         if self.verbose:
-            print(f"\nEpoch {epoch + 1}: {self.log_name} = {epsilon:.4g} (delta = {self.delta:g}, steps = {self.accountant.steps})")
+            print(
+                f"\nEpoch {epoch + 1}: {self.log_name} = {epsilon:.4g} (delta = {self.delta:g}, steps = {self.accountant.steps})"
+            )

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from per_example_grads._core import replicas
 from per_example_grads._core.arguments import check_choice, check_positive_int
+from per_example_grads._core.losses import as_per_example_loss
 from per_example_grads.dp import adaptive as adaptive_clipping
 from per_example_grads.dp import validation
 from per_example_grads.dp.accounting import PrivacyAccountant, check_run_delta
@@ -20,7 +21,6 @@ from per_example_grads.dp.budget import PrivacyBudget
 from per_example_grads.dp.mechanisms import NoiseMechanism
 from per_example_grads.dp.sampling import PoissonSampling
 from per_example_grads.dp.sparse_embeddings import SparseEmbeddings
-from per_example_grads._core.losses import as_per_example_loss
 from per_example_grads.keras import network_guard
 from per_example_grads.keras.training_data import rows_of_fit_data
 
@@ -250,26 +250,35 @@ class DPModel(keras.Model):
                 "bounded per example, not per unit."
             )
         if privacy_unit == "unit" and adaptive_clipping is not None:
-            raise ValueError(
-                "adaptive_clipping is not available with privacy_unit='unit': give a fixed l2_norm_clip."
-            )
+            raise ValueError("adaptive_clipping is not available with privacy_unit='unit': give a fixed l2_norm_clip.")
         self.privacy_unit = privacy_unit
         if budget is not None and not isinstance(budget, PrivacyBudget):
             raise TypeError(f"budget must be a peg.dp.PrivacyBudget or None; got {type(budget).__name__} {budget!r}.")
         self.budget = budget
         self.aggregator = DPAggregator(
-            l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
-            expected_batch_size=expected_batch_size, seed=seed, adaptive_clipping=adaptive_clipping,
-            physical_batch_size=physical_batch_size, method=method, training=True, mechanism=mechanism,
+            l2_norm_clip=l2_norm_clip,
+            noise_multiplier=noise_multiplier,
+            expected_batch_size=expected_batch_size,
+            seed=seed,
+            adaptive_clipping=adaptive_clipping,
+            physical_batch_size=physical_batch_size,
+            method=method,
+            training=True,
+            mechanism=mechanism,
         )
         validation.check_model(model, training=True)
         self.aggregator.attach(model.trainable_variables)
         if sparse_embeddings is not None:
             if not isinstance(sparse_embeddings, SparseEmbeddings):
-                raise TypeError(f"sparse_embeddings must be a per_example_grads.dp.sparse_embeddings.SparseEmbeddings or None; got {sparse_embeddings!r}.")
+                raise TypeError(
+                    f"sparse_embeddings must be a per_example_grads.dp.sparse_embeddings.SparseEmbeddings or None; got {sparse_embeddings!r}."
+                )
             self.aggregator.sparse = sparse_embeddings.bind(
-                model, model.trainable_variables, noise_multiplier=self.aggregator.noise_multiplier,
-                mechanism=self.aggregator.mechanism, adaptive_clipping=adaptive_clipping,
+                model,
+                model.trainable_variables,
+                noise_multiplier=self.aggregator.noise_multiplier,
+                mechanism=self.aggregator.mechanism,
+                adaptive_clipping=adaptive_clipping,
             )
         self.model = model
         self.num_examples = None if num_examples is None else check_positive_int("num_examples", num_examples)
@@ -279,7 +288,10 @@ class DPModel(keras.Model):
         self._warned_fixed_batches = False
         network_guard.claim(model, self, lambda other: int(other.dp_steps.numpy()))
         self._network_fingerprint = keras.Variable(
-            [0.0, 0.0], dtype="float64", trainable=False, name="network_fingerprint",
+            [0.0, 0.0],
+            dtype="float64",
+            trainable=False,
+            name="network_fingerprint",
             aggregation="only_first_replica",
         )
         self._guard = network_guard.NetworkGuard(model, self._network_fingerprint)
@@ -330,8 +342,14 @@ class DPModel(keras.Model):
             metrics = None
         if self.privacy_unit == "unit" and kwargs.get("jit_compile", "auto") == "auto":
             kwargs["jit_compile"] = False  # the grouped clipped sums do not compile with XLA (see fit)
-        super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights, metrics=metrics,
-                        weighted_metrics=weighted_metrics, **kwargs)
+        super().compile(
+            optimizer=optimizer,
+            loss=loss,
+            loss_weights=loss_weights,
+            metrics=metrics,
+            weighted_metrics=weighted_metrics,
+            **kwargs,
+        )
 
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
         """``keras.Model.fit``, with the sampling of ``x`` checked against the accounting (class docstring).
@@ -374,7 +392,8 @@ class DPModel(keras.Model):
             warnings.warn(
                 f"{int(max(bad))} example(s) in an epoch had a NaN or Inf gradient; they contributed "
                 "nothing to their steps (see the nonfinite_examples metric). Check their inputs and labels.",
-                RuntimeWarning, stacklevel=2,
+                RuntimeWarning,
+                stacklevel=2,
             )
         return history
 
@@ -424,15 +443,22 @@ class DPModel(keras.Model):
             self._check_num_examples(rows.total, rows.what)
             if not self._warned_fixed_batches:
                 self._warned_fixed_batches = True
-                what = "a dataset not made by peg.dp.poisson_batches" if isinstance(x, tf.data.Dataset) else "fixed-size batches"
+                what = (
+                    "a dataset not made by peg.dp.poisson_batches"
+                    if isinstance(x, tf.data.Dataset)
+                    else "fixed-size batches"
+                )
                 warnings.warn(
                     f"DPModel.fit was given {what}: epsilon() is then computed as if every batch were "
                     "Poisson-sampled at q = batch rows / num_examples, which for fixed-size shuffled "
                     "batches is only an approximation (the true epsilon can be larger). For a guarantee, "
                     "fit on peg.dp.poisson_batches(x, y, sampling_probability=q).",
-                    UserWarning, stacklevel=3,
+                    UserWarning,
+                    stacklevel=3,
                 )
-            return _FitSampling(poisson=False, sampling_probability=None, divisor=None, largest_batch=rows.largest_batch)
+            return _FitSampling(
+                poisson=False, sampling_probability=None, divisor=None, largest_batch=rows.largest_batch
+            )
         self._check_num_examples(source.num_examples, "the poisson_batches dataset samples from")
         q = source.sampling_probability
         expected = source.expected_batch_size
@@ -583,7 +609,9 @@ class DPModel(keras.Model):
         if steps:
             sigma = min(sigma, float(self.dp_min_noise_multiplier.numpy()))
             q = max(q, float(self.dp_max_sampling_probability.numpy()))
-        return self.budget.max_steps(noise_multiplier=sigma, sampling_probability=q, mechanism=self._accounted_mechanism())
+        return self.budget.max_steps(
+            noise_multiplier=sigma, sampling_probability=q, mechanism=self._accounted_mechanism()
+        )
 
     def train_step(self, data):
         x, y, sample_weight, unit_ids = self._unpack(data)
@@ -594,8 +622,16 @@ class DPModel(keras.Model):
         if q is None and self.num_examples is not None:
             q = tf.minimum(tf.cast(replicas.global_sum(rows), tf.float64) / self.num_examples, 1.0)
         step = self.aggregator.step(
-            self.model, loss_fn, x, y, sample_weight, divisor=sampling.divisor, sampling_probability=q,
-            poisson=sampling.poisson, unit_ids=unit_ids, rows_per_unit=sampling.rows_per_unit,
+            self.model,
+            loss_fn,
+            x,
+            y,
+            sample_weight,
+            divisor=sampling.divisor,
+            sampling_probability=q,
+            poisson=sampling.poisson,
+            unit_ids=unit_ids,
+            rows_per_unit=sampling.rows_per_unit,
         )
         clipped = step.clipped
         step_clipped_fraction = step.clipped_fraction
@@ -680,7 +716,9 @@ class DPModel(keras.Model):
         steps = int(self.dp_steps.numpy())
         q = float(self.dp_max_sampling_probability.numpy()) if steps else self.sampling_probability
         if q is None:
-            raise ValueError("accounting needs num_examples and expected_batch_size given to DPModel, or a fit on poisson_batches.")
+            raise ValueError(
+                "accounting needs num_examples and expected_batch_size given to DPModel, or a fit on poisson_batches."
+            )
         sigma = float(self.dp_min_noise_multiplier.numpy()) if steps else self.noise_multiplier
         sampling = "poisson" if int(self.aggregator.poisson.numpy()) else "shuffle"
         mechanism = self._accounted_mechanism()
@@ -742,7 +780,8 @@ def _warn_budget(model: DPModel, limit: int, *, stopped: bool) -> None:
     warnings.warn(
         f"DPModel.fit {what}: the privacy budget ({model.budget.describe()}) allows {limit} steps, and "
         "the next would exceed it.",
-        UserWarning, stacklevel=2,
+        UserWarning,
+        stacklevel=2,
     )
 
 

@@ -9,14 +9,6 @@ rule a user registers for a built-in layer class is never overwritten later.
     peg.rules.register_layer_rule(MyLayer, MyLayerRule())
 """
 
-from per_example_grads.rules.rule import (
-    LayerRule,
-    per_example_squared_norms,
-    register_layer_rule,
-    rule_for,
-    sum_to_shape,
-    wide_squared_norms,
-)
 from per_example_grads.rules import (  # noqa: F401,E402  (each registers its rules)
     conv,
     conv_transpose,
@@ -34,5 +26,20 @@ from per_example_grads.rules import (  # noqa: F401,E402  (each registers its ru
     scale,
     t5_attention,
 )
+from per_example_grads.rules.rule import (
+    LayerRule,
+    per_example_squared_norms,
+    register_layer_rule,
+    rule_for,
+    sum_to_shape,
+    wide_squared_norms,
+)
 
-__all__ = ["LayerRule", "per_example_squared_norms", "register_layer_rule", "rule_for", "sum_to_shape", "wide_squared_norms"]
+__all__ = [
+    "LayerRule",
+    "per_example_squared_norms",
+    "register_layer_rule",
+    "rule_for",
+    "sum_to_shape",
+    "wide_squared_norms",
+]

@@ -58,21 +58,19 @@ import dataclasses
 import itertools
 import math
 
-import keras
 import tensorflow as tf
 
+from per_example_grads._core.example_ops import WIDE, squares_part, widened
+from per_example_grads._core.xla_context import in_xla_context
 from per_example_grads.rules import outer_products as op
 from per_example_grads.rules import path_costs
 from per_example_grads.rules.local import without_activation
 from per_example_grads.rules.rule import (
     LayerRule,
     per_example_squared_norms,
-    register_layer_rule,
     reparametrized,
     weighted_example_sum,
 )
-from per_example_grads._core.example_ops import WIDE, squares_part, widened
-from per_example_grads._core.xla_context import in_xla_context
 
 NORMS_JIT_COMPILE = True
 CHOOSE_BY_COST = True  # outside XLA with static sizes, each path priced by path_costs; False: the fixed rules below
@@ -93,7 +91,9 @@ class ConvSpec:
 
     @classmethod
     def of(cls, layer) -> "ConvSpec":
-        return cls(layer.rank, tuple(layer.kernel_size), tuple(layer.strides), tuple(layer.dilation_rate), layer.padding)
+        return cls(
+            layer.rank, tuple(layer.kernel_size), tuple(layer.strides), tuple(layer.dilation_rate), layer.padding
+        )
 
 
 def _causal_pad(layer: ConvSpec, a: tf.Tensor) -> tf.Tensor:
@@ -134,12 +134,18 @@ def patches(layer: ConvSpec, a: tf.Tensor, builder: str | None = None) -> tf.Ten
             return _patches_by_convolution(layer, a)
         # Unknown sizes: extract_volume_patches (no dilation), which orders a patch's features
         # (depth, row, column, channel), as the kernel's rows.
-        p = tf.extract_volume_patches(a, ksizes=[1, *layer.kernel_size, 1], strides=[1, *layer.strides, 1], padding=_padding(layer))
+        p = tf.extract_volume_patches(
+            a, ksizes=[1, *layer.kernel_size, 1], strides=[1, *layer.strides, 1], padding=_padding(layer)
+        )
         return op.as_btf(p)
     a = _causal_pad(layer, tf.cast(a, op.compute_dtype(a.dtype)))
     if layer.rank == 1:
         a = a[:, None]  # [B, 1, T, C]: a 1 x k 2-D patch
-        sizes, strides, rates = [1, 1, layer.kernel_size[0], 1], [1, 1, layer.strides[0], 1], [1, 1, layer.dilation_rate[0], 1]
+        sizes, strides, rates = (
+            [1, 1, layer.kernel_size[0], 1],
+            [1, 1, layer.strides[0], 1],
+            [1, 1, layer.dilation_rate[0], 1],
+        )
     else:
         sizes = [1, *layer.kernel_size, 1]
         strides = [1, *layer.strides, 1]
@@ -159,11 +165,15 @@ def _patches_by_convolution(layer: ConvSpec, a: tf.Tensor) -> tf.Tensor:
     c = a.shape[-1]
     f = math.prod(layer.kernel_size) * c
     one_hot = tf.reshape(tf.eye(f, dtype=a.dtype), [*layer.kernel_size, c, f])
-    p = tf.nn.convolution(a, one_hot, strides=list(layer.strides), padding=_padding(layer), dilations=list(layer.dilation_rate))
+    p = tf.nn.convolution(
+        a, one_hot, strides=list(layer.strides), padding=_padding(layer), dilations=list(layer.dilation_rate)
+    )
     return op.as_btf(p)
 
 
-def kernel_squared_norms(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, keep: bool = False) -> tuple[tf.Tensor, tf.Tensor | None]:
+def kernel_squared_norms(
+    layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, keep: bool = False
+) -> tuple[tf.Tensor, tf.Tensor | None]:
     """``([B] float64, kept)``: ``||dL_n/dW||^2`` from ``kernel_part``, widened (``example_ops.widened``)."""
     part, kept = kernel_part(layer, a, g, keep)
     return widened([part])[0], kept
@@ -184,7 +194,12 @@ def kernel_part(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, keep: bool = False)
     k = g.shape[-1]
     f = math.prod(layer.kernel_size) * a.shape[-1] if a.shape[-1] is not None else None
     t = g.shape[1:-1].num_elements() if g.shape[1:-1].is_fully_defined() else None
-    small = t is not None and f is not None and a.shape[1:].is_fully_defined() and f * k <= a.shape[1:].num_elements() + t * k
+    small = (
+        t is not None
+        and f is not None
+        and a.shape[1:].is_fully_defined()
+        and f * k <= a.shape[1:].num_elements() + t * k
+    )
     shape = conv_shape(layer, a, g)
     if shape is not None and CHOOSE_BY_COST:
         choice = path_costs.conv_norm_path(shape, keep, small and KEEP_PER_EXAMPLE_KERNELS, path_costs.machine())
@@ -224,18 +239,30 @@ def conv_shape(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor) -> path_costs.ConvSh
     if layer.padding == "causal":
         spatial[0] += layer.dilation_rate[0] * (layer.kernel_size[0] - 1)
     b = a.shape[0] if a.shape[0] is not None else PRICED_BATCH
-    return path_costs.ConvShape(b, tuple(spatial), tuple(g.shape[1:-1]), tuple(layer.kernel_size),
-                                any(s > 1 for s in layer.strides), a.shape[-1], g.shape[-1])
+    return path_costs.ConvShape(
+        b,
+        tuple(spatial),
+        tuple(g.shape[1:-1]),
+        tuple(layer.kernel_size),
+        any(s > 1 for s in layer.strides),
+        a.shape[-1],
+        g.shape[-1],
+    )
 
 
 def _gram_part(p: tf.Tensor, g: tf.Tensor) -> tuple:
     """The Gram-form norms of ``p_n^T g_n`` and their float64 recomputation, a part for ``example_ops.widened``."""
-    wide = (lambda pick: op._gram_squared_norms(tf.cast(pick(p), WIDE), tf.cast(pick(g), WIDE))) if p.dtype != WIDE else None
+    wide = (
+        (lambda pick: op._gram_squared_norms(tf.cast(pick(p), WIDE), tf.cast(pick(g), WIDE)))
+        if p.dtype != WIDE
+        else None
+    )
     return op._gram_squared_norms(p, g), wide
 
 
-def _patch_norms(layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, t: int | None, f: int | None,
-                 builder: str | None = None) -> tuple[tf.Tensor, tf.Tensor]:
+def _patch_norms(
+    layer: ConvSpec, a: tf.Tensor, g: tf.Tensor, t: int | None, f: int | None, builder: str | None = None
+) -> tuple[tf.Tensor, tf.Tensor]:
     """``_materialized_norms`` of ``patches(layer, a, builder)`` and ``g``, in batch chunks.
 
     ``t`` positions and ``f`` patch width (None if unknown) set the chunk:
@@ -274,7 +301,10 @@ def _in_batch_chunks(fn, a: tf.Tensor, g: tf.Tensor, chunk: int | None, element_
         parts = fn(a[i * chunk : (i + 1) * chunk], g[i * chunk : (i + 1) * chunk])
         return (i + 1, *[array.write(i, part) for array, part in zip(arrays, parts)])
 
-    arrays = [tf.TensorArray(op.compute_dtype(g.dtype), size=count, infer_shape=False, element_shape=shape) for shape in element_shapes]
+    arrays = [
+        tf.TensorArray(op.compute_dtype(g.dtype), size=count, infer_shape=False, element_shape=shape)
+        for shape in element_shapes
+    ]
     _, *arrays = tf.while_loop(lambda i, *_: i < count, body, [tf.constant(0), *arrays])
     return tuple(array.concat() for array in arrays)
 
@@ -333,13 +363,17 @@ def over_offsets(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor, fn) ->
     else:
         # Strided slices copy element by element (slower than a contiguous slice). Instead each
         # axis of size s m becomes [m, s]: position j s + r is (j, r), so offset i, at i d, meets (j + i d // s, i d % s).
-        blocks = [o + (kk - 1) * d // s for o, kk, d, s in zip(out, layer.kernel_size, layer.dilation_rate, layer.strides)]
+        blocks = [
+            o + (kk - 1) * d // s for o, kk, d, s in zip(out, layer.kernel_size, layer.dilation_rate, layer.strides)
+        ]
         a = a[(slice(None), *[slice(0, m * s) for m, s in zip(blocks, layer.strides)], slice(None))]
         short = [m * s - n for m, s, n in zip(blocks, layer.strides, a.shape[1:-1])]
         a = tf.pad(a, [[0, 0]] + [[0, max(e, 0)] for e in short] + [[0, 0]])
         a = tf.reshape(a, [-1, *[x for m, s in zip(blocks, layer.strides) for x in (m, s)], a.shape[-1]])
         index = lambda offset: [
-            x for i, d, o, s in zip(offset, layer.dilation_rate, out, layer.strides) for x in (slice(i * d // s, i * d // s + o), i * d % s)
+            x
+            for i, d, o, s in zip(offset, layer.dilation_rate, out, layer.strides)
+            for x in (slice(i * d // s, i * d // s + o), i * d % s)
         ]
     results: list = []
     for offset in itertools.product(*[range(kk) for kk in layer.kernel_size]):
@@ -355,7 +389,9 @@ def sliced_patches(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor) -> t
     return tf.reshape(p, [-1, math.prod(out), p.shape[-1]])
 
 
-def _shifted_norms(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor, g: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+def _shifted_norms(
+    layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor, g: tf.Tensor
+) -> tuple[tf.Tensor, tf.Tensor]:
     """``[B]`` norms and the per-example kernels ``[B, f, k]``: one batched product per kernel offset, no patches."""
     g = op.as_btf(g)
     per_offset, _ = over_offsets(layer, spatial, a, lambda piece: tf.matmul(op.as_btf(piece), g, transpose_a=True))
@@ -400,7 +436,9 @@ def weighted_kernel_sum(layer: ConvSpec, kernel, a: tf.Tensor, g: tf.Tensor, wei
 def _kernel_vjp(layer: ConvSpec, kernel: tf.Tensor, a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
     with tf.GradientTape() as tape:
         tape.watch(kernel)
-        z = tf.nn.convolution(a, kernel, strides=list(layer.strides), padding=_padding(layer), dilations=list(layer.dilation_rate))
+        z = tf.nn.convolution(
+            a, kernel, strides=list(layer.strides), padding=_padding(layer), dilations=list(layer.dilation_rate)
+        )
     return tape.gradient(z, kernel, output_gradients=g)
 
 
@@ -456,7 +494,9 @@ class ConvPatchesRule(KernelBiasRule):
         kernels, so that nothing in the clipped sum reads ``g`` and it can be
         freed before every norm is known.
         """
-        kernel_norms, kernels = kernel_part(ConvSpec.of(layer), *self.convolution_operands(saved, grads), cache is not None)
+        kernel_norms, kernels = kernel_part(
+            ConvSpec.of(layer), *self.convolution_operands(saved, grads), cache is not None
+        )
         parts = [kernel_norms]
         biases = None
         if layer.use_bias:
@@ -474,11 +514,12 @@ class ConvPatchesRule(KernelBiasRule):
             if layer.use_bias:
                 out.append(weighted_example_sum(weights, biases))
         else:
-            out = [weighted_kernel_sum(ConvSpec.of(layer), layer.kernel, *self.convolution_operands(saved, grads), weights)]
+            out = [
+                weighted_kernel_sum(ConvSpec.of(layer), layer.kernel, *self.convolution_operands(saved, grads), weights)
+            ]
             if layer.use_bias:
                 out.append(op.weighted_bias_sum(op.as_btf(grads[0]), weights))
         return out
 
 
 PATCHES_RULE = ConvPatchesRule()
-

@@ -13,9 +13,9 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from per_example_grads._core.example_ops import squares_part, widened
 from per_example_grads.rules import outer_products
 from per_example_grads.rules.lora_forms import has_trainable_bias, lora_scale, lora_variables, unsupported_lora
-from per_example_grads._core.example_ops import squares_part, widened
 from per_example_grads.rules.rule import LayerRule, register_layer_rule, reparametrized
 
 

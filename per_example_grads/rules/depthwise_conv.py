@@ -80,6 +80,8 @@ import math
 import keras
 import tensorflow as tf
 
+from per_example_grads._core.example_ops import squares_part, widened
+from per_example_grads._core.xla_context import in_xla_context
 from per_example_grads.rules import outer_products as op
 from per_example_grads.rules.conv import (
     PATCHES_RULE,
@@ -91,13 +93,13 @@ from per_example_grads.rules.conv import (
     sliced_patches,
     weighted_kernel_sum,
 )
-from per_example_grads._core.example_ops import squares_part, widened
 from per_example_grads.rules.rule import LayerRule, register_layer_rule, weighted_example_sum
-from per_example_grads._core.xla_context import in_xla_context
 
 
 def _spec(layer) -> ConvSpec:
-    return ConvSpec(layer.rank, tuple(layer.kernel_size), tuple(layer.strides), tuple(layer.dilation_rate), layer.padding)
+    return ConvSpec(
+        layer.rank, tuple(layer.kernel_size), tuple(layer.strides), tuple(layer.dilation_rate), layer.padding
+    )
 
 
 def depthwise_kernels(spec: ConvSpec, a: tf.Tensor, g: tf.Tensor, multiplier: int) -> tf.Tensor:
@@ -135,7 +137,9 @@ def _kernels_by_shifts(spec, a, g, m):
     c = a.shape[-1]
     t = g.shape[1:-1].num_elements()
     g = tf.reshape(g, [-1, t, c, m])
-    per_offset, _ = over_offsets(spec, tuple(a.shape[1:-1]), a, lambda piece: tf.reduce_sum(tf.reshape(piece, [-1, t, c, 1]) * g, axis=1))
+    per_offset, _ = over_offsets(
+        spec, tuple(a.shape[1:-1]), a, lambda piece: tf.reduce_sum(tf.reshape(piece, [-1, t, c, 1]) * g, axis=1)
+    )
     return tf.reshape(tf.stack(per_offset, axis=1), [-1, *spec.kernel_size, c, m])
 
 
@@ -225,8 +229,12 @@ class SeparableConvRule(LayerRule):
         """
         a = args[0]
         d = keras.ops.depthwise_conv(
-            a, layer.depthwise_kernel, strides=layer.strides, padding=layer.padding,
-            dilation_rate=layer.dilation_rate, data_format=layer.data_format,
+            a,
+            layer.depthwise_kernel,
+            strides=layer.strides,
+            padding=layer.padding,
+            dilation_rate=layer.dilation_rate,
+            data_format=layer.data_format,
         )
         z = _pointwise(d, layer.pointwise_kernel, layer.rank)
         if layer.use_bias:
@@ -264,7 +272,9 @@ class SeparableConvRule(LayerRule):
         if kept is not None:
             depthwise = weighted_example_sum(weights, kept)
         else:
-            depthwise = tf.reduce_sum(depthwise_kernels(_spec(layer), a, _weighted(g_d, weights), layer.depth_multiplier), axis=0)
+            depthwise = tf.reduce_sum(
+                depthwise_kernels(_spec(layer), a, _weighted(g_d, weights), layer.depth_multiplier), axis=0
+            )
         out = [depthwise, tf.reshape(op.weighted_kernel_sum(d, g_z, weights), layer.pointwise_kernel.shape)]
         if layer.use_bias:
             out.append(op.weighted_bias_sum(g_z, weights))
@@ -312,8 +322,10 @@ class GroupedConvRule(KernelBiasRule):
         """Norms of the per-example gradients, which a following clipped sum reads from ``cache`` when small."""
         a, g = saved, grads[0]
         per_example = self._per_example(layer, a, g)
-        small = a.shape[1:].is_fully_defined() and g.shape[1:].is_fully_defined() and (
-            per_example[0].shape[1:].num_elements() <= a.shape[1:].num_elements() + g.shape[1:].num_elements()
+        small = (
+            a.shape[1:].is_fully_defined()
+            and g.shape[1:].is_fully_defined()
+            and (per_example[0].shape[1:].num_elements() <= a.shape[1:].num_elements() + g.shape[1:].num_elements())
         )
         if cache is not None and small:
             cache["kept"] = per_example

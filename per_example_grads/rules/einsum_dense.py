@@ -29,8 +29,13 @@ from per_example_grads.rules.lora_forms import has_trainable_bias, lora_scale, l
 from per_example_grads.rules.rule import LayerRule, register_layer_rule, reparametrized, sum_to_shape
 
 __all__ = [
-    "EINSUM_DENSE_LORA_RULE", "EinsumDenseLoraRule", "EinsumDenseRule", "kernel_part", "kernel_per_example",
-    "kernel_weighted_sum", "unsupported_equation",
+    "EINSUM_DENSE_LORA_RULE",
+    "EinsumDenseLoraRule",
+    "EinsumDenseRule",
+    "kernel_part",
+    "kernel_per_example",
+    "kernel_weighted_sum",
+    "unsupported_equation",
 ]  # the einsum forms stay importable from here, where they were first defined
 
 

@@ -31,9 +31,9 @@ import keras
 import tensorflow as tf
 
 from per_example_grads._core.example_ops import compute_dtype
-from per_example_grads.rules.rule import LayerRule, register_layer_rule, reparametrized
-from per_example_grads.per_example_slices import PerExampleSlices, grouped_squared_norms, repeated_rows
 from per_example_grads._core.xla_context import in_xla_context
+from per_example_grads.per_example_slices import PerExampleSlices, grouped_squared_norms, repeated_rows
+from per_example_grads.rules.rule import LayerRule, register_layer_rule, reparametrized
 
 
 def flat_ids(ids: tf.Tensor) -> tf.Tensor:

@@ -98,7 +98,9 @@ def has_grouped_form(rule: LayerRule) -> bool:
     return type(rule) in GROUPED
 
 
-def grouped_squared_norms(rule: LayerRule, layer, calls: Sequence[tuple[Any, Sequence[tf.Tensor]]], ids: tf.Tensor, count) -> list:
+def grouped_squared_norms(
+    rule: LayerRule, layer, calls: Sequence[tuple[Any, Sequence[tf.Tensor]]], ids: tf.Tensor, count
+) -> list:
     """``||G_u||^2`` per variable of ``rule.variables(layer)``: list of ``[count]`` float64 (module docstring).
 
     Args:
@@ -108,7 +110,11 @@ def grouped_squared_norms(rule: LayerRule, layer, calls: Sequence[tuple[Any, Seq
       count: the number of units ``U`` (an int or a scalar int32 tensor).
     """
     form = GROUPED.get(type(rule))
-    norms = form(rule, layer, calls, ids, count) if form is not None else fallback_squared_norms(rule, layer, calls, ids, count)
+    norms = (
+        form(rule, layer, calls, ids, count)
+        if form is not None
+        else fallback_squared_norms(rule, layer, calls, ids, count)
+    )
     return [tf.cast(n, WIDE) for n in norms]
 
 
@@ -116,7 +122,10 @@ def fallback_squared_norms(rule: LayerRule, layer, calls, ids: tf.Tensor, count)
     """The exact fallback: ``per_example`` summed over calls, segment-summed into units, squared (``widened``)."""
     total = None
     for saved, grads in calls:
-        pe = [tf.convert_to_tensor(t) if isinstance(t, PerExampleSlices) else t for t in rule.per_example(layer, saved, grads)]
+        pe = [
+            tf.convert_to_tensor(t) if isinstance(t, PerExampleSlices) else t
+            for t in rule.per_example(layer, saved, grads)
+        ]
         total = pe if total is None else [a + b for a, b in zip(total, pe)]
     return widened([squares_part(tf.math.unsorted_segment_sum(t, ids, count)) for t in total])
 
@@ -311,7 +320,9 @@ def _einsum_dense_norms(rule, layer, calls, ids, count):
 # -- Embedding ------------------------------------------------------------------
 
 
-def embedding_squared_norms(flat_ids: tf.Tensor, rows: tf.Tensor, row_ids: tf.Tensor, vocabulary: int, count) -> tf.Tensor:
+def embedding_squared_norms(
+    flat_ids: tf.Tensor, rows: tf.Tensor, row_ids: tf.Tensor, vocabulary: int, count
+) -> tf.Tensor:
     """``[U]``: ``sum_v ||sum_{r in u: x_r = v} g_r||^2`` from ``[N]`` ids, ``[N, D]`` rows and their ``[N]`` units.
 
     The rows are sorted by the key ``unit * vocabulary + id`` and summed per
@@ -326,7 +337,9 @@ def embedding_squared_norms(flat_ids: tf.Tensor, rows: tf.Tensor, row_ids: tf.Te
     sums = tf.math.unsorted_segment_sum(tf.gather(rows, order), run, n)
     squares = tf.reduce_sum(tf.square(sums), axis=1)
     unit = tf.cast(sorted_key // vocabulary, tf.int32)
-    return tf.math.unsorted_segment_sum(tf.where(first, tf.gather(squares, run), tf.zeros_like(squares[:1])), unit, count)
+    return tf.math.unsorted_segment_sum(
+        tf.where(first, tf.gather(squares, run), tf.zeros_like(squares[:1])), unit, count
+    )
 
 
 def _embedding_norms(rule, layer, calls, ids, count):
@@ -337,7 +350,9 @@ def _embedding_norms(rule, layer, calls, ids, count):
         g = tf.reshape(grads[0], [-1, layer.output_dim])
         rows.append(tf.cast(g, compute_dtype(g.dtype)))
         row_ids.append(tf.repeat(ids, t))
-    return [embedding_squared_norms(tf.concat(flat, 0), tf.concat(rows, 0), tf.concat(row_ids, 0), layer.input_dim, count)]
+    return [
+        embedding_squared_norms(tf.concat(flat, 0), tf.concat(rows, 0), tf.concat(row_ids, 0), layer.input_dim, count)
+    ]
 
 
 # -- ReversibleEmbedding: each unit's rows as one padded example ----------------

@@ -59,7 +59,7 @@ import dataclasses
 import keras
 import tensorflow as tf
 
-from per_example_grads._core.example_ops import compute_dtype, wide_squared_norms, weighted_example_sum
+from per_example_grads._core.example_ops import compute_dtype, wide_squared_norms
 from per_example_grads._core.tape import watch_variables
 from per_example_grads.rules.rule import LayerRule, register_layer_rule, sum_to_shape
 
@@ -206,9 +206,7 @@ class PositionEmbeddingRule(LayerRule):
         t = tf.shape(rows)[-2]
         start = tf.cast(start, tf.int32)
         after = length - start - t
-        paddings = tf.concat(
-            [tf.zeros([rows.shape.rank - 2, 2], tf.int32), [[start, after]], [[0, 0]]], axis=0
-        )
+        paddings = tf.concat([tf.zeros([rows.shape.rank - 2, 2], tf.int32), [[start, after]], [[0, 0]]], axis=0)
         return tf.pad(rows, paddings)
 
     def per_example(self, layer, saved, grads):
@@ -238,7 +236,9 @@ class RelativeEmbeddingRule(LayerRule):
 
     def unsupported(self, layer):
         norm = getattr(layer, "layer_norm", None)
-        if not isinstance(norm, keras.layers.LayerNormalization) or not isinstance(getattr(layer, "rel_embeddings", None), keras.Variable):
+        if not isinstance(norm, keras.layers.LayerNormalization) or not isinstance(
+            getattr(layer, "rel_embeddings", None), keras.Variable
+        ):
             return f"'{layer.name}' is not the RelativeEmbedding this rule was written for (rel_embeddings and a LayerNormalization)"
         axis = norm.axis if isinstance(norm.axis, (list, tuple)) else [norm.axis]
         if [a % 3 for a in axis] != [2]:
@@ -272,7 +272,9 @@ class RelativeEmbeddingRule(LayerRule):
         dtype = compute_dtype(g.dtype)
         g = tf.cast(g, dtype)
         if norm.gamma is not None:
-            xh = keras.ops.layer_normalization(tf.cast(table, dtype), None, None, -1, norm.epsilon, rms_scaling=norm.rms_scaling)
+            xh = keras.ops.layer_normalization(
+                tf.cast(table, dtype), None, None, -1, norm.epsilon, rms_scaling=norm.rms_scaling
+            )
             out.append(tf.einsum("brd,rd->bd", g, xh))
         if norm.beta is not None:
             out.append(tf.reduce_sum(g, axis=1))
@@ -281,7 +283,9 @@ class RelativeEmbeddingRule(LayerRule):
     def weighted_sum(self, layer, saved, grads, weights, cache=None):
         norm, table = layer.layer_norm, layer.rel_embeddings
         g = grads[0]
-        summed = tf.tensordot(tf.cast(weights, compute_dtype(g.dtype)), tf.cast(g, compute_dtype(g.dtype)), axes=1)  # [2K, D]
+        summed = tf.tensordot(
+            tf.cast(weights, compute_dtype(g.dtype)), tf.cast(g, compute_dtype(g.dtype)), axes=1
+        )  # [2K, D]
         variables = self._all(layer)
         with tf.GradientTape() as tape:
             watch_variables(tape, variables)

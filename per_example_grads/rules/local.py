@@ -31,11 +31,11 @@ import keras
 import tensorflow as tf
 
 from per_example_grads._core import pfor_limits
+from per_example_grads._core.example_ops import map_examples
 from per_example_grads._core.quiet import quiet_vectorization
 from per_example_grads._core.tape import dense_or_zeros, watch_variables
-from per_example_grads.rules.rule import LayerRule
 from per_example_grads._core.xla_context import in_xla_context
-from per_example_grads._core.example_ops import map_examples
+from per_example_grads.rules.rule import LayerRule
 
 
 class LocalRule(LayerRule):

@@ -51,7 +51,6 @@ another class) is left to the layer-local fallback.
 
 from __future__ import annotations
 
-
 import keras
 import tensorflow as tf
 
@@ -118,11 +117,17 @@ class _DensePart:
 
     def per_example(self, saved, grads, steps) -> list:
         a, g = _rows(saved, steps), _rows(grads[0], steps)
-        return [outer_products.per_example_kernel(a, g)] + ([tf.reduce_sum(g, axis=1)] if self.layer.bias is not None else [])
+        return [outer_products.per_example_kernel(a, g)] + (
+            [tf.reduce_sum(g, axis=1)] if self.layer.bias is not None else []
+        )
 
     def norm_parts(self, saved, grads, steps) -> list:
         a, g = _rows(saved, steps), _rows(grads[0], steps)
-        return outer_products.kernel_and_bias_parts(a, g) if self.layer.bias is not None else [outer_products.kernel_part(a, g)]
+        return (
+            outer_products.kernel_and_bias_parts(a, g)
+            if self.layer.bias is not None
+            else [outer_products.kernel_part(a, g)]
+        )
 
     def weighted_sum(self, saved, grads, steps, weights) -> list:
         a, g = _rows(saved, steps), _rows(grads[0], steps)
@@ -174,7 +179,10 @@ class _ExpertsPart:
     def per_example(self, saved, grads, steps) -> list:
         x, hidden = saved
         a = _rows(x, steps)
-        out = [self._unflatten_per_example(outer_products.per_example_kernel(a, _side_by_side(g, steps)), g) for g in grads[:-1]]
+        out = [
+            self._unflatten_per_example(outer_products.per_example_kernel(a, _side_by_side(g, steps)), g)
+            for g in grads[:-1]
+        ]
         h, g = _expert_rows(hidden, steps), _expert_rows(grads[-1], steps)
         out.append(tf.einsum("ebtm,ebtd->bemd", h, g))
         return out

@@ -82,7 +82,9 @@ class LayerNormRule(LayerRule):
         if 0 in axes:
             raise ValueError(f"LayerNormalization '{layer.name}' normalizes over the batch axis.")
         y = call(*args, **kwargs)  # the layer's own values, bit for bit
-        xh = keras.ops.layer_normalization(tf.cast(x, compute_dtype(x.dtype)), None, None, axes, layer.epsilon, rms_scaling=layer.rms_scaling)
+        xh = keras.ops.layer_normalization(
+            tf.cast(x, compute_dtype(x.dtype)), None, None, axes, layer.epsilon, rms_scaling=layer.rms_scaling
+        )
         return y, (xh, axes), [y]
 
     @staticmethod
@@ -179,7 +181,9 @@ class GroupNormRule(LayerNormRule):
         else:
             dynamic = tf.shape(x)
             shape = [dynamic[i] if x.shape[i] is None else x.shape[i] for i in range(rank)]
-        grouped = tf.reshape(tf.cast(x, dtype), shape[:axis] + [layer.groups, channels // layer.groups] + shape[axis + 1 :])
+        grouped = tf.reshape(
+            tf.cast(x, dtype), shape[:axis] + [layer.groups, channels // layer.groups] + shape[axis + 1 :]
+        )
         reduce = [i for i in range(1, rank + 1) if i != axis]  # all but the batch and group axes
         mean, variance = keras.ops.moments(grouped, axes=reduce, keepdims=True)
         inv = tf.math.rsqrt(variance + layer.epsilon)

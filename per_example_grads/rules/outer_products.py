@@ -21,7 +21,6 @@ import functools
 
 import tensorflow as tf
 
-from per_example_grads.rules import path_costs
 from per_example_grads._core.example_ops import (
     WIDE,
     compute_dtype,
@@ -30,6 +29,7 @@ from per_example_grads._core.example_ops import (
     weighted_example_sum,
     wide_sum_of_squares,
 )
+from per_example_grads.rules import path_costs
 
 
 def flat_positions(t: tf.Tensor) -> tf.Tensor:
@@ -72,7 +72,9 @@ def kernel_part(a: tf.Tensor, g: tf.Tensor) -> tuple:
         return product, (lambda pick: wide_sum_of_squares(pick(a)) * wide_sum_of_squares(pick(g))) if narrow else None
     if t is not None and i is not None and j is not None and _gram_cheaper(a.shape[0], t, i, j):
         gram = _gram_squared_norms(a, g)
-        return gram, (lambda pick: _gram_squared_norms(tf.cast(pick(a), WIDE), tf.cast(pick(g), WIDE))) if narrow else None
+        return gram, (
+            lambda pick: _gram_squared_norms(tf.cast(pick(a), WIDE), tf.cast(pick(g), WIDE))
+        ) if narrow else None
     return squares_part(per_example_kernel(a, g))
 
 

@@ -35,7 +35,6 @@ layer-local fallback.
 
 from __future__ import annotations
 
-
 import keras
 import tensorflow as tf
 
@@ -207,7 +206,9 @@ class DeiTEmbeddingsRule(PatchEmbeddingRule):
         with replaced_calls([(dropout, tapped)]):
             y = call(*args, **kwargs)
         if len(taps) != 1:
-            raise NotImplementedError(f"DeiTEmbeddings '{layer.name}' called its dropout {len(taps)} times; expected once")
+            raise NotImplementedError(
+                f"DeiTEmbeddings '{layer.name}' called its dropout {len(taps)} times; expected once"
+            )
         return y, taps[0]
 
 

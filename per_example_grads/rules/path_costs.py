@@ -178,17 +178,27 @@ def gram_cost(s: ConvShape, m: Machine = DEFAULT, builders=PATCH_BUILDERS) -> tu
     """``(builder, seconds)`` of the Gram-form norms ``sum_{t,s} (p_t . p_s)(g_t . g_s)`` from the cheapest patches."""
     b, t = s.batch, s.positions
     builder, build = cheapest_patches(s, m, builders)
-    return builder, build + m.product(b, t, t, s.features) + m.product(b, t, t, s.c_out) + m.op_s + m.copy(2 * b * t * t)
+    return builder, build + m.product(b, t, t, s.features) + m.product(b, t, t, s.c_out) + m.op_s + m.copy(
+        2 * b * t * t
+    )
 
 
 def vjp_sum_cost(s: ConvShape, m: Machine = DEFAULT) -> float:
     """Seconds of the clipped sum as one kernel VJP of the batch convolution at ``c * g``."""
-    return m.op_s + m.copy(s.batch * s.positions * s.c_out) + m.kernel_vjp(2.0 * s.batch * s.positions * s.features * s.c_out, min(s.c_in, s.c_out))
+    return (
+        m.op_s
+        + m.copy(s.batch * s.positions * s.c_out)
+        + m.kernel_vjp(2.0 * s.batch * s.positions * s.features * s.c_out, min(s.c_in, s.c_out))
+    )
 
 
 def kept_sum_cost(s: ConvShape, m: Machine = DEFAULT) -> float:
     """Seconds of the clipped sum ``sum_n c_n G_n`` from kept per-example kernels (a matrix-vector product)."""
-    return m.op_s + m.copy(s.batch * s.features * s.c_out) / 2 + 2.0 * s.batch * s.features * s.c_out / (m.flops / VECTOR_WIDTH)
+    return (
+        m.op_s
+        + m.copy(s.batch * s.features * s.c_out) / 2
+        + 2.0 * s.batch * s.features * s.c_out / (m.flops / VECTOR_WIDTH)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,8 +210,9 @@ class ConvChoice:
     costs: tuple[tuple[str, float], ...]
 
 
-def conv_norm_path(s: ConvShape, for_sum: bool, may_keep: bool, m: Machine = DEFAULT,
-                   builders=PATCH_BUILDERS) -> ConvChoice:
+def conv_norm_path(
+    s: ConvShape, for_sum: bool, may_keep: bool, m: Machine = DEFAULT, builders=PATCH_BUILDERS
+) -> ConvChoice:
     """The cheapest exact path for a convolution's kernel norms (and, with ``for_sum``, the clipped sum after them).
 
     Norms only: the cheaper of the Gram form and materializing ``G_n``.
@@ -306,11 +317,15 @@ def calibrate(save: bool = False, repeats: int = 15) -> Machine:
         return max(per1 - run, 1e-12), run
 
     extract_s, extract_run_s = builder_rates(
-        lambda x: tf.image.extract_patches(x, [1, 3, 3, 1], [1, 1, 1, 1], [1, 1, 1, 1], "VALID"))
+        lambda x: tf.image.extract_patches(x, [1, 3, 3, 1], [1, 1, 1, 1], [1, 1, 1, 1], "VALID")
+    )
     slice_s, slice_run_s = builder_rates(
-        lambda x: tf.concat([x[:, i : i + 28, j : j + 28, :] for i in range(3) for j in range(3)], axis=-1))
+        lambda x: tf.concat([x[:, i : i + 28, j : j + 28, :] for i in range(3) for j in range(3)], axis=-1)
+    )
     image = rng([64, 64, 64, 1], [0, 5])
-    run_s = max(timed(lambda x: x[:, ::2, ::2, :], image) - 2.0 * BYTES * 64 * 32 * 32 / copy_bytes_s, 1e-7) / (64 * 32 * 32)
+    run_s = max(timed(lambda x: x[:, ::2, ::2, :], image) - 2.0 * BYTES * 64 * 32 * 32 / copy_bytes_s, 1e-7) / (
+        64 * 32 * 32
+    )
 
     def vjp_time(c: int) -> tuple[float, float]:
         x, g = rng([64, 16, 16, c], [0, 7]), rng([64, 14, 14, c], [0, 8])
@@ -322,8 +337,18 @@ def calibrate(save: bool = False, repeats: int = 15) -> Machine:
     (f1, t1), (f2, t2) = vjp_time(8), vjp_time(64)
     vjp_flops = max((f2 - 2 * f1) / max(t2 - t1, 1e-7), 1e6)
     vjp_s = max(t1 - 2 * f1 / vjp_flops, 1e-7)
-    found = Machine(flops=flops, vjp_flops=vjp_flops, vjp_s=vjp_s, copy_bytes_s=copy_bytes_s, run_s=run_s,
-                    extract_s=extract_s, extract_run_s=extract_run_s, slice_s=slice_s, slice_run_s=slice_run_s, op_s=op_s)
+    found = Machine(
+        flops=flops,
+        vjp_flops=vjp_flops,
+        vjp_s=vjp_s,
+        copy_bytes_s=copy_bytes_s,
+        run_s=run_s,
+        extract_s=extract_s,
+        extract_run_s=extract_run_s,
+        slice_s=slice_s,
+        slice_run_s=slice_run_s,
+        op_s=op_s,
+    )
     if save:
         path = cache_path()
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -39,9 +39,9 @@ import tensorflow as tf
 
 from per_example_grads._core.example_ops import WIDE, compute_dtype, widened
 from per_example_grads._core.xla_context import in_xla_context
+from per_example_grads.errors import EngineError
 from per_example_grads.per_example_slices import PerExampleSlices, grouped_squared_norms, repeated_rows
 from per_example_grads.rules import outer_products
-from per_example_grads.errors import EngineError
 from per_example_grads.rules.embedding import flat_ids
 from per_example_grads.rules.rule import LayerRule, register_layer_rule, reparametrized
 
@@ -103,23 +103,35 @@ class ReversibleEmbeddingRule(LayerRule):
     def _rows(self, layer, saved, grads) -> tf.Tensor:
         """``r``: ``[B, T, D]`` in the compute dtype, aligned with the flat ids."""
         _, ids, _ = saved
-        return tf.cast(tf.reshape(grads[0], [-1, ids.shape[1] or tf.shape(ids)[1], layer.output_dim]), self._dtype(layer))
+        return tf.cast(
+            tf.reshape(grads[0], [-1, ids.shape[1] or tf.shape(ids)[1], layer.output_dim]), self._dtype(layer)
+        )
 
     def _projection(self, layer, saved, grads) -> tuple[tf.Tensor, tf.Tensor]:
         """``(h', g)``: ``[B, S, D]`` and ``[B, S, V]`` in the compute dtype."""
         dtype = self._dtype(layer)
-        return tf.cast(outer_products.flat_positions(saved[1]), dtype), tf.cast(outer_products.flat_positions(grads[0]), dtype)
+        return tf.cast(outer_products.flat_positions(saved[1]), dtype), tf.cast(
+            outer_products.flat_positions(grads[0]), dtype
+        )
 
     def _no_rows(self, layer, b) -> PerExampleSlices:
         """An example's gradient with no rows (the lookup part of a reversed call)."""
         d = layer.output_dim
-        return PerExampleSlices(tf.zeros([b, 0], tf.int32), tf.zeros([b, 0, d], layer.embeddings.dtype), tf.TensorShape(layer.embeddings.shape))
+        return PerExampleSlices(
+            tf.zeros([b, 0], tf.int32),
+            tf.zeros([b, 0, d], layer.embeddings.dtype),
+            tf.TensorShape(layer.embeddings.shape),
+        )
 
     # -- per-example gradients --------------------------------------------
 
     def per_example(self, layer, saved, grads):
         if saved[0] == LOOKUP:
-            rows = PerExampleSlices(saved[1], tf.cast(self._rows(layer, saved, grads), layer.embeddings.dtype), tf.TensorShape(layer.embeddings.shape))
+            rows = PerExampleSlices(
+                saved[1],
+                tf.cast(self._rows(layer, saved, grads), layer.embeddings.dtype),
+                tf.TensorShape(layer.embeddings.shape),
+            )
             if layer.tie_weights:
                 return [rows]
             v = layer.reverse_embeddings
@@ -151,7 +163,7 @@ class ReversibleEmbeddingRule(LayerRule):
 
         # ||S||^2: the rows grouped by id (over every lookup call's ids at once).
         if len(lookups) == 1:
-            (saved, g), = lookups
+            ((saved, g),) = lookups
             ids, rows = saved[1], self._rows(layer, saved, g)
             table = grouped_squared_norms(rows, saved[2])
         elif lookups:
@@ -166,7 +178,9 @@ class ReversibleEmbeddingRule(LayerRule):
             cast = lambda t: tf.cast(pick(t), as_dtype)  # noqa: E731
             picked = [(cast(h), cast(g)) for h, g in projections]
             k = tf.shape(picked[0][0] if picked else pick(table))[0]
-            return self._projection_terms(layer, picked, None if ids is None else pick(ids), None if rows is None else cast(rows), k, as_dtype)
+            return self._projection_terms(
+                layer, picked, None if ids is None else pick(ids), None if rows is None else cast(rows), k, as_dtype
+            )
 
         projection, cross = terms(lambda t: t, dtype)
         narrow = dtype != WIDE
@@ -201,7 +215,11 @@ class ReversibleEmbeddingRule(LayerRule):
     def weighted_sum(self, layer, saved, grads, weights, cache=None):
         """The lookup call: ``tf.IndexedSlices`` rows; the reversed call: one contraction, dense."""
         if saved[0] == LOOKUP:
-            rows = PerExampleSlices(saved[1], tf.cast(self._rows(layer, saved, grads), layer.embeddings.dtype), tf.TensorShape(layer.embeddings.shape))
+            rows = PerExampleSlices(
+                saved[1],
+                tf.cast(self._rows(layer, saved, grads), layer.embeddings.dtype),
+                tf.TensorShape(layer.embeddings.shape),
+            )
             out = [rows.scale(weights).sum_examples()]
             if not layer.tie_weights:
                 out.append(tf.zeros(layer.reverse_embeddings.shape, layer.reverse_embeddings.dtype))
@@ -211,7 +229,10 @@ class ReversibleEmbeddingRule(LayerRule):
         if layer.tie_weights:
             return [tf.cast(outer_products.weighted_kernel_sum(g, h, weights), layer.embeddings.dtype)]
         v = layer.reverse_embeddings
-        return [self._no_rows(layer, tf.shape(h)[0]).sum_examples(), tf.cast(outer_products.weighted_kernel_sum(h, g, weights), v.dtype)]
+        return [
+            self._no_rows(layer, tf.shape(h)[0]).sum_examples(),
+            tf.cast(outer_products.weighted_kernel_sum(h, g, weights), v.dtype),
+        ]
 
 
 REVERSIBLE_EMBEDDING_RULE = ReversibleEmbeddingRule()

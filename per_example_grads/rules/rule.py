@@ -174,7 +174,6 @@ class LayerRule:
             for t in per_example
         ]
 
-
     def shared_squared_norms(self, layer, calls: Sequence[tuple[Any, Sequence[tf.Tensor]]]) -> list[tf.Tensor]:
         """``||sum_k grad_i^(k)||^2`` per variable for a layer called several times: list of ``[B]``.
 
@@ -192,7 +191,8 @@ class LayerRule:
                 total = list(pe)
                 continue
             total = [
-                a.concat(b) if isinstance(a, PerExampleSlices) and isinstance(b, PerExampleSlices)
+                a.concat(b)
+                if isinstance(a, PerExampleSlices) and isinstance(b, PerExampleSlices)
                 else tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
                 for a, b in zip(total, pe)
             ]
@@ -306,8 +306,7 @@ def in_variable_dtypes(values: Sequence, variables: Sequence) -> list:
     if len(values) != len(variables):
         return values  # not aligned with the variables: the engine reports the mismatch
     return [
-        tf.cast(t, v.dtype) if isinstance(t, tf.Tensor) and t.dtype != v.dtype else t
-        for t, v in zip(values, variables)
+        tf.cast(t, v.dtype) if isinstance(t, tf.Tensor) and t.dtype != v.dtype else t for t, v in zip(values, variables)
     ]
 
 
@@ -317,7 +316,9 @@ def _casting(method):
     @functools.wraps(method)
     def wrapped(self, layer, *args, **kwargs):
         variables = kwargs.get("variables")  # LocalRule.per_example's override of self.variables(layer)
-        return in_variable_dtypes(method(self, layer, *args, **kwargs), self.variables(layer) if variables is None else variables)
+        return in_variable_dtypes(
+            method(self, layer, *args, **kwargs), self.variables(layer) if variables is None else variables
+        )
 
     wrapped._casts_to_variables = True
     return wrapped
@@ -408,7 +409,9 @@ def _widened_norms(per_example: list) -> list[tf.Tensor]:
     A ``PerExampleSlices``' norms are not recomputed: as in ``rules.embedding``,
     the float64 grouping of its rows would cost more graph than the rest.
     """
-    return widened([(t.squared_norms(), None) if isinstance(t, PerExampleSlices) else squares_part(t) for t in per_example])
+    return widened(
+        [(t.squared_norms(), None) if isinstance(t, PerExampleSlices) else squares_part(t) for t in per_example]
+    )
 
 
 def _elements_per_example(structure) -> int | None:

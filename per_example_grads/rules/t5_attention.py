@@ -61,7 +61,11 @@ class T5AttentionRule(LayerRule):
     def unsupported(self, layer):
         for name in PROJECTORS:
             dense = getattr(layer, name, None)
-            if type(dense) is not keras.layers.Dense or dense.bias is not None or dense.activation not in (None, keras.activations.linear):
+            if (
+                type(dense) is not keras.layers.Dense
+                or dense.bias is not None
+                or dense.activation not in (None, keras.activations.linear)
+            ):
                 return f"'{layer.name}.{name}' is not a bias-free linear keras.layers.Dense"
             why = reparametrized(dense)
             if why:
@@ -93,6 +97,7 @@ class T5AttentionRule(LayerRule):
                 inputs[name] = x
                 taps[name] = tf.identity(inner(x, *a, **kw))
                 return taps[name]
+
             return tapped
 
         def compute_bias(query_length, key_length, query_start_index=0):

@@ -150,7 +150,9 @@ class CanaryScoreAuditor:
                     pairs.append(pair)
         return pairs
 
-    def one_run(self, *, delta: float, significance: float = 0.05, guesses: tuple[int, int] | None = None) -> OneRunBound:
+    def one_run(
+        self, *, delta: float, significance: float = 0.05, guesses: tuple[int, int] | None = None
+    ) -> OneRunBound:
         """The one-run lower bound (``statistics.epsilon_one_run``) of the best guess pair.
 
         Args:
@@ -179,9 +181,13 @@ class CanaryScoreAuditor:
         best = None
         for k_in, k_out in pairs:
             correct = int(ranked[:k_in].sum()) + int((~ranked[m - k_out :]).sum())
-            epsilon = statistics.epsilon_one_run(self.num_canaries, k_in + k_out, correct, delta=delta, significance=level)
+            epsilon = statistics.epsilon_one_run(
+                self.num_canaries, k_in + k_out, correct, delta=delta, significance=level
+            )
             if best is None or epsilon > best.epsilon:
-                best = OneRunBound(epsilon, self.num_canaries, k_in + k_out, correct, k_in, k_out, delta, alpha, len(pairs))
+                best = OneRunBound(
+                    epsilon, self.num_canaries, k_in + k_out, correct, k_in, k_out, delta, alpha, len(pairs)
+                )
         return best
 
     def threshold_test(
@@ -218,10 +224,21 @@ class CanaryScoreAuditor:
             eps_cp = 0.0
         else:
             mu = statistics.mu_gaussian_dp(fp, fn, num_out=len(outs), num_in=len(ins), significance=alpha)
-            eps_cp = statistics.epsilon_clopper_pearson(fp, fn, num_out=len(outs), num_in=len(ins), delta=delta, significance=alpha)
+            eps_cp = statistics.epsilon_clopper_pearson(
+                fp, fn, num_out=len(outs), num_in=len(ins), delta=delta, significance=alpha
+            )
         return ThresholdBound(
-            statistics.epsilon_for_mu(mu, delta), mu, eps_cp, threshold, fp, len(outs), fn, len(ins), selected_on,
-            delta, alpha,
+            statistics.epsilon_for_mu(mu, delta),
+            mu,
+            eps_cp,
+            threshold,
+            fp,
+            len(outs),
+            fn,
+            len(ins),
+            selected_on,
+            delta,
+            alpha,
         )
 
     @staticmethod

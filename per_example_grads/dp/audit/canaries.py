@@ -227,7 +227,9 @@ class GradientCanaries:
         q = tf.constant(1.0, tf.float64) if sampling_probability is None else tf.cast(sampling_probability, tf.float64)
         clip = tf.cast(l2_norm_clip, tf.float64)
         turn = tf.equal(self._parts, step % self.cycle_length)
-        u = tf.random.stateless_uniform([self.num_canaries], seed=tf.random.experimental.stateless_fold_in(self._key, step), dtype=tf.float64)
+        u = tf.random.stateless_uniform(
+            [self.num_canaries], seed=tf.random.experimental.stateless_fold_in(self._key, step), dtype=tf.float64
+        )
         joins = turn & self._included & (u < q)
         self._turns.assign_add(tf.cast(turn, tf.int64))
         self._joined.assign_add(tf.cast(joins, tf.int64))
@@ -338,7 +340,9 @@ class InputCanaries:
         leaves = [np.asarray(leaf) for leaf in tf.nest.flatten(x)] + [np.asarray(leaf) for leaf in tf.nest.flatten(y)]
         sizes = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
         if len(sizes) != 1 or None in sizes:
-            raise ValueError(f"x and y of the canaries must share one leading dimension m; got {sorted(map(str, sizes))}.")
+            raise ValueError(
+                f"x and y of the canaries must share one leading dimension m; got {sorted(map(str, sizes))}."
+            )
         self.x, self.y = x, y
         self.num_canaries = _check_num_canaries(sizes.pop())
         self.seed = _check_seed(seed)
@@ -406,4 +410,3 @@ def mislabeled_canaries(
     labels = ((y[chosen] + shift) % int(num_classes)).astype(y.dtype)
     rest = np.setdiff1d(np.arange(len(x)), chosen)
     return InputCanaries(x[chosen], labels, seed=seed), x[rest], y[rest]
-

@@ -125,7 +125,9 @@ class AuditReport:
             "steps": self.steps,
             "noise_multiplier": self.noise_multiplier,
             "sampling_probability": self.sampling_probability,
-            "l2_norm_clip": self.l2_norm_clip if isinstance(self.l2_norm_clip, (int, float)) else str(self.l2_norm_clip),
+            "l2_norm_clip": self.l2_norm_clip
+            if isinstance(self.l2_norm_clip, (int, float))
+            else str(self.l2_norm_clip),
             "mechanism": self.mechanism,
             "seconds": self.seconds,
             "title": self.title,
@@ -136,15 +138,29 @@ class AuditReport:
         o, t = self.one_run, self.threshold_test
         confidence = f"{1 - self.significance:.0%}"
         rows = [
-            ["accountant (the claim)", f"{self.epsilon_accountant:.3f}", f"{_mechanism_name(self.mechanism)}, sigma = {self.noise_multiplier:.4g}, "
-             f"q = {self.sampling_probability:.4g}, {self.steps} steps"],
-            [f"one-run lower bound ({confidence})", f"{o.epsilon:.3f}",
-             f"{o.num_correct} of {o.num_guesses} guesses right ({o.guessed_in} in, {o.guessed_out} out; best of {o.hypotheses})"],
-            [f"Gaussian-DP lower bound ({confidence})", f"{t.epsilon:.3f}",
-             f"mu >= {t.mu:.3f}; threshold {t.threshold:.4g}: {t.false_positives}/{t.num_out} false in, "
-             f"{t.false_negatives}/{t.num_in} false out"
-             + ("" if self.gaussian_dp_exact else " (assumes a Gaussian trade-off: a heuristic here)")],
-            [f"Clopper-Pearson lower bound ({confidence})", f"{t.epsilon_clopper_pearson:.3f}", "same test, no Gaussian assumption"],
+            [
+                "accountant (the claim)",
+                f"{self.epsilon_accountant:.3f}",
+                f"{_mechanism_name(self.mechanism)}, sigma = {self.noise_multiplier:.4g}, "
+                f"q = {self.sampling_probability:.4g}, {self.steps} steps",
+            ],
+            [
+                f"one-run lower bound ({confidence})",
+                f"{o.epsilon:.3f}",
+                f"{o.num_correct} of {o.num_guesses} guesses right ({o.guessed_in} in, {o.guessed_out} out; best of {o.hypotheses})",
+            ],
+            [
+                f"Gaussian-DP lower bound ({confidence})",
+                f"{t.epsilon:.3f}",
+                f"mu >= {t.mu:.3f}; threshold {t.threshold:.4g}: {t.false_positives}/{t.num_out} false in, "
+                f"{t.false_negatives}/{t.num_in} false out"
+                + ("" if self.gaussian_dp_exact else " (assumes a Gaussian trade-off: a heuristic here)"),
+            ],
+            [
+                f"Clopper-Pearson lower bound ({confidence})",
+                f"{t.epsilon_clopper_pearson:.3f}",
+                "same test, no Gaussian assumption",
+            ],
         ]
         table = _table([f"epsilon at delta = {self.delta:g}", "value", "from"], rows)
         verdict = (
@@ -188,12 +204,20 @@ class AuditReport:
         hist_ax.hist(outs, bins=edges, alpha=0.6, color="tab:orange", label=f"left out ({len(outs)})")
         hist_ax.hist(ins, bins=edges, alpha=0.6, color="tab:blue", label=f"included ({len(ins)})")
         if math.isfinite(t.threshold):
-            hist_ax.axvline(t.threshold, color="black", linestyle="--",
-                            label=f"threshold {t.threshold:.3g}: Gaussian DP ε ≥ {t.epsilon:.2f}")
+            hist_ax.axvline(
+                t.threshold,
+                color="black",
+                linestyle="--",
+                label=f"threshold {t.threshold:.3g}: Gaussian DP ε ≥ {t.epsilon:.2f}",
+            )
         ranked = np.sort(np.concatenate([ins, outs]))[::-1]
         if o.guessed_in:
-            hist_ax.axvline(ranked[o.guessed_in - 1], color="tab:blue", linestyle=":",
-                            label=f"one-run: top {o.guessed_in} guessed in, bottom {o.guessed_out} out: ε ≥ {o.epsilon:.2f}")
+            hist_ax.axvline(
+                ranked[o.guessed_in - 1],
+                color="tab:blue",
+                linestyle=":",
+                label=f"one-run: top {o.guessed_in} guessed in, bottom {o.guessed_out} out: ε ≥ {o.epsilon:.2f}",
+            )
         if o.guessed_out:
             hist_ax.axvline(ranked[len(ranked) - o.guessed_out], color="tab:orange", linestyle=":")
         top = hist_ax.get_ylim()[1]
@@ -201,26 +225,43 @@ class AuditReport:
         hist_ax.set_title("Canary scores", fontsize=10)
         hist_ax.set_xlabel(
             "score: <canary direction, release − data> / (C × turns); included ≈ q"
-            if self.kind == "gradient" else "score: minus the canary's loss at the trained model"
+            if self.kind == "gradient"
+            else "score: minus the canary's loss at the trained model"
         )
         hist_ax.set_ylabel("canaries")
-        hist_ax.legend(fontsize=7.5, loc="upper left", title=f"ε accountant = {self.epsilon_accountant:.2f}", title_fontsize=8)
+        hist_ax.legend(
+            fontsize=7.5, loc="upper left", title=f"ε accountant = {self.epsilon_accountant:.2f}", title_fontsize=8
+        )
         hist_ax.grid(alpha=0.3)
 
         fpr_grid = np.linspace(0.0, 1.0, 401)
         taus = np.concatenate([np.unique(np.concatenate([ins, outs])), [np.inf]])
         fp, fn = statistics.threshold_counts(ins, outs, taus)
-        trade_ax.step(fp / max(len(outs), 1), fn / max(len(ins), 1), where="post", color="tab:green",
-                      label="canaries: every threshold")
+        trade_ax.step(
+            fp / max(len(outs), 1),
+            fn / max(len(ins), 1),
+            where="post",
+            color="tab:green",
+            label="canaries: every threshold",
+        )
         eps, d = self.epsilon_accountant, self.delta
         if math.isfinite(eps) and eps > 0:
             claim = statistics.mu_for_epsilon(eps, d)
-            trade_ax.plot(fpr_grid, _gaussian_tradeoff(fpr_grid, claim), color="black",
-                          label=f"the claim ε = {eps:.2f} as Gaussian DP, μ = {claim:.2f}: "
-                          + ("tests stay above" if self.gaussian_dp_exact else "approximate (q < 1 or input canaries)"))
+            trade_ax.plot(
+                fpr_grid,
+                _gaussian_tradeoff(fpr_grid, claim),
+                color="black",
+                label=f"the claim ε = {eps:.2f} as Gaussian DP, μ = {claim:.2f}: "
+                + ("tests stay above" if self.gaussian_dp_exact else "approximate (q < 1 or input canaries)"),
+            )
         if t.mu > 0:
-            trade_ax.plot(fpr_grid, _gaussian_tradeoff(fpr_grid, t.mu), color="tab:red", linestyle="--",
-                          label=f"Gaussian DP μ = {t.mu:.2f} (ruled out): ε = {t.epsilon:.2f}")
+            trade_ax.plot(
+                fpr_grid,
+                _gaussian_tradeoff(fpr_grid, t.mu),
+                color="tab:red",
+                linestyle="--",
+                label=f"Gaussian DP μ = {t.mu:.2f} (ruled out): ε = {t.epsilon:.2f}",
+            )
         trade_ax.set_xlim(0, 1)
         trade_ax.set_ylim(0, 1)
         trade_ax.set_title("Trade-off of the membership test", fontsize=10)
@@ -341,14 +382,20 @@ def audit(
             raise ValueError("input canaries need labels: give y (the canaries' own y was given to InputCanaries).")
         x_all, y_all, weight = canaries.training_data(x, y)
         batches = poisson_batches(
-            (x_all, weight), y_all, sampling_probability=sampling_probability, steps=steps, seed=batch_seed,
+            (x_all, weight),
+            y_all,
+            sampling_probability=sampling_probability,
+            steps=steps,
+            seed=batch_seed,
             cycle_length=cycle,
         )
         sampling = batches.pegrad_sampling
         data = batches.map(lambda xb, yb, mask: (xb[0], yb, mask * xb[1]))  # a left-out canary weighs 0: never computed
         data.pegrad_sampling = sampling  # the same Poisson sampling, which fit reads
     else:
-        data = poisson_batches(x, y, sampling_probability=sampling_probability, steps=steps, seed=batch_seed, cycle_length=cycle)
+        data = poisson_batches(
+            x, y, sampling_probability=sampling_probability, steps=steps, seed=batch_seed, cycle_length=cycle
+        )
         sampling = data.pegrad_sampling
     before = int(dp_model.dp_steps.numpy())
     if isinstance(canaries, GradientCanaries):
@@ -372,7 +419,9 @@ def audit(
     report = AuditReport(
         epsilon_accountant=float(dp_model.epsilon(delta)),
         one_run=auditor.one_run(delta=delta, significance=significance),
-        threshold_test=auditor.threshold_test(delta=delta, significance=significance, threshold=threshold, seed=canaries.seed),
+        threshold_test=auditor.threshold_test(
+            delta=delta, significance=significance, threshold=threshold, seed=canaries.seed
+        ),
         kind=canaries.kind,
         in_scores=in_scores,
         out_scores=out_scores,
@@ -381,7 +430,9 @@ def audit(
         steps=int(dp_model.dp_steps.numpy()) - before,
         noise_multiplier=float(dp_model.noise_multiplier),
         sampling_probability=float(sampling.sampling_probability),
-        l2_norm_clip=dp_model.l2_norm_clip if not hasattr(dp_model.l2_norm_clip, "numpy") else float(dp_model.l2_norm_clip.numpy()),
+        l2_norm_clip=dp_model.l2_norm_clip
+        if not hasattr(dp_model.l2_norm_clip, "numpy")
+        else float(dp_model.l2_norm_clip.numpy()),
         mechanism=type(dp_model.mechanism).__name__,
         seconds=seconds,
         title=title or dp_model.model.name,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import numbers
+
 import numpy as np
 
 _GRID = 64  # points on which the one-run p-value is evaluated before the bisection
@@ -404,7 +405,11 @@ def epsilon_for_mu(mu: float, delta: float) -> float:
     if mu == 0 or _log_gdp_delta(np.array([mu]), np.zeros(1))[0] <= math.log(delta):
         return 0.0
     tf = _tf()
-    return float(_graph("epsilon_for_mu", _epsilon_for_mu_graph)(tf.constant(mu, tf.float64), tf.constant(delta, tf.float64)).numpy())
+    return float(
+        _graph("epsilon_for_mu", _epsilon_for_mu_graph)(
+            tf.constant(mu, tf.float64), tf.constant(delta, tf.float64)
+        ).numpy()
+    )
 
 
 def _epsilon_for_mu_graph():
