@@ -246,6 +246,28 @@ def _cyclic_parts(n: int, cycle: int, key: tf.Tensor) -> tf.Tensor | None:
     return tf.scatter_nd(order[:, None], tf.range(n, dtype=tf.int64) % cycle, [n])
 
 
+def _padded_batch(inputs: dict, chosen: tf.Tensor, m: int, what: str, overflow_message: str) -> tuple:
+    """``(x, y, mask, b)``: the rows ``chosen`` (``[b]`` indices) of ``inputs["x"]``/``["y"]`` padded to ``m`` rows.
+
+    ``mask`` is ``[m]`` float32, 1 for the ``b`` real rows; ``y`` is None when
+    ``inputs`` has none. A batch of more than ``m`` rows fails with ``what``
+    and ``overflow_message`` (``tf.debugging.Assert``).
+    """
+    b = tf.size(chosen)
+    check = tf.debugging.Assert(b <= m, [what, b, overflow_message])
+    with tf.control_dependencies([check]):
+        b = tf.identity(b)
+
+    def take(leaf):
+        rows = _pad_rows(tf.gather(leaf, chosen), b, m)
+        return tf.ensure_shape(rows, [m] + leaf.shape[1:].as_list())
+
+    # tf.data reads a list a map function returns as one stacked tensor: lists become tuples.
+    xb = _lists_as_tuples(tf.nest.map_structure(take, inputs["x"]))
+    yb = _lists_as_tuples(tf.nest.map_structure(take, inputs["y"])) if "y" in inputs else None
+    return xb, yb, tf.cast(tf.range(m) < b, tf.float32), b
+
+
 def _pad_rows(rows: tf.Tensor, num_rows: tf.Tensor, target: Any) -> tf.Tensor:
     """``rows [num_rows, ...]`` -> ``[target, ...]`` with zero rows appended."""
     paddings = tf.concat([[[0, target - num_rows]], tf.zeros([tf.rank(rows) - 1, 2], tf.int32)], axis=0)
@@ -441,19 +463,7 @@ def poisson_batches(
         if parts is not None:
             eligible &= tf.equal(parts, step % cycle)
         chosen = tf.where(eligible)[:, 0]  # sorted example indices
-        b = tf.size(chosen)
-        check = tf.debugging.Assert(b <= m, ["A Poisson batch sampled", b, overflow_message])
-        with tf.control_dependencies([check]):
-            b = tf.identity(b)
-
-        def take(leaf):
-            rows = _pad_rows(tf.gather(leaf, chosen), b, m)
-            return tf.ensure_shape(rows, [m] + leaf.shape[1:].as_list())
-
-        # tf.data reads a list a map function returns as one stacked tensor: lists become tuples.
-        xb = _lists_as_tuples(tf.nest.map_structure(take, inputs["x"]))
-        yb = _lists_as_tuples(tf.nest.map_structure(take, inputs["y"])) if "y" in inputs else None
-        mask = tf.cast(tf.range(m) < b, tf.float32)
+        xb, yb, mask, _ = _padded_batch(inputs, chosen, m, "A Poisson batch sampled", overflow_message)
         return xb, yb, mask
 
     ds = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).map(pass_steps)
@@ -541,18 +551,7 @@ def _unit_batches(inputs, n, q, ids, rows_per_unit, max_batch_size, steps, seed,
         else:
             keep = tf.gather(unit_in, unit_sorted_t)
         chosen = tf.gather(by_unit_t, tf.boolean_mask(order, keep))  # row indices, grouped by unit
-        b = tf.size(chosen)
-        check = tf.debugging.Assert(b <= m, ["A Poisson batch of units sampled", b, overflow_message])
-        with tf.control_dependencies([check]):
-            b = tf.identity(b)
-
-        def take(leaf):
-            rows = _pad_rows(tf.gather(leaf, chosen), b, m)
-            return tf.ensure_shape(rows, [m] + leaf.shape[1:].as_list())
-
-        xb = _lists_as_tuples(tf.nest.map_structure(take, inputs["x"]))
-        yb = _lists_as_tuples(tf.nest.map_structure(take, inputs["y"])) if "y" in inputs else None
-        mask = tf.cast(tf.range(m) < b, tf.float32)
+        xb, yb, mask, b = _padded_batch(inputs, chosen, m, "A Poisson batch of units sampled", overflow_message)
         batch_ids = tf.ensure_shape(tf.concat([tf.gather(ids_t, chosen), -tf.ones([m - b], tf.int64)], axis=0), [m])
         return xb, yb, mask, batch_ids
 

@@ -69,6 +69,19 @@ class ClipGroups:
         norms = [tf.sqrt(tf.add_n([squared[i] for i in idx])) for idx in self.groups]
         return norms, [transforms.clip_factors(n, c) for n, c in zip(norms, self.clips)]
 
+    def clip_and_sum(self, grads: list) -> tuple[list, list]:
+        """``(sums, norms)`` of materialized gradients ``[N, *var.shape]`` per variable (``N`` examples or units).
+
+        ``sums[k] = sum_n c_ng grads[k][n]`` for variable ``k`` of group ``g``,
+        ``norms`` the ``[N]`` norms per group, ``c_ng`` from ``factors``.
+        """
+        norms, factors = self.factors([tf.square(n) for n in transforms.per_variable_norms(grads)])
+        sums = [None] * len(grads)
+        for idx, f in zip(self.groups, factors):
+            for i in idx:
+                sums[i] = weighted_example_sum(f, grads[i])
+        return sums, norms
+
 
 @dataclasses.dataclass(frozen=True)
 class Engine:
@@ -137,12 +150,7 @@ class Engine:
         """``(sums per variable, [B] norms per group, predictions or None)``."""
         if self.native_clipped_sums is not None:
             return self.native_clipped_sums(problem, batch, clip)
-        grads = self.compute(problem, batch)
-        norms, factors = clip.factors([tf.square(n) for n in transforms.per_variable_norms(grads)])
-        sums = [None] * len(grads)
-        for idx, f in zip(clip.groups, factors):
-            for i in idx:
-                sums[i] = weighted_example_sum(f, grads[i])
+        sums, norms = clip.clip_and_sum(self.compute(problem, batch))
         return sums, norms, None
 
     def moments(self, problem: Problem, batch: Batch, reference: list) -> dict:

@@ -37,7 +37,7 @@ import tensorflow as tf
 
 from per_example_grads import transforms
 from per_example_grads._core.batch import Batch, batch_size
-from per_example_grads._core.example_ops import WIDE, weighted_example_sum
+from per_example_grads._core.example_ops import WIDE
 from per_example_grads._core.problem import Problem
 from per_example_grads.engines import layerwise
 from per_example_grads.engines.base import ClipGroups, Engine
@@ -149,12 +149,7 @@ def unit_clipped_sums(
     """
     if engine.native_unit_clipped_sums is not None:
         return engine.native_unit_clipped_sums(problem, batch, clip, units)
-    per_unit = unit_gradients(engine, problem, batch, units)
-    norms, factors = clip.factors([tf.square(n) for n in transforms.per_variable_norms(per_unit)])
-    sums = [None] * len(per_unit)
-    for idx, f in zip(clip.groups, factors):
-        for i in idx:
-            sums[i] = weighted_example_sum(f, per_unit[i])
+    sums, norms = clip.clip_and_sum(unit_gradients(engine, problem, batch, units))
     return sums, norms, None
 
 
