@@ -246,6 +246,20 @@ def _cyclic_parts(n: int, cycle: int, key: tf.Tensor) -> tf.Tensor | None:
     return tf.scatter_nd(order[:, None], tf.range(n, dtype=tf.int64) % cycle, [n])
 
 
+def _steps_and_key(steps: int | None, cycle: int, q: float, seed: int | None, first_step: Any) -> tuple[int, tf.Tensor]:
+    """``(steps, key)`` of a Poisson sampler: ``steps`` checked (default one pass, ``round(cycle / q)``), the seed's key.
+
+    Raises ``ValueError`` for a ``first_step`` that is not a non-negative integer.
+    """
+    if steps is None:
+        steps = max(1, int(math.floor(cycle / q + 0.5)))
+    steps = check_positive_int("steps", steps)
+    key = _sampling_key(seed)
+    if isinstance(first_step, bool) or not isinstance(first_step, (int, np.integer)) or first_step < 0:
+        raise ValueError(f"first_step must be a non-negative integer; got {first_step!r}.")
+    return steps, key
+
+
 def _padded_batch(inputs: dict, chosen: tf.Tensor, m: int, what: str, overflow_message: str) -> tuple:
     """``(x, y, mask, b)``: the rows ``chosen`` (``[b]`` indices) of ``inputs["x"]``/``["y"]`` padded to ``m`` rows.
 
@@ -432,12 +446,7 @@ def poisson_batches(
     if max_batch_size is None:
         max_batch_size = default_max_batch_size(-(-n // cycle), q)
     m = check_positive_int("max_batch_size", max_batch_size)
-    if steps is None:
-        steps = max(1, int(math.floor(cycle / q + 0.5)))
-    steps = check_positive_int("steps", steps)
-    key = _sampling_key(seed)
-    if isinstance(first_step, bool) or not isinstance(first_step, (int, np.integer)) or first_step < 0:
-        raise ValueError(f"first_step must be a non-negative integer; got {first_step!r}.")
+    steps, key = _steps_and_key(steps, cycle, q, seed, first_step)
     with tf.init_scope():
         next_step = tf.Variable(int(first_step), dtype=tf.int64, trainable=False, name="next_step")
         parts = _cyclic_parts(n, cycle, key)
@@ -506,12 +515,7 @@ def _unit_batches(inputs, n, q, ids, rows_per_unit, max_batch_size, steps, seed,
         most_units = default_max_batch_size(-(-u // cycle), q)
         max_batch_size = int(np.sort(brought)[::-1][:most_units].sum())
     m = check_positive_int("max_batch_size", max_batch_size)
-    if steps is None:
-        steps = max(1, int(math.floor(cycle / q + 0.5)))
-    steps = check_positive_int("steps", steps)
-    key = _sampling_key(seed)
-    if isinstance(first_step, bool) or not isinstance(first_step, (int, np.integer)) or first_step < 0:
-        raise ValueError(f"first_step must be a non-negative integer; got {first_step!r}.")
+    steps, key = _steps_and_key(steps, cycle, q, seed, first_step)
     by_unit = np.argsort(unit_of_row, kind="stable")  # rows grouped by unit, in row order within one
     unit_sorted = unit_of_row[by_unit]
     start = np.concatenate([[0], np.cumsum(sizes)[:-1]])  # first position of each unit in by_unit

@@ -46,7 +46,9 @@ import math
 import os
 import platform
 
-VECTOR_WIDTH = 16  # float32 lanes of one AVX-512 register: a product narrower than this runs at a fraction of the rate
+VECTOR_WIDTH = (
+    16  # float32 lanes of a 512-bit vector register: a product narrower than this runs at a fraction of the rate
+)
 BYTES = 4  # float32
 
 
