@@ -495,3 +495,16 @@ def test_nonfinite_warning_counts_units():
     with pytest.warns(RuntimeWarning, match=r"^1 unit\(s\) in an epoch had a NaN or Inf gradient"):
         history = dp.fit(data, verbose=0)
     assert history.history["nonfinite_examples"] == [1.0]  # one unit (rows 4..7), not its 4 rows
+
+
+@pytest.mark.slow
+def test_unit_ids_of_another_length_are_refused_when_shapes_are_known_only_when_run():
+    net, aggregator = _net(), peg.dp.DPAggregator(l2_norm_clip=CLIP, noise_multiplier=0.0)
+    specs = [tf.TensorSpec([None, 4]), tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.int64)]
+    step = tf.function(
+        lambda x, y, ids: aggregator.clipped_sum(net, sparse_ce, x, y, unit_ids=ids).sums, autograph=False
+    )
+    step = step.get_concrete_function(*specs)
+    x, y = _xy(3)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"unit_ids must have shape \[B\]"):
+        step(x, y, np.array([0, 1]))

@@ -695,6 +695,12 @@ def _unit_clipped_sum(
     static = tf.nest.flatten(x)[0].shape[0]
     if ids.shape.rank != 1 or (static is not None and ids.shape[0] is not None and ids.shape[0] != static):
         raise ValueError(f"unit_ids must have shape [B] with B = {static}, the rows of x; got shape {ids.shape}.")
+    if static is None or ids.shape[0] is None:  # known only when run
+        check = tf.debugging.assert_equal(
+            tf.size(ids), rows, message="unit_ids must have shape [B], one unit id per row of x"
+        )
+        with tf.control_dependencies([check]):
+            ids = tf.identity(ids)
     data["ids"] = tf.cast(ids, tf.int64)
     keep = None if in_xla_context() else _bucketed_real_rows(real)
     if keep is not None:
