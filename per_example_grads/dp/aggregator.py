@@ -39,6 +39,11 @@ and ``BackupAndRestore`` wherever the model that owns it is.
 Inside ``strategy.run`` each replica clips its own shard and adds its share
 of the noise, ``N(0, (sigma C)^2 / R)``; the optimizer's all-reduce sums the
 shares into one noised gradient (``per_example_grads._core.replicas``).
+
+The step's functions are marked ``do_not_convert`` (as
+``per_example_grads.clipping``'s): ``DPModel.train_step`` is converted by
+Keras's ``tf.function``, and AutoGraph would otherwise re-parse all of the
+library below it at every trace.
 """
 
 from __future__ import annotations
@@ -95,6 +100,7 @@ class ClippedSum:
         return tf.reduce_sum(tf.cast(~tf.math.is_finite(self.norms), tf.float32) * self.real)
 
 
+@tf.autograph.experimental.do_not_convert
 def noised_average(
     sums: Sequence, stddev, divisor, seed: NoiseSeed = None, *, step=None, mechanism: NoiseMechanism | None = None
 ) -> list[tf.Tensor]:
@@ -158,6 +164,7 @@ def add_regularization(grads: Sequence, regularization: Sequence | None) -> list
     return [g if isinstance(g, tf.IndexedSlices) else g + tf.cast(r, g.dtype) for g, r in zip(grads, regularization)]
 
 
+@tf.autograph.experimental.do_not_convert
 def clipped_sum(
     model,
     loss_fn,
@@ -370,6 +377,7 @@ class DPAggregator(keras.layers.Layer):
             else self.l2_norm_clip
         )
 
+    @tf.autograph.experimental.do_not_convert
     def clipped_sum(
         self, model, loss_fn, x, y=None, sample_weight=None, *, variables=None, unit_ids=None, rows_per_unit=None
     ) -> ClippedSum:
@@ -400,6 +408,7 @@ class DPAggregator(keras.layers.Layer):
             clipped.selection = self.sparse.contribution_counts(x, clipped.real)
         return clipped
 
+    @tf.autograph.experimental.do_not_convert
     def step(
         self,
         model,
@@ -448,6 +457,7 @@ class DPAggregator(keras.layers.Layer):
             return self.expected_batch_size
         return batch_divisor(rows)
 
+    @tf.autograph.experimental.do_not_convert
     def release(
         self,
         clipped: ClippedSum | Sequence,

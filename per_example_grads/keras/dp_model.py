@@ -613,6 +613,9 @@ class DPModel(keras.Model):
             noise_multiplier=sigma, sampling_probability=q, mechanism=self._accounted_mechanism()
         )
 
+    # Unconverted, as Keras's own train_step is (AutoGraph never converts keras): converting it
+    # would re-parse the library's source below it at every trace.
+    @tf.autograph.experimental.do_not_convert
     def train_step(self, data):
         x, y, sample_weight, unit_ids = self._unpack(data)
         loss_fn = as_per_example_loss(self.loss)
