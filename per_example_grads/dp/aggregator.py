@@ -115,7 +115,8 @@ def noised_average(
     noise = gaussian_like(sums, replicas.noise_share(stddev), seed, step=step)
     if mechanism is not None:
         noise = mechanism.correlate(noise, step)
-    return [(s + n) / tf.cast(divisor, s.dtype) for s, n in zip(sums, noise)]
+    divisors = {s.dtype: tf.cast(divisor, s.dtype) for s in sums}  # one cast (or constant) per dtype
+    return [(s + n) / divisors[s.dtype] for s, n in zip(sums, noise)]
 
 
 @dataclasses.dataclass
