@@ -613,8 +613,8 @@ class DPModel(keras.Model):
             noise_multiplier=sigma, sampling_probability=q, mechanism=self._accounted_mechanism()
         )
 
-    # Unconverted, as Keras's own train_step is (AutoGraph never converts keras): converting it
-    # would re-parse the library's source below it at every trace.
+    # Unconverted, as under Keras's fit (whose caller of train_step is keras code, which AutoGraph
+    # never converts), also where a caller's own tf.function traces it.
     @tf.autograph.experimental.do_not_convert
     def train_step(self, data):
         x, y, sample_weight, unit_ids = self._unpack(data)
