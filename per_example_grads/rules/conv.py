@@ -434,14 +434,22 @@ def weighted_kernel_sum(layer: ConvSpec, kernel, a: tf.Tensor, g: tf.Tensor, wei
 
 
 def _kernel_vjp(layer: ConvSpec, kernel: tf.Tensor, a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
+    # The data format is named: run eagerly, a Conv3D recorded without one has a
+    # None format attribute, which TensorFlow's Conv3D gradient cannot read.
     with tf.GradientTape() as tape:
         tape.watch(kernel)
         z = tf.nn.convolution(
-            a, kernel, strides=list(layer.strides), padding=_padding(layer), dilations=list(layer.dilation_rate)
+            a,
+            kernel,
+            strides=list(layer.strides),
+            padding=_padding(layer),
+            dilations=list(layer.dilation_rate),
+            data_format=_CHANNELS_LAST[layer.rank],
         )
     return tape.gradient(z, kernel, output_gradients=g)
 
 
+_CHANNELS_LAST = {1: "NWC", 2: "NHWC", 3: "NDHWC"}
 _kernel_vjp_xla = tf.function(_kernel_vjp, jit_compile=True, reduce_retracing=True)
 
 
