@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import model_zoo
 from helpers import layerwise_clipped_against_loop, layerwise_per_example_against_loop
 from per_example_grads.rules import conv, path_costs
 from tolerances import rounding_rtol
@@ -216,4 +217,10 @@ def test_model_with_each_forced_path_matches_the_loop(builder, monkeypatch):
     r = np.random.default_rng(0)
     x, y = r.normal(size=(3, 12, 12, 1)).astype("float32"), r.integers(0, 3, 3)
     layerwise_per_example_against_loop(model, x, y)
+    layerwise_clipped_against_loop(model, x, y)
+
+
+def test_conv3d_clipped_sum_runs_eagerly():
+    """The zoo's ``conv3d_few_positions_gram`` (Gram norms, then the kernel VJP) eagerly: a Conv3D recorded without a data format had a gradient TensorFlow could not take."""
+    model, x, y = model_zoo.layer_case("conv3d_few_positions_gram")
     layerwise_clipped_against_loop(model, x, y)
