@@ -437,3 +437,18 @@ def test_dp_model_per_unit_clips_a_unit_split_between_replicas_once():
     assert split_apart * lr / u > 100 * atol  # a unit clipped in two parts would fail the comparison above
     # Clipped units over units: one float32 fraction k / U per step, averaged over the epoch.
     assert history.history["clipped_fraction"][0] == pytest.approx(clipped_units / (steps * u), rel=rounding_rtol(2))
+
+
+def test_whole_units_on_replicas_refuses_float_unit_ids():
+    """Float ids are refused, naming unit_ids, before the all-gather's int64 cast could merge two units."""
+    from per_example_grads.dp.aggregator import whole_units_on_replicas
+
+    strategy = _strategy()
+    x = tf.zeros([4, 3])
+    with pytest.raises(TypeError, match="unit_ids must be integers"):
+        strategy.run(lambda: whole_units_on_replicas(x, None, None, tf.constant([1.2, 1.7, 2.0, 3.0])))
+    # integer ids on two replicas: each row kept (weight 1) on the replica that owns its unit only
+    ids = tf.constant([5, 5, 7, 9])
+    out = strategy.run(lambda: whole_units_on_replicas(x, None, None, ids))
+    weights = [w.numpy() for w in strategy.experimental_local_results(out[2])]
+    np.testing.assert_array_equal(np.sum(weights, axis=0), np.ones(8))  # the gathered 2 x 4 rows, each owned once

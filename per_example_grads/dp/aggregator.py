@@ -760,15 +760,18 @@ def whole_units_on_replicas(x, y, sample_weight, unit_ids) -> tuple:
     the one-device ``sum_u clip_C(G_u)``, and removing a unit changes that
     sum by at most ``C``; each replica's noise share stays ``N(0, (sigma
     C)^2 / R)``. Outside a multi-replica ``strategy.run``, the arguments as
-    they are.
+    they are. Raises ``TypeError`` for ``unit_ids`` that are not integers.
     """
+    ids = tf.convert_to_tensor(unit_ids)
+    if not ids.dtype.is_integer:  # checked before the cast below, which would merge 1.2 and 1.7 silently
+        raise TypeError(f"unit_ids must be integers, shape [B]; got dtype {ids.dtype.name}.")
     r = replicas.num_replicas()
     if r == 1:
         return x, y, sample_weight, unit_ids
     ctx = tf.distribute.get_replica_context()
     rows = tf.shape(tf.nest.flatten(x)[0])[0]
     weight = tf.ones([rows]) if sample_weight is None else tf.cast(sample_weight, tf.float32)
-    tree = {"x": x, "w": weight, "ids": tf.cast(unit_ids, tf.int64)} | ({} if y is None else {"y": y})
+    tree = {"x": x, "w": weight, "ids": tf.cast(ids, tf.int64)} | ({} if y is None else {"y": y})
     # all_gather keeps no static shape: the trailing dimensions are each leaf's own
     tree = tf.nest.map_structure(
         lambda g, t: tf.ensure_shape(g, [None, *t.shape[1:]]), ctx.all_gather(tree, axis=0), tree
