@@ -8,6 +8,12 @@ With the layer-wise engine it takes one forward and one backward pass: the
 norms come from closed forms per layer and the weighted sum from one
 contraction per layer, without building ``B x P``. Other engines materialize
 the per-example gradients, clip and sum them.
+
+The entry points are marked ``do_not_convert``: called inside a user's
+``tf.function``, AutoGraph would otherwise re-parse the library's source
+below them at every trace, although none of it branches on tensors in
+Python (the model and the loss already run unconverted, inside the engine's
+own ``tf.function(autograph=False)``).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from per_example_grads.engines.base import ClipGroups
 ClipNorm = float | Mapping[str, float] | Sequence[float]
 
 
+@tf.autograph.experimental.do_not_convert
 def clipped_gradients(
     model: Any,
     loss_fn: Any,
@@ -127,6 +134,7 @@ def clipped_gradients(
     return (sums, norms) if return_norms else sums
 
 
+@tf.autograph.experimental.do_not_convert
 def clipped_sums_and_predictions(
     model: Any,
     loss_fn: Any,

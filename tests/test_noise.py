@@ -62,7 +62,7 @@ def test_gaussian_like_shapes_dtypes_and_scale():
 
 @pytest.mark.parametrize("graph", [False, True])
 def test_a_generator_gives_every_tensor_and_every_call_its_own_noise(graph):
-    """From a generator, each tensor's noise comes from its own fresh key (one make_seeds call per draw)."""
+    """From a generator, every tensor's noise is independent of the others' and of the next call's (fresh keys)."""
     generator = tf.random.Generator.from_seed(5)
     tensors = [tf.zeros([4000]), tf.zeros([40, 100]), tf.zeros([3999])]
     draw = lambda: noise.gaussian_like(tensors, 2.0, generator)  # noqa: E731
@@ -90,3 +90,35 @@ def test_noise_never_shares_a_key_with_the_batch_sampling_of_the_same_seed_and_s
     # and unrelated to the uniforms that decide which examples are sampled
     sampling_uniforms = tf.random.stateless_uniform([n], seed=sampling_key, dtype=tf.float64).numpy()
     assert abs(np.corrcoef(z, sampling_uniforms)[0, 1]) < 5 / math.sqrt(n)
+
+
+def test_tensors_share_draws_in_groups_and_every_coordinate_is_its_own_normal(monkeypatch):
+    """Consecutive tensors of one dtype share a flat draw up to MAX_DRAW coordinates; each gets its own part."""
+    monkeypatch.setattr(noise, "MAX_DRAW", 4000)
+    shapes = [
+        ([10, 100], tf.float32),
+        ([2000], tf.float32),
+        ([10], tf.float64),
+        ([1000], tf.float32),
+        ([6000], tf.float32),
+    ]
+    tensors = [tf.zeros(s, d) for s, d in shapes]
+    assert noise.draw_groups(tensors) == [[0, 1], [2], [3], [4]]
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32)])
+    def with_unknown(t):  # a tensor of unknown shape is drawn alone
+        assert noise.draw_groups([tensors[0], t, tensors[1]]) == [[0], [1], [2]]
+        return noise.gaussian_like([tensors[0], t, tensors[1]], 1.0, seed=2, step=0)
+
+    assert [z.shape for z in with_unknown(tf.zeros([300]))] == [(10, 100), (300,), (2000,)]
+    first, second = (noise.gaussian_like(tensors, 3.0, seed=2, step=step) for step in (0, 1))
+    assert [z.shape for z in first] == [t.shape for t in tensors] and [z.dtype for z in first] == [
+        t.dtype for t in tensors
+    ]
+    a, b = first[0].numpy().ravel(), first[1].numpy()[:1000]  # two parts of one draw
+    bound = 5 / math.sqrt(1000)
+    assert abs(np.corrcoef(a, b)[0, 1]) < bound
+    assert abs(np.corrcoef(a, second[0].numpy().ravel())[0, 1]) < bound  # the next step's noise is fresh
+    z = np.concatenate([t.numpy().ravel() for t in first]) / 3.0
+    assert stats.kstest(z, "norm").statistic < 1.95 / math.sqrt(z.size)
+    assert abs(z.var() - 1) < 5 * math.sqrt(2 / z.size)

@@ -34,7 +34,10 @@ def conv_stacks(draw):
     size = length
     for _ in range(draw(st.integers(1, 2))):
         k = draw(st.integers(1, 3))
-        strides = draw(st.sampled_from([1, 2]))
+        # A 1x1 kernel keeps unit strides: with strides, the reference tape (and every engine that tapes the model)
+        # takes oneDNN's 1x1 strided backward-weights kernel, which corrupts the heap for few input channels on
+        # AVX-512 CPUs (oneDNN issue #6035); the layer-wise rule's own path is tested in test_rules_conv.py.
+        strides = 1 if k == 1 else draw(st.sampled_from([1, 2]))
         dilation = 1 if strides > 1 else draw(st.sampled_from([1, 2]))
         padding = draw(st.sampled_from(["valid", "same"]))
         effective = (k - 1) * dilation + 1

@@ -7,11 +7,16 @@ import tensorflow as tf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import per_example_grads as peg
 from helpers import (
+    assert_clipped_sums_close,
     clipped_against_loop,
     layerwise_clipped_against_loop,
     layerwise_per_example_against_loop,
+    reference_gradients,
+    reference_norms,
     rule_against_loop,
+    sparse_ce,
 )
 from model_zoo import RULE_FAMILIES, layer_case, layer_case_params
 
@@ -53,6 +58,7 @@ def test_clipped_gradients_match_clipping_materialized(name, clip):
 )
 def test_random_conv_and_sequence_dense(kernel, strides, dilation, padding, t, width, seed):
     dilation = 1 if strides > 1 else dilation
+    strides = 1 if kernel == 1 else strides  # the loop's tape would take oneDNN's 1x1 strided kernel: see below
     r = np.random.default_rng(seed)
     model = keras.Sequential(
         [
@@ -261,3 +267,50 @@ def test_patches_by_one_hot_convolution_equal_the_sliced_ones(spec, shape):
     from per_example_grads.rules import conv
 
     _assert_equal_to_sliced_patches(conv._patches_by_convolution, spec, shape)
+
+
+def _pointwise_strided_and_its_unit_stride_twin(rank, strides, padding):
+    """``(model, twin)``: Input -> 1x1 Conv with ``strides`` -> Flatten -> Dense, and the same weights behind a
+    strided slice of the input with a unit-stride 1x1 Conv (the same function, whose tape gradients never take
+    oneDNN's 1x1 strided backward-weights kernel)."""
+    shape = (7, 6, 5)[:rank] + (3,)
+    conv = getattr(keras.layers, f"Conv{rank}D")
+    model = keras.Sequential(
+        [
+            keras.Input(shape),
+            conv(4, 1, strides=strides, padding=padding),
+            keras.layers.Flatten(),
+            keras.layers.Dense(3),
+        ]
+    )
+    steps = strides if isinstance(strides, tuple) else (strides,) * rank
+    sliced = keras.layers.Lambda(lambda t: t[(slice(None),) + tuple(slice(None, None, s) for s in steps)])
+    twin = keras.Sequential([keras.Input(shape), sliced, conv(4, 1), keras.layers.Flatten(), keras.layers.Dense(3)])
+    twin.set_weights(model.get_weights())
+    return model, twin, shape
+
+
+@pytest.mark.parametrize(
+    "rank, strides, padding", [(1, 2, "valid"), (2, 2, "same"), (2, (2, 1), "valid"), (3, 2, "same")]
+)
+def test_pointwise_strided_clipped_sum_avoids_the_onednn_kernel(rank, strides, padding):
+    """A 1x1 kernel with strides: the clipped sum equals the loop's, taken on the unit-stride twin, and the traced
+    kernel sum holds no backward-weights convolution (oneDNN issue #6035: that kernel corrupts the heap for
+    c_in below its channel block on AVX-512 CPUs)."""
+    model, twin, shape = _pointwise_strided_and_its_unit_stride_twin(rank, strides, padding)
+    r = np.random.default_rng(rank)
+    x, y = r.normal(size=(5, *shape)).astype("float32"), r.integers(0, 3, 5)
+    clip = 0.3
+    expected = reference_gradients(twin, sparse_ce, x, y)
+    factors = clip / np.maximum(reference_norms(expected), clip)
+    got = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=clip, method="layerwise")
+    assert_clipped_sums_close(got, expected, factors)
+
+    from per_example_grads.rules import conv
+
+    layer = model.layers[0]
+    a = tf.constant(x)
+    g = tf.constant(r.normal(size=(5, *layer.compute_output_shape((5, *shape))[1:])).astype("float32"))
+    kernel_sum = tf.function(lambda a, g, w: conv.weighted_kernel_sum(conv.ConvSpec.of(layer), layer.kernel, a, g, w))
+    graph = kernel_sum.get_concrete_function(a, g, tf.ones([5])).graph
+    assert not [o.type for o in graph.get_operations() if "BackpropFilter" in o.type]

@@ -63,6 +63,44 @@ def test_fit_traces_once_per_batch_shape_and_not_per_fit(monkeypatch):
     assert int(dp.dp_steps.numpy()) == 8
 
 
+def test_the_library_is_not_converted_by_autograph_under_a_users_function(monkeypatch):
+    """Inside a user's tf.function (AutoGraph on), the entry points and the DP step run unconverted.
+
+    Converting them re-parsed the source of the whole library below them at
+    every trace; none of it branches on tensors in Python. The gradients are
+    checked against the one-example loop.
+    """
+    from tensorflow.python.autograph.impl import api  # AutoGraph's one conversion entry point
+
+    converted = []
+    original = api._convert_actual
+
+    def convert(entity, program_ctx):
+        converted.append(getattr(entity, "__module__", "") or "")
+        return original(entity, program_ctx)
+
+    monkeypatch.setattr(api, "_convert_actual", convert)
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(6, 4)).astype("float32"), rng.integers(0, 3, 6)
+
+    @tf.function
+    def user_step(x, y):
+        clipped = peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=1e6)
+        noised = peg.dp.private_gradients(
+            model, sparse_ce, x, y, l2_norm_clip=1e6, noise_multiplier=0.0, expected_batch_size=6.0
+        )
+        return clipped, noised
+
+    clipped, noised = user_step(x, y)
+    want = reference_gradients(model, sparse_ce, x, y)
+    summed = [w.sum(axis=0) for w in want]
+    assert_grads_close(clipped, summed)
+    assert_grads_close(noised, [w / 6.0 for w in summed])
+    assert converted and not [name for name in converted if name.startswith("per_example_grads")]
+
+
 class _OwnScale(keras.Model):
     """A model that owns a variable itself, so ``auto`` passes the layer-wise engine for ``vectorized``."""
 

@@ -39,6 +39,11 @@ and ``BackupAndRestore`` wherever the model that owns it is.
 Inside ``strategy.run`` each replica clips its own shard and adds its share
 of the noise, ``N(0, (sigma C)^2 / R)``; the optimizer's all-reduce sums the
 shares into one noised gradient (``per_example_grads._core.replicas``).
+
+The step's functions are marked ``do_not_convert`` (as
+``per_example_grads.clipping``'s): ``DPModel.train_step`` is converted by
+Keras's ``tf.function``, and AutoGraph would otherwise re-parse all of the
+library below it at every trace.
 """
 
 from __future__ import annotations
@@ -95,6 +100,7 @@ class ClippedSum:
         return tf.reduce_sum(tf.cast(~tf.math.is_finite(self.norms), tf.float32) * self.real)
 
 
+@tf.autograph.experimental.do_not_convert
 def noised_average(
     sums: Sequence, stddev, divisor, seed: NoiseSeed = None, *, step=None, mechanism: NoiseMechanism | None = None
 ) -> list[tf.Tensor]:
@@ -109,7 +115,8 @@ def noised_average(
     noise = gaussian_like(sums, replicas.noise_share(stddev), seed, step=step)
     if mechanism is not None:
         noise = mechanism.correlate(noise, step)
-    return [(s + n) / tf.cast(divisor, s.dtype) for s, n in zip(sums, noise)]
+    divisors = {s.dtype: tf.cast(divisor, s.dtype) for s in sums}  # one cast (or constant) per dtype
+    return [(s + n) / divisors[s.dtype] for s, n in zip(sums, noise)]
 
 
 @dataclasses.dataclass
@@ -158,6 +165,7 @@ def add_regularization(grads: Sequence, regularization: Sequence | None) -> list
     return [g if isinstance(g, tf.IndexedSlices) else g + tf.cast(r, g.dtype) for g, r in zip(grads, regularization)]
 
 
+@tf.autograph.experimental.do_not_convert
 def clipped_sum(
     model,
     loss_fn,
@@ -370,6 +378,7 @@ class DPAggregator(keras.layers.Layer):
             else self.l2_norm_clip
         )
 
+    @tf.autograph.experimental.do_not_convert
     def clipped_sum(
         self, model, loss_fn, x, y=None, sample_weight=None, *, variables=None, unit_ids=None, rows_per_unit=None
     ) -> ClippedSum:
@@ -400,6 +409,7 @@ class DPAggregator(keras.layers.Layer):
             clipped.selection = self.sparse.contribution_counts(x, clipped.real)
         return clipped
 
+    @tf.autograph.experimental.do_not_convert
     def step(
         self,
         model,
@@ -448,6 +458,7 @@ class DPAggregator(keras.layers.Layer):
             return self.expected_batch_size
         return batch_divisor(rows)
 
+    @tf.autograph.experimental.do_not_convert
     def release(
         self,
         clipped: ClippedSum | Sequence,

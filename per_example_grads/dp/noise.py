@@ -101,16 +101,53 @@ def stateless_key(seed) -> tf.Tensor:
 NOISE_TAG = 0x6E6F697365  # "noise"
 
 
+# The most coordinates one draw covers: small tensors share a draw (a few graph
+# operations per draw instead of a score per tensor), while the temporaries of
+# any one draw stay bounded (a larger tensor has a draw of its own).
+MAX_DRAW = 2**22
+
+
+def draw_groups(tensors: Sequence[tf.Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` in the order they are drawn, one list per draw (``gaussian_like``).
+
+    Consecutive tensors of one dtype and static shape share a draw while
+    their sizes add up to at most ``MAX_DRAW``; a tensor of unknown shape, or
+    larger than that, has one of its own.
+    """
+    groups: list[list[int]] = []
+    size = 0
+    for i, t in enumerate(tensors):
+        n = t.shape.num_elements() if t.shape.is_fully_defined() else None
+        last = groups[-1] if groups else None
+        joins = (
+            last is not None
+            and n is not None
+            and tensors[last[0]].dtype == t.dtype
+            and tensors[last[0]].shape.is_fully_defined()
+            and size + n <= MAX_DRAW
+        )
+        if joins:
+            last.append(i)
+            size += n
+        else:
+            groups.append([i])
+            size = n if n is not None else MAX_DRAW + 1
+    return groups
+
+
 def gaussian_like(tensors: Sequence[tf.Tensor], stddev, seed: NoiseSeed = None, *, step=None) -> list[tf.Tensor]:
     """Independent ``N(0, stddev^2)`` noise shaped like each of ``tensors``.
 
-    Tensor ``i`` gets ``standard_normal`` draws from the key
-    ``fold_in(fold_in(fold_in(key, NOISE_TAG), step), i)``, or, from a
-    generator, from the ``i``-th of ``len(tensors)`` fresh keys that one
-    ``make_seeds`` call draws from its stream (a few ops per tensor instead
-    of a generator call's score, for models of hundreds of variables). One
-    draw per tensor, so that only one variable's temporaries exist at a
-    time; sizes are Python numbers where shapes are static.
+    Every coordinate of every tensor gets its own standard normal draw,
+    times ``stddev``: the tensors are drawn in groups (``draw_groups``:
+    consecutive tensors of one dtype, up to ``MAX_DRAW`` coordinates), each
+    group as one flat ``standard_normal`` vector split into its tensors'
+    shapes, so no coordinate's draw is shared with another's. Group ``j``
+    draws from the key ``fold_in(fold_in(fold_in(key, NOISE_TAG), step), j)``,
+    or, from a generator, from the ``j``-th of the fresh keys that one
+    ``make_seeds`` call takes from its stream. So a new ``step`` (or a
+    generator's next call) gives fresh noise, and the same key and step give
+    the same noise.
 
     Args:
       tensors: list of tensors of any shapes (the summed clipped gradients).
@@ -126,22 +163,29 @@ def gaussian_like(tensors: Sequence[tf.Tensor], stddev, seed: NoiseSeed = None, 
         return []
     if seed is None:
         seed = process_generator()
+    groups = draw_groups(tensors)
     if isinstance(seed, tf.random.Generator):
-        keys = tf.unstack(seed.make_seeds(len(tensors)), axis=1)
+        keys = tf.unstack(seed.make_seeds(len(groups)), axis=1)
     else:
         key = tf.random.experimental.stateless_fold_in(stateless_key(seed), NOISE_TAG)
         if step is not None:
             key = tf.random.experimental.stateless_fold_in(key, tf.cast(step, tf.int64))
         if replicas.num_replicas() > 1:
             key = tf.random.experimental.stateless_fold_in(key, replicas.replica_id())
-        keys = [tf.random.experimental.stateless_fold_in(key, i) for i in range(len(tensors))]
+        keys = [tf.random.experimental.stateless_fold_in(key, j) for j in range(len(groups))]
     scale = tf.cast(stddev, tf.float32)
-    out = []
-    for t, k in zip(tensors, keys):
-        static = t.shape.is_fully_defined()
-        n = t.shape.num_elements() if static else tf.size(t, out_type=tf.int64)
-        z = tf.reshape(standard_normal(n, k) * scale, t.shape if static else tf.shape(t))
-        out.append(tf.cast(z, t.dtype))
+    out: list = [None] * len(tensors)
+    for group, k in zip(groups, keys):
+        first = tensors[group[0]]
+        if not first.shape.is_fully_defined():  # a group of its own
+            n = tf.size(first, out_type=tf.int64)
+            out[group[0]] = tf.cast(tf.reshape(standard_normal(n, k) * scale, tf.shape(first)), first.dtype)
+            continue
+        sizes = [tensors[i].shape.num_elements() for i in group]
+        z = tf.cast(standard_normal(sum(sizes), k) * scale, first.dtype)
+        parts = tf.split(z, sizes) if len(group) > 1 else [z]
+        for i, part in zip(group, parts):
+            out[i] = tf.reshape(part, tensors[i].shape)
     return out
 
 

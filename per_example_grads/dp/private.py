@@ -34,6 +34,7 @@ from per_example_grads.dp.aggregator import (
 from per_example_grads.dp.noise import NoiseSeed, RepeatedNoiseWarning, stateless_key
 
 
+@tf.autograph.experimental.do_not_convert
 def private_gradients(
     model: Any,
     loss_fn: Any,

@@ -613,6 +613,9 @@ class DPModel(keras.Model):
             noise_multiplier=sigma, sampling_probability=q, mechanism=self._accounted_mechanism()
         )
 
+    # Unconverted, as under Keras's fit (whose caller of train_step is keras code, which AutoGraph
+    # never converts), also where a caller's own tf.function traces it.
+    @tf.autograph.experimental.do_not_convert
     def train_step(self, data):
         x, y, sample_weight, unit_ids = self._unpack(data)
         loss_fn = as_per_example_loss(self.loss)

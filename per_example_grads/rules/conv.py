@@ -434,6 +434,8 @@ def weighted_kernel_sum(layer: ConvSpec, kernel, a: tf.Tensor, g: tf.Tensor, wei
 
 
 def _kernel_vjp(layer: ConvSpec, kernel: tf.Tensor, a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
+    if _pointwise_strided(layer, kernel, a):
+        return _pointwise_strided_kernel_vjp(layer, kernel, a, g)
     # The data format is named: run eagerly, a Conv3D recorded without one has a
     # None format attribute, which TensorFlow's Conv3D gradient cannot read.
     with tf.GradientTape() as tape:
@@ -451,6 +453,34 @@ def _kernel_vjp(layer: ConvSpec, kernel: tf.Tensor, a: tf.Tensor, g: tf.Tensor) 
 
 _CHANNELS_LAST = {1: "NWC", 2: "NHWC", 3: "NDHWC"}
 _kernel_vjp_xla = tf.function(_kernel_vjp, jit_compile=True, reduce_retracing=True)
+
+
+def _pointwise_strided(layer: ConvSpec, kernel: tf.Tensor, a: tf.Tensor) -> bool:
+    """A 1x1 (ungrouped) kernel with a stride above one.
+
+    oneDNN's x86 backward-weights kernel for these convolutions (the "reduce to
+    unit stride" path, taken when ``c_in`` is below its channel block) writes
+    past its workspace (oneDNN issue #6035): the heap is corrupted and the
+    process aborts later, or the kernel gradient is wrong. Their kernel VJP is
+    computed without it, by ``_pointwise_strided_kernel_vjp``.
+    """
+    return (
+        all(k == 1 for k in layer.kernel_size) and any(s > 1 for s in layer.strides) and kernel.shape[-2] == a.shape[-1]
+    )
+
+
+def _pointwise_strided_kernel_vjp(layer: ConvSpec, kernel: tf.Tensor, a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
+    """``[1, ..., 1, c_in, c_out]``: ``sum_{n,t} a[n, s t] g[n, t]^T``, the exact kernel VJP of a 1x1 strided convolution.
+
+    A 1x1 kernel never pads (``"same"``'s total padding ``(o - 1) s + 1 - n`` is
+    at most zero, causal padding is ``d (k - 1) = 0``) and ignores dilation, so
+    output position ``t`` reads input position ``s t``, and both paddings give
+    ``ceil(n / s)`` positions: the input sliced with the strides is the patches.
+    """
+    sliced = a[(slice(None),) + tuple(slice(None, None, s) for s in layer.strides)]
+    c_in, c_out = kernel.shape[-2], kernel.shape[-1]
+    product = tf.matmul(tf.reshape(sliced, [-1, c_in]), tf.reshape(g, [-1, c_out]), transpose_a=True)
+    return tf.reshape(product, kernel.shape)
 
 
 def pre_activation(layer, call, args, kwargs) -> tuple[tf.Tensor, tf.Tensor]:
