@@ -185,68 +185,83 @@ def _zipf_task(seed: int, vocab: int = 20_000, n: int = 20_000, n_test: int = 5_
     return (ids[:n], y[:n]), (ids[n:], y[n:])
 
 
-def utility(args) -> None:
+def _utility_run(eps: float, seed: int, settings, *, vocab=20_000, n=20_000, epochs=5, lr=1.0):
+    """``(test accuracy, mean fraction of table rows a step updated)`` of one run (``settings`` None: dense noise)."""
     import keras
     import numpy as np
 
     import per_example_grads as peg
-    from per_example_grads.dp.sparse_embeddings import SparseEmbeddings
 
-    vocab, n, epochs, lr = 20_000, 20_000, 5, 1.0
     q = B / n
     steps = epochs * round(1 / q)
+    sigma = peg.dp.noise_multiplier_for_epsilon(eps, 1e-5, n, B, None, steps=steps, accountant="rdp")
+    (x, y), (xt, yt) = _zipf_task(seed, vocab, n)
+    keras.utils.set_random_seed(seed)
+    net = keras.Sequential(
+        [
+            keras.Input((8,), dtype="int32"),
+            keras.layers.Embedding(vocab, 8),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(1),
+        ]
+    )
+    dp = peg.keras.DPModel(net, l2_norm_clip=1.0, noise_multiplier=sigma, seed=seed, sparse_embeddings=settings)
+    dp.compile(optimizer=keras.optimizers.SGD(lr), loss=keras.losses.BinaryCrossentropy(from_logits=True))
+    fractions = []
+
+    class Rows(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.before = net.layers[0].embeddings.numpy()
+
+        def on_train_batch_end(self, batch, logs=None):
+            changed = np.any(net.layers[0].embeddings.numpy() != self.before, axis=1)
+            fractions.append(changed.mean())
+
+    data = peg.dp.poisson_batches(x, y[:, None].astype("float32"), sampling_probability=q, seed=seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dp.fit(data, epochs=epochs, verbose=0, callbacks=[Rows()])
+    pred = net.predict(xt, verbose=0, batch_size=1024)[:, 0] > 0
+    return float(np.mean(pred == yt)), float(np.mean(fractions)), sigma
+
+
+def _utility_table(methods: dict, epsilons, seeds: int) -> None:
+    """Runs every ``{label: SparseEmbeddings or None}`` at every epsilon and seed; prints one table."""
     rows = {}
-    for eps in (1.0, 3.0, 8.0):
-        sigma = peg.dp.noise_multiplier_for_epsilon(eps, 1e-5, n, B, None, steps=steps, accountant="rdp")
-        for seed in range(args.seeds):
-            (x, y), (xt, yt) = _zipf_task(seed, vocab, n)
-            for method in ("dense DP-SGD", "sparse selection"):
-                keras.utils.set_random_seed(seed)
-                net = keras.Sequential(
-                    [
-                        keras.Input((8,), dtype="int32"),
-                        keras.layers.Embedding(vocab, 8),
-                        keras.layers.GlobalAveragePooling1D(),
-                        keras.layers.Dense(1),
-                    ]
-                )
-                sparse = method == "sparse selection"
-                dp = peg.keras.DPModel(
-                    net,
-                    l2_norm_clip=1.0,
-                    noise_multiplier=sigma,
-                    seed=seed,
-                    sparse_embeddings=SparseEmbeddings() if sparse else None,
-                )
-                dp.compile(optimizer=keras.optimizers.SGD(lr), loss=keras.losses.BinaryCrossentropy(from_logits=True))
-                fractions = []
-
-                class Rows(keras.callbacks.Callback):
-                    def on_train_batch_begin(self, batch, logs=None):
-                        self.before = net.layers[0].embeddings.numpy()
-
-                    def on_train_batch_end(self, batch, logs=None):
-                        changed = np.any(net.layers[0].embeddings.numpy() != self.before, axis=1)
-                        fractions.append(changed.mean())
-
-                data = peg.dp.poisson_batches(x, y[:, None].astype("float32"), sampling_probability=q, seed=seed)
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    dp.fit(data, epochs=epochs, verbose=0, callbacks=[Rows()])
-                pred = net.predict(xt, verbose=0, batch_size=1024)[:, 0] > 0
-                acc = float(np.mean(pred == yt))
-                rows.setdefault((eps, method), []).append((acc, float(np.mean(fractions))))
+    for eps in epsilons:
+        for seed in range(seeds):
+            for label, settings in methods.items():
+                acc, frac, sigma = _utility_run(eps, seed, settings)
+                rows.setdefault((eps, label), []).append((acc, frac))
                 print(
-                    f"eps {eps} seed {seed} {method}: sigma {sigma:.3f} accuracy {acc:.4f} rows/step {np.mean(fractions):.4%}",
+                    f"eps {eps} seed {seed} {label}: sigma {sigma:.3f} accuracy {acc:.4f} rows/step {frac:.4%}",
                     flush=True,
                 )
-    print(f"\n| epsilon | method | test accuracy (mean +- sd, {args.seeds} seeds) | table rows updated per step |")
+    print(f"\n| epsilon | method | test accuracy (mean +- sd, {seeds} seeds) | table rows updated per step |")
     print("|---|---|---|---|")
-    for (eps, method), runs in rows.items():
+    for (eps, label), runs in rows.items():
         accs = [a for a, _ in runs]
         fr = statistics.mean(f for _, f in runs)
         sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
-        print(f"| {eps:g} | {method} | {statistics.mean(accs):.4f} +- {sd:.4f} | {fr:.3%} |")
+        print(f"| {eps:g} | {label} | {statistics.mean(accs):.4f} +- {sd:.4f} | {fr:.3%} |")
+
+
+def utility(args) -> None:
+    from per_example_grads.dp.sparse_embeddings import SparseEmbeddings
+
+    methods = {"dense DP-SGD": None, "sparse selection": SparseEmbeddings()}
+    _utility_table(methods, (1.0, 3.0, 8.0), args.seeds)
+
+
+def grid(args) -> None:
+    """The utility task over selection_share x false_positive_rate (and dense DP-SGD), for choosing the defaults."""
+    from per_example_grads.dp.sparse_embeddings import SparseEmbeddings
+
+    methods = {"dense DP-SGD": None}
+    for f in (float(v) for v in args.shares.split(",")):
+        for p0 in (float(v) for v in args.fprs.split(",")):
+            methods[f"sparse f={f:g} p0={p0:g}"] = SparseEmbeddings(selection_share=f, false_positive_rate=p0)
+    _utility_table(methods, [float(e) for e in args.epsilons.split(",")], args.seeds)
 
 
 def main() -> None:
@@ -254,12 +269,15 @@ def main() -> None:
         _memory_child(sys.argv[2], sys.argv[3])
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["speed", "memory", "utility"])
+    parser.add_argument("what", choices=["speed", "memory", "utility", "grid"])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--epsilons", default="1,3,8")
+    parser.add_argument("--shares", default="0.1,0.3,0.5", help="grid: selection_share values")
+    parser.add_argument("--fprs", default="1e-4,1e-3,1e-2", help="grid: false_positive_rate values")
     args = parser.parse_args()
-    {"speed": speed, "memory": memory, "utility": utility}[args.what](args)
+    {"speed": speed, "memory": memory, "utility": utility, "grid": grid}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -140,6 +140,28 @@ def assert_clipped_sums_close(actual, expected, factors, divisor=1, rtol=None, e
         assert_close(tf.convert_to_tensor(a), want, rtol=rtol, atol=atol, err_msg=f"variable {k}")
 
 
+def mlp(d_in=6, hidden=8, n_classes=3):
+    """A ``d_in -> hidden (tanh) -> n_classes`` Dense network: the DP tests' small model."""
+    return keras.Sequential(
+        [keras.Input((d_in,)), keras.layers.Dense(hidden, activation="tanh"), keras.layers.Dense(n_classes)]
+    )
+
+
+def hand_dp_step(model, x, y, clip, sample_weight=None):
+    """The reference per-example gradients, and each example's clip factor ``min(1, clip / norm)``."""
+    ref = reference_gradients(model, sparse_ce, x, y, sample_weight=sample_weight)
+    return ref, np.minimum(1.0, clip / reference_norms(ref))
+
+
+def digits_split(n_train=600, seed=0):
+    """``(x, y, x_test, y_test)``: ``n_train`` shuffled shipped digits to train on, the last 300 to test on."""
+    from per_example_grads.data import load_digits
+
+    x, y = load_digits()
+    idx = np.random.default_rng(seed).permutation(len(x))
+    return x[idx[:n_train]], y[idx[:n_train]], x[idx[-300:]], y[idx[-300:]]
+
+
 def sparse_ce(y_true, y_pred):
     return keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
 

@@ -383,3 +383,72 @@ def test_correlated_noise_under_strategy_is_c_inverse_of_the_summed_draws():
     )
     assert abs(fresh.std() - 1.0) < Z / np.sqrt(2 * fresh.size)  # sigma C once in total, not per replica
     assert int(aggregators[1].steps.numpy()) == n
+
+
+@pytest.mark.slow
+def test_dp_model_per_unit_clips_a_unit_split_between_replicas_once():
+    """A unit whose rows the pipeline puts on both replicas is clipped whole, once (sensitivity C, not 2C).
+
+    Reference: one-row tapes on one device, summed per unit, clipped, SGD by hand.
+    """
+    strategy = _strategy()
+    model, single = _twins(strategy)
+    sizes = [3, 2, 4, 3, 2, 2]  # 16 rows, 8 per replica: unit 2 (rows 5..8) straddles the shards
+    ids = np.repeat(np.arange(len(sizes)) + 10, sizes)
+    x, y = _data()
+    lr, clip, steps, u = 0.2, 0.5, 2, len(sizes)
+    with strategy.scope():
+        dp = peg.keras.DPModel(model, l2_norm_clip=clip, noise_multiplier=0.0, seed=1, privacy_unit="unit")
+        dp.compile(
+            optimizer=keras.optimizers.SGD(lr), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
+        data = peg.dp.poisson_batches(x, y, unit_ids=ids, sampling_probability=1.0, steps=steps, seed=0)
+        history = dp.fit(data, verbose=0)
+    assert int(dp.dp_steps.numpy()) == steps and dp.num_examples == u
+    p = sum(int(np.prod(v.shape)) for v in single.trainable_variables)
+    clipped_units, split_apart = 0, 0.0
+    for _ in range(steps):  # q = 1: every unit, in id order, at every step
+        rows = reference_gradients(single, sparse_ce, x, y)
+        total = [np.zeros(r.shape[1:]) for r in rows]
+        halves = [np.zeros(r.shape[1:]) for r in rows]  # what clipping each replica's part of a unit would give
+        for unit in np.unique(ids):
+            for members, out in [(ids == unit, total)] + [
+                ((ids == unit) & (np.arange(B) // (B // 2) == r), halves) for r in (0, 1)
+            ]:
+                if not members.any():
+                    continue
+                g = [r[members].sum(axis=0).astype(np.float64) for r in rows]
+                norm = np.sqrt(sum(np.sum(t**2) for t in g))
+                if out is total:
+                    clipped_units += norm > clip
+                for k, t in enumerate(g):
+                    out[k] += min(1.0, clip / norm) * t
+        split_apart = max(split_apart, max(np.abs(a - b).max() for a, b in zip(total, halves)))
+        single.set_weights([w - lr * t / u for w, t in zip(single.get_weights(), total)])
+    atol = sgd_steps_atol(
+        steps,
+        lr,
+        clipped_sum_rtol(p, B),
+        B * clip / u,
+        np.abs(np.concatenate([w.ravel() for w in single.get_weights()])).max() + steps * lr * B * clip / u,
+    )
+    for got, want in zip(model.get_weights(), single.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=0, atol=atol)
+    assert split_apart * lr / u > 100 * atol  # a unit clipped in two parts would fail the comparison above
+    # Clipped units over units: one float32 fraction k / U per step, averaged over the epoch.
+    assert history.history["clipped_fraction"][0] == pytest.approx(clipped_units / (steps * u), rel=rounding_rtol(2))
+
+
+def test_whole_units_on_replicas_refuses_float_unit_ids():
+    """Float ids are refused, naming unit_ids, before the all-gather's int64 cast could merge two units."""
+    from per_example_grads.dp.aggregator import whole_units_on_replicas
+
+    strategy = _strategy()
+    x = tf.zeros([4, 3])
+    with pytest.raises(TypeError, match="unit_ids must be integers"):
+        strategy.run(lambda: whole_units_on_replicas(x, None, None, tf.constant([1.2, 1.7, 2.0, 3.0])))
+    # integer ids on two replicas: each row kept (weight 1) on the replica that owns its unit only
+    ids = tf.constant([5, 5, 7, 9])
+    out = strategy.run(lambda: whole_units_on_replicas(x, None, None, ids))
+    weights = [w.numpy() for w in strategy.experimental_local_results(out[2])]
+    np.testing.assert_array_equal(np.sum(weights, axis=0), np.ones(8))  # the gathered 2 x 4 rows, each owned once

@@ -6,15 +6,8 @@ import pytest
 import tensorflow as tf
 
 import per_example_grads as peg
+from helpers import digits_split
 from per_example_grads.dp import adaptive
-
-
-def _digits(n_train=600, seed=0):
-    from per_example_grads.data import load_digits
-
-    x, y = load_digits()
-    idx = np.random.default_rng(seed).permutation(len(x))
-    return x[idx[:n_train]], y[idx[:n_train]], x[idx[-300:]], y[idx[-300:]]
 
 
 def test_adaptive_clipping_tracks_the_quantile():
@@ -38,7 +31,7 @@ def test_adaptive_clipping_tracks_the_quantile():
 
 
 def test_dp_model_with_adaptive_clipping_moves_the_clip():
-    x, y, _, _ = _digits(200)
+    x, y, _, _ = digits_split(200)
     net = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
     settings = adaptive.AdaptiveClipping(initial_l2_norm_clip=100.0, clipped_count_stddev=2.0)
     dp = peg.keras.DPModel(net, noise_multiplier=1.0, expected_batch_size=50, adaptive_clipping=settings, seed=0)

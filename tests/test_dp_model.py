@@ -10,6 +10,9 @@ from helpers import (
     assert_clipped_sums_close,
     assert_close,
     assert_norms_close,
+    digits_split,
+    hand_dp_step,
+    mlp,
     reference_gradients,
     reference_norms,
     sparse_ce,
@@ -25,29 +28,9 @@ from tolerances import (
 rng = np.random.default_rng(11)
 
 
-def _mlp(d_in=6, hidden=8, n_classes=3):
-    return keras.Sequential(
-        [keras.Input((d_in,)), keras.layers.Dense(hidden, activation="tanh"), keras.layers.Dense(n_classes)]
-    )
-
-
-def _hand_dp_step(model, x, y, clip, sample_weight=None):
-    """The reference per-example gradients, and each example's clip factor."""
-    ref = reference_gradients(model, sparse_ce, x, y, sample_weight=sample_weight)
-    return ref, np.minimum(1.0, clip / reference_norms(ref))
-
-
-def _digits(n_train=600, seed=0):
-    from per_example_grads.data import load_digits
-
-    x, y = load_digits()
-    idx = np.random.default_rng(seed).permutation(len(x))
-    return x[idx[:n_train]], y[idx[:n_train]], x[idx[-300:]], y[idx[-300:]]
-
-
 @pytest.mark.slow
 def test_dp_model_learns_and_saves(tmp_path):
-    x, y, xt, yt = _digits()
+    x, y, xt, yt = digits_split()
     net = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)])
     dp = peg.keras.DPModel(
         net, l2_norm_clip=1.0, noise_multiplier=0.5, expected_batch_size=50, num_examples=len(x), seed=0
@@ -88,7 +71,7 @@ def test_dp_model_learns_and_saves(tmp_path):
 @pytest.mark.slow
 def test_dp_model_ledger_survives_a_restart_with_other_settings(tmp_path):
     """The saved ledger keeps the worst sigma and q seen, so epsilon can only over-report."""
-    x, y, _, _ = _digits(n_train=200)
+    x, y, _, _ = digits_split(n_train=200)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     def run(sigma, batch, weights=None):
@@ -121,7 +104,7 @@ def test_dp_model_ledger_survives_a_restart_with_other_settings(tmp_path):
 @pytest.mark.slow
 def test_dp_model_physical_chunks_equal_one_big_batch():
     """A logical batch of 24 in chunks of 5 gives the same noiseless step as one pass."""
-    x, y, _, _ = _digits(24)
+    x, y, _, _ = digits_split(24)
     steps = []
     for physical in (None, 5):
         keras.utils.set_random_seed(3)
@@ -133,7 +116,7 @@ def test_dp_model_physical_chunks_equal_one_big_batch():
             optimizer=keras.optimizers.SGD(1.0), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         )
         before = [v.numpy().copy() for v in net.trainable_variables]
-        ref, factors = _hand_dp_step(net, x, y, clip=0.5)
+        ref, factors = hand_dp_step(net, x, y, clip=0.5)
         dp.fit(x, y, batch_size=24, epochs=1, verbose=0, shuffle=False)
         steps.append([b - v.numpy() for b, v in zip(before, net.trainable_variables)])
     # Two float32 computations of the clipped mean (one pass, or chunks of 5): clipped_sum_rtol and the division;
@@ -144,7 +127,7 @@ def test_dp_model_physical_chunks_equal_one_big_batch():
     for a, b, w in zip(*steps, before):
         assert_close(a, b, rtol=rtol, atol=rtol * scale + 2 * EPS32 * np.abs(w))
     with pytest.raises(ValueError, match="physical_batch_size"):
-        peg.keras.DPModel(_mlp(), l2_norm_clip=1.0, noise_multiplier=1.0, physical_batch_size=0)
+        peg.keras.DPModel(mlp(), l2_norm_clip=1.0, noise_multiplier=1.0, physical_batch_size=0)
 
 
 @pytest.mark.parametrize("graph", [False, True])
@@ -181,7 +164,7 @@ def test_physical_chunks_of_a_padded_batch_equal_the_loop(real, graph):
 
 @pytest.mark.slow
 def test_epsilon_callback_follows_dp_model_steps():
-    x, y, _, _ = _digits(100)
+    x, y, _, _ = digits_split(100)
     net = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
     dp = peg.keras.DPModel(
         net, l2_norm_clip=1.0, noise_multiplier=1.2, expected_batch_size=25, num_examples=100, seed=0

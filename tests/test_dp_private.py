@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import per_example_grads as peg
-from helpers import assert_clipped_sums_close, reference_gradients, reference_norms, sparse_ce
+from helpers import assert_clipped_sums_close, hand_dp_step, mlp, reference_norms, sparse_ce
 from per_example_grads.dp.private import private_gradients
 from tolerances import (
     ELEMENTWISE_RTOL,
@@ -20,23 +20,11 @@ from tolerances import (
 rng = np.random.default_rng(11)
 
 
-def _mlp(d_in=6, hidden=8, n_classes=3):
-    return keras.Sequential(
-        [keras.Input((d_in,)), keras.layers.Dense(hidden, activation="tanh"), keras.layers.Dense(n_classes)]
-    )
-
-
-def _hand_dp_step(model, x, y, clip, sample_weight=None):
-    """The reference per-example gradients, and each example's clip factor."""
-    ref = reference_gradients(model, sparse_ce, x, y, sample_weight=sample_weight)
-    return ref, np.minimum(1.0, clip / reference_norms(ref))
-
-
 @pytest.mark.parametrize("method", ["layerwise", "vectorized"])
 def test_noiseless_step_equals_hand_computation(method):
-    model = _mlp()
+    model = mlp()
     x, y = rng.normal(size=(6, 6)).astype("float32") * 5, rng.integers(0, 3, 6)
-    ref, factors = _hand_dp_step(model, x, y, clip=0.3)
+    ref, factors = hand_dp_step(model, x, y, clip=0.3)
     got = private_gradients(
         model, sparse_ce, x, y, l2_norm_clip=0.3, noise_multiplier=0.0, expected_batch_size=10.0, method=method
     )
@@ -105,7 +93,7 @@ def test_noised_average_noises_every_embedding_row_at_the_divided_scale():
 
 
 def test_private_gradients_in_tf_function_apply():
-    model = _mlp()
+    model = mlp()
     opt = keras.optimizers.SGD(0.1)
     gen = tf.random.Generator.from_seed(1)
 
@@ -125,7 +113,7 @@ def test_private_gradients_in_tf_function_apply():
 
 
 def test_padded_rows_contribute_nothing():
-    model = _mlp()
+    model = mlp()
     x, y = rng.normal(size=(4, 6)).astype("float32"), rng.integers(0, 3, 4)
     padded_x = np.concatenate([x, np.zeros((3, 6), "float32")])
     padded_y = np.concatenate([y, np.zeros(3, int)])
@@ -142,7 +130,7 @@ def test_padded_rows_contribute_nothing():
         expected_batch_size=4.0,
     )
     # The same four examples in a batch of 4 and of 7: per-example gradients from other kernels, clipped and summed.
-    ref, factors = _hand_dp_step(model, x, y, clip=0.5)
+    ref, factors = hand_dp_step(model, x, y, clip=0.5)
     assert_clipped_sums_close(a, ref, factors, divisor=4.0)
     assert_clipped_sums_close(b, ref, factors, divisor=4.0)
 
@@ -157,7 +145,7 @@ def test_padded_rows_contribute_nothing():
     ],
 )
 def test_bad_dp_arguments(kwargs, match):
-    model = _mlp()
+    model = mlp()
     with pytest.raises(ValueError, match=match):
         private_gradients(model, sparse_ce, np.ones((2, 6), "float32"), np.zeros(2, int), **kwargs)
     if "expected_batch_size" not in kwargs:
@@ -166,7 +154,7 @@ def test_bad_dp_arguments(kwargs, match):
 
 
 def test_scalar_loss_is_rejected():
-    model = _mlp()
+    model = mlp()
     with pytest.raises(peg.InvalidLossError):
         private_gradients(
             model,

@@ -325,3 +325,11 @@ def test_refused_combinations_say_why():
     dp.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
     with pytest.raises(ValueError, match="XLA"), pytest.warns(UserWarning, match="fixed-size batches"):
         dp.fit(np.zeros((B, T), "int32"), np.zeros(B), batch_size=B, verbose=0)
+
+
+def test_defaults_split_the_budget_equally_and_select_untouched_rows_at_1e_3():
+    sel = _bound(_bag(), sigma=1.3)
+    assert math.isclose(sel.selection_noise_multiplier, 1.3 * math.sqrt(2), rel_tol=1e-12)
+    assert math.isclose(sel.gradient_noise_multiplier, 1.3 * math.sqrt(2), rel_tol=1e-12)
+    p0 = 0.5 * math.erfc(sel.threshold / sel.selection_noise_multiplier / math.sqrt(2))
+    assert math.isclose(p0, 1e-3, rel_tol=1e-9) and math.isclose(sel.false_positive_rate, 1e-3, rel_tol=1e-9)

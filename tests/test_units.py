@@ -138,14 +138,74 @@ def test_shared_layers_and_embeddings():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["reversible_tied", "reversible_untied"])
-def test_reversible_embeddings(name):
-    """KerasHub's tied lookup and output projection: the rule's own form on each unit's rows as one example."""
+@pytest.mark.parametrize("name", ["reversible_tied", "reversible_untied", "reversible_two_lookups"])
+def test_reversible_embeddings(name, monkeypatch):
+    """KerasHub's tied lookup and output projection, by both forms: per-unit tables, and the rule's own form on each unit's rows as one example."""
     model, x, _ = LAYER_CASES[name](np.random.default_rng(8))
     rng = np.random.default_rng(9)
     x = _resampled(x, B, rng)
     y = rng.integers(0, 11, (B, 6)).astype("int32")
-    _check(model, sparse_ce, x, y, IDS, NUM_UNITS, clip=0.05, positions=6)
+    reference = _reference(model, sparse_ce, x, y, IDS, NUM_UNITS)
+    for form in ["tables", "gram"]:
+        monkeypatch.setattr(grouped_rules, "REVERSIBLE_FORM", form)
+        _check(model, sparse_ce, x, y, IDS, NUM_UNITS, clip=0.05, positions=12, reference=reference)
+
+
+def _conv_models():
+    """Convolutions of several kernel sizes, strides, dilations and paddings, 1-D, 2-D and 3-D, with their kin."""
+    keras.utils.set_random_seed(11)
+    L = keras.layers
+    image = keras.Input((9, 9, 3))
+    h = L.Conv2D(4, 3, strides=2, padding="same", activation="tanh")(image)
+    h = L.Conv2D(5, 2, padding="valid")(h)
+    h = L.Conv2DTranspose(3, 3, strides=2, padding="same", activation="tanh")(h)
+    h = L.DepthwiseConv2D(3)(h)
+    h = L.SeparableConv2D(4, 3, padding="same")(h)
+    h = L.Conv2D(6, 1, use_bias=False)(h)
+    two_d = keras.Model(image, L.Dense(3)(L.Flatten()(h)))
+    sequence = keras.Input((10, 2))
+    s = L.Conv1D(4, 3, padding="causal", dilation_rate=2, activation="tanh")(sequence)
+    s = L.Conv1D(3, 4, strides=3)(s)
+    volume = keras.Input((4, 5, 4, 2))
+    v = L.Conv3D(3, 2, strides=(1, 2, 1), padding="same", activation="tanh")(volume)
+    v = L.Conv3D(2, (2, 3, 2))(v)
+    h = L.Concatenate()([L.Flatten()(s), L.Flatten()(v)])
+    other = keras.Model([sequence, volume], L.Dense(3)(h))
+    rng = np.random.default_rng(12)
+    return [
+        (two_d, rng.normal(size=(B, 9, 9, 3)).astype("float32"), 81),
+        (
+            other,
+            [rng.normal(size=(B, 10, 2)).astype("float32"), rng.normal(size=(B, 4, 5, 4, 2)).astype("float32")],
+            80,
+        ),
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", [0, 1])
+def test_convolutions_by_each_form(which, monkeypatch):
+    """Per-unit kernels (kept for the clipped sum) and the Gram form over each unit's positions, and the cost's pick."""
+    from per_example_grads.rules import grouped_conv
+
+    model, x, positions = _conv_models()[which]
+    y = np.random.default_rng(13).integers(0, 3, B).astype("int32")
+    reference = _reference(model, sparse_ce, x, y, IDS, NUM_UNITS)
+    for form in ["kernels", "gram", "auto"]:
+        monkeypatch.setattr(grouped_conv, "CONV_FORM", form)
+        _check(model, sparse_ce, x, y, IDS, NUM_UNITS, clip=0.05, positions=positions, reference=reference)
+
+
+def test_the_conv_forms_costs_pick_the_gram_form_only_for_few_positions():
+    """``grouped_conv.conv_costs``: a wide 3x3 layer on a 2x2 map takes the Gram form, the zoo CNN's layers the kernels."""
+    from per_example_grads.rules import grouped_conv, path_costs
+
+    few = path_costs.ConvShape(64, (4, 4), (2, 2), (3, 3), False, 512, 512)
+    many = path_costs.ConvShape(64, (28, 28), (26, 26), (3, 3), False, 1, 16)
+    kernels, gram = grouped_conv.conv_costs(few, 16, 4, True, False)
+    assert gram < kernels
+    kernels, gram = grouped_conv.conv_costs(many, 16, 4, True, True)
+    assert kernels < gram
 
 
 @pytest.mark.slow

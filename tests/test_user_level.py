@@ -376,3 +376,135 @@ def test_dp_model_per_unit_refuses_xla():
     x, y = _xy()
     with pytest.raises(ValueError, match="does not train under XLA"):
         dp.fit(poisson_batches(x, y, unit_ids=np.arange(N_ROWS) // 4, sampling_probability=Q), verbose=0)
+
+
+# ---------------------------------------------------------------------------
+# Units from a tf.data source, units kept whole however the rows are laid out
+# ---------------------------------------------------------------------------
+
+from per_example_grads.dp.sampling import poisson_batches_from_dataset  # noqa: E402
+
+
+def _user_of(features, label):
+    return features["user"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("unit_ids", ["user", _user_of])
+def test_from_dataset_reads_each_rows_unit_from_the_row(unit_ids):
+    x = np.arange(ROWS, dtype="float32")[:, None]  # each row's own index
+    source = tf.data.Dataset.from_tensor_slices(({"row": x, "user": IDS}, np.arange(ROWS)))
+    ds = poisson_batches_from_dataset(
+        source, ROWS, unit_ids=unit_ids, rows_per_unit=3, sampling_probability=0.3, steps=4, seed=7
+    )
+    kept = {"row": x} if unit_ids == "user" else {"row": x, "user": IDS}  # a named feature is taken out of x
+    same = poisson_batches(
+        kept, np.arange(ROWS), unit_ids=IDS, rows_per_unit=3, sampling_probability=0.3, steps=4, seed=7
+    )
+    got, want = ds.pegrad_sampling, same.pegrad_sampling
+    assert (got.num_examples, got.num_rows, got.rows_per_unit, got.max_batch_size, got.privacy_unit) == (
+        U,
+        ROWS,
+        3,
+        want.max_batch_size,
+        "unit",
+    )
+    for (xb, yb, mask, ids), (xs, ys, ms, idss) in zip(ds, same):
+        assert set(xb) == set(kept)
+        b = int(mask.numpy().sum())
+        rows = xb["row"].numpy()[:b, 0].astype(int)
+        np.testing.assert_array_equal(ids.numpy()[:b], IDS[rows])  # each row's id is its own, read from it
+        np.testing.assert_array_equal(yb.numpy()[:b], rows)
+        assert np.all(np.unique(ids.numpy()[:b], return_counts=True)[1] <= 3)
+        for a, c in zip(tf.nest.flatten((xb, yb, mask, ids)), tf.nest.flatten((xs, ys, ms, idss))):
+            np.testing.assert_array_equal(a.numpy(), c.numpy())  # the in-memory sampler's batches
+
+
+@pytest.mark.parametrize(
+    "unit_ids, error, match",
+    [
+        (IDS[:6], TypeError, "An array of ids beside a dataset cannot be checked"),
+        (
+            "author",
+            ValueError,
+            r"unit_ids='author' names no feature of the dataset's x; its features: \['row', 'user'\]",
+        ),
+        (lambda f, _y: tf.cast(f["user"], tf.float32), TypeError, "unit_ids must give each element one integer id"),
+        (lambda f, _y: f["user"][None], ValueError, r"one scalar id \(shape \[\]\); got shape \(1,\)"),
+        (None, ValueError, "rows_per_unit=2 needs unit_ids"),
+    ],
+)
+def test_from_dataset_refuses_unit_ids_it_cannot_read_per_row(unit_ids, error, match):
+    source = tf.data.Dataset.from_tensor_slices(({"row": np.ones((6, 1), "float32"), "user": IDS[:6]}, np.arange(6)))
+    with pytest.raises(error, match=match):
+        poisson_batches_from_dataset(source, unit_ids=unit_ids, rows_per_unit=2, sampling_probability=0.5)
+
+
+# The rows of units 4 and 12 interleaved with others: the ids of one unit need not be consecutive.
+INTERLEAVED = np.array([4, 12, 9, 4, 11, 12, 4, 20, 11, 12, -1, -1])
+
+
+@pytest.mark.parametrize("physical_batch_size", [None, pytest.param(3, marks=pytest.mark.slow)])
+def test_units_whose_rows_are_not_consecutive_are_clipped_whole(physical_batch_size):
+    x, y = _xy(len(INTERLEAVED))
+    net = _net()
+    aggregator = peg.dp.DPAggregator(l2_norm_clip=CLIP, noise_multiplier=0.0, physical_batch_size=physical_batch_size)
+    clipped = aggregator.clipped_sum(net, sparse_ce, x, y, BATCH_WEIGHTS, unit_ids=INTERLEAVED, rows_per_unit=3)
+    expected, magnitude = _unit_reference(net, x, y, INTERLEAVED, BATCH_WEIGHTS)
+    p = sum(int(np.prod(v.shape)) for v in net.trainable_variables)
+    rtol = clipped_sum_rtol(p, len(INTERLEAVED)) + 2 * norm_rtol(p) + rounding_rtol(3)
+    for got, want, mag in zip(clipped.sums, expected, magnitude):
+        assert_close(tf.convert_to_tensor(got).numpy(), want, atol=rtol * mag + EPS32 * np.abs(want))
+    assert clipped.real.numpy().sum() == 5  # 4, 12, 9, 11, 20: each one unit
+
+
+def test_accumulator_per_unit_equals_the_one_unit_loop_and_refuses_a_cut_unit():
+    x, y = _xy(len(BATCH_IDS))
+    net = _net()
+    acc = peg.dp.GradientAccumulator(
+        net, sparse_ce, l2_norm_clip=CLIP, noise_multiplier=0.0, expected_batch_size=2.5, privacy_unit="unit"
+    )
+    for part in (slice(0, 4), slice(4, 9), slice(9, 12)):  # whole units: [4 4 4 9], [11 11 12 12 12], [20 -1 -1]
+        acc.accumulate(x[part], y[part], BATCH_WEIGHTS[part], unit_ids=BATCH_IDS[part])
+    assert float(acc.count.numpy()) == 5  # units
+    expected, magnitude = _unit_reference(net, x, y, BATCH_IDS, BATCH_WEIGHTS)
+    p = sum(int(np.prod(v.shape)) for v in net.trainable_variables)
+    rtol = clipped_sum_rtol(p, len(BATCH_IDS)) + 2 * norm_rtol(p) + rounding_rtol(3) + EPS32
+    for got, want, mag in zip(acc.result(), expected, magnitude):
+        assert_close(got.numpy(), want / 2.5, atol=rtol * mag / 2.5 + EPS32 * np.abs(want))
+    acc.reset()
+    acc.accumulate(x[:2], y[:2], unit_ids=BATCH_IDS[:2])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="unit_ids: units with rows in an earlier micro-batch"):
+        acc.accumulate(x[2:4], y[2:4], unit_ids=BATCH_IDS[2:4])  # unit 4's third row: it would be clipped twice
+    with pytest.raises(ValueError, match="needs the unit_ids of every micro-batch"):
+        acc.accumulate(x, y)
+    plain = peg.dp.GradientAccumulator(net, sparse_ce, l2_norm_clip=CLIP, noise_multiplier=0.0, expected_batch_size=1.0)
+    with pytest.raises(ValueError, match=r"unit_ids needs GradientAccumulator\(..., privacy_unit='unit'\)"):
+        plain.accumulate(x, y, unit_ids=BATCH_IDS)
+    with pytest.raises(ValueError, match="privacy_unit='unit' needs DP mode"):
+        peg.dp.GradientAccumulator(net, sparse_ce, privacy_unit="unit")
+
+
+@pytest.mark.slow
+def test_nonfinite_warning_counts_units():
+    x, y = _xy()
+    x[5] = np.nan
+    dp = _unit_dp(seed=0)
+    dp.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    data = poisson_batches(x, y, unit_ids=np.arange(N_ROWS) // 4, sampling_probability=1.0, steps=1, seed=0)
+    with pytest.warns(RuntimeWarning, match=r"^1 unit\(s\) in an epoch had a NaN or Inf gradient"):
+        history = dp.fit(data, verbose=0)
+    assert history.history["nonfinite_examples"] == [1.0]  # one unit (rows 4..7), not its 4 rows
+
+
+@pytest.mark.slow
+def test_unit_ids_of_another_length_are_refused_when_shapes_are_known_only_when_run():
+    net, aggregator = _net(), peg.dp.DPAggregator(l2_norm_clip=CLIP, noise_multiplier=0.0)
+    specs = [tf.TensorSpec([None, 4]), tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.int64)]
+    step = tf.function(
+        lambda x, y, ids: aggregator.clipped_sum(net, sparse_ce, x, y, unit_ids=ids).sums, autograph=False
+    )
+    step = step.get_concrete_function(*specs)
+    x, y = _xy(3)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"unit_ids must have shape \[B\]"):
+        step(x, y, np.array([0, 1]))

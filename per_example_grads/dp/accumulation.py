@@ -49,6 +49,7 @@ from typing import Any, Sequence
 import tensorflow as tf
 
 from per_example_grads._core import replicas
+from per_example_grads._core.arguments import check_choice
 from per_example_grads._core.batch import batch_size, make_batch, unless_empty
 from per_example_grads._core.problem import make_problem
 from per_example_grads.dp.aggregator import DPAggregator, add_regularization, regularization_gradients
@@ -77,6 +78,20 @@ class GradientAccumulator(tf.Module):
         the logical batches as its accounting needs (``poisson_batches(...,
         cycle_length=mechanism.cycle_length)``) and account them with
         ``compute_epsilon(..., mechanism=...)``.
+
+      privacy_unit: ``"example"``, or ``"unit"`` (DP mode only): user-level
+        DP, each ``accumulate`` given the micro-batch's ``unit_ids`` (``[b]``
+        integers), and each unit's summed gradient clipped, as in
+        ``DPModel(privacy_unit="unit")``. A unit's rows must all be in one
+        micro-batch of a logical batch (its gradient is summed before it is
+        clipped; split over two micro-batches it would be clipped twice,
+        and could move the sum by ``2 C``): a unit id met again before
+        ``reset`` (``apply`` resets) is refused with
+        ``tf.errors.InvalidArgumentError`` naming ``unit_ids``. Split a
+        unit-level Poisson batch so that no unit is cut (each of its units
+        brings at most ``rows_per_unit`` rows). Not under a strategy with
+        several replicas (use ``DPModel(privacy_unit="unit")``, which keeps
+        units whole across replicas). ``count`` then counts units.
 
     ``noise_multiplier``, ``expected_batch_size``, ``seed``, ``method`` and
     ``mechanism`` apply in DP mode only: without ``l2_norm_clip`` they raise ``ValueError``
@@ -115,8 +130,15 @@ class GradientAccumulator(tf.Module):
         method: str = "auto",
         training: bool = False,
         mechanism: Any = None,
+        privacy_unit: str = "example",
     ):
         super().__init__(name="gradient_accumulator")
+        check_choice("privacy_unit", privacy_unit, ("example", "unit"))
+        self.privacy_unit = privacy_unit
+        if privacy_unit == "unit" and l2_norm_clip is None:
+            raise ValueError(
+                "privacy_unit='unit' needs DP mode (l2_norm_clip): without clipping, units change nothing."
+            )
         self._problem = make_problem(model, loss_fn, variables, training, False)
         self._model, self._loss_fn = model, loss_fn
         self.private = l2_norm_clip is not None
@@ -168,15 +190,33 @@ class GradientAccumulator(tf.Module):
         with tf.init_scope():
             self.sums = [tf.Variable(tf.zeros(v.shape, v.dtype), name="sum", **local) for v in self.variables_]
             self.count = tf.Variable(0.0, name="count", **local)
+            if privacy_unit == "unit":
+                if self.strategy.num_replicas_in_sync > 1:
+                    raise ValueError(
+                        "GradientAccumulator(privacy_unit='unit') does not run under a strategy with several "
+                        "replicas (a unit's rows could be clipped in parts on two replicas): use "
+                        "DPModel(privacy_unit='unit'), which keeps units whole across replicas."
+                    )
+                # the units of this logical batch so far: one unit in two micro-batches is refused
+                self._seen_units = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, 0, name="seen_units")
 
-    def accumulate(self, x: Any, y: Any = None, sample_weight: Any = None) -> None:
-        """Adds one micro-batch (``[b, ...]``, any ``b``, 0 included)."""
+    def accumulate(self, x: Any, y: Any = None, sample_weight: Any = None, unit_ids: Any = None) -> None:
+        """Adds one micro-batch (``[b, ...]``, any ``b``, 0 included); ``unit_ids`` ``[b]`` with ``privacy_unit="unit"``."""
         _check_replica_context(self, "accumulate")
         batch = make_batch(self._model, x, y, sample_weight)
+        if (unit_ids is None) != (self.privacy_unit == "example"):
+            raise ValueError(
+                "GradientAccumulator(privacy_unit='unit') needs the unit_ids of every micro-batch."
+                if unit_ids is None
+                else "unit_ids needs GradientAccumulator(..., privacy_unit='unit'): this one clips each example."
+            )
+        if unit_ids is not None:
+            self._check_new_units(unit_ids, batch)
         if self.private:
-            contribution = self.aggregator.clipped_sum(
-                self._model, self._loss_fn, x, y, sample_weight, variables=self.variables_
-            ).sums
+            clipped = self.aggregator.clipped_sum(
+                self._model, self._loss_fn, x, y, sample_weight, variables=self.variables_, unit_ids=unit_ids
+            )
+            contribution = clipped.sums
         else:
             contribution = unless_empty(batch, self._summed_gradient)
         for s, c in zip(self.sums, contribution):
@@ -186,12 +226,35 @@ class GradientAccumulator(tf.Module):
                 s.scatter_add(tf.IndexedSlices(tf.cast(c.values, s.dtype), c.indices, c.dense_shape))
             else:
                 s.assign_add(tf.cast(tf.convert_to_tensor(c), s.dtype))
-        if sample_weight is None:
+        if unit_ids is not None:
+            added = tf.reduce_sum(clipped.real)  # the units with a real row
+        elif sample_weight is None:
             added = tf.cast(batch_size(batch), tf.float32)
         else:
             w = tf.cast(batch["sample_weight"], tf.float32)
             added = tf.reduce_sum(tf.cast(tf.not_equal(w, 0), tf.float32)) if self.private else tf.reduce_sum(w)
         self.count.assign_add(added)
+
+    def _check_new_units(self, unit_ids: Any, batch) -> None:
+        """Refuses a micro-batch with a real row of a unit an earlier micro-batch of this logical batch had."""
+        ids = tf.convert_to_tensor(unit_ids)
+        if not ids.dtype.is_integer or ids.shape.rank != 1:
+            raise TypeError(f"unit_ids must be [b] integers, one per row; got {ids.dtype.name} of shape {ids.shape}.")
+        ids = tf.cast(ids, tf.int64)
+        if "sample_weight" in batch:  # rows of weight 0 (padding) belong to no unit
+            ids = tf.boolean_mask(ids, tf.not_equal(batch["sample_weight"], 0))
+        seen = tf.ensure_shape(self._seen_units.lookup(ids), ids.shape)
+        again = tf.boolean_mask(ids, tf.not_equal(seen, 0))
+        check = tf.debugging.Assert(
+            tf.equal(tf.size(again), 0),
+            [
+                "unit_ids: units with rows in an earlier micro-batch of this logical batch (a unit's rows must all be "
+                "in one micro-batch: its gradient is summed before it is clipped):",
+                again,
+            ],
+        )
+        with tf.control_dependencies([check]):
+            self._seen_units.insert(ids, tf.ones_like(ids))
 
     def _summed_gradient(self, batch) -> list[tf.Tensor]:
         """``sum_i w_i grad loss_i``, ``[*var.shape]`` per variable (zeros where the loss does not reach)."""
@@ -249,6 +312,8 @@ class GradientAccumulator(tf.Module):
         for s in self.sums:
             s.assign(tf.zeros_like(s))
         self.count.assign(0.0)
+        if self.privacy_unit == "unit":
+            self._seen_units.remove(self._seen_units.export()[0])
 
 
 def _check_replica_context(accumulator: GradientAccumulator, method: str) -> None:

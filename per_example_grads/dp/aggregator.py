@@ -681,9 +681,10 @@ def _unit_clipped_sum(
     ``G_u`` is the sum of unit ``u``'s rows' weighted gradients (the engine's
     grouped clipped sums, ``clipped_gradients(..., unit_ids=...)``), so
     removing a unit changes the sum by at most ``C``. The batch's ids are
-    made dense, ``0 .. U_b - 1`` in order of appearance, which needs each
-    unit's rows consecutive (as ``poisson_batches(..., unit_ids=...)`` gives
-    them; padding rows, id ``-1``, form one more unit of weight 0). The
+    made dense, ``0 .. U_b - 1`` in order of first appearance (a unit's
+    rows need not be consecutive; padding rows, id ``-1`` as
+    ``poisson_batches(..., unit_ids=...)`` gives them, form one more unit of
+    weight 0, or join a real unit of id ``-1``, adding nothing to it). The
     result's ``norms`` and ``real`` are per dense unit (``real`` 1 for a
     unit with a real row); ``predictions`` and ``rows`` are per row, as
     without units.
@@ -705,17 +706,20 @@ def _unit_clipped_sum(
     static = tf.nest.flatten(x)[0].shape[0]
     if ids.shape.rank != 1 or (static is not None and ids.shape[0] is not None and ids.shape[0] != static):
         raise ValueError(f"unit_ids must have shape [B] with B = {static}, the rows of x; got shape {ids.shape}.")
+    if static is None or ids.shape[0] is None:  # known only when run
+        check = tf.debugging.assert_equal(
+            tf.size(ids), rows, message="unit_ids must have shape [B], one unit id per row of x"
+        )
+        with tf.control_dependencies([check]):
+            ids = tf.identity(ids)
     data["ids"] = tf.cast(ids, tf.int64)
     keep = None if in_xla_context() else _bucketed_real_rows(real)
     if keep is not None:
         data = tf.nest.map_structure(lambda t: tf.gather(t, keep), data)
     ids = data.pop("ids")
     kept_real = tf.cast(tf.not_equal(data["sample_weight"], 0), tf.float32)
-    n = tf.shape(ids)[0]
-    # dense unit of each row: a new unit wherever the id changes
-    dense = tf.cumsum(tf.cast(tf.concat([tf.zeros([tf.minimum(n, 1)], tf.bool), ids[1:] != ids[:-1]], 0), tf.int32))
-    if num_units is not None:
-        dense = tf.cast(ids, tf.int32)
+    # dense unit of each row, in order of first appearance (all the rows of one id are one unit)
+    dense = tf.cast(ids, tf.int32) if num_units is not None else tf.unique(ids, out_idx=tf.int32).idx
     count = tf.reduce_max(tf.concat([dense, [-1]], 0)) + 1
     if physical_batch_size is None:
         sums, norms, predictions = clipped_sums_and_predictions(
@@ -741,6 +745,42 @@ def _unit_clipped_sum(
     return ClippedSum(sums, norms, tf.maximum(unit_real, 0.0), predictions, keep)
 
 
+def whole_units_on_replicas(x, y, sample_weight, unit_ids) -> tuple:
+    """``(x, y, sample_weight, unit_ids)`` of a unit-level batch as this replica clips it: each unit on one replica.
+
+    Inside ``strategy.run`` with ``R > 1`` replicas each replica holds a
+    shard of the batch's rows, and a unit's rows can straddle two shards;
+    clipping each shard's part of it would let one unit move the all-reduced
+    sum by up to ``R C``. So every replica all-gathers the global batch (its
+    inputs, ids and weights, not gradients) and keeps the weights of the
+    units whose dense index (order of first appearance in the global batch)
+    is its replica id modulo ``R``, zero elsewhere (rows of weight 0 are not
+    computed: ``clipped_sum``). Every unit is then clipped whole on exactly
+    one replica, so the shares that the optimizer's all-reduce adds sum to
+    the one-device ``sum_u clip_C(G_u)``, and removing a unit changes that
+    sum by at most ``C``; each replica's noise share stays ``N(0, (sigma
+    C)^2 / R)``. Outside a multi-replica ``strategy.run``, the arguments as
+    they are. Raises ``TypeError`` for ``unit_ids`` that are not integers.
+    """
+    ids = tf.convert_to_tensor(unit_ids)
+    if not ids.dtype.is_integer:  # checked before the cast below, which would merge 1.2 and 1.7 silently
+        raise TypeError(f"unit_ids must be integers, shape [B]; got dtype {ids.dtype.name}.")
+    r = replicas.num_replicas()
+    if r == 1:
+        return x, y, sample_weight, unit_ids
+    ctx = tf.distribute.get_replica_context()
+    rows = tf.shape(tf.nest.flatten(x)[0])[0]
+    weight = tf.ones([rows]) if sample_weight is None else tf.cast(sample_weight, tf.float32)
+    tree = {"x": x, "w": weight, "ids": tf.cast(ids, tf.int64)} | ({} if y is None else {"y": y})
+    # all_gather keeps no static shape: the trailing dimensions are each leaf's own
+    tree = tf.nest.map_structure(
+        lambda g, t: tf.ensure_shape(g, [None, *t.shape[1:]]), ctx.all_gather(tree, axis=0), tree
+    )
+    dense = tf.unique(tree["ids"], out_idx=tf.int32).idx
+    mine = tf.equal(dense % r, tf.cast(ctx.replica_id_in_sync_group, tf.int32))
+    return tree["x"], tree.get("y"), tree["w"] * tf.cast(mine, tf.float32), tree["ids"]
+
+
 def _whole_unit_chunks(model, loss_fn, data, dense, count, args, p, k):
     """Physical chunks of whole units (``_unit_clipped_sum``): sums, ``[C m]`` unit norms, per-row predictions."""
     if k is None or k > p:
@@ -750,8 +790,11 @@ def _whole_unit_chunks(model, loss_fn, data, dense, count, args, p, k):
     m = p // k
     n = tf.shape(dense)[0]
     positions = tf.range(n)
-    first = tf.math.unsorted_segment_min(positions, dense, tf.maximum(count, 1))
-    within = positions - tf.gather(first, dense)
+    # each row's rank among its unit's rows (the rows of a unit need not be consecutive)
+    order = tf.argsort(dense, stable=True)  # rows grouped by unit
+    grouped = tf.gather(dense, order)
+    first = tf.math.unsorted_segment_min(positions, grouped, tf.maximum(count, 1))
+    within = tf.scatter_nd(order[:, None], positions - tf.gather(first, grouped), [n])
     placed = tf.not_equal(data["sample_weight"], 0)  # rows of weight 0 add nothing and get no slot
     check = tf.debugging.assert_less(
         tf.where(placed, within, 0), k, message=f"a unit has more than rows_per_unit={k} rows in the batch"

@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -600,6 +600,8 @@ def poisson_batches_from_dataset(
     steps: int | None = None,
     seed: int | None = None,
     progress: bool = False,
+    unit_ids: str | Callable[..., Any] | None = None,
+    rows_per_unit: int | None = None,
 ) -> tf.data.Dataset:
     """``poisson_batches`` for a finite dataset of single (unbatched) examples.
 
@@ -615,6 +617,20 @@ def poisson_batches_from_dataset(
     ``x`` (a dict or a single tensor); multi-input ``x`` must be nested,
     e.g. ``((x1, x2), y)``. All examples must have the same shapes.
 
+    **Units** (``unit_ids`` given, for user-level DP): each element's unit
+    id is read *from the element itself*, as it is read, so ids and rows
+    cannot fall out of step (an array of ids beside a dataset could: a
+    shuffled dataset reorders on every pass, and that cannot be checked,
+    so an array is refused). ``unit_ids`` is the name of a feature of a
+    dict ``x`` (that feature is taken out of ``x``: the model does not see
+    it), or a function of an element, called as ``Dataset.map`` calls one
+    (a tuple element's parts as positional arguments), returning a scalar
+    integer. The rows are then sampled exactly as ``poisson_batches(x, y,
+    unit_ids=ids, rows_per_unit=rows_per_unit)`` samples them: units
+    Poisson-sampled, at most ``rows_per_unit`` rows each, elements
+    ``(x_batch, y_batch, mask, batch_unit_ids)``, ``pegrad_sampling`` over
+    the ``U`` units. ``num_examples`` still counts rows (elements).
+
     Args:
       dataset: a finite ``tf.data.Dataset`` of single examples.
       num_examples: ``N``, if known. When given, the dataset must hold
@@ -623,15 +639,22 @@ def poisson_batches_from_dataset(
       sampling_probability, max_batch_size, steps, seed: as in
         ``poisson_batches``.
       progress: show a progress bar while reading the dataset.
+      unit_ids: None (each row is its own unit), a feature name of a dict
+        ``x``, or a function of an element giving its scalar integer unit
+        id (see Units).
+      rows_per_unit: with ``unit_ids``, as in ``poisson_batches``.
 
     Returns:
-      A ``tf.data.Dataset`` of ``(x_batch, y_batch, mask)``, as in
+      A ``tf.data.Dataset`` of ``(x_batch, y_batch, mask)`` (with
+      ``unit_ids``: ``(x_batch, y_batch, mask, batch_unit_ids)``), as in
       ``poisson_batches``.
 
     Raises:
       ValueError: an infinite dataset, a count different from
-        ``num_examples``, an empty dataset, elements that are 3-tuples, or
-        any error ``poisson_batches`` raises.
+        ``num_examples``, an empty dataset, elements that are 3-tuples, a
+        ``unit_ids`` feature that ``x`` does not have, a ``unit_ids`` that
+        is not one scalar per element, or any error ``poisson_batches`` raises.
+      TypeError: ``unit_ids`` an array, or giving non-integer ids.
 
     Example:
       >>> import numpy as np
@@ -653,8 +676,14 @@ def poisson_batches_from_dataset(
         if cardinality >= 0 and cardinality != num_examples:
             raise ValueError(f"num_examples={num_examples} but the dataset has {cardinality} elements.")
         limit = num_examples + 1
-    x_spec, y_spec = _unpack_element(dataset.element_spec)
+    if unit_ids is None and rows_per_unit is not None:
+        raise ValueError(f"rows_per_unit={rows_per_unit!r} needs unit_ids: without them every row is its own unit.")
+    with_ids = unit_ids is not None
+    if with_ids:
+        dataset = _with_unit_ids(dataset, unit_ids)  # elements (element, id)
+    x_spec, y_spec = _unpack_element(dataset.element_spec[0] if with_ids else dataset.element_spec)
     source = dataset if limit is None else dataset.take(limit)
+    id_parts: list[np.ndarray] = []
     x_parts: list[list[np.ndarray]] = [[] for _ in tf.nest.flatten(x_spec)]
     y_parts: list[list[np.ndarray]] = [[] for _ in tf.nest.flatten(y_spec)]
     total = None if cardinality < 0 else cardinality
@@ -666,6 +695,9 @@ def poisson_batches_from_dataset(
     count = 0
     try:
         for chunk in source.batch(4096):
+            if with_ids:
+                chunk, ids = chunk
+                id_parts.append(np.asarray(ids))
             xc, yc = _unpack_element(chunk)
             for parts, leaf in zip(x_parts, tf.nest.flatten(xc)):
                 parts.append(np.asarray(leaf))
@@ -697,7 +729,44 @@ def poisson_batches_from_dataset(
         max_batch_size=max_batch_size,
         steps=steps,
         seed=seed,
+        unit_ids=np.concatenate(id_parts) if with_ids else None,
+        rows_per_unit=rows_per_unit,
     )
+
+
+def _with_unit_ids(dataset: tf.data.Dataset, unit_ids: Any) -> tf.data.Dataset:
+    """``dataset``'s elements as ``(element, id)``, the id read from each element (``poisson_batches_from_dataset``)."""
+    spec = dataset.element_spec
+    if isinstance(unit_ids, str):
+        x_spec, y_spec = _unpack_element(spec)
+        if not isinstance(x_spec, dict) or unit_ids not in x_spec:
+            have = sorted(x_spec) if isinstance(x_spec, dict) else f"not a dict ({type(x_spec).__name__})"
+            raise ValueError(f"unit_ids={unit_ids!r} names no feature of the dataset's x; its features: {have}.")
+
+        def split(*element):
+            x, y = _unpack_element(element[0] if len(element) == 1 else element)
+            x = dict(x)
+            ids = x.pop(unit_ids)
+            return (x if y_spec is None else (x, y)), ids
+
+    elif callable(unit_ids):
+
+        def split(*element):
+            return (element[0] if len(element) == 1 else element), unit_ids(*element)
+
+    else:
+        raise TypeError(
+            f"unit_ids must be a feature name of x or a function of an element, read from each element as it is "
+            f"read; got {type(unit_ids).__name__}. An array of ids beside a dataset cannot be checked to follow "
+            "its order (a shuffled dataset reorders on every pass)."
+        )
+    out = dataset.map(split)
+    id_spec = out.element_spec[1]
+    if not isinstance(id_spec, tf.TensorSpec) or not id_spec.dtype.is_integer or id_spec.dtype == tf.bool:
+        raise TypeError(f"unit_ids must give each element one integer id; got {id_spec}.")
+    if id_spec.shape.rank != 0:
+        raise ValueError(f"unit_ids must give each element one scalar id (shape []); got shape {id_spec.shape}.")
+    return out
 
 
 # --------------------------------------------------------------------------

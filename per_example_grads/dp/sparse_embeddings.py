@@ -53,16 +53,20 @@ then see earlier steps' gradient noise in a way this argument does not
 cover; adaptive clipping is refused too (it splits the gradient's budget
 once more), as are privacy-audit canaries (they assume the dense release).
 
-**Defaults.** ``selection_share = 0.1`` costs the gradient ``sigma_grad =
-sigma / sqrt(0.9) = 1.054 sigma`` (5% more noise on every parameter) and
-gives the counts ``sigma_sel = sigma / sqrt(0.1) = 3.16 sigma``; the
-default threshold ``tau = 3.72 sigma_sel`` makes ``p_0 = 1e-4``: about one
-never-looked-up row in 10^4 gets a pure-noise update per step (a row seen
-in ``k`` units of count is selected with probability ``Phi((k - tau) /
-sigma_sel)``). The paper tunes the two noise multipliers' ratio and ``tau``
-per task; these defaults keep the dense parameters' noise near DP-SGD's
-and false positives rare at any vocabulary size, and
-``benchmarks/bench_sparse_embeddings.py`` compares them with dense DP-SGD.
+**Defaults.** ``selection_share = 0.5`` gives the counts and the gradient
+the same budget: ``sigma_sel = sigma_grad = sqrt(2) sigma`` (41% more noise
+on every dense parameter than DP-SGD's); the default threshold ``tau =
+3.09 sigma_sel`` makes ``p_0 = 1e-3``: about one never-looked-up row in
+10^3 gets a pure-noise update per step (a row seen in ``k`` units of count
+is selected with probability ``Phi((k - tau) / sigma_sel)``). They were
+chosen on the Zipf recommendation task of
+``benchmarks/bench_sparse_embeddings.py`` (``grid`` mode, over ``f`` in
+{0.1, 0.3, 0.5} and ``p_0`` in {1e-4, 1e-3, 1e-2} at three epsilons), where
+a larger selection share, which lowers ``tau`` in units of count, brought
+the test metric closest to dense DP-SGD's for few rows updated. A model
+whose dense part dominates its gradient may prefer a smaller
+``selection_share`` (its dense noise grows as ``1 / sqrt(1 - f)``); the
+paper tunes the ratio and ``tau`` per task.
 
 **Where the ids come from.** For a functional or ``Sequential`` Keras model
 the ids each table is called on are read by a sub-model from the model's
@@ -153,9 +157,9 @@ class SparseEmbeddings:
         functional; None reads them from the model's graph.
     """
 
-    selection_share: float = 0.1
+    selection_share: float = 0.5
     threshold: float | None = None
-    false_positive_rate: float = 1e-4
+    false_positive_rate: float = 1e-3
     tables: Sequence | None = None
     ids_fn: Callable[[Any], Sequence] | None = None
 

@@ -39,10 +39,12 @@ from per_example_grads import transforms
 from per_example_grads._core.batch import Batch, batch_size
 from per_example_grads._core.example_ops import WIDE
 from per_example_grads._core.problem import Problem
+from per_example_grads._core.xla_context import in_xla_context
 from per_example_grads.engines import layerwise
 from per_example_grads.engines.base import ClipGroups, Engine
 from per_example_grads.per_example_slices import PerExampleSlices
 from per_example_grads.rules import grouped as grouped_rules
+from per_example_grads.rules import grouped_conv  # noqa: F401  (registers the convolutions' grouped forms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +71,8 @@ def make_units(unit_ids: Any, num_units: int | None, batch: Batch) -> Units:
 
     Raises:
       TypeError: ``unit_ids`` is not integers, or ``num_units`` not an int.
-      ValueError: ``unit_ids`` is not ``[B]``, ``num_units`` is negative, or
+      ValueError: ``unit_ids`` is not ``[B]``, ``num_units`` is negative or
+        None under XLA (``jit_compile``, which needs static shapes), or
         (eagerly; inside a graph, when run: ``tf.errors.InvalidArgumentError``)
         an id is outside ``[0, num_units)``.
     """
@@ -96,6 +99,11 @@ def make_units(unit_ids: Any, num_units: int | None, batch: Batch) -> Units:
         if values.size and values.max() >= count:
             raise ValueError(f"unit_ids must be < num_units = {count}; got {int(values.max())}.")
         return Units(ids, count)
+    if num_units is None and in_xla_context():
+        raise ValueError(
+            "num_units must be given under XLA (jit_compile): it is the static size of the per-unit outputs "
+            "(inferring it from unit_ids would give a shape known only at run time)."
+        )
     largest = tf.reduce_max(tf.concat([ids, [-1]], 0))
     count = largest + 1 if num_units is None else int(num_units)
     checks = [
@@ -156,8 +164,12 @@ def unit_clipped_sums(
 # -- the layer-wise engine's own ------------------------------------------------
 
 
-def _squared_norms(problem: Problem, captured, units: Units) -> list:
-    """``[U]`` float64 squared norms aligned with ``problem.variables`` from one capture (zeros if unreached).
+def _squared_norms(problem: Problem, captured, units: Units, keep: bool = False) -> tuple[list, dict]:
+    """``([U] float64 squared norms aligned with problem.variables, kept)`` from one capture (zeros if unreached).
+
+    ``kept`` maps ``id(variable)`` to its per-unit gradients ``[U, *shape]``
+    where a layer's grouped form kept them for the clipped sum (``keep``:
+    one follows; ``rules.grouped.UnitParts``).
 
     Layers are processed last first, as in ``layerwise.per_variable_squared_norms``;
     a layer whose grouped norms build its per-example gradients (the
@@ -166,6 +178,7 @@ def _squared_norms(problem: Problem, captured, units: Units) -> list:
     places before it.
     """
     found: dict[int, tf.Tensor] = {}
+    kept: dict[int, tf.Tensor] = {}
     done: list = []
     materialized: list = []
     for unit, calls in reversed(list(captured.by_unit().items())):
@@ -174,30 +187,62 @@ def _squared_norms(problem: Problem, captured, units: Units) -> list:
         materializes = not grouped_rules.has_grouped_form(unit.rule)
         waits_for = done[-layerwise.CHAIN_WINDOW] if len(done) >= layerwise.CHAIN_WINDOW else []
         with tf.control_dependencies(list(waits_for) + (materialized if materializes else [])):
-            norms = grouped_rules.grouped_squared_norms(
-                unit.rule, unit.layer, [(record.saved, g) for record, g in calls], units.ids, units.count
+            parts = grouped_rules.grouped_parts(
+                unit.rule, unit.layer, [(record.saved, g) for record, g in calls], units.ids, units.count, keep
             )
+        norms = parts.norms
         done.append(norms)
         if materializes:
             materialized = list(norms)
-        for v, n in zip(unit.variables, norms):
+        for k, (v, n) in enumerate(zip(unit.variables, norms)):
             found[id(v)] = n
-    return [found.get(id(v), tf.zeros(tf.reshape(units.count, [1]), WIDE)) for v in problem.variables]
+            if parts.kept is not None:
+                kept[id(v)] = parts.kept[k]
+    zeros = lambda: tf.zeros(tf.reshape(units.count, [1]), WIDE)  # noqa: E731
+    return [found[id(v)] if id(v) in found else zeros() for v in problem.variables], kept
 
 
 def layerwise_unit_squared_norms(problem: Problem, batch: Batch, units: Units) -> list:
     """``[U]`` float64 squared norms per variable, from one forward and one backward pass (module docstring)."""
-    return _squared_norms(problem, layerwise.capture(problem, batch), units)
+    return _squared_norms(problem, layerwise.capture(problem, batch), units)[0]
 
 
 def layerwise_unit_clipped_sums(
     problem: Problem, batch: Batch, clip: ClipGroups, units: Units
 ) -> tuple[list, list, Any]:
-    """``unit_clipped_sums`` in one forward and one backward pass: each row weighted by its unit's factor."""
+    """``unit_clipped_sums`` in one forward and one backward pass: each row weighted by its unit's factor.
+
+    A layer whose grouped form kept its per-unit gradients ``G_u`` adds
+    ``sum_u c_u G_u`` (one matrix-vector product); every other layer's
+    rule computes ``sum_n c_{ids[n]} g_n`` (``weighted_sum``).
+    """
     captured = layerwise.capture(problem, batch)
-    squared, dtype = _squared_norms(problem, captured, units), layerwise.norm_dtype(problem)
+    (squared, kept), dtype = _squared_norms(problem, captured, units, keep=True), layerwise.norm_dtype(problem)
     norms = [layerwise.norms_of([squared[i] for i in idx], dtype) for idx in clip.groups]
-    row_weights = [tf.gather(transforms.clip_factors(n, c), units.ids) for n, c in zip(norms, clip.clips)]
+    factors = [transforms.clip_factors(n, c) for n, c in zip(norms, clip.clips)]
+    row_weights = [tf.gather(f, units.ids) for f in factors]
     group_of = {id(problem.variables[i]): g for g, idx in enumerate(clip.groups) for i in idx}
-    sums = layerwise.weighted_sums(problem, captured, lambda v: row_weights[group_of[id(v)]])
+    sums = _weighted_sums(problem, captured, lambda v: row_weights[group_of[id(v)]], kept)
+    for k, v in enumerate(problem.variables):
+        if id(v) in kept:
+            sums[k] = grouped_rules.unit_weighted_sum(factors[group_of[id(v)]], kept[id(v)], v.dtype)
     return sums, norms, captured.predictions
+
+
+def _weighted_sums(problem: Problem, captured, weights_for, kept: dict) -> list:
+    """``layerwise.weighted_sums`` over the layers none of whose variables were kept (``None`` for the kept ones)."""
+    requested = {id(v) for v in problem.variables}
+    sums: dict[int, Any] = {}
+    for unit, calls in captured.by_unit().items():
+        wanted = [v for v in unit.variables if id(v) in requested and id(v) not in kept]
+        distinct = {id(weights_for(v)): weights_for(v) for v in wanted}
+        for w in distinct.values():
+            for record, g in calls:
+                outputs = unit.rule.weighted_sum(unit.layer, record.saved, g, w, record.cache)
+                for v, s in zip(unit.variables, outputs):
+                    if id(v) in requested and id(v) not in kept and weights_for(v) is w:
+                        sums[id(v)] = s if id(v) not in sums else layerwise.add_sums(sums[id(v)], s)
+    return [
+        sums[id(v)] if id(v) in sums else (None if id(v) in kept else tf.zeros(v.shape, v.dtype))
+        for v in problem.variables
+    ]

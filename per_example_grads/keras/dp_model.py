@@ -16,7 +16,7 @@ from per_example_grads._core.losses import as_per_example_loss
 from per_example_grads.dp import adaptive as adaptive_clipping
 from per_example_grads.dp import validation
 from per_example_grads.dp.accounting import PrivacyAccountant, check_run_delta
-from per_example_grads.dp.aggregator import DPAggregator
+from per_example_grads.dp.aggregator import DPAggregator, whole_units_on_replicas
 from per_example_grads.dp.budget import PrivacyBudget
 from per_example_grads.dp.mechanisms import NoiseMechanism
 from per_example_grads.dp.sampling import PoissonSampling
@@ -133,9 +133,14 @@ class DPModel(keras.Model):
     so ``k <= P`` is required. Correlated mechanisms take a
     ``poisson_batches(..., unit_ids=..., cycle_length=b)`` dataset, whose
     parts are sets of units, so each unit joins at most every ``b`` steps.
-    Not available per unit: adaptive clipping, sparse embedding noise, XLA (``compile`` defaults to
-    ``jit_compile=False``) and several ``tf.distribute`` replicas (a unit's
-    rows could be split between them), each refused with an error.
+    Under a ``tf.distribute`` strategy with several replicas, units are
+    kept whole within a replica: every replica all-gathers the batch's rows
+    and clips only its own units (``whole_units_on_replicas`` in
+    ``per_example_grads.dp.aggregator``, which states why the sensitivity
+    stays ``C``), so a unit whose rows the input pipeline split between
+    replicas is still clipped once, whole. Not available per unit: adaptive
+    clipping, sparse embedding noise and XLA (``compile`` defaults to
+    ``jit_compile=False``), each refused with an error.
 
     **A budget that holds.** With ``budget=peg.dp.PrivacyBudget(epsilon=...,
     delta=...)`` (or ``steps=...``), ``fit`` never takes a step that would
@@ -390,7 +395,8 @@ class DPModel(keras.Model):
         bad = history.history.get("nonfinite_examples", [])
         if bad and max(bad) > 0:
             warnings.warn(
-                f"{int(max(bad))} example(s) in an epoch had a NaN or Inf gradient; they contributed "
+                f"{int(max(bad))} {'unit' if self.privacy_unit == 'unit' else 'example'}(s) in an epoch had a "
+                "NaN or Inf gradient; they contributed "
                 "nothing to their steps (see the nonfinite_examples metric). Check their inputs and labels.",
                 RuntimeWarning,
                 stacklevel=2,
@@ -496,12 +502,6 @@ class DPModel(keras.Model):
             raise ValueError(
                 "DPModel(privacy_unit='unit') does not train under XLA: compile it with jit_compile=False "
                 "(the engine's grouped clipped sums have data-dependent shapes)."
-            )
-        if self.distribute_strategy.num_replicas_in_sync > 1:
-            raise ValueError(
-                "DPModel(privacy_unit='unit') does not train under a tf.distribute strategy with several replicas: "
-                "the batch's rows are split between replicas, so a unit's rows could be clipped in two parts, "
-                "each up to the clip norm."
             )
         if self.num_examples is not None and self.num_examples != source.num_examples:
             raise ValueError(
@@ -618,6 +618,8 @@ class DPModel(keras.Model):
     @tf.autograph.experimental.do_not_convert
     def train_step(self, data):
         x, y, sample_weight, unit_ids = self._unpack(data)
+        if unit_ids is not None:  # several replicas: every unit clipped whole on one of them
+            x, y, sample_weight, unit_ids = whole_units_on_replicas(x, y, sample_weight, unit_ids)
         loss_fn = as_per_example_loss(self.loss)
         sampling = self._fit_sampling
         rows = tf.shape(tf.nest.flatten(x)[0])[0]
@@ -669,6 +671,12 @@ class DPModel(keras.Model):
                 )
             return data
         return (*keras.utils.unpack_x_y_sample_weight(data), None)
+
+    def _symbolic_build(self, iterator=None, data_batch=None):
+        """Keras's, without a unit-level batch's ``unit_ids``, which are no input of the model."""
+        if self.privacy_unit == "unit" and isinstance(data_batch, tuple) and len(data_batch) == 4:
+            data_batch = data_batch[:3]
+        return super()._symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def test_step(self, data):
         """``keras.Model.test_step``; a unit-level batch's ``unit_ids`` play no part in evaluation."""

@@ -8,18 +8,22 @@ gradients, and ``grouped_squared_norms`` gives ``||G_u||^2`` per variable
 gradients at its taps, over every call of the layer (a layer called several
 times adds its calls' gradients before the square). Units with no rows get 0.
 
-A rule's grouped form is registered for its class (``register_grouped_norms``);
-a rule without one gets the exact fallback: its ``per_example`` gradients,
+A rule's grouped form is registered for its class (``register_grouped_norms``,
+or ``register_grouped_parts`` for a form that may also keep the per-unit
+gradients ``G_u`` for the clipped sum: ``UnitParts``); a rule without one
+gets the exact fallback (``fallback_parts``): its ``per_example`` gradients,
 summed over the calls, segment-summed into units and squared (this layer
-only: ``B x (layer's parameters)`` for the time of that layer). That is what
+only: ``B x (layer's parameters)`` for the time of that layer), the ``[U,
+*var.shape]`` sums kept for the clipped sum when no larger than what the
+layer holds until then anyway (``kept_fits``), so that it costs one
+matrix-vector product rather than the rule's ``weighted_sum``. That is what
 the normalization, scale, bias-like and other small rules use (their
 per-example gradients are as small as the layer's outputs per example, so a
-closed form would save nothing), and what convolutions (the Dense form on
-their input patches was slower than this fallback: the patches are built
-whole, where the example-level conv forms avoid them), recurrent layers and
-the layer-local fallback use.
+closed form would save nothing), and what depthwise, separable and grouped
+convolutions (whose example-level rules build every example's kernel
+anyway), recurrent layers and the layer-local fallback use.
 
-Grouped forms (never ``[B, *var.shape]``):
+Grouped forms:
 
 - Dense, and EinsumDense equations that are a Dense in disguise
   (``rules.einsum_dense``): with the rows ``r = (n, t)`` (example, position)
@@ -32,23 +36,31 @@ Grouped forms (never ``[B, *var.shape]``):
   or each unit's ``[i, j]`` kernel built from those. The bias's is the unit's summed ``g``, ``[U, j]``.
 - Embedding: ``||G_u||^2 = sum_v ||sum_{r in u: x_r = v} g_r||^2``, the rows
   grouped by (unit, id) by one sort of ``B T`` keys, cost ``O(B T D)``.
+- Conv1D/2D/3D and their transposed versions (``rules.grouped_conv``):
+  per-unit kernels from every example's, or the Gram form over each unit's
+  positions, by cost.
 - ReversibleEmbedding (a table used as lookup and tied output projection):
-  each unit's examples laid end to end as one example (``unit_examples``),
-  and the rule's own example-level form on those.
+  by cost (``_reversible_embedding_parts``), each unit's ``[V, D]`` table
+  (``unit_tables``: rows summed by (unit, id), the projection by one batched
+  product per unit), kept for the clipped sum; or each unit's examples laid
+  end to end as one example (``unit_examples``) and the rule's own
+  example-level form on those.
 
 Under XLA (``jit_compile``), which needs static shapes, the forms that lay
 units out as padded examples (``R`` rows, known only at run time) give way
-to the masked Gram form or the exact fallback; ``num_units`` must then be
-given (a Python int), not inferred.
+to the masked Gram form, the static forms (per-unit tables and kernels from
+every example's) or the exact fallback; ``num_units`` must then be given (a
+Python int), not inferred (``engines.grouped.make_units`` refuses it).
 
 They are computed in the rules' compute dtype (float32, or float64 for
-float64 layers) and returned as float64; unlike the example-level forms they
-have no float64 recomputation for float32 overflow (a unit whose squared
+float64 layers) and returned as float64; unlike the example-level forms the
+Gram forms have no float64 recomputation for float32 overflow (the fallback,
+per-unit kernels and tables do, as ``example_ops.widened``) (a unit whose squared
 norm overflows gets an infinite norm, and the clipped sum leaves it out,
 with a warning). Squared norms that rounding drives below zero (a Gram form
 over rows whose gradients cancel) are returned as 0.
 
-The forms live in this one module, registered per rule class, rather than
+The forms live in this module (and ``grouped_conv.py``), registered per rule class, rather than
 beside each rule: the rule modules stay as they are, and a rule's grouped
 form reads only what its ``forward`` saves (for Dense, the input; for
 Embedding, the flat ids).
@@ -56,15 +68,17 @@ Embedding, the flat ids).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import string
 from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
-from per_example_grads._core.example_ops import WIDE, compute_dtype, squares_part, widened
+from per_example_grads._core.example_ops import WIDE, compute_dtype, squares_part, weighted_example_sum, widened
 from per_example_grads._core.xla_context import in_xla_context
 from per_example_grads.per_example_slices import PerExampleSlices, repeated_rows
+from per_example_grads.rules import path_costs
 from per_example_grads.rules import reversible_embedding as rev
 from per_example_grads.rules.dense import DenseRule
 from per_example_grads.rules.einsum_dense import EinsumDenseRule
@@ -74,9 +88,32 @@ from per_example_grads.rules.rule import LayerRule, sum_to_shape
 # (rule, layer, calls, ids, count) -> list of [count] squared norms aligned with rule.variables(layer)
 GroupedNorms = Callable[[LayerRule, Any, Sequence[tuple[Any, Sequence[tf.Tensor]]], tf.Tensor, Any], list]
 
-GROUPED: dict[type, GroupedNorms] = {}
+
+@dataclasses.dataclass(frozen=True)
+class UnitParts:
+    """What a grouped form gives for one layer.
+
+    Attributes:
+      norms: ``||G_u||^2`` per variable of ``rule.variables(layer)``, ``[count]`` each.
+      kept: None, or the per-unit gradients ``G_u`` ``[count, *var.shape]``
+        per variable (in the compute dtype), which the clipped sum then
+        reads (``sum_u c_u G_u``, one matrix-vector product) instead of
+        calling the rule's ``weighted_sum``.
+    """
+
+    norms: list
+    kept: list | None = None
+
+
+# (rule, layer, calls, ids, count, keep) -> UnitParts (kept only when keep)
+GroupedParts = Callable[[LayerRule, Any, Sequence[tuple[Any, Sequence[tf.Tensor]]], tf.Tensor, Any, bool], UnitParts]
+
+GROUPED: dict[type, GroupedParts] = {}
 
 GRAM_LIMIT = 1 << 22  # most entries of a masked [N, N] row Gram matrix (16 MiB in float32)
+NATIVE_FORMS = (
+    True  # False: convolutions on the fallback, ReversibleEmbedding on the Gram form, nothing kept (comparisons)
+)
 
 
 def register_grouped_norms(rule_class: type, fn: GroupedNorms) -> None:
@@ -88,6 +125,17 @@ def register_grouped_norms(rule_class: type, fn: GroupedNorms) -> None:
     Subclasses are not covered: one that changes ``per_example`` needs its
     own form, and gets the exact fallback until it has one.
     """
+    register_grouped_parts(
+        rule_class, lambda rule, layer, calls, ids, count, keep: UnitParts(fn(rule, layer, calls, ids, count))
+    )
+
+
+def register_grouped_parts(rule_class: type, fn: GroupedParts) -> None:
+    """As ``register_grouped_norms``, for a form that may keep its per-unit gradients for the clipped sum.
+
+    ``fn(rule, layer, calls, ids, count, keep)`` returns a ``UnitParts``;
+    with ``keep`` False (no clipped sum follows) its ``kept`` must be None.
+    """
     if not (isinstance(rule_class, type) and issubclass(rule_class, LayerRule)):
         raise TypeError(f"rule_class must be a LayerRule subclass; got {rule_class!r}.")
     GROUPED[rule_class] = fn
@@ -98,28 +146,46 @@ def has_grouped_form(rule: LayerRule) -> bool:
     return type(rule) in GROUPED
 
 
-def grouped_squared_norms(
-    rule: LayerRule, layer, calls: Sequence[tuple[Any, Sequence[tf.Tensor]]], ids: tf.Tensor, count
-) -> list:
-    """``||G_u||^2`` per variable of ``rule.variables(layer)``: list of ``[count]`` float64 (module docstring).
+def grouped_parts(
+    rule: LayerRule, layer, calls: Sequence[tuple[Any, Sequence[tf.Tensor]]], ids: tf.Tensor, count, keep: bool = False
+) -> UnitParts:
+    """``UnitParts`` of one layer: float64 ``[count]`` squared norms per variable, and with ``keep`` maybe ``G_u``.
 
     Args:
       rule, layer: the layer's rule and the layer.
       calls: ``(saved, grads)`` of each call of the layer, in call order.
       ids: ``[B]`` int32 unit of each row, in ``[0, count)``.
       count: the number of units ``U`` (an int or a scalar int32 tensor).
+      keep: a clipped sum follows: the form may keep ``G_u`` for it.
     """
     form = GROUPED.get(type(rule))
-    norms = (
-        form(rule, layer, calls, ids, count)
+    parts = (
+        form(rule, layer, calls, ids, count, keep)
         if form is not None
-        else fallback_squared_norms(rule, layer, calls, ids, count)
+        else fallback_parts(rule, layer, calls, ids, count, keep)
     )
-    return [tf.cast(n, WIDE) for n in norms]
+    return UnitParts([tf.cast(n, WIDE) for n in parts.norms], parts.kept if keep else None)
+
+
+def grouped_squared_norms(
+    rule: LayerRule, layer, calls: Sequence[tuple[Any, Sequence[tf.Tensor]]], ids: tf.Tensor, count
+) -> list:
+    """``||G_u||^2`` per variable of ``rule.variables(layer)``: list of ``[count]`` float64 (module docstring)."""
+    return grouped_parts(rule, layer, calls, ids, count).norms
 
 
 def fallback_squared_norms(rule: LayerRule, layer, calls, ids: tf.Tensor, count) -> list:
-    """The exact fallback: ``per_example`` summed over calls, segment-summed into units, squared (``widened``)."""
+    """The exact fallback's norms (``fallback_parts``)."""
+    return fallback_parts(rule, layer, calls, ids, count, False).norms
+
+
+def fallback_parts(rule: LayerRule, layer, calls, ids: tf.Tensor, count, keep: bool) -> UnitParts:
+    """The exact fallback: ``per_example`` summed over calls, segment-summed into units, squared (``widened``).
+
+    With ``keep``, the per-unit gradients are kept for the clipped sum when
+    they are no larger than what the layer's calls hold until then anyway
+    (``kept_fits``); otherwise the clipped sum is the rule's ``weighted_sum``.
+    """
     total = None
     for saved, grads in calls:
         pe = [
@@ -127,7 +193,41 @@ def fallback_squared_norms(rule: LayerRule, layer, calls, ids: tf.Tensor, count)
             for t in rule.per_example(layer, saved, grads)
         ]
         total = pe if total is None else [a + b for a, b in zip(total, pe)]
-    return widened([squares_part(tf.math.unsorted_segment_sum(t, ids, count)) for t in total])
+    per_unit = [tf.math.unsorted_segment_sum(t, ids, count) for t in total]
+    norms = widened([squares_part(t) for t in per_unit])
+    fits = keep and NATIVE_FORMS and kept_fits(calls, [t.shape[1:] for t in per_unit], ids, count)
+    return UnitParts(norms, per_unit if fits else None)
+
+
+def kept_fits(calls, shapes: Sequence[tf.TensorShape], ids: tf.Tensor, count) -> bool:
+    """Whether ``U`` per-unit gradients of ``shapes`` hold no more elements than the calls' saved tensors and gradients.
+
+    Those are held until the clipped sum anyway, so keeping ``G_u`` at most
+    doubles this layer's memory (the example-level rule of ``rules.conv``,
+    per unit). Sizes are static: with the batch size unknown when traced,
+    ``U`` is taken to be the batch size (``U <= B`` when every unit has a
+    row), and with any size unknown nothing is kept.
+    """
+    if not all(s.is_fully_defined() for s in shapes):
+        return False
+    per_unit = sum(s.num_elements() for s in shapes)
+    held = 0
+    for saved, grads in calls:
+        for t in tf.nest.flatten((saved, list(grads))):
+            if not tf.is_tensor(t) or t.shape.rank is None or t.shape.rank == 0:
+                continue
+            if not t.shape[1:].is_fully_defined():
+                return False
+            held += t.shape[1:].num_elements()
+    b = ids.shape[0]
+    if b is None or not isinstance(count, int):
+        return per_unit <= held  # per example: U <= B taken
+    return count * per_unit <= b * held
+
+
+def unit_weighted_sum(factors: tf.Tensor, kept: tf.Tensor, dtype) -> tf.Tensor:
+    """``[*var.shape]``: ``sum_u factors[u] G_u`` from kept ``[U, *var.shape]``, in ``dtype``."""
+    return tf.cast(weighted_example_sum(tf.cast(factors, kept.dtype), kept), dtype)
 
 
 # -- shared maths --------------------------------------------------------------
@@ -355,7 +455,155 @@ def _embedding_norms(rule, layer, calls, ids, count):
     ]
 
 
-# -- ReversibleEmbedding: each unit's rows as one padded example ----------------
+# -- ReversibleEmbedding: per-unit tables, or each unit's rows as one padded example --
+
+REVERSIBLE_FORM = "auto"  # "tables" or "gram" force one form (tests); "auto": by cost (``_reversible_embedding_parts``)
+TABLE_LIMIT = 1 << 26  # most elements of the per-example [B, V, D] projection gradients the table form builds
+
+
+def _reversible_embedding_parts(rule, layer, calls, ids, count, keep):
+    """The cheaper of the per-unit tables (``unit_tables``) and the Gram form on unit examples.
+
+    Priced (``_reversible_costs``) with ``B`` rows, ``U`` units, ``S`` and
+    ``T`` the reversed and looked-up positions per example, ``R`` the most
+    rows of any unit: the tables cost ``B S V D`` multiply-adds and ``B V D``
+    elements written, whatever the units; the Gram form ``U (R S)^2 (V +
+    D)`` and ``U R^2 S T D``, plus, for a clipped sum, the rule's own
+    ``B S V D`` contraction, which kept tables replace by ``U V D``. The
+    choice is made when traced, with ``R = ceil(B / U)`` (even units: the
+    Gram form's least cost), where the tables win or under XLA (the tables'
+    shapes are static; the Gram form's are not) or with sizes unknown; else
+    at run time (``tf.cond`` on ``R``, norms only: the clipped sum is then
+    the rule's). The tables are built only while ``B V D <= TABLE_LIMIT``
+    (else the Gram form; under XLA the exact fallback).
+    """
+    v, d = layer.input_dim, layer.output_dim
+    b = ids.shape[0]
+    s_total = _total([_positions(saved) for saved, _ in calls if saved[0] == rev.REVERSE])
+    t_total = _total([_positions(saved) for saved, _ in calls if saved[0] == rev.LOOKUP])
+    static = b is not None and isinstance(count, int) and count > 0 and None not in (s_total, t_total)
+    fits = b is not None and b * v * d <= TABLE_LIMIT
+    if not NATIVE_FORMS:
+        return UnitParts(
+            fallback_squared_norms(rule, layer, calls, ids, count)
+            if in_xla_context()
+            else _reversible_embedding_norms(rule, layer, calls, ids, count)
+        )
+    if REVERSIBLE_FORM == "tables" or (in_xla_context() and fits):
+        form = "tables"
+    elif in_xla_context():
+        return fallback_parts(rule, layer, calls, ids, count, keep)
+    elif REVERSIBLE_FORM == "gram" or not fits or not static:
+        form = "gram" if REVERSIBLE_FORM == "gram" or not fits else "cond"
+    else:
+        tables, gram = _reversible_costs(b, count, -(-b // count), s_total, t_total, v, d, keep)
+        form = "tables" if tables <= gram else "cond"
+    if form == "tables":
+        per_unit = unit_tables(rule, layer, calls, ids, count)
+        return UnitParts(widened([squares_part(t) for t in per_unit]), per_unit if keep else None)
+    if form == "gram":
+        return UnitParts(_reversible_embedding_norms(rule, layer, calls, ids, count))
+    counts = tf.math.unsorted_segment_sum(tf.ones_like(ids), ids, count)
+    r = tf.cast(tf.reduce_max(tf.concat([counts, [1]], 0)), tf.float64)
+    tables, gram = _reversible_costs(b, count, r, s_total, t_total, v, d, False)
+    n = len(rule.variables(layer))
+
+    def by_tables():
+        return widened([squares_part(t) for t in unit_tables(rule, layer, calls, ids, count)])
+
+    norms = tf.cond(
+        tables <= gram,
+        by_tables,
+        lambda: [tf.cast(x, WIDE) for x in _reversible_embedding_norms(rule, layer, calls, ids, count)],
+    )
+    return UnitParts(list(norms)[:n])
+
+
+def _total(sizes: list) -> int | None:
+    return None if None in sizes else sum(sizes)
+
+
+def _positions(saved) -> int | None:
+    """A call's positions per example, static or None: a lookup's ``T`` (ids ``[B, T]``), a reversed call's ``S`` (``[B, ..., D]``)."""
+    t = saved[1]
+    inner = t.shape[1:] if saved[0] == rev.LOOKUP else t.shape[1:-1]
+    return inner.num_elements() if inner.is_fully_defined() else None
+
+
+def _reversible_costs(b, u, r, s, t, v, d, for_sum: bool):
+    """``(tables, gram)``: the priced seconds of the two forms (``_reversible_embedding_parts``); ``r`` a number or a tensor.
+
+    Multiply-adds at ``path_costs``' matrix rate, elements written and read at its copy rate.
+    """
+    m = path_costs.machine()
+    flop, elements = 2.0 / m.flops, 2.0 * path_costs.BYTES / m.copy_bytes_s
+    tables = flop * b * s * v * d + elements * (b * v * d + b * t * d + u * v * d)
+    gram = flop * u * (r * s) * (r * s) * (v + d) + flop * u * r * s * r * t * d
+    gram += elements * (b * s * (v + d) + b * t * d + u * (r * s) * (r * s + r * t))
+    if for_sum:
+        tables += elements * u * v * d
+        gram += flop * b * s * v * d + elements * v * d
+    return tables, gram
+
+
+def _unit_projection(h: tf.Tensor, g: tf.Tensor, ids: tf.Tensor, count, layout) -> tf.Tensor:
+    """``[U, V, D]``: ``sum_{n in u} g_n^T h_n`` from ``h`` ``[B, S, D]`` and ``g`` ``[B, S, V]``.
+
+    Outside XLA (``layout`` given), while ``U R <= 2 B`` (``R`` the most rows
+    of any unit: the padding at most doubles the work), one batched product
+    over each unit's rows laid end to end (``unit_examples``: ``[U, R S,
+    *]``); else, and under XLA (static shapes), every example's ``[V, D]``
+    product, segment-summed into units.
+    """
+
+    def by_examples():
+        return tf.math.unsorted_segment_sum(tf.matmul(g, h, transpose_a=True), ids, count)
+
+    if layout is None:
+        return by_examples()
+
+    def by_units():
+        return tf.matmul(unit_examples(g, ids, count, layout), unit_examples(h, ids, count, layout), transpose_a=True)
+
+    padded = tf.cast(count, tf.int32) * layout[2] <= 2 * tf.shape(ids)[0]
+    return tf.cond(padded, by_units, by_examples)
+
+
+def unit_tables(rule, layer, calls, ids, count) -> list:
+    """Per-unit gradients of a ReversibleEmbedding, ``[U, *var.shape]`` per variable of ``rule.variables(layer)``.
+
+    The looked-up rows ``r_t`` (loss gradients at the lookup's outputs) are
+    summed by (unit, id) into ``[U, V, D]``; each reversed call's per-example
+    projection gradient ``g_n^T h'_n`` ``[B, V, D]`` (one batched product)
+    is segment-summed into units (``_unit_projection``): into the table
+    when tied, into ``reverse_embeddings``' ``[U, D, V]`` (transposed) when
+    not.
+    """
+    v, d = layer.input_dim, layer.output_dim
+    dtype = compute_dtype(layer.embeddings.dtype)
+    table, reverse = None, None
+    layout = None if in_xla_context() else _layout(ids, count)
+    for saved, grads in calls:
+        if saved[0] == rev.LOOKUP:
+            x = saved[1]
+            rows = tf.reshape(rule._rows(layer, saved, grads), [-1, d])
+            positions = x.shape[1] if x.shape[1] is not None else tf.shape(x)[1]
+            key = tf.repeat(tf.cast(ids, tf.int64), positions) * v + tf.cast(tf.reshape(x, [-1]), tf.int64)
+            part = tf.reshape(tf.math.unsorted_segment_sum(rows, key, tf.cast(count, tf.int64) * v), [-1, v, d])
+            table = part if table is None else table + part
+            continue
+        h, g = rule._projection(layer, saved, grads)
+        part = _unit_projection(h, g, ids, count, layout)  # [U, V, D]
+        if layer.tie_weights:
+            table = part if table is None else table + part
+        else:
+            part = tf.transpose(part, [0, 2, 1])
+            reverse = part if reverse is None else reverse + part
+    shape = tf.stack([tf.cast(count, tf.int32), v, d])
+    table = tf.zeros(shape, dtype) if table is None else table
+    if layer.tie_weights:
+        return [table]
+    return [table, tf.zeros(tf.stack([shape[0], d, v]), dtype) if reverse is None else reverse]
 
 
 def _reversible_embedding_norms(rule, layer, calls, ids, count):
@@ -368,10 +616,8 @@ def _reversible_embedding_norms(rule, layer, calls, ids, count):
     inputs and gradients for a reversed call) adds nothing to any of them.
     Cost: the projection's Gram form runs over ``R S`` positions per unit,
     ``U (R S)^2 (V + D)`` in all (``R`` times the example-level form's).
-    Under XLA (``R`` is known only at run time) the exact fallback.
+    Not under XLA (``R`` is known only at run time).
     """
-    if in_xla_context():
-        return fallback_squared_norms(rule, layer, calls, ids, count)
     layout = _layout(ids, count)
     unit_examples_ = lambda t, ids, count: unit_examples(t, ids, count, layout)  # noqa: E731
     grouped = []
@@ -388,7 +634,7 @@ def _reversible_embedding_norms(rule, layer, calls, ids, count):
     return rule.shared_squared_norms(layer, grouped)
 
 
-register_grouped_norms(rev.ReversibleEmbeddingRule, _reversible_embedding_norms)
+register_grouped_parts(rev.ReversibleEmbeddingRule, _reversible_embedding_parts)
 register_grouped_norms(DenseRule, _dense_norms)
 register_grouped_norms(EinsumDenseRule, _einsum_dense_norms)
 register_grouped_norms(EmbeddingRule, _embedding_norms)
