@@ -224,3 +224,24 @@ def test_conv3d_clipped_sum_runs_eagerly():
     """The zoo's ``conv3d_few_positions_gram`` (Gram norms, then the kernel VJP) eagerly: a Conv3D recorded without a data format had a gradient TensorFlow could not take."""
     model, x, y = model_zoo.layer_case("conv3d_few_positions_gram")
     layerwise_clipped_against_loop(model, x, y)
+
+
+def test_calibration_cache_round_trip(tmp_path, monkeypatch):
+    """``save_rates`` then ``machine()`` gives the saved rates; no cache, a corrupt one or another CPU's: ``DEFAULT``."""
+    path = tmp_path / "costs" / "path_costs.json"
+    monkeypatch.setenv("PEG_PATH_COSTS", str(path))
+    path_costs.machine.cache_clear()
+    try:
+        assert path_costs.machine() is path_costs.DEFAULT  # absent
+        rates = dataclasses.replace(path_costs.DEFAULT, flops=1.5e9, op_s=3e-6)
+        assert path_costs.save_rates(rates) == str(path)
+        assert path_costs.machine() == rates
+        monkeypatch.setattr(path_costs, "_machine_key", lambda: "another cpu")
+        path_costs.machine.cache_clear()
+        assert path_costs.machine() is path_costs.DEFAULT
+        path.write_text("[not a table")
+        path_costs.machine.cache_clear()
+        assert path_costs.machine() is path_costs.DEFAULT
+    finally:
+        monkeypatch.undo()
+        path_costs.machine.cache_clear()

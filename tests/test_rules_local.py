@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import clipped_against_loop, gradient_scale, rule_against_loop, sparse_ce
+from helpers import (
+    clipped_against_loop,
+    gradient_scale,
+    reference_gradients,
+    reference_norms,
+    rule_against_loop,
+    sparse_ce,
+)
 from model_zoo import LAYER_B as B
 from model_zoo import RULE_FAMILIES, Scale, layer_case, layer_case_params
 from tolerances import GRADIENT_RTOL, norm_rtol, weighted_sum_rtol
@@ -17,10 +24,15 @@ def test_rule_matches_loop(name):
     rule_against_loop(*layer_case(name))
 
 
-@pytest.mark.parametrize("clip", [1e-3, 0.3, 1e3])
 @pytest.mark.parametrize("name", layer_case_params(["lstm_fallback"]))
-def test_clipped_gradients_match_clipping_materialized(name, clip):
-    clipped_against_loop(*layer_case(name), clip, methods=["layerwise", "vectorized"])
+def test_clipped_gradients_match_clipping_materialized(name):
+    # At the loop's median norm: examples clipped and examples left whole in one batch. The clip only scales
+    # the fallback's per-example gradients after the rule has run, so one clip takes every code path there is.
+    model, x, y = layer_case(name)
+    norms = reference_norms(reference_gradients(model, sparse_ce, x, y))
+    clip = float(np.median(norms))
+    assert np.any(norms > clip) and np.any(norms <= clip)
+    clipped_against_loop(model, x, y, clip, methods=["layerwise", "vectorized"])
 
 
 @pytest.mark.parametrize(

@@ -28,10 +28,11 @@ The model of one operation (``Machine``):
   of ``c_in`` floats (``extract_s``, ``extract_run_s``; ``slice_s``,
   ``slice_run_s``): a 1-channel input makes both copy one float at a time.
 
-``DEFAULT`` holds typical rates for a CPU; ``calibrate()`` measures this
-machine's (a few seconds of micro-benchmarks, one per rate) and, with
-``save=True``, caches them in ``cache_path()``, which ``machine()`` then reads
-(once per process). The chooser's guarantee is relative, not absolute: among
+``DEFAULT`` holds typical rates for a CPU; ``calibrate()``, called
+explicitly (never on import), measures this machine's (a few seconds of
+micro-benchmarks, one per rate) and caches them in ``cache_path()`` (the
+user's cache directory, keyed by CPU), which ``machine()`` then reads (once
+per process); without a cache, or with an unreadable one, ``DEFAULT``. The chooser's guarantee is relative, not absolute: among
 the exact paths a rule offers (materializing every example's gradient being
 one of them), it takes the one the model prices lowest, so a clipped sum or
 a norm is never priced above materializing, clipping and summing.
@@ -253,7 +254,14 @@ def cache_path() -> str:
 
 
 def _machine_key() -> str:
-    return f"{platform.machine()}|{platform.processor()}|{os.cpu_count()}"
+    """The CPU the rates belong to: architecture, model name (``/proc/cpuinfo`` where there is one), core count."""
+    name = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{platform.machine()}|{name}|{os.cpu_count()}"
 
 
 @functools.cache
@@ -263,18 +271,26 @@ def machine() -> Machine:
         with open(cache_path()) as f:
             saved = json.load(f).get(_machine_key())
         return Machine(**saved) if saved else DEFAULT
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, AttributeError):
         return DEFAULT
 
 
-def calibrate(save: bool = False, repeats: int = 15) -> Machine:
+def calibrate(save: bool = True, repeats: int = 15) -> Machine:
     """Measures this machine's rates with one micro-benchmark each (a few seconds); with ``save``, caches them.
 
     The rates are fitted so that the model prices each micro-benchmark at its
     median time: a wide batched product (``flops``), a kernel VJP at two
     sizes (``vjp_flops``, ``vjp_s``), a contiguous and a one-float-run copy
     (``copy_bytes_s``, ``run_s``), ``extract_patches`` (``extract_s``) and a
-    tiny op (``op_s``).
+    tiny op (``op_s``). Never run on import: the rules read ``machine()``,
+    which is ``DEFAULT`` until this has been called once on the machine.
+    With ``save`` (the default) the rates are written to ``cache_path()``
+    by ``save_rates`` and used from the next trace on.
+
+    Example (once per machine)::
+
+        from per_example_grads.rules import path_costs
+        path_costs.calibrate()  # a few seconds; later processes read the cache
     """
     import time
 
@@ -352,15 +368,28 @@ def calibrate(save: bool = False, repeats: int = 15) -> Machine:
         op_s=op_s,
     )
     if save:
-        path = cache_path()
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        try:
-            with open(path) as f:
-                table = json.load(f)
-        except (OSError, ValueError):
-            table = {}
-        table[_machine_key()] = dataclasses.asdict(found)
-        with open(path, "w") as f:
-            json.dump(table, f, indent=1)
-        machine.cache_clear()
+        save_rates(found)
     return found
+
+
+def save_rates(rates: Machine) -> str:
+    """Writes ``rates`` as this machine's in ``cache_path()`` (other machines' entries kept); returns the path.
+
+    ``machine()`` returns them from then on (its per-process cache is cleared).
+    """
+    if not isinstance(rates, Machine):
+        raise TypeError(f"rates must be a path_costs.Machine; got {type(rates).__name__}.")
+    path = cache_path()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    try:
+        with open(path) as f:
+            table = json.load(f)
+        if not isinstance(table, dict):
+            table = {}
+    except (OSError, ValueError):
+        table = {}
+    table[_machine_key()] = dataclasses.asdict(rates)
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
+    machine.cache_clear()
+    return path
