@@ -333,3 +333,70 @@ def test_defaults_split_the_budget_equally_and_select_untouched_rows_at_1e_3():
     assert math.isclose(sel.gradient_noise_multiplier, 1.3 * math.sqrt(2), rel_tol=1e-12)
     p0 = 0.5 * math.erfc(sel.threshold / sel.selection_noise_multiplier / math.sqrt(2))
     assert math.isclose(p0, 1e-3, rel_tol=1e-9) and math.isclose(sel.false_positive_rate, 1e-3, rel_tol=1e-9)
+
+
+# -- GradientAccumulator -------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_accumulated_release_over_micro_batches_equals_the_one_batch_release():
+    rng = np.random.default_rng(7)
+    x, y = _ids(rng, 10), rng.integers(0, 2, B)  # rows 0-9 of 50 looked up: most selected
+    results, models = [], []
+    for splits in ([B], [5, 6, 5]):
+        keras.utils.set_random_seed(0)
+        model = _bag()
+        acc = peg.dp.GradientAccumulator(
+            model,
+            sparse_ce,
+            l2_norm_clip=0.5,
+            noise_multiplier=0.5,
+            expected_batch_size=B,
+            seed=3,
+            sparse_embeddings=SparseEmbeddings(),
+        )
+        start = 0
+        for n in splits:
+            acc.accumulate(x[start : start + n], y[start : start + n])
+            start += n
+        results.append(acc.result())
+        assert int(acc.steps.numpy()) == 1  # one release: the ledger, hence epsilon, is the one-batch one's
+        models.append(model)
+    one, many = results
+    assert isinstance(one[0], tf.IndexedSlices) and isinstance(many[0], tf.IndexedSlices)
+    np.testing.assert_array_equal(one[0].indices.numpy(), many[0].indices.numpy())
+    assert 0 < len(one[0].indices) < 50
+    for a, b in zip(one, many):
+        a, b = tf.convert_to_tensor(a).numpy(), tf.convert_to_tensor(b).numpy()
+        tol = clipped_sum_rtol(210, B)  # 210 parameters; the sums are at most B C / B = C
+        np.testing.assert_allclose(b, a, rtol=tol, atol=tol * 0.5)
+    # rows outside the selection get exactly nothing
+    dense = tf.convert_to_tensor(many[0]).numpy()
+    unselected = np.setdiff1d(np.arange(50), one[0].indices.numpy())
+    assert np.all(dense[unselected] == 0)
+    model = models[1]
+    before = model.trainable_variables[0].numpy()
+    keras.optimizers.SGD(0.1).apply_gradients(zip(many, model.trainable_variables))
+    after = model.trainable_variables[0].numpy()
+    np.testing.assert_array_equal(after[unselected], before[unselected])
+    assert np.all(after[one[0].indices.numpy()] != before[one[0].indices.numpy()])
+
+
+def test_accumulator_refuses_sparse_embeddings_it_cannot_run():
+    model = _bag()
+    with pytest.raises(ValueError, match="privacy_unit='example'"):
+        peg.dp.GradientAccumulator(
+            model,
+            sparse_ce,
+            l2_norm_clip=1.0,
+            noise_multiplier=1.0,
+            expected_batch_size=B,
+            privacy_unit="unit",
+            sparse_embeddings=SparseEmbeddings(),
+        )
+    with pytest.raises(ValueError, match="DP mode"):
+        peg.dp.GradientAccumulator(model, sparse_ce, sparse_embeddings=SparseEmbeddings())
+    with pytest.raises(TypeError, match="SparseEmbeddings"):
+        peg.dp.GradientAccumulator(
+            model, sparse_ce, l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=B, sparse_embeddings=True
+        )

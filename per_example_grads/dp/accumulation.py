@@ -52,9 +52,10 @@ from per_example_grads._core import replicas
 from per_example_grads._core.arguments import check_choice
 from per_example_grads._core.batch import batch_size, make_batch, unless_empty
 from per_example_grads._core.problem import make_problem
-from per_example_grads.dp.aggregator import DPAggregator, add_regularization, regularization_gradients
+from per_example_grads.dp.aggregator import ClippedSum, DPAggregator, add_regularization, regularization_gradients
 from per_example_grads.dp.applied_steps import AppliedSteps
 from per_example_grads.dp.noise import NoiseSeed
+from per_example_grads.dp.sparse_embeddings import SparseEmbeddings
 from per_example_grads.engines.selection import check_method
 
 
@@ -92,6 +93,15 @@ class GradientAccumulator(tf.Module):
         brings at most ``rows_per_unit`` rows). Not under a strategy with
         several replicas (use ``DPModel(privacy_unit="unit")``, which keeps
         units whole across replicas). ``count`` then counts units.
+
+      sparse_embeddings: a ``per_example_grads.dp.sparse_embeddings.SparseEmbeddings``
+        (DP mode, ``privacy_unit="example"``, one replica): each micro-batch's
+        per-example distinct-row contributions are added up (``(keys,
+        counts)``, keys in order of first lookup), and ``result()`` selects
+        rows and adds noise once per logical batch with the release of
+        ``DPModel(sparse_embeddings=...)`` (same epsilon; the guarantee is
+        stated in ``per_example_grads.dp.sparse_embeddings``). The tables'
+        results are ``tf.IndexedSlices`` on the selected rows.
 
     ``noise_multiplier``, ``expected_batch_size``, ``seed``, ``method`` and
     ``mechanism`` apply in DP mode only: without ``l2_norm_clip`` they raise ``ValueError``
@@ -131,6 +141,7 @@ class GradientAccumulator(tf.Module):
         training: bool = False,
         mechanism: Any = None,
         privacy_unit: str = "example",
+        sparse_embeddings: SparseEmbeddings | None = None,
     ):
         super().__init__(name="gradient_accumulator")
         check_choice("privacy_unit", privacy_unit, ("example", "unit"))
@@ -138,6 +149,16 @@ class GradientAccumulator(tf.Module):
         if privacy_unit == "unit" and l2_norm_clip is None:
             raise ValueError(
                 "privacy_unit='unit' needs DP mode (l2_norm_clip): without clipping, units change nothing."
+            )
+        if sparse_embeddings is not None and (l2_norm_clip is None or privacy_unit != "example"):
+            raise ValueError(
+                "sparse_embeddings needs DP mode (l2_norm_clip) with privacy_unit='example': its noisy lookup "
+                "counts bound one example's contribution, not one unit's."
+            )
+        if sparse_embeddings is not None and not isinstance(sparse_embeddings, SparseEmbeddings):
+            raise TypeError(
+                "sparse_embeddings must be a per_example_grads.dp.sparse_embeddings.SparseEmbeddings or None; "
+                f"got {sparse_embeddings!r}."
             )
         self._problem = make_problem(model, loss_fn, variables, training, False)
         self._model, self._loss_fn = model, loss_fn
@@ -162,6 +183,13 @@ class GradientAccumulator(tf.Module):
                 mechanism=mechanism,
             )
             self.aggregator.attach(self.variables_)
+            if sparse_embeddings is not None:
+                self.aggregator.sparse = sparse_embeddings.bind(
+                    model,
+                    self.variables_,
+                    noise_multiplier=self.aggregator.noise_multiplier,
+                    mechanism=self.aggregator.mechanism,
+                )
         else:
             dp_only = dict(
                 noise_multiplier=noise_multiplier,
@@ -199,6 +227,19 @@ class GradientAccumulator(tf.Module):
                     )
                 # the units of this logical batch so far: one unit in two micro-batches is refused
                 self._seen_units = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, 0, name="seen_units")
+            if sparse_embeddings is not None:
+                if self.strategy.num_replicas_in_sync > 1:
+                    raise ValueError(
+                        "GradientAccumulator(sparse_embeddings=...) does not run under a strategy with several "
+                        "replicas: use DPModel(sparse_embeddings=...)."
+                    )
+                # the logical batch's (keys, counts) so far, keys in order of first lookup (saved with the sums)
+                self.sparse_keys = tf.Variable(
+                    tf.zeros([0], tf.int64), shape=tf.TensorShape([None]), trainable=False, name="sparse_keys"
+                )
+                self.sparse_counts = tf.Variable(
+                    tf.zeros([0], tf.float32), shape=tf.TensorShape([None]), trainable=False, name="sparse_counts"
+                )
 
     def accumulate(self, x: Any, y: Any = None, sample_weight: Any = None, unit_ids: Any = None) -> None:
         """Adds one micro-batch (``[b, ...]``, any ``b``, 0 included); ``unit_ids`` ``[b]`` with ``privacy_unit="unit"``."""
@@ -217,6 +258,8 @@ class GradientAccumulator(tf.Module):
                 self._model, self._loss_fn, x, y, sample_weight, variables=self.variables_, unit_ids=unit_ids
             )
             contribution = clipped.sums
+            if clipped.selection is not None:
+                self._add_selection(*clipped.selection)
         else:
             contribution = unless_empty(batch, self._summed_gradient)
         for s, c in zip(self.sums, contribution):
@@ -234,6 +277,16 @@ class GradientAccumulator(tf.Module):
             w = tf.cast(batch["sample_weight"], tf.float32)
             added = tf.reduce_sum(tf.cast(tf.not_equal(w, 0), tf.float32)) if self.private else tf.reduce_sum(w)
         self.count.assign_add(added)
+
+    def _add_selection(self, keys: tf.Tensor, counts: tf.Tensor) -> None:
+        """Merges a micro-batch's ``(keys, counts)``: the sum per key, the keys in order of first lookup."""
+        both = tf.concat([self.sparse_keys, keys], 0)
+        unique, slot = tf.unique(both, out_idx=tf.int64)
+        summed = tf.math.unsorted_segment_sum(
+            tf.concat([self.sparse_counts, counts], 0), slot, tf.size(unique, out_type=tf.int64)
+        )
+        self.sparse_keys.assign(unique)
+        self.sparse_counts.assign(summed)
 
     def _check_new_units(self, unit_ids: Any, batch) -> None:
         """Refuses a micro-batch with a real row of a unit an earlier micro-batch of this logical batch had."""
@@ -279,7 +332,13 @@ class GradientAccumulator(tf.Module):
         sums = [tf.identity(s.value()) for s in self.sums]
         regularization = self._regularization()
         if self.private:
-            return self.aggregator.release(sums, self.aggregator.expected_batch_size, regularization=regularization)
+            given = sums
+            if self.aggregator.sparse is not None:  # the one release DPModel uses, on the whole logical batch
+                none = tf.zeros([0], tf.float32)
+                given = ClippedSum(
+                    sums, none, none, selection=(tf.identity(self.sparse_keys), tf.identity(self.sparse_counts))
+                )
+            return self.aggregator.release(given, self.aggregator.expected_batch_size, regularization=regularization)
         count = replicas.global_sum(tf.identity(self.count.value()))
         mean = [tf.math.divide_no_nan(s, tf.cast(count, s.dtype)) for s in sums]
         return add_regularization(mean, regularization)
@@ -312,6 +371,9 @@ class GradientAccumulator(tf.Module):
         for s in self.sums:
             s.assign(tf.zeros_like(s))
         self.count.assign(0.0)
+        if self.private and self.aggregator.sparse is not None:
+            self.sparse_keys.assign(tf.zeros([0], tf.int64))
+            self.sparse_counts.assign(tf.zeros([0], tf.float32))
         if self.privacy_unit == "unit":
             self._seen_units.remove(self._seen_units.export()[0])
 
