@@ -586,13 +586,13 @@ def unit_tables(rule, layer, calls, ids, count) -> list:
     for saved, grads in calls:
         if saved[0] == rev.LOOKUP:
             x = saved[1]
-            rows = tf.reshape(rule._rows(layer, saved, grads), [-1, d])
+            rows = tf.reshape(rule.lookup_rows(layer, saved, grads), [-1, d])
             positions = x.shape[1] if x.shape[1] is not None else tf.shape(x)[1]
             key = tf.repeat(tf.cast(ids, tf.int64), positions) * v + tf.cast(tf.reshape(x, [-1]), tf.int64)
             part = tf.reshape(tf.math.unsorted_segment_sum(rows, key, tf.cast(count, tf.int64) * v), [-1, v, d])
             table = part if table is None else table + part
             continue
-        h, g = rule._projection(layer, saved, grads)
+        h, g = rule.projection_operands(layer, saved, grads)
         part = _unit_projection(h, g, ids, count, layout)  # [U, V, D]
         if layer.tie_weights:
             table = part if table is None else table + part

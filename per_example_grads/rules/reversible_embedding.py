@@ -100,15 +100,15 @@ class ReversibleEmbeddingRule(LayerRule):
     def _dtype(self, layer) -> tf.DType:
         return compute_dtype(layer.embeddings.dtype)
 
-    def _rows(self, layer, saved, grads) -> tf.Tensor:
-        """``r``: ``[B, T, D]`` in the compute dtype, aligned with the flat ids."""
+    def lookup_rows(self, layer, saved, grads) -> tf.Tensor:
+        """``r``: ``[B, T, D]``, a lookup call's output gradient rows in the compute dtype, aligned with the flat ids."""
         _, ids, _ = saved
         return tf.cast(
             tf.reshape(grads[0], [-1, ids.shape[1] or tf.shape(ids)[1], layer.output_dim]), self._dtype(layer)
         )
 
-    def _projection(self, layer, saved, grads) -> tuple[tf.Tensor, tf.Tensor]:
-        """``(h', g)``: ``[B, S, D]`` and ``[B, S, V]`` in the compute dtype."""
+    def projection_operands(self, layer, saved, grads) -> tuple[tf.Tensor, tf.Tensor]:
+        """``(h', g)``: a reversed call's input ``[B, S, D]`` and output gradient ``[B, S, V]`` in the compute dtype."""
         dtype = self._dtype(layer)
         return tf.cast(outer_products.flat_positions(saved[1]), dtype), tf.cast(
             outer_products.flat_positions(grads[0]), dtype
@@ -129,14 +129,14 @@ class ReversibleEmbeddingRule(LayerRule):
         if saved[0] == LOOKUP:
             rows = PerExampleSlices(
                 saved[1],
-                tf.cast(self._rows(layer, saved, grads), layer.embeddings.dtype),
+                tf.cast(self.lookup_rows(layer, saved, grads), layer.embeddings.dtype),
                 tf.TensorShape(layer.embeddings.shape),
             )
             if layer.tie_weights:
                 return [rows]
             v = layer.reverse_embeddings
             return [rows, tf.zeros(tf.concat([tf.shape(saved[1])[:1], v.shape], 0), v.dtype)]
-        h, g = self._projection(layer, saved, grads)
+        h, g = self.projection_operands(layer, saved, grads)
         if layer.tie_weights:
             return [tf.cast(tf.einsum("bsv,bsd->bvd", g, h), layer.embeddings.dtype)]
         v = layer.reverse_embeddings
@@ -158,17 +158,17 @@ class ReversibleEmbeddingRule(LayerRule):
         """
         dtype = self._dtype(layer)
         lookups = [(s, g) for s, g in calls if s[0] == LOOKUP]
-        projections = [self._projection(layer, s, g) for s, g in calls if s[0] == REVERSE]
+        projections = [self.projection_operands(layer, s, g) for s, g in calls if s[0] == REVERSE]
         b = tf.shape((projections[0][0] if projections else lookups[0][1][0]))[0]
 
         # ||S||^2: the rows grouped by id (over every lookup call's ids at once).
         if len(lookups) == 1:
             ((saved, g),) = lookups
-            ids, rows = saved[1], self._rows(layer, saved, g)
+            ids, rows = saved[1], self.lookup_rows(layer, saved, g)
             table = grouped_squared_norms(rows, saved[2])
         elif lookups:
             ids = tf.concat([s[1] for s, _ in lookups], 1)
-            rows = tf.concat([self._rows(layer, s, g) for s, g in lookups], 1)
+            rows = tf.concat([self.lookup_rows(layer, s, g) for s, g in lookups], 1)
             table = grouped_squared_norms(rows, repeated_rows(ids, only_repeated=not in_xla_context()))
         else:
             ids, rows, table = None, None, tf.zeros([b], dtype)
@@ -217,14 +217,14 @@ class ReversibleEmbeddingRule(LayerRule):
         if saved[0] == LOOKUP:
             rows = PerExampleSlices(
                 saved[1],
-                tf.cast(self._rows(layer, saved, grads), layer.embeddings.dtype),
+                tf.cast(self.lookup_rows(layer, saved, grads), layer.embeddings.dtype),
                 tf.TensorShape(layer.embeddings.shape),
             )
             out = [rows.scale(weights).sum_examples()]
             if not layer.tie_weights:
                 out.append(tf.zeros(layer.reverse_embeddings.shape, layer.reverse_embeddings.dtype))
             return out
-        h, g = self._projection(layer, saved, grads)
+        h, g = self.projection_operands(layer, saved, grads)
         # weighted_kernel_sum scales h ([B, T, D]), not g ([B, T, V], V >> D).
         if layer.tie_weights:
             return [tf.cast(outer_products.weighted_kernel_sum(g, h, weights), layer.embeddings.dtype)]
