@@ -547,8 +547,8 @@ class DPAggregator(keras.layers.Layer):
         """
         if clipped is None or clipped.selection is None:
             raise ValueError(
-                "sparse embedding noise needs the rows each example looked up, which only a DPModel step "
-                "(DPAggregator.clipped_sum) counts; GradientAccumulator does not support sparse_embeddings."
+                "sparse embedding noise needs the rows each example looked up, which DPAggregator.clipped_sum "
+                "counts (in a DPModel step or a GradientAccumulator(sparse_embeddings=...)): release got bare sums."
             )
         if self.canaries is not None:
             raise ValueError("a privacy audit's canaries assume the dense release; audit without sparse_embeddings.")
