@@ -279,15 +279,21 @@ def _unit_reference(net, x, y, ids, weights):
     "physical_batch_size", [None, pytest.param(3, marks=pytest.mark.slow), pytest.param(7, marks=pytest.mark.slow)]
 )
 def test_step_clips_each_units_summed_gradient(physical_batch_size):
-    x, y = _xy(len(BATCH_IDS))
+    _assert_step_clips_each_unit_whole(BATCH_IDS, physical_batch_size)
+
+
+def _assert_step_clips_each_unit_whole(unit_ids, physical_batch_size):
+    """``DPAggregator.clipped_sum`` per unit against ``_unit_reference``; returns the ``ClippedSum``."""
+    x, y = _xy(len(unit_ids))
     net = _net()
     aggregator = peg.dp.DPAggregator(l2_norm_clip=CLIP, noise_multiplier=0.0, physical_batch_size=physical_batch_size)
-    clipped = aggregator.clipped_sum(net, sparse_ce, x, y, BATCH_WEIGHTS, unit_ids=BATCH_IDS, rows_per_unit=3)
-    expected, magnitude = _unit_reference(net, x, y, BATCH_IDS, BATCH_WEIGHTS)
+    clipped = aggregator.clipped_sum(net, sparse_ce, x, y, BATCH_WEIGHTS, unit_ids=unit_ids, rows_per_unit=3)
+    expected, magnitude = _unit_reference(net, x, y, unit_ids, BATCH_WEIGHTS)
     p = sum(int(np.prod(v.shape)) for v in net.trainable_variables)
-    rtol = clipped_sum_rtol(p, len(BATCH_IDS)) + 2 * norm_rtol(p) + rounding_rtol(3)  # the factor's norm sums 3 rows
+    rtol = clipped_sum_rtol(p, len(unit_ids)) + 2 * norm_rtol(p) + rounding_rtol(3)  # the factor's norm sums 3 rows
     for got, want, mag in zip(clipped.sums, expected, magnitude):
         assert_close(tf.convert_to_tensor(got).numpy(), want, atol=rtol * mag + EPS32 * np.abs(want))
+    return clipped
     # Per unit: 5 real units (the padding forms no real one), their norms before clipping.
     real = clipped.real.numpy()
     assert real.sum() == 5
@@ -446,15 +452,7 @@ INTERLEAVED = np.array([4, 12, 9, 4, 11, 12, 4, 20, 11, 12, -1, -1])
 
 @pytest.mark.parametrize("physical_batch_size", [None, pytest.param(3, marks=pytest.mark.slow)])
 def test_units_whose_rows_are_not_consecutive_are_clipped_whole(physical_batch_size):
-    x, y = _xy(len(INTERLEAVED))
-    net = _net()
-    aggregator = peg.dp.DPAggregator(l2_norm_clip=CLIP, noise_multiplier=0.0, physical_batch_size=physical_batch_size)
-    clipped = aggregator.clipped_sum(net, sparse_ce, x, y, BATCH_WEIGHTS, unit_ids=INTERLEAVED, rows_per_unit=3)
-    expected, magnitude = _unit_reference(net, x, y, INTERLEAVED, BATCH_WEIGHTS)
-    p = sum(int(np.prod(v.shape)) for v in net.trainable_variables)
-    rtol = clipped_sum_rtol(p, len(INTERLEAVED)) + 2 * norm_rtol(p) + rounding_rtol(3)
-    for got, want, mag in zip(clipped.sums, expected, magnitude):
-        assert_close(tf.convert_to_tensor(got).numpy(), want, atol=rtol * mag + EPS32 * np.abs(want))
+    clipped = _assert_step_clips_each_unit_whole(INTERLEAVED, physical_batch_size)
     assert clipped.real.numpy().sum() == 5  # 4, 12, 9, 11, 20: each one unit
 
 
