@@ -55,7 +55,7 @@ from per_example_grads._core.problem import make_problem
 from per_example_grads.dp.aggregator import ClippedSum, DPAggregator, add_regularization, regularization_gradients
 from per_example_grads.dp.applied_steps import AppliedSteps
 from per_example_grads.dp.noise import NoiseSeed
-from per_example_grads.dp.sparse_embeddings import SparseEmbeddings
+from per_example_grads.dp.sparse_embeddings import SparseEmbeddings, check_sparse_embeddings
 from per_example_grads.engines.selection import check_method
 
 
@@ -150,16 +150,9 @@ class GradientAccumulator(tf.Module):
             raise ValueError(
                 "privacy_unit='unit' needs DP mode (l2_norm_clip): without clipping, units change nothing."
             )
-        if sparse_embeddings is not None and (l2_norm_clip is None or privacy_unit != "example"):
-            raise ValueError(
-                "sparse_embeddings needs DP mode (l2_norm_clip) with privacy_unit='example': its noisy lookup "
-                "counts bound one example's contribution, not one unit's."
-            )
-        if sparse_embeddings is not None and not isinstance(sparse_embeddings, SparseEmbeddings):
-            raise TypeError(
-                "sparse_embeddings must be a per_example_grads.dp.sparse_embeddings.SparseEmbeddings or None; "
-                f"got {sparse_embeddings!r}."
-            )
+        check_sparse_embeddings(sparse_embeddings, privacy_unit)
+        if sparse_embeddings is not None and l2_norm_clip is None:
+            raise ValueError("sparse_embeddings needs DP mode (l2_norm_clip): it is a noise mechanism.")
         self._problem = make_problem(model, loss_fn, variables, training, False)
         self._model, self._loss_fn = model, loss_fn
         self.private = l2_norm_clip is not None

@@ -204,6 +204,28 @@ class SparseEmbeddings:
         return SparseSelection(self, model, layers, variables, float(noise_multiplier))
 
 
+def check_sparse_embeddings(sparse_embeddings: Any, privacy_unit: str) -> None:
+    """Refuses a ``sparse_embeddings=`` setting that no DP step can run (DPModel's and GradientAccumulator's).
+
+    Raises:
+      TypeError: ``sparse_embeddings`` neither None nor a ``SparseEmbeddings``.
+      ValueError: ``privacy_unit`` other than ``"example"``: the noisy lookup
+        counts bound one example's contribution, not one unit's.
+    """
+    if sparse_embeddings is None:
+        return
+    if not isinstance(sparse_embeddings, SparseEmbeddings):
+        raise TypeError(
+            "sparse_embeddings must be a per_example_grads.dp.sparse_embeddings.SparseEmbeddings or None; "
+            f"got {sparse_embeddings!r}."
+        )
+    if privacy_unit != "example":
+        raise ValueError(
+            "sparse_embeddings needs privacy_unit='example': its noisy lookup counts bound one example's "
+            "contribution, not one unit's."
+        )
+
+
 def _is_tied(layer) -> bool:
     return bool(getattr(layer, "tie_weights", False))
 
@@ -503,4 +525,11 @@ def bernoulli_positions(n: int, p: float, key: tf.Tensor) -> tf.Tensor:
     return tf.boolean_mask(positions, positions < n)
 
 
-__all__ = ["SparseEmbeddings", "SparseSelection", "bernoulli_positions", "gaussian_tail", "noise_multipliers"]
+__all__ = [
+    "SparseEmbeddings",
+    "SparseSelection",
+    "bernoulli_positions",
+    "check_sparse_embeddings",
+    "gaussian_tail",
+    "noise_multipliers",
+]

@@ -20,7 +20,7 @@ from per_example_grads.dp.aggregator import DPAggregator, whole_units_on_replica
 from per_example_grads.dp.budget import PrivacyBudget
 from per_example_grads.dp.mechanisms import NoiseMechanism
 from per_example_grads.dp.sampling import PoissonSampling
-from per_example_grads.dp.sparse_embeddings import SparseEmbeddings
+from per_example_grads.dp.sparse_embeddings import SparseEmbeddings, check_sparse_embeddings
 from per_example_grads.keras import network_guard
 from per_example_grads.keras.training_data import rows_of_fit_data
 
@@ -249,11 +249,7 @@ class DPModel(keras.Model):
     ):
         super().__init__(**kwargs)
         check_choice("privacy_unit", privacy_unit, ("example", "unit"))
-        if privacy_unit == "unit" and sparse_embeddings is not None:
-            raise ValueError(
-                "sparse_embeddings is not available with privacy_unit='unit': its noisy lookup count is "
-                "bounded per example, not per unit."
-            )
+        check_sparse_embeddings(sparse_embeddings, privacy_unit)
         if privacy_unit == "unit" and adaptive_clipping is not None:
             raise ValueError("adaptive_clipping is not available with privacy_unit='unit': give a fixed l2_norm_clip.")
         self.privacy_unit = privacy_unit
@@ -274,10 +270,6 @@ class DPModel(keras.Model):
         validation.check_model(model, training=True)
         self.aggregator.attach(model.trainable_variables)
         if sparse_embeddings is not None:
-            if not isinstance(sparse_embeddings, SparseEmbeddings):
-                raise TypeError(
-                    f"sparse_embeddings must be a per_example_grads.dp.sparse_embeddings.SparseEmbeddings or None; got {sparse_embeddings!r}."
-                )
             self.aggregator.sparse = sparse_embeddings.bind(
                 model,
                 model.trainable_variables,
