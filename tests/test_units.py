@@ -137,6 +137,48 @@ def test_shared_layers_and_embeddings():
     _check(model, sparse_ce, x, y, IDS, NUM_UNITS, clip=0.1, positions=10)
 
 
+# Units of 2 rows, interleaved, one id (8) with none: U R = 18 <= 2 B, so an Embedding's grouped norms sort unit by unit.
+EVEN_IDS = np.array([5, 0, 1, 1, 3, 2, 7, 3, 4, 0, 6, 6, 7, 2, 5, 4], np.int32)
+
+
+@pytest.mark.slow
+def test_shared_layers_and_embeddings_in_even_units():
+    model, x, y = _shared_model()
+    _check(model, sparse_ce, x, y, EVEN_IDS, 9, clip=0.1, positions=10)
+
+
+@pytest.mark.parametrize("ids", [EVEN_IDS, IDS, np.zeros(B, np.int32), np.arange(B, dtype=np.int32)])
+def test_embedding_unit_norms_by_both_sorts(ids):
+    """Both forms of an Embedding's ``||G_u||^2`` against a dictionary sum in float64.
+
+    Ids from a vocabulary of 6 over 5 positions, so they repeat within
+    examples and across a unit's examples. Tolerance: the float32 sums of
+    the ``m_u`` rows of a unit (``rounding_rtol(m_u)`` of the sum of their
+    absolute values per entry), doubled by the square, against
+    ``(sum_r ||g_r||)^2``.
+    """
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 6, (B, 5)).astype("int32")
+    g = rng.normal(size=(B, 5, 3)).astype("float32")
+    count = int(ids.max()) + 2  # one unit with no rows
+    want, scale = np.zeros(count), np.zeros(count)
+    for u in range(count):
+        rows = [(v, r) for n in np.flatnonzero(ids == u) for v, r in zip(x[n], g[n].astype(np.float64))]
+        sums = {}
+        for v, r in rows:
+            sums[v] = sums.get(v, 0.0) + r
+        want[u] = sum(float(np.sum(s**2)) for s in sums.values())
+        scale[u] = sum(float(np.linalg.norm(r)) for _, r in rows)
+    atol = 2 * rounding_rtol(5 * B) * scale**2 + 1e-30
+    t_ids = tf.constant(ids)
+    by_unit = grouped_rules.unit_embedding_squared_norms(tf.constant(x), tf.constant(g), t_ids, count)
+    by_one = grouped_rules.embedding_squared_norms(
+        tf.reshape(x, [-1]), tf.reshape(g, [-1, 3]), tf.repeat(t_ids, 5), 6, count
+    )
+    for got in (by_unit, by_one):
+        np.testing.assert_array_less(np.abs(np.asarray(got, np.float64) - want), atol)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["reversible_tied", "reversible_untied", "reversible_two_lookups"])
 def test_reversible_embeddings(name, monkeypatch):
@@ -405,3 +447,20 @@ def test_the_three_dense_forms_agree_with_numpy():
     scale = np.array([terms[IDS == u].sum() ** 2 for u in range(NUM_UNITS)])
     for name, got in forms.items():
         assert_close(got, want, atol=(rounding_rtol(32**2) + 2 * rounding_rtol(5)) * scale, err_msg=name)
+
+
+@pytest.mark.parametrize("num_units", [0, 3])
+def test_empty_batch_of_units(num_units):
+    """No rows: zero norms for every unit and zero sums, eagerly and traced (a Dense and an Embedding's grouped forms)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((4,), dtype="int32"), keras.layers.Embedding(10, 3), keras.layers.Flatten(), keras.layers.Dense(2)]
+    )
+    x, y = np.zeros((0, 4), "int32"), np.zeros((0,), "int32")
+    kwargs = dict(unit_ids=np.zeros(0, np.int32), num_units=num_units, method="layerwise")
+    assert np.array_equal(peg.per_example_norms(model, sparse_ce, x, y, **kwargs), np.zeros(num_units))
+    traced = tf.function(
+        lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=1.0, **kwargs), autograph=False
+    )
+    for s in traced(x, y):
+        assert not np.any(np.asarray(tf.convert_to_tensor(s)))

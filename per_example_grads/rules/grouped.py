@@ -34,8 +34,12 @@ Grouped forms:
   form over each unit's examples laid end to end as one padded example
   (``unit_examples``: ``[U, R T, i]``, ``R`` the most examples of any unit),
   or each unit's ``[i, j]`` kernel built from those. The bias's is the unit's summed ``g``, ``[U, j]``.
-- Embedding: ``||G_u||^2 = sum_v ||sum_{r in u: x_r = v} g_r||^2``, the rows
-  grouped by (unit, id) by one sort of ``B T`` keys, cost ``O(B T D)``.
+- Embedding: ``||G_u||^2 = sum_v ||sum_{r in u: x_r = v} g_r||^2``: each
+  unit's ids sorted (``[U, R T]``, the example-level rule's sort with units
+  for examples) and only the rows whose id repeats in their unit summed by
+  group, cost ``O(B T D)``; with units so uneven that the padded layout
+  would more than double the rows, and under XLA, one sort of all ``B T``
+  (unit, id) keys.
 - Conv1D/2D/3D and their transposed versions (``rules.grouped_conv``):
   per-unit kernels from every example's, or the Gram form over each unit's
   positions, by cost.
@@ -71,7 +75,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import string
-from typing import Any, Callable, Sequence
+import weakref
+from typing import Any, Callable, NamedTuple, Sequence
 
 import tensorflow as tf
 
@@ -246,28 +251,65 @@ def _nonnegative(t: tf.Tensor) -> tf.Tensor:
     return tf.maximum(t, tf.zeros_like(t))
 
 
-def _layout(ids: tf.Tensor, count):
-    """``(scatter indices [B, 2], order [B], R)``: where each example goes in a ``[U, R, ...]`` padded layout, ``R`` the most examples of any unit."""
+class Layout(NamedTuple):
+    """Where each row goes when each unit's rows are laid end to end (``_layout``).
+
+    Attributes:
+      index: ``[B, 2]`` int32 ``(unit, rank within the unit)`` of each row, in ``order``.
+      order: ``[B]`` int32, the rows sorted by unit (stable).
+      r: scalar int32 ``R``, the most rows of any unit (at least 1).
+      source: ``[U, R]`` int32, the row at each ``(unit, rank)``, -1 for padding.
+    """
+
+    index: tf.Tensor
+    order: tf.Tensor
+    r: tf.Tensor
+    source: tf.Tensor
+
+
+_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> {(ids, count): Layout}
+
+
+def _layout(ids: tf.Tensor, count) -> Layout:
+    """The ``Layout`` of units ``ids`` ``[B]`` in ``[0, count)``, built once per graph for every layer's grouped form."""
+    if tf.executing_eagerly() or not tf.is_tensor(ids):
+        return _new_layout(ids, count)
+    layouts = _LAYOUTS.setdefault(tf.compat.v1.get_default_graph(), {})
+    key = (ids.ref(), count.ref() if tf.is_tensor(count) else count)
+    if key not in layouts:
+        layouts[key] = _new_layout(ids, count)
+    return layouts[key]
+
+
+def _new_layout(ids: tf.Tensor, count) -> Layout:
     counts = tf.math.unsorted_segment_sum(tf.ones_like(ids), ids, count)
     order = tf.argsort(ids, stable=True)
     unit = tf.gather(ids, order)
     rank = tf.range(tf.shape(ids)[0]) - tf.gather(tf.cumsum(counts, exclusive=True), unit)
     r = tf.maximum(tf.reduce_max(tf.concat([counts, [0]], 0)), 1)
-    return tf.stack([unit, rank], 1), order, r
+    index = tf.stack([unit, rank], 1)
+    source = tf.scatter_nd(index, order + 1, tf.stack([tf.cast(count, tf.int32), r])) - 1
+    return Layout(index, order, r, source)
 
 
-def unit_examples(t: tf.Tensor, ids: tf.Tensor, count, layout=None) -> tf.Tensor:
+def _padded_rows(flat: tf.Tensor, source: tf.Tensor) -> tf.Tensor:
+    """``[*source.shape, F]``: ``flat[source]`` ``[B, F]``, zeros where ``source`` is -1 (one gather, no scatter)."""
+    # One zero row to gather from when B = 0 (Pad forwards its input when nothing is padded).
+    safe = tf.pad(flat, [[0, tf.cast(tf.equal(tf.shape(flat)[0], 0), tf.int32)], [0, 0]])
+    rows = tf.gather(safe, tf.maximum(source, 0))
+    return tf.where((source >= 0)[..., None], rows, tf.zeros([], rows.dtype))
+
+
+def unit_examples(t: tf.Tensor, ids: tf.Tensor, count, layout: Layout | None = None) -> tf.Tensor:
     """``[B, P, ...]`` -> ``[U, R P, ...]``: each unit's examples laid end to end as the positions of one example.
 
     Examples keep their order within a unit; a unit with fewer than ``R``
     examples (``R`` the most of any unit) is padded with zeros. ``layout``:
     ``_layout(ids, count)`` when already computed.
     """
-    index, order, r = _layout(ids, count) if layout is None else layout
+    layout = _layout(ids, count) if layout is None else layout
     rest = t.shape[2:]
-    flat = tf.reshape(t, [tf.shape(t)[0], -1])
-    shape = tf.stack([tf.cast(count, tf.int32), r, tf.shape(flat)[1]])
-    padded = tf.scatter_nd(index, tf.gather(flat, order), shape)  # [U, R, P * prod(rest)]
+    padded = _padded_rows(tf.reshape(t, [tf.shape(t)[0], -1]), layout.source)  # [U, R, P * prod(rest)]
     return tf.reshape(padded, tf.concat([[tf.shape(padded)[0], -1], tf.constant(rest.as_list(), tf.int32)], 0))
 
 
@@ -307,7 +349,7 @@ def kernel_squared_norms(pairs: Sequence[tuple[tf.Tensor, tf.Tensor]], ids: tf.T
         masked_cost = tf.where(n * n <= GRAM_LIMIT, n * n * (i + j), tf.constant(float("inf"), tf.float64))
     layout = _layout(ids, count)
     total_t = tf.cast(sum(tf.shape(a)[1] for a, _ in pairs), tf.float64)
-    units, s = tf.cast(count, tf.float64), tf.cast(layout[2], tf.float64) * total_t
+    units, s = tf.cast(count, tf.float64), tf.cast(layout.r, tf.float64) * total_t
     costs = tf.stack([masked_cost, units * s * s * (i + j), units * s * i * j + 2 * units * i * j])
     choice = tf.argmin(costs, output_type=tf.int32)
     branches = [
@@ -431,9 +473,9 @@ def embedding_squared_norms(
     key = tf.cast(row_ids, tf.int64) * vocabulary + tf.cast(flat_ids, tf.int64)
     order = tf.argsort(key, stable=True)
     sorted_key = tf.gather(key, order)
-    first = tf.concat([tf.ones([1], tf.bool), sorted_key[1:] != sorted_key[:-1]], 0)
-    run = tf.cumsum(tf.cast(first, tf.int32)) - 1
     n = tf.shape(key)[0]
+    first = tf.concat([tf.ones(tf.minimum(n, 1)[None], tf.bool), sorted_key[1:] != sorted_key[:-1]], 0)
+    run = tf.cumsum(tf.cast(first, tf.int32)) - 1
     sums = tf.math.unsorted_segment_sum(tf.gather(rows, order), run, n)
     squares = tf.reduce_sum(tf.square(sums), axis=1)
     unit = tf.cast(sorted_key // vocabulary, tf.int32)
@@ -442,17 +484,59 @@ def embedding_squared_norms(
     )
 
 
+def unit_embedding_squared_norms(x: tf.Tensor, g: tf.Tensor, ids: tf.Tensor, count, layout=None) -> tf.Tensor:
+    """``[U]``: ``sum_v ||sum_{r in u: x_r = v} g_r||^2`` from ids ``x`` ``[B, T]`` and rows ``g`` ``[B, T, D]``.
+
+    Each unit's ids are laid end to end (``_layout``: ``[U, R T]``, padding
+    positions given distinct negative ids, so that they never repeat) and
+    sorted unit by unit (``repeated_rows``, as the example-level rule sorts
+    each example's): only the rows whose id repeats within their unit are
+    gathered and summed by group; every other row adds its own
+    ``||g_r||^2``. Sorting ``U`` rows of ``R T`` ids costs about what the
+    example-level sort of ``B`` rows of ``T`` does when units are even
+    (``U R = B``), and nothing of size ``V`` or ``U R T D`` is built.
+    """
+    b, t = tf.shape(x)[0], tf.shape(x)[1]
+    layout = _layout(ids, count) if layout is None else layout
+    u = tf.cast(count, tf.int32)
+    # 1 + the flat row n T + t of each unit position, 0 for padding
+    rows = tf.reshape(tf.range(1, b * t + 1), [b, t])
+    where = tf.reshape(_padded_rows(rows, layout.source), [u, -1])  # [U, R T]
+    padding = -tf.reshape(tf.range(1, tf.size(where) + 1), [u, -1])
+    unit_ids = tf.where(where > 0, tf.gather(tf.reshape(x, [-1]), tf.maximum(where, 1) - 1), padding)
+    repeats = repeated_rows(unit_ids, only_repeated=True)
+    source = tf.gather(tf.reshape(where, [-1]), repeats.rows) - 1  # the repeated rows' flat rows in g (never padding)
+    flat = tf.reshape(g, [-1, tf.shape(g)[2]])  # [B T, D]
+    n = tf.shape(source)[0]
+    sums = tf.math.unsorted_segment_sum(tf.gather(flat, source), repeats.group, n)  # group k's sum in row k
+    owner = tf.maximum(tf.math.unsorted_segment_max(repeats.example, repeats.group, n), 0)  # group k's unit
+    grouped = tf.math.unsorted_segment_sum(tf.reduce_sum(tf.square(sums), axis=1), owner, count)
+    repeated = tf.scatter_nd(source[:, None], tf.ones([n], flat.dtype), [b * t])
+    alone = tf.reduce_sum(tf.reshape(tf.reduce_sum(tf.square(flat), axis=1) * (1 - repeated), [b, t]), axis=1)
+    return tf.math.unsorted_segment_sum(alone, ids, count) + grouped
+
+
 def _embedding_norms(rule, layer, calls, ids, count):
-    flat, rows, row_ids = [], [], []
+    """By the unit sort (``unit_embedding_squared_norms``) while the padded layout at most doubles the rows; else, and
+    under XLA (static shapes), by one sort of all rows (``embedding_squared_norms``)."""
+    flat, rows = [], []
     for (x, _), grads in calls:  # saved: (flat ids [B, T], repeats)
-        t = x.shape[1] if x.shape[1] is not None else tf.shape(x)[1]
-        flat.append(tf.reshape(x, [-1]))
-        g = tf.reshape(grads[0], [-1, layer.output_dim])
+        flat.append(x)
+        g = tf.reshape(grads[0], [tf.shape(x)[0], -1, layer.output_dim])
         rows.append(tf.cast(g, compute_dtype(g.dtype)))
-        row_ids.append(tf.repeat(ids, t))
-    return [
-        embedding_squared_norms(tf.concat(flat, 0), tf.concat(rows, 0), tf.concat(row_ids, 0), layer.input_dim, count)
-    ]
+    x, g = (flat[0], rows[0]) if len(calls) == 1 else (tf.concat(flat, 1), tf.concat(rows, 1))
+
+    def by_one_sort():
+        t = x.shape[1] if x.shape[1] is not None else tf.shape(x)[1]
+        return embedding_squared_norms(
+            tf.reshape(x, [-1]), tf.reshape(g, [-1, layer.output_dim]), tf.repeat(ids, t), layer.input_dim, count
+        )
+
+    if in_xla_context():
+        return [by_one_sort()]
+    layout = _layout(ids, count)
+    padded = tf.cast(count, tf.int32) * layout.r <= 2 * tf.shape(ids)[0]
+    return [tf.cond(padded, lambda: unit_embedding_squared_norms(x, g, ids, count, layout), by_one_sort)]
 
 
 # -- ReversibleEmbedding: per-unit tables, or each unit's rows as one padded example --
@@ -565,7 +649,7 @@ def _unit_projection(h: tf.Tensor, g: tf.Tensor, ids: tf.Tensor, count, layout) 
     def by_units():
         return tf.matmul(unit_examples(g, ids, count, layout), unit_examples(h, ids, count, layout), transpose_a=True)
 
-    padded = tf.cast(count, tf.int32) * layout[2] <= 2 * tf.shape(ids)[0]
+    padded = tf.cast(count, tf.int32) * layout.r <= 2 * tf.shape(ids)[0]
     return tf.cond(padded, by_units, by_examples)
 
 

@@ -78,7 +78,7 @@ def _conv_parts(rule, layer, calls, ids, count, keep) -> grouped.UnitParts:
 
     if CONV_FORM == "gram":
         return grouped.UnitParts(gram_norms())
-    r = tf.cast(layout[2], tf.float64)
+    r = tf.cast(layout.r, tf.float64)
     by_kernels, by_gram = conv_costs(shape, count, r, False, False)
     norms = tf.cond(by_gram < by_kernels, gram_norms, lambda: [tf.cast(n, WIDE) for n in kernels(False).norms])
     return grouped.UnitParts(list(norms))
