@@ -434,19 +434,25 @@ def test_the_three_dense_forms_agree_with_numpy():
         return sum(np.einsum("nti,ntj->ij", a[IDS == u].astype(np.float64), g[IDS == u]) for a, g in pairs)
 
     want = np.array([np.sum(kernel(u) ** 2) for u in range(NUM_UNITS)])
+    want_bias = np.array(
+        [np.sum(sum(g[IDS == u].astype(np.float64).sum(axis=(0, 1)) for _, g in pairs) ** 2) for u in range(NUM_UNITS)]
+    )
     layout = grouped_rules._layout(ids, NUM_UNITS)
     tf_pairs = [(tf.constant(a), tf.constant(g)) for a, g in pairs]
     forms = {
-        "masked_gram": grouped_rules._masked_gram(tf_pairs, ids, NUM_UNITS),
-        "unit_gram": grouped_rules._unit_gram(tf_pairs, ids, NUM_UNITS, layout),
-        "unit_kernels": grouped_rules._unit_kernels(tf_pairs, ids, NUM_UNITS, layout),
-        "picked": grouped_rules.kernel_squared_norms(tf_pairs, ids, NUM_UNITS),
+        "masked_gram": grouped_rules._masked_gram(tf_pairs, ids, NUM_UNITS, bias=True),
+        "unit_gram": grouped_rules._unit_gram(tf_pairs, ids, NUM_UNITS, layout, bias=True),
+        "unit_kernels": grouped_rules._unit_kernels(tf_pairs, ids, NUM_UNITS, layout, bias=True),
+        "picked": grouped_rules.kernel_squared_norms(tf_pairs, ids, NUM_UNITS, bias=True),
     }
-    # sums of at most (8 rows x 4 positions)^2 pair terms, each at most |a_r||g_r||a_s||g_s|
+    # sums of at most (8 rows x 4 positions)^2 pair terms, each at most |a_r||g_r||a_s||g_s| (|g_r||g_s| for the bias)
     terms = sum(np.sum(np.linalg.norm(a, axis=2) * np.linalg.norm(g, axis=2), axis=1) for a, g in pairs)
+    bias_terms = sum(np.sum(np.linalg.norm(g, axis=2), axis=1) for _, g in pairs)
     scale = np.array([terms[IDS == u].sum() ** 2 for u in range(NUM_UNITS)])
-    for name, got in forms.items():
+    bias_scale = np.array([bias_terms[IDS == u].sum() ** 2 for u in range(NUM_UNITS)])
+    for name, (got, got_bias) in forms.items():
         assert_close(got, want, atol=(rounding_rtol(32**2) + 2 * rounding_rtol(5)) * scale, err_msg=name)
+        assert_close(got_bias, want_bias, atol=(rounding_rtol(32**2) + 2 * rounding_rtol(3)) * bias_scale, err_msg=name)
 
 
 @pytest.mark.parametrize("num_units", [0, 3])
