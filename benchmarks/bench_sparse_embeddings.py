@@ -1,7 +1,7 @@
 """Sparse embedding noise against dense DP-SGD: epoch time, step memory, utility on Zipf-distributed ids.
 
     python benchmarks/bench_sparse_embeddings.py speed     # epochs, round-robin (~5 min on 2 CPUs)
-    python benchmarks/bench_sparse_embeddings.py memory    # one process per configuration
+    python benchmarks/bench_sparse_embeddings.py memory    # step memory, one process per configuration
     python benchmarks/bench_sparse_embeddings.py utility   # eps 1, 3, 8; 3 seeds (~10 min)
 
 ``speed``: for the zoo's embedding bag (20,000 x 32 table, 64 ids per
@@ -13,9 +13,13 @@ Epochs are timed round-robin from ``on_epoch_begin`` to ``on_epoch_end``
 (the first, tracing epoch untimed); medians, and their ratio to the plain
 epoch.
 
-``memory``: each configuration in its own process: the peak resident
-memory (``ru_maxrss``) it reaches over two epochs, less the resident memory
-once the model is built.
+``memory``: the memory of one step. Each (model, configuration) in its own
+process that builds only that model and runs ``--warmup`` steps (tracing,
+optimizer state); then, for each of ``--windows`` windows of ``--steps``
+steps, the peak resident set (``VmHWM``, reset through
+``/proc/self/clear_refs`` at the window's start) less the resident set at
+its start; the median window is reported, with the rows the table's update
+touched per step and the update's analytic size.
 
 ``utility``: a synthetic recommendation task. Items ``v < V = 20,000`` have
 hidden scores ``s_v ~ N(0, 1)``; an example is 8 items drawn from a Zipf
@@ -32,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -140,37 +143,120 @@ def speed(args) -> None:
             print(f"| {k} | {med:.3f} | {med / plain:.2f}x |")
 
 
-def _memory_child(name: str, label: str) -> None:
-    import gc
-
-    fit = configurations(name)[label]
-    gc.collect()
-    base = _rss_kb()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        timer = _EpochTimer()
-        fit(timer.callback)
-        fit(timer.callback)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(f"RESULT {(peak - base) / 1024:.0f}")
+MODES = ("plain", "dp dense noise", "dp sparse selection")
 
 
-def _rss_kb() -> int:
+def _status_kb(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
-    return 0
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _memory_child(name: str, label: str, warmup: int, steps: int, windows: int) -> None:
+    """Prints ``RESULT <median peak RSS growth over a window of steps, MiB> <mean rows updated> <each window's>``."""
+    import gc
+
+    import keras
+    import numpy as np
+
+    import per_example_grads as peg
+    from per_example_grads.dp.sparse_embeddings import SparseEmbeddings
+
+    vocab, dim, n = MODELS[name]
+    x, y = _data(vocab, n)
+    keras.utils.set_random_seed(0)
+    m = _bag(vocab, dim)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if label == "plain":
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+
+        def fit(k, callbacks=()):
+            m.fit(x[: k * B], y[: k * B], batch_size=B, epochs=1, verbose=0, shuffle=False, callbacks=list(callbacks))
+    else:
+        sparse = SparseEmbeddings() if label == "dp sparse selection" else None
+        dp = peg.keras.DPModel(m, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0, sparse_embeddings=sparse)
+        dp.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+        first = [0]
+
+        def fit(k, callbacks=()):
+            data = peg.dp.poisson_batches(x, y, sampling_probability=B / n, steps=k, seed=0, first_step=first[0])
+            first[0] += k
+            dp.fit(data, epochs=1, verbose=0, callbacks=list(callbacks))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fit(warmup)  # builds, traces, allocates the optimizer's state
+        growth = []
+        for _ in range(windows):
+            gc.collect()
+            base = _status_kb("VmRSS")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM, the peak resident set, to the current one
+            fit(steps)
+            growth.append((_status_kb("VmHWM") - base) / 1024)
+        rows = []
+
+        class Rows(keras.callbacks.Callback):  # after the measurement: the copies would count in it
+            def on_train_batch_begin(self, batch, logs=None):
+                self.before = m.layers[0].embeddings.numpy()
+
+            def on_train_batch_end(self, batch, logs=None):
+                rows.append(int(np.any(m.layers[0].embeddings.numpy() != self.before, axis=1).sum()))
+
+        fit(3, [Rows()])
+    print(f"RESULT {statistics.median(growth):.1f} {statistics.mean(rows):.0f} " + ",".join(f"{g:.1f}" for g in growth))
 
 
 def memory(args) -> None:
-    print("| model | configuration | peak RSS over the build (MiB) |")
-    print("|---|---|---|")
+    """One process per (model, configuration): the peak RSS growth over ``--steps`` steps after ``--warmup`` steps.
+
+    The children run with glibc's mmap threshold fixed at 64 KiB and trimming
+    on, so that a step's buffers are returned to the system when freed
+    instead of staying in the heap from the warm-up (where they would not show
+    as growth). The update's analytic size: dense noise writes ``V D``
+    float32; a plain step's embedding gradient is an ``IndexedSlices`` of the
+    ``B T`` looked-up rows (``D`` float32 and one int index each); the sparse
+    step's, of the selected rows ``S`` (the rows the step changed, counted
+    over 3 further steps).
+    """
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    print(
+        f"warm-up {args.warmup} steps, then the peak RSS growth over each of {args.windows} windows of {args.steps} "
+        f"steps (median, and each window's); expected batch {B}, {T} ids per example"
+    )
+    print("| model | configuration | peak RSS growth in a window (MiB) | rows updated per step | update size (MiB) |")
+    print("|---|---|---|---|---|")
     for name in args.models.split(","):
-        for label in ("plain", "dp dense noise", "dp sparse selection"):
-            out = subprocess.run([sys.executable, __file__, "_memory", name, label], capture_output=True, text=True)
-            got = [l.split()[1] for l in out.stdout.splitlines() if l.startswith("RESULT")]
-            print(f"| {name} | {label} | {got[0] if got else 'failed: ' + out.stderr[-300:]} |")
+        vocab, dim, _ = MODELS[name]
+        for label in MODES:
+            cmd = [
+                sys.executable,
+                __file__,
+                "_memory",
+                name,
+                label,
+                str(args.warmup),
+                str(args.steps),
+                str(args.windows),
+            ]
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            got = [l.split()[1:] for l in out.stdout.splitlines() if l.startswith("RESULT")]
+            if not got:
+                print(f"| {name} | {label} | failed: {out.stderr[-300:]} | | |")
+                continue
+            growth, rows, each = float(got[0][0]), int(got[0][1]), got[0][2]
+            if label == "dp dense noise":
+                size = vocab * dim * 4
+            elif label == "plain":
+                size = B * T * (dim * 4 + 4)  # the looked-up rows, repeats included (int32 indices)
+            else:
+                size = rows * (dim * 4 + 8)  # the selected rows (int64 indices)
+            print(
+                f"| {name} ({vocab:,} x {dim}) | {label} | {growth:.1f} ({each}) | {rows:,} | {size / 2**20:.2f} |",
+                flush=True,
+            )
 
 
 def _zipf_task(seed: int, vocab: int = 20_000, n: int = 20_000, n_test: int = 5_000, k: int = 8):
@@ -266,13 +352,16 @@ def grid(args) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_memory":
-        _memory_child(sys.argv[2], sys.argv[3])
+        _memory_child(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("what", choices=["speed", "memory", "utility", "grid"])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3, help="memory: steps before the measurement")
+    parser.add_argument("--steps", type=int, default=10, help="memory: steps per measured window")
+    parser.add_argument("--windows", type=int, default=3, help="memory: measured windows (median reported)")
     parser.add_argument("--epsilons", default="1,3,8")
     parser.add_argument("--shares", default="0.1,0.3,0.5", help="grid: selection_share values")
     parser.add_argument("--fprs", default="1e-4,1e-3,1e-2", help="grid: false_positive_rate values")
