@@ -225,6 +225,9 @@ def _without_nonfinite_examples(clipped_sums, batch, sums, norms, variables, uni
     batch. The recomputation runs only for batches that have such an
     example; the count is ``sum(~finite_examples(norms))`` (real rows only).
 
+    ``clipped_sums`` None: the engine already left such examples out
+    (``engines.layerwise.EXCLUDES_NONFINITE``); only the warning is given.
+
     With ``units`` (``engines.grouped.Units``) the norms are per unit, and
     every row of a unit with a non-finite norm is replaced so: that unit
     contributes exactly zero, the others are unchanged.
