@@ -69,17 +69,34 @@ def _norm_atol(units, scale, ids, positions):
 
 
 def _check(
-    model, loss_fn, x, y, ids, num_units, *, clip, method="layerwise", positions=1, sample_weight=None, reference=None
+    model,
+    loss_fn,
+    x,
+    y,
+    ids,
+    num_units,
+    *,
+    clip,
+    method="layerwise",
+    positions=1,
+    sample_weight=None,
+    reference=None,
+    jit_compile=False,
 ):
+    """``jit_compile``: the norms and the clipped sum each under ``tf.function(jit_compile=True)`` (XLA)."""
     rows, units, scale = reference or _reference(model, loss_fn, x, y, ids, num_units, sample_weight)
     ref_norms, atol = _norm_atol(units, scale, ids, positions)
     kwargs = dict(method=method, unit_ids=ids, num_units=num_units, sample_weight=sample_weight)
-    norms = peg.per_example_norms(model, loss_fn, x, y, **kwargs)
+    norms_fn, clipped_fn = peg.per_example_norms, peg.clipped_gradients
+    if jit_compile:
+        norms_fn = tf.function(peg.per_example_norms, jit_compile=True, autograph=False)
+        clipped_fn = tf.function(peg.clipped_gradients, jit_compile=True, autograph=False)
+    norms = norms_fn(model, loss_fn, x, y, **kwargs)
     assert norms.shape == (num_units,)
     assert_close(norms, ref_norms, atol=atol, err_msg="unit norms")
     assert np.all(np.asarray(norms)[np.bincount(ids, minlength=num_units) == 0] == 0), "a unit without rows has norm 0"
 
-    sums, clipped_norms = peg.clipped_gradients(model, loss_fn, x, y, l2_norm_clip=clip, return_norms=True, **kwargs)
+    sums, clipped_norms = clipped_fn(model, loss_fn, x, y, l2_norm_clip=clip, return_norms=True, **kwargs)
     assert_close(clipped_norms, ref_norms, atol=atol, err_msg="clipped norms")
     factors = clip / np.maximum(ref_norms, clip)
     factor_rtol = np.where(ref_norms > clip, atol / np.maximum(ref_norms, 1e-300), 0.0) + EPS32
@@ -145,6 +162,13 @@ EVEN_IDS = np.array([5, 0, 1, 1, 3, 2, 7, 3, 4, 0, 6, 6, 7, 2, 5, 4], np.int32)
 def test_shared_layers_and_embeddings_in_even_units():
     model, x, y = _shared_model()
     _check(model, sparse_ce, x, y, EVEN_IDS, 9, clip=0.1, positions=10)
+
+
+@pytest.mark.slow
+def test_shared_layers_and_embeddings_under_xla():
+    """The forms XLA takes (static shapes): the masked Gram with its bias, the Embedding's one sort of all rows."""
+    model, x, y = _shared_model()
+    _check(model, sparse_ce, x, y, IDS, NUM_UNITS, clip=0.1, positions=10, jit_compile=True)
 
 
 @pytest.mark.parametrize("ids", [EVEN_IDS, IDS, np.zeros(B, np.int32), np.arange(B, dtype=np.int32)])
@@ -434,19 +458,25 @@ def test_the_three_dense_forms_agree_with_numpy():
         return sum(np.einsum("nti,ntj->ij", a[IDS == u].astype(np.float64), g[IDS == u]) for a, g in pairs)
 
     want = np.array([np.sum(kernel(u) ** 2) for u in range(NUM_UNITS)])
+    want_bias = np.array(
+        [np.sum(sum(g[IDS == u].astype(np.float64).sum(axis=(0, 1)) for _, g in pairs) ** 2) for u in range(NUM_UNITS)]
+    )
     layout = grouped_rules._layout(ids, NUM_UNITS)
     tf_pairs = [(tf.constant(a), tf.constant(g)) for a, g in pairs]
     forms = {
-        "masked_gram": grouped_rules._masked_gram(tf_pairs, ids, NUM_UNITS),
-        "unit_gram": grouped_rules._unit_gram(tf_pairs, ids, NUM_UNITS, layout),
-        "unit_kernels": grouped_rules._unit_kernels(tf_pairs, ids, NUM_UNITS, layout),
-        "picked": grouped_rules.kernel_squared_norms(tf_pairs, ids, NUM_UNITS),
+        "masked_gram": grouped_rules._masked_gram(tf_pairs, ids, NUM_UNITS, bias=True),
+        "unit_gram": grouped_rules._unit_gram(tf_pairs, ids, NUM_UNITS, layout, bias=True),
+        "unit_kernels": grouped_rules._unit_kernels(tf_pairs, ids, NUM_UNITS, layout, bias=True),
+        "picked": grouped_rules.kernel_squared_norms(tf_pairs, ids, NUM_UNITS, bias=True),
     }
-    # sums of at most (8 rows x 4 positions)^2 pair terms, each at most |a_r||g_r||a_s||g_s|
+    # sums of at most (8 rows x 4 positions)^2 pair terms, each at most |a_r||g_r||a_s||g_s| (|g_r||g_s| for the bias)
     terms = sum(np.sum(np.linalg.norm(a, axis=2) * np.linalg.norm(g, axis=2), axis=1) for a, g in pairs)
+    bias_terms = sum(np.sum(np.linalg.norm(g, axis=2), axis=1) for _, g in pairs)
     scale = np.array([terms[IDS == u].sum() ** 2 for u in range(NUM_UNITS)])
-    for name, got in forms.items():
+    bias_scale = np.array([bias_terms[IDS == u].sum() ** 2 for u in range(NUM_UNITS)])
+    for name, (got, got_bias) in forms.items():
         assert_close(got, want, atol=(rounding_rtol(32**2) + 2 * rounding_rtol(5)) * scale, err_msg=name)
+        assert_close(got_bias, want_bias, atol=(rounding_rtol(32**2) + 2 * rounding_rtol(3)) * bias_scale, err_msg=name)
 
 
 @pytest.mark.parametrize("num_units", [0, 3])

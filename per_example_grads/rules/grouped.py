@@ -294,9 +294,7 @@ def _new_layout(ids: tf.Tensor, count) -> Layout:
 
 def _padded_rows(flat: tf.Tensor, source: tf.Tensor) -> tf.Tensor:
     """``[*source.shape, F]``: ``flat[source]`` ``[B, F]``, zeros where ``source`` is -1 (one gather, no scatter)."""
-    # One zero row to gather from when B = 0 (Pad forwards its input when nothing is padded).
-    safe = tf.pad(flat, [[0, tf.cast(tf.equal(tf.shape(flat)[0], 0), tf.int32)], [0, 0]])
-    rows = tf.gather(safe, tf.maximum(source, 0))
+    rows = tf.gather(_one_row_at_least(flat), tf.maximum(source, 0))
     return tf.where((source >= 0)[..., None], rows, tf.zeros([], rows.dtype))
 
 
@@ -313,25 +311,33 @@ def unit_examples(t: tf.Tensor, ids: tf.Tensor, count, layout: Layout | None = N
     return tf.reshape(padded, tf.concat([[tf.shape(padded)[0], -1], tf.constant(rest.as_list(), tf.int32)], 0))
 
 
-def kernel_squared_norms(pairs: Sequence[tuple[tf.Tensor, tf.Tensor]], ids: tf.Tensor, count) -> tf.Tensor | None:
-    """``[U]``: ``||sum_{n in u} sum_c sum_t a_cnt^T g_cnt||^2`` over the calls ``c``, from ``(a [B, T_c, i], g [B, T_c, j])`` pairs.
+def kernel_squared_norms(
+    pairs: Sequence[tuple[tf.Tensor, tf.Tensor]], ids: tf.Tensor, count, bias: bool = False
+) -> list | None:
+    """``[kernel's [U]]`` and with ``bias`` the bias's: ``||sum_{n in u} sum_c sum_t a_cnt^T g_cnt||^2``, ``||sum_{n in u} sum_c sum_t g_cnt||^2``.
 
-    Three forms, the cheapest for the batch's units picked at run time
-    (``tf.switch_case`` on their costs; ``N = B sum_c T_c`` rows, ``R`` the
-    most examples of any unit, ``S = R sum_c T_c`` a unit's padded positions):
+    Over the calls ``c``, from ``(a [B, T_c, i], g [B, T_c, j])`` pairs;
+    the bias's for a bias ``[j]`` added at every position (a Dense's, a
+    convolution's). Three forms, the cheapest for the batch's units picked
+    at run time (``tf.switch_case`` on their costs; ``N = B sum_c T_c``
+    rows, ``R`` the most examples of any unit, ``S = R sum_c T_c`` a unit's
+    padded positions):
 
     - the Gram matrices of all ``N`` rows masked to pairs of one unit:
       ``N^2 (i + j)``, only while ``N^2 <= GRAM_LIMIT`` (the best for very
       uneven units);
-    - each unit's examples as one padded example (``unit_examples``) and the
-      Gram form over its positions: ``U S^2 (i + j)``, memory ``U S^2``;
-    - each unit's ``[i, j]`` kernel built from those: ``U S i j``, and
-      ``U i j`` memory counted twice (written and read).
+    - each unit's rows gathered as one padded example (``_unit_rows``) and
+      the Gram form over its positions, padding masked out of the ``[U, S,
+      S]`` products: ``U S^2 (i + j)``, memory ``U S^2``;
+    - each unit's ``[i, j]`` kernel built from its zero-padded rows
+      (``unit_examples``): ``U S i j``, and ``U i j`` memory counted twice
+      (written and read).
 
-    Under XLA (static shapes; ``R`` is known only at run time) only the
-    masked Gram, where ``N`` is static and ``N^2 <= GRAM_LIMIT``; else None,
-    and the caller takes the exact fallback. Also None when ``i`` or ``j``
-    is unknown.
+    The Gram forms give the bias's as the sum of the ``g`` Gram matrix over
+    the unit's pairs, ``sum_{r, s} g_r . g_s``. Under XLA (static shapes;
+    ``R`` is known only at run time) only the masked Gram, where ``N`` is
+    static and ``N^2 <= GRAM_LIMIT``; else None, and the caller takes the
+    exact fallback. Also None when ``i`` or ``j`` is unknown.
     """
     i, j = pairs[0][0].shape[-1], pairs[0][1].shape[-1]
     if i is None or j is None:
@@ -341,7 +347,7 @@ def kernel_squared_norms(pairs: Sequence[tuple[tf.Tensor, tf.Tensor]], ids: tf.T
     n_static = b * sum(positions) if b is not None and None not in positions else None
     masked_ok = n_static is None or n_static * n_static <= GRAM_LIMIT
     if in_xla_context():
-        return _masked_gram(pairs, ids, count) if n_static is not None and masked_ok else None
+        return _masked_gram(pairs, ids, count, bias) if n_static is not None and masked_ok else None
     if n_static is not None and not masked_ok:
         masked_cost = tf.constant(float("inf"), tf.float64)
     else:
@@ -353,43 +359,74 @@ def kernel_squared_norms(pairs: Sequence[tuple[tf.Tensor, tf.Tensor]], ids: tf.T
     costs = tf.stack([masked_cost, units * s * s * (i + j), units * s * i * j + 2 * units * i * j])
     choice = tf.argmin(costs, output_type=tf.int32)
     branches = [
-        lambda: _unit_gram(pairs, ids, count, layout),
-        lambda: _unit_kernels(pairs, ids, count, layout),
+        lambda: _unit_gram(pairs, ids, count, layout, bias),
+        lambda: _unit_kernels(pairs, ids, count, layout, bias),
     ]
     if masked_ok:
-        return tf.switch_case(choice, [lambda: _masked_gram(pairs, ids, count)] + branches)
+        return tf.switch_case(choice, [lambda: _masked_gram(pairs, ids, count, bias)] + branches)
     return tf.switch_case(choice - 1, branches)
 
 
-def _masked_gram(pairs, ids, count) -> tf.Tensor:
-    """``[U]``: ``sum_{r, s in u} (a_r . a_s)(g_r . g_s)`` over rows (example, call, position), the Gram matrices masked to pairs of one unit."""
+def _masked_gram(pairs, ids, count, bias: bool = False) -> list:
+    """``[U]`` sums of ``(a_r . a_s)(g_r . g_s)`` (and ``g_r . g_s``) over pairs of rows (example, call, position) of one unit."""
     a = tf.concat([tf.reshape(a, [-1, a.shape[-1]]) for a, _ in pairs], 0)
     g = tf.concat([tf.reshape(g, [-1, g.shape[-1]]) for _, g in pairs], 0)
     row_ids = tf.concat([tf.repeat(ids, a.shape[1] if a.shape[1] is not None else tf.shape(a)[1]) for a, _ in pairs], 0)
     same = tf.equal(row_ids[:, None], row_ids[None, :])
-    gram = tf.matmul(a, a, transpose_b=True) * tf.matmul(g, g, transpose_b=True)
-    gram = tf.where(same, gram, tf.zeros([], gram.dtype))  # not a product with the mask: a NaN row stays in its unit
-    return _nonnegative(tf.math.unsorted_segment_sum(tf.reduce_sum(gram, axis=1), row_ids, count))
+    g_gram = tf.matmul(g, g, transpose_b=True)
+    grams = [tf.matmul(a, a, transpose_b=True) * g_gram] + ([g_gram] if bias else [])
+    # where, not a product with the mask: a NaN row stays in its unit
+    return [
+        _nonnegative(
+            tf.math.unsorted_segment_sum(
+                tf.reduce_sum(tf.where(same, m, tf.zeros([], m.dtype)), axis=1), row_ids, count
+            )
+        )
+        for m in grams
+    ]
 
 
-def _unit_views(pairs, ids, count, layout) -> tuple[tf.Tensor, tf.Tensor]:
-    """``(a [U, S, i], g [U, S, j])``: every call's unit examples, calls end to end."""
+def _one_row_at_least(t: tf.Tensor) -> tf.Tensor:
+    """``t`` ``[B, ...]``, or one zero row when ``B = 0``, to gather padding from (Pad forwards its input when nothing is padded)."""
+    extra = tf.cast(tf.equal(tf.shape(t)[0], 0), tf.int32)
+    return tf.pad(t, tf.concat([[[0, extra]], tf.zeros([t.shape.rank - 1, 2], tf.int32)], 0))
+
+
+def _unit_rows(pairs, count, layout: Layout) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """``(a [U, S, i], g [U, S, j], real [U, S] bool)``: every call's rows gathered unit by unit, calls end to end.
+
+    Padding positions hold some row's values (no zeros written): ``real``
+    marks the others, and the Gram forms mask their products with it.
+    """
+    real = layout.source >= 0  # [U, R]
+    index = tf.maximum(layout.source, 0)
+    u = tf.cast(count, tf.int32)
+    a_parts, g_parts, real_parts = [], [], []
+    for a, g in pairs:
+        t = a.shape[1] if a.shape[1] is not None else tf.shape(a)[1]
+        a_parts.append(tf.reshape(tf.gather(_one_row_at_least(a), index), [u, -1, a.shape[-1]]))
+        g_parts.append(tf.reshape(tf.gather(_one_row_at_least(g), index), [u, -1, g.shape[-1]]))
+        real_parts.append(tf.reshape(tf.repeat(real[:, :, None], t, axis=2), [u, -1]))
+    if len(pairs) == 1:
+        return a_parts[0], g_parts[0], real_parts[0]
+    return tf.concat(a_parts, 1), tf.concat(g_parts, 1), tf.concat(real_parts, 1)
+
+
+def _unit_gram(pairs, ids, count, layout, bias: bool = False) -> list:
+    """The Gram form over each unit example's positions (``[U, S, S]``): the kernel's ``[U]`` (and with ``bias`` the bias's)."""
+    a, g, real = _unit_rows(pairs, count, layout)
+    pairs_real = tf.logical_and(real[:, :, None], real[:, None, :])
+    g_gram = tf.matmul(g, g, transpose_b=True)
+    grams = [tf.matmul(a, a, transpose_b=True) * g_gram] + ([g_gram] if bias else [])
+    return [_nonnegative(tf.reduce_sum(tf.where(pairs_real, m, tf.zeros([], m.dtype)), axis=[1, 2])) for m in grams]
+
+
+def _unit_kernels(pairs, ids, count, layout, bias: bool = False) -> list:
+    """The squared norms of each unit's ``[i, j]`` kernel (and ``[j]`` bias), built from its zero-padded unit example."""
     a = tf.concat([unit_examples(a, ids, count, layout) for a, _ in pairs], 1)
     g = tf.concat([unit_examples(g, ids, count, layout) for _, g in pairs], 1)
-    return a, g
-
-
-def _unit_gram(pairs, ids, count, layout) -> tf.Tensor:
-    """``[U]``: the Gram form over each unit example's positions (``[U, S, S]``)."""
-    a, g = _unit_views(pairs, ids, count, layout)
-    gram = tf.matmul(a, a, transpose_b=True) * tf.matmul(g, g, transpose_b=True)
-    return _nonnegative(tf.reduce_sum(gram, axis=[1, 2]))
-
-
-def _unit_kernels(pairs, ids, count, layout) -> tf.Tensor:
-    """``[U]``: the squared norms of each unit's ``[i, j]`` kernel, built from its unit example."""
-    a, g = _unit_views(pairs, ids, count, layout)
-    return tf.reduce_sum(tf.square(tf.matmul(a, g, transpose_a=True)), axis=[1, 2])
+    out = [tf.reduce_sum(tf.square(tf.matmul(a, g, transpose_a=True)), axis=[1, 2])]
+    return out + ([tf.reduce_sum(tf.square(tf.reduce_sum(g, axis=1)), axis=1)] if bias else [])
 
 
 def _bias_squares(biases: Sequence[tf.Tensor], ids: tf.Tensor, count) -> tf.Tensor:
@@ -403,7 +440,7 @@ def _kernel_and_bias(rule, layer, calls, pairs, biases, ids, count) -> list:
     kernel = kernel_squared_norms(pairs, ids, count)
     if kernel is None:
         return fallback_squared_norms(rule, layer, calls, ids, count)
-    return [kernel] + ([] if biases is None else [_bias_squares(biases, ids, count)])
+    return list(kernel) + ([] if biases is None else [_bias_squares(biases, ids, count)])
 
 
 # -- Dense and EinsumDense -------------------------------------------
@@ -411,8 +448,10 @@ def _kernel_and_bias(rule, layer, calls, pairs, biases, ids, count) -> list:
 
 def _dense_norms(rule, layer, calls, ids, count):
     pairs = [(_btf(saved), _btf(grads[0])) for saved, grads in calls]
-    biases = None if layer.bias is None else [tf.reduce_sum(g, axis=1) for _, g in pairs]
-    return _kernel_and_bias(rule, layer, calls, pairs, biases, ids, count)
+    norms = kernel_squared_norms(
+        pairs, ids, count, bias=layer.bias is not None
+    )  # a Dense's bias: [j] at every position
+    return fallback_squared_norms(rule, layer, calls, ids, count) if norms is None else list(norms)
 
 
 def _equation(equation: str, rank: int) -> tuple[str, str, str]:

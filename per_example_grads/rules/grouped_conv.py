@@ -71,7 +71,7 @@ def _conv_parts(rule, layer, calls, ids, count, keep) -> grouped.UnitParts:
     layout = grouped._layout(ids, count)
 
     def gram_norms():
-        norms = [grouped._unit_gram([(p, g2)], ids, count, layout)]
+        norms = grouped._unit_gram([(p, g2)], ids, count, layout)
         if layer.use_bias:
             norms.append(grouped._bias_squares([tf.reduce_sum(op.as_btf(grads[0]), axis=1)], ids, count))
         return [tf.cast(n, WIDE) for n in norms]
