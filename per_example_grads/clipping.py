@@ -27,7 +27,7 @@ from per_example_grads import transforms
 from per_example_grads._core.arguments import check_clip
 from per_example_grads._core.batch import batch_size, make_batch, unless_empty
 from per_example_grads._core.problem import make_problem
-from per_example_grads.engines import grouped, selection
+from per_example_grads.engines import grouped, layerwise, selection
 from per_example_grads.engines.base import ClipGroups
 
 ClipNorm = float | Mapping[str, float] | Sequence[float]
@@ -191,7 +191,11 @@ def clipped_sums_and_predictions(
             return _static_dense_shapes(sums, problem.variables), norms, predictions
 
     def without_nonfinite(batch):  # run only for B > 0
+        problem.cache.pop(layerwise.EXCLUDES_NONFINITE, None)
         sums, norms, predictions = clipped_sums(batch)
+        if units is None and problem.cache.get(layerwise.EXCLUDES_NONFINITE):
+            # The layer-wise engine left such examples out itself: no second pass to trace.
+            return _without_nonfinite_examples(None, batch, sums, norms, problem.variables), norms, predictions
         recompute = lambda batch: clipped_sums(batch)[:2]
         return _without_nonfinite_examples(recompute, batch, sums, norms, problem.variables, units), norms, predictions
 
@@ -221,6 +225,9 @@ def _without_nonfinite_examples(clipped_sums, batch, sums, norms, variables, uni
     batch. The recomputation runs only for batches that have such an
     example; the count is ``sum(~finite_examples(norms))`` (real rows only).
 
+    ``clipped_sums`` None: the engine already left such examples out
+    (``engines.layerwise.EXCLUDES_NONFINITE``); only the warning is given.
+
     With ``units`` (``engines.grouped.Units``) the norms are per unit, and
     every row of a unit with a non-finite norm is replaced so: that unit
     contributes exactly zero, the others are unchanged.
@@ -237,6 +244,8 @@ def _without_nonfinite_examples(clipped_sums, batch, sums, norms, variables, uni
             RuntimeWarning,
             stacklevel=3,
         )
+    if clipped_sums is None:  # the sums already leave them out
+        return sums
     all_finite = tf.reduce_all(finite)
     if units is not None:
         finite = tf.gather(finite, units.ids)  # per row: its unit's

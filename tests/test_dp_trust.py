@@ -360,3 +360,19 @@ def test_private_gradients_names_a_string_seed():
 def test_model_checks_name_a_non_model(check):
     with pytest.raises(TypeError, match="model must be a .*Keras model.* got str"):
         check("not a model")
+
+
+def test_fingerprint_is_the_whole_arrays_float64_pairwise_sums_bit_for_bit():
+    """Taken in pieces (no float64 copy of a large table), it equals ``(sum w, sum w^2)`` of the cast arrays exactly.
+
+    Exact equality matters: a checkpoint's saved fingerprint is compared with ``==``.
+    """
+    from per_example_grads.keras import network_guard
+
+    rng = np.random.default_rng(0)
+    shapes = [(3,), (129,), (1 << 16,), ((1 << 16) + 1,), (1000, 257), (7, 3, 40_001)]
+    variables = [tf.Variable(rng.normal(size=s).astype("float32") * 3) for s in shapes]
+    for v in variables:
+        w = np.asarray(v.numpy(), np.float64)
+        want = np.array([w.sum(), np.square(w).sum()])
+        assert np.array_equal(network_guard.fingerprint([v]), want), v.shape

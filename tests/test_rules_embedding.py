@@ -95,3 +95,28 @@ def test_embedding_clipped_sums_are_indexed_slices_and_every_consumer_densifies_
     acc.accumulate([t[:2] for t in x], y[:2])
     acc.accumulate([t[2:] for t in x], y[2:])
     assert_clipped_sums_close(acc.result(), expected, factors, divisor=8)
+
+
+def test_the_lookup_reads_only_the_looked_up_rows():
+    """The rule's lookup is a ``ResourceGather`` of the table, never a dense read of it.
+
+    Once an optimizer has updated a table sparsely, TensorFlow keeps the
+    variable in copy-on-read mode: a dense ``ReadVariableOp`` would then copy
+    the whole ``[V, D]`` table at every step.
+    """
+    import keras
+
+    model = keras.Sequential(
+        [keras.Input((4,), dtype="int32"), keras.layers.Embedding(50, 3), keras.layers.Flatten(), keras.layers.Dense(2)]
+    )
+    x, y = np.zeros((2, 4), "int32"), np.zeros((2,), "int32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    traced = tf.function(
+        lambda x, y: peg.clipped_gradients(model, loss, x, y, l2_norm_clip=1.0, method="layerwise"), autograph=False
+    )
+    graph = traced.get_concrete_function(x, y).graph.as_graph_def()
+    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+    assert any(n.op == "ResourceGather" for n in nodes), "no sparse read of the table"
+    reads = {n.name for n in nodes if n.op == "ReadVariableOp"}
+    dense_lookups = [n.name for n in nodes if n.op == "GatherV2" and n.input[0].split(":")[0] in reads]
+    assert not dense_lookups, dense_lookups

@@ -20,6 +20,7 @@ from dp_accounting.rdp import RdpAccountant
 
 import per_example_grads as peg
 from helpers import sparse_ce
+from per_example_grads.dp import sparse_embeddings as sparse_module
 from per_example_grads.dp.sparse_embeddings import SparseEmbeddings, bernoulli_positions, noise_multipliers
 from tolerances import ACCOUNTING_COMPOSED_RTOL, EPS32, Z, clipped_sum_rtol, sgd_steps_atol
 
@@ -90,7 +91,11 @@ def _reference_contributions(a, b, real, offset_a, offset_b):
     return out
 
 
-def test_counts_have_sensitivity_one_for_adversarial_examples():
+@pytest.mark.parametrize("dense_counts", [True, False], ids=["dense_vector", "hashed_keys"])
+def test_counts_have_sensitivity_one_for_adversarial_examples(dense_counts, monkeypatch):
+    """Both ways of summing the counts: one ``[total]`` vector (small tables) and ``tf.unique`` of the keys."""
+    if not dense_counts:
+        monkeypatch.setattr(sparse_module, "DENSE_COUNTS", 0)
     model, first, second = _two_tables()
     sel = _bound(model)
     rng = np.random.default_rng(0)

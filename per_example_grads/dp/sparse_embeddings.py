@@ -115,6 +115,7 @@ from per_example_grads.dp.noise import standard_normal
 # Folded into the step's noise key: the counts' and the selected rows' draws
 # never share a key with the dense noise (``noise.NOISE_TAG``) or each other.
 _COUNT_TAG, _ROWS_TAG, _FALSE_POSITIVE_TAG = 0x73656C, 0x726F7773, 0x6670
+DENSE_COUNTS = 1 << 18  # up to this many (table, id) keys in all, the counts are summed in one dense vector
 
 
 def noise_multipliers(noise_multiplier: float, selection_share: float) -> tuple[float, float]:
@@ -380,15 +381,18 @@ class SparseSelection:
                 parts.append(tf.where(keep, ids + int(self.offsets[k]), -tf.ones_like(ids)))
         keys = tf.concat(parts, axis=1) if len(parts) > 1 else parts[0]  # [B, T_total], -1 for nothing
         keys = tf.where(tf.cast(real, tf.bool)[:, None], keys, -tf.ones_like(keys))
-        # Distinct (example, key) pairs by hashing (tf.unique), not sorting: one key per pair.
-        b, total = tf.shape(keys, out_type=tf.int64)[0], int(self.offsets[-1])
-        example = tf.repeat(tf.range(b), tf.shape(keys, out_type=tf.int64)[1])
-        flat = tf.reshape(keys, [-1])
-        valid = flat >= 0
-        pairs, _ = tf.unique(tf.boolean_mask(example, valid) * total + tf.boolean_mask(flat, valid))
-        owner, key = pairs // total, pairs % total
-        distinct = tf.math.unsorted_segment_sum(tf.ones_like(owner, tf.float32), owner, b)  # |U_n|
-        weights = tf.math.rsqrt(tf.gather(distinct, owner))
+        # Each example's distinct keys: the first of each run of its sorted keys (-1, nothing, sorts first).
+        ordered = tf.sort(keys, axis=1)
+        first = tf.concat([tf.ones_like(ordered[:, :1], tf.bool), ordered[:, 1:] != ordered[:, :-1]], 1)
+        first = tf.logical_and(first, ordered >= 0)
+        distinct = tf.reduce_sum(tf.cast(first, tf.float32), axis=1, keepdims=True)  # |U_n|
+        weights = tf.boolean_mask(tf.broadcast_to(tf.math.rsqrt(tf.maximum(distinct, 1.0)), tf.shape(first)), first)
+        key = tf.boolean_mask(ordered, first)
+        total = int(self.offsets[-1])
+        if total <= DENSE_COUNTS:  # a [total] vector costs less than hashing the keys
+            dense = tf.math.unsorted_segment_sum(weights, key, total)
+            unique = tf.where(dense > 0)[:, 0]
+            return unique, tf.gather(dense, unique)
         unique, slot = tf.unique(key, out_idx=tf.int64)
         return unique, tf.math.unsorted_segment_sum(weights, slot, tf.size(unique, out_type=tf.int64))
 

@@ -326,8 +326,153 @@ def clipped_sums(problem: Problem, batch: Batch, clip: ClipGroups) -> tuple[list
     norms = [norms_of([squared[i] for i in idx], dtype) for idx in clip.groups]
     factors = [transforms.clip_factors(n, c) for n, c in zip(norms, clip.clips)]
     group_of = {id(problem.variables[i]): g for g, idx in enumerate(clip.groups) for i in idx}
-    sums = weighted_sums(problem, captured, lambda v: factors[group_of[id(v)]])
+    weights_for = lambda v: factors[group_of[id(v)]]  # noqa: E731
+    sums = weighted_sums(problem, captured, weights_for)
+    problem.cache[EXCLUDES_NONFINITE] = False
+    if not tf.executing_eagerly() and _cleanable(problem, captured):
+        sums = _without_nonfinite(problem, captured, norms, sums, weights_for)
+        problem.cache[EXCLUDES_NONFINITE] = True
     return sums, norms, captured.predictions
+
+
+# Set in ``Problem.cache`` by ``clipped_sums`` (True or False, each time it traces): whether the sums it
+# returned already leave out every example whose norm is non-finite (``_without_nonfinite``).
+EXCLUDES_NONFINITE = "layerwise_sums_exclude_nonfinite"
+
+
+def _cleanable(problem: Problem, captured: Captured) -> bool:
+    """Whether ``_without_nonfinite`` can clean ``captured`` exactly (decided while tracing).
+
+    It can when ``B`` is static, no layer couples examples, no rule maps its
+    taps to examples itself (``capture.batch_led``), every tap's gradient
+    leads with ``B``, and every saved floating tensor that depends on the
+    batch's tensors leads with ``B`` (one that does not, a table or a shared
+    mask, is the same for every example and is left as it is; integer and
+    bool tensors, ids and masks, are finite and are left as they are).
+    """
+    b = captured.batch_size
+    if isinstance(b, int) and b < 1:
+        return False
+    if "batch_coupling" not in problem.cache:
+        from per_example_grads._core import model_inspection
+
+        problem.cache["batch_coupling"] = bool(model_inspection.batch_coupling_layers(problem.model, problem.training))
+    if problem.cache["batch_coupling"]:
+        return False
+    sources = _batch_sources(captured)
+    if sources is None:
+        return False
+    depends: dict = {}
+    for record, grads in zip(captured.records, captured.grads):
+        if getattr(record.unit.rule, "batch_led", None) is not None:
+            return False
+        if any(not _leads_with(g, b) for g in grads):
+            return False
+        for t in tf.nest.flatten(record.saved, expand_composites=True):
+            if _floating(t) and _depends_on(t, sources, depends) and not _leads_with(t, b):
+                return False
+    return True
+
+
+def _floating(t) -> bool:
+    return isinstance(t, tf.Tensor) and (t.dtype.is_floating or t.dtype.is_complex)
+
+
+def _leads_with(t, b) -> bool:
+    """Whether ``t``'s leading size can be ``B`` by its static shape: ``B`` itself, or unknown when ``B`` is."""
+    if not isinstance(t, tf.Tensor) or not t.shape.rank:
+        return False
+    return t.shape[0] == b if isinstance(b, int) else t.shape[0] is None
+
+
+def _batch_sources(captured: Captured) -> set | None:
+    """Names of the graph inputs that are not captures (the batch's tensors), or None when not in a function graph."""
+    graph = tf.compat.v1.get_default_graph()
+    inputs = getattr(graph, "inputs", None)
+    if inputs is None:
+        return None
+    captured_inputs = {id(t) for t in getattr(graph, "internal_captures", [])}
+    return {t.name for t in inputs if id(t) not in captured_inputs}
+
+
+def _depends_on(t: tf.Tensor, sources: set, memo: dict) -> bool:
+    """Whether ``t`` is computed from a graph input named in ``sources`` (a post-order walk of its ops, memoized by op name)."""
+    stack = [(t.op, False)]
+    while stack:
+        op, expanded = stack.pop()
+        if expanded:
+            memo[op.name] = any(x.name in sources for x in op.outputs) or any(memo[x.op.name] for x in op.inputs)
+            continue
+        if op.name in memo:
+            continue
+        memo[op.name] = None  # being visited
+        stack.append((op, True))
+        stack.extend((x.op, False) for x in op.inputs if x.op.name not in memo)
+    return bool(memo[t.op.name])
+
+
+def _without_nonfinite(problem: Problem, captured: Captured, norms: list, sums: list, weights_for) -> list:
+    """``sums``, or where some example's norm is non-finite, the weighted sums of the other examples.
+
+    Such an example's weight is already 0 (``transforms.clip_factors``), but
+    its gradient may hold NaN or Inf, and ``0 * inf`` is NaN. So when one
+    exists, the sums are taken again (the rules' ``weighted_sum`` only, not
+    the model's passes) on the captured tensors with that example's rows
+    replaced: its tap gradients by zeros and the saved floating tensors that
+    lead with the batch by a finite example's rows, without the norms' cache
+    (computed from the original rows). Each rule's per-example gradient is
+    linear in the tap gradients, and its other operands are a finite
+    example's, so the replaced rows contribute exactly zero and the other
+    examples' terms are the ones of the first sums. With no finite example
+    the sums are zeros. Requires ``_cleanable``.
+    """
+    finite = tf.reduce_all(tf.stack([tf.math.is_finite(n) for n in norms]), axis=0)
+    b = captured.batch_size
+    flat = tf.nest.flatten(sums, expand_composites=True)
+
+    def cleaned():
+        rows = tf.range(b)
+        donor = tf.cast(tf.argmax(tf.cast(finite, tf.int32)), rows.dtype)
+        source = tf.where(finite, rows, donor)
+
+        def rows_of(t):
+            if not (_floating(t) and _leads_with(t, b)):
+                return t
+            if isinstance(b, int):
+                return tf.gather(t, source)
+            # B dynamic: rows are replaced only where the leading size is B at run time (no tf.cond: cheaper to trace).
+            n = tf.shape(t, out_type=rows.dtype)[0]
+            own = tf.range(n)
+            out = tf.gather(t, tf.where(tf.equal(n, b), tf.gather(source, tf.minimum(own, b - 1)), own))
+            out.set_shape(t.shape)
+            return out
+
+        def zero_rows(g):
+            keep = tf.reshape(finite, tf.concat([[b], tf.ones([g.shape.rank - 1], tf.int32)], 0))
+            out = tf.where(keep, g, tf.zeros_like(g))
+            out.set_shape(g.shape)
+            return out
+
+        records = [
+            dataclasses.replace(r, saved=tf.nest.map_structure(rows_of, r.saved, expand_composites=True), cache=None)
+            for r in captured.records
+        ]
+        grads = [[zero_rows(g) for g in gs] for gs in captured.grads]
+        again = dataclasses.replace(captured, records=records, grads=grads)
+        # With no finite example the donor is not one, and the sums are zeros.
+        any_finite = tf.reduce_any(finite)
+        return tf.nest.flatten(
+            [
+                tf.IndexedSlices(tf.where(any_finite, s.values, tf.zeros_like(s.values)), s.indices, s.dense_shape)
+                if isinstance(s, tf.IndexedSlices)
+                else tf.where(any_finite, s, tf.zeros_like(s))
+                for s in weighted_sums(problem, again, weights_for)
+            ],
+            expand_composites=True,
+        )
+
+    out = tf.cond(tf.reduce_all(finite), lambda: flat, cleaned)
+    return tf.nest.pack_sequence_as(sums, out, expand_composites=True)
 
 
 def layerwise(problem: Problem, batch: Batch) -> list:

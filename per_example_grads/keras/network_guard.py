@@ -59,12 +59,35 @@ def owned_by(network, owner) -> bool:
 
 
 def fingerprint(variables) -> np.ndarray:
-    """``[2]`` float64: ``(sum w, sum w^2)`` over every entry of ``variables``."""
+    """``[2]`` float64: ``(sum w, sum w^2)`` over every entry of ``variables``.
+
+    Each variable's sums are numpy's pairwise float64 sums of its entries
+    (``_pairwise``: bit for bit what ``w.astype(float64).sum()`` gives,
+    without a float64 copy of a large table), so a fingerprint saved with a
+    checkpoint matches on any machine.
+    """
     total = np.zeros(2, np.float64)
     for v in variables:
-        w = np.asarray(v.numpy(), np.float64)
-        total += (w.sum(), np.square(w).sum())
+        w = np.ravel(v.numpy())
+        total += (_pairwise(w, lambda c: c), _pairwise(w, np.square))
     return total
+
+
+_LEAF = 1 << 16  # entries cast to float64 at a time
+
+
+def _pairwise(w: np.ndarray, f) -> float:
+    """``f(w.astype(float64)).sum()`` for 1-D ``w``, in pieces of at most ``_LEAF`` entries.
+
+    numpy sums a contiguous array pairwise, splitting ``n`` entries at
+    ``n2 = n // 2 - (n // 2) % 8``; splitting at the same points and adding
+    the halves in the same order gives the same float64 result bit for bit.
+    """
+    n = w.size
+    if n <= _LEAF:
+        return f(w.astype(np.float64)).sum()
+    n2 = n // 2 - (n // 2) % 8
+    return _pairwise(w[:n2], f) + _pairwise(w[n2:], f)
 
 
 class NetworkGuard:

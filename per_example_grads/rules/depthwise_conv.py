@@ -110,7 +110,9 @@ def depthwise_kernels(spec: ConvSpec, a: tf.Tensor, g: tf.Tensor, multiplier: in
     """
     dtype = op.compute_dtype(a.dtype)
     a, g = tf.cast(a, dtype), tf.cast(g, dtype)
-    if in_xla_context() or None in a.shape[1:-1]:
+    if (
+        in_xla_context() or None in a.shape[1:-1] or None in g.shape[1:-1]
+    ):  # g's: unknown after Keras's strided dilation
         return _kernels_by_patches(spec, a, g, multiplier)
     both = any(s > 1 for s in spec.strides) and any(d > 1 for d in spec.dilation_rate)
     reach = [(k - 1) * d + 1 for k, d in zip(spec.kernel_size, spec.dilation_rate)]

@@ -55,7 +55,13 @@ class EmbeddingRule(LayerRule):
         ids = args[0]
         if ids.dtype not in (tf.int32, tf.int64):
             ids = tf.cast(ids, tf.int32)
-        out = keras.ops.cast(keras.ops.take(layer.embeddings, ids, axis=0), layer.compute_dtype)
+        table = layer.embeddings.value
+        # A sparse read (ResourceGather) of a tf.Variable: a dense read copies the whole table at every step once
+        # the optimizer has updated it sparsely (TensorFlow then keeps the variable in copy-on-read mode).
+        rows = (
+            tf.gather(table, ids) if isinstance(table, tf.Variable) else keras.ops.take(layer.embeddings, ids, axis=0)
+        )
+        out = keras.ops.cast(rows, layer.compute_dtype)
         flat = flat_ids(ids)
         # Only squared_norms uses the repeats (graph mode prunes them otherwise).
         return out, (flat, repeated_rows(flat, only_repeated=not in_xla_context())), [out]

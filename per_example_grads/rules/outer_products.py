@@ -36,9 +36,10 @@ def flat_positions(t: tf.Tensor) -> tf.Tensor:
     """``[B, ..., f]`` -> ``[B, T, f]`` in the compute dtype: every axis between the first and the last flattened into one of positions."""
     t = tf.cast(t, compute_dtype(t.dtype))
     positions = t.shape[1:-1]
+    f = t.shape[-1] if t.shape[-1] is not None else tf.shape(t)[-1]  # unknown when traced after some Keras ops
     if positions.is_fully_defined():  # keep T static: it picks the norm formula
-        return tf.reshape(t, [-1, positions.num_elements(), t.shape[-1]])
-    return tf.reshape(t, [tf.shape(t)[0], -1, t.shape[-1]])
+        return tf.reshape(t, [-1, positions.num_elements(), f])
+    return tf.reshape(t, [tf.shape(t)[0], -1, f])
 
 
 as_btf = flat_positions  # deprecated name of flat_positions

@@ -1,0 +1,92 @@
+"""The layer-wise engine leaves out an example with a non-finite gradient itself, in a graph, for every rule.
+
+In a ``tf.function`` the engine replaces such an example's rows (its tap
+gradients by zeros, its saved rows by a finite example's) and takes the
+weighted sums again, instead of a second forward and backward pass. Here
+each rule family's case gets one example whose loss weight is Inf (its tap
+gradients are non-finite) and, where its input is float, a NaN input entry
+(its saved activations are non-finite too); the clipped sum must be the
+loop's over the other examples, at the clipped-sum tolerance.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import per_example_grads as peg
+from helpers import assert_clipped_sums_close, reference_gradients, reference_norms, sparse_ce
+from model_zoo import RULE_FAMILIES, layer_case
+from per_example_grads.engines import layerwise
+from per_example_grads.engines.base import ENGINES
+
+BAD = 1
+
+
+def _rows(x, keep):
+    return tf.nest.map_structure(lambda t: np.asarray(t)[keep], x)
+
+
+def _poisoned(x):
+    def poison(t):
+        t = np.array(t)
+        if np.issubdtype(t.dtype, np.floating):
+            t[BAD].flat[0] = np.nan
+        return t
+
+    return tf.nest.map_structure(poison, x)
+
+
+# The first case of each rule family runs in the quick suite, the others are marked slow.
+CASES = [
+    name if i == 0 else pytest.param(name, marks=pytest.mark.slow)
+    for family in RULE_FAMILIES.values()
+    for i, name in enumerate(family)
+]
+
+
+def _recording_flags(monkeypatch) -> list:
+    """A list that gets, at each trace of the layer-wise clipped sums, whether they left out non-finite examples."""
+    flags = []
+    engine = ENGINES["layerwise"]
+    original = engine.native_clipped_sums
+
+    def recording(problem, batch, clip):
+        out = original(problem, batch, clip)
+        flags.append(problem.cache.get(layerwise.EXCLUDES_NONFINITE))
+        return out
+
+    monkeypatch.setitem(ENGINES, "layerwise", dataclasses.replace(engine, native_clipped_sums=recording))
+    return flags
+
+
+def _relaxed(t):
+    t = np.asarray(t)
+    return tf.TensorSpec([None, *t.shape[1:]], tf.as_dtype(t.dtype))
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static_b", "dynamic_b"])
+@pytest.mark.parametrize("name", CASES)
+def test_a_non_finite_example_contributes_nothing_in_a_graph(name, dynamic, monkeypatch):
+    """With ``B`` dynamic too, as in a DP step (which gathers a Poisson batch's real rows)."""
+    model, x, y = layer_case(name)
+    b = len(np.asarray(y))
+    weights = np.ones(b, "float32")
+    weights[BAD] = np.inf
+    keep = np.arange(b) != BAD
+    flags = _recording_flags(monkeypatch)
+    clip = 0.3
+    signature = [tf.nest.map_structure(_relaxed, x), _relaxed(y), _relaxed(weights)] if dynamic else None
+    graph = tf.function(
+        lambda a, b_, w: peg.clipped_gradients(
+            model, sparse_ce, a, b_, sample_weight=w, l2_norm_clip=clip, return_norms=True, method="layerwise"
+        ),
+        input_signature=signature,
+    )
+    got, norms = graph(_poisoned(x), y, weights)
+    assert not np.isfinite(norms.numpy()[BAD])
+    expected = reference_gradients(model, sparse_ce, _rows(x, keep), np.asarray(y)[keep])
+    factors = clip / np.maximum(reference_norms(expected), clip)
+    assert_clipped_sums_close(got, expected, factors)
+    assert flags and all(flags), "the engine fell back to the recomputation"
