@@ -30,6 +30,8 @@ class Problem:
       loss: ``(y_true, y_pred) -> [B]``.
       variables: the variables to differentiate, each ``[*var.shape]``.
       training: the mode the model runs in.
+      batch_coupling: whether a layer mixes examples in this mode (batch
+        statistics, accepted with ``allow_batch_coupling``).
       cache: what engines work out once per call (the layer-wise engine's
         unit plan), keyed by name.
     """
@@ -39,6 +41,7 @@ class Problem:
     loss: PerExampleLoss
     variables: tuple
     training: bool = False
+    batch_coupling: bool = False
     cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def losses(self, batch: Batch) -> tf.Tensor:
@@ -123,4 +126,5 @@ def make_problem(model, loss_fn, variables, training: bool, allow_batch_coupling
         loss=as_per_example_loss(loss_fn),
         variables=resolve_variables(model, variables),
         training=training,
+        batch_coupling=bool(coupling),
     )

@@ -88,7 +88,9 @@ def validate(model: Any, *, training: bool = True) -> ValidationReport:
     slow = []
     fallback = []
     engine = ENGINES["layerwise"]
-    problem = Problem(model, None, None, tuple(model.trainable_variables), training)  # what the engine plans over
+    problem = Problem(  # what the engine plans over
+        model, None, None, tuple(model.trainable_variables), training, batch_coupling=bool(coupling)
+    )
     reason = engine.why_not(problem)
     if reason:
         slow.append(

@@ -353,11 +353,7 @@ def _cleanable(problem: Problem, captured: Captured) -> bool:
     b = captured.batch_size
     if isinstance(b, int) and b < 1:
         return False
-    if "batch_coupling" not in problem.cache:
-        from per_example_grads._core import model_inspection
-
-        problem.cache["batch_coupling"] = bool(model_inspection.batch_coupling_layers(problem.model, problem.training))
-    if problem.cache["batch_coupling"]:
+    if problem.batch_coupling:
         return False
     sources = _batch_sources(captured)
     if sources is None:
