@@ -255,16 +255,16 @@ class Layout(NamedTuple):
     """Where each row goes when each unit's rows are laid end to end (``_layout``).
 
     Attributes:
-      index: ``[B, 2]`` int32 ``(unit, rank within the unit)`` of each row, in ``order``.
-      order: ``[B]`` int32, the rows sorted by unit (stable).
       r: scalar int32 ``R``, the most rows of any unit (at least 1).
-      source: ``[U, R]`` int32, the row at each ``(unit, rank)``, -1 for padding.
+      source: ``[U, R]`` int32, the row at each ``(unit, rank within the unit)``, -1 for padding.
     """
 
-    index: tf.Tensor
-    order: tf.Tensor
     r: tf.Tensor
     source: tf.Tensor
+
+    def at_most_doubles(self, ids: tf.Tensor) -> tf.Tensor:
+        """Scalar bool: the padded layout's ``U R`` slots are at most twice the ``B`` rows."""
+        return tf.size(self.source) <= 2 * tf.shape(ids)[0]
 
 
 _LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> {(ids, count): Layout}
@@ -287,9 +287,8 @@ def _new_layout(ids: tf.Tensor, count) -> Layout:
     unit = tf.gather(ids, order)
     rank = tf.range(tf.shape(ids)[0]) - tf.gather(tf.cumsum(counts, exclusive=True), unit)
     r = tf.maximum(tf.reduce_max(tf.concat([counts, [0]], 0)), 1)
-    index = tf.stack([unit, rank], 1)
-    source = tf.scatter_nd(index, order + 1, tf.stack([tf.cast(count, tf.int32), r])) - 1
-    return Layout(index, order, r, source)
+    source = tf.scatter_nd(tf.stack([unit, rank], 1), order + 1, tf.stack([tf.cast(count, tf.int32), r])) - 1
+    return Layout(r, source)
 
 
 def _padded_rows(flat: tf.Tensor, source: tf.Tensor) -> tf.Tensor:
@@ -448,9 +447,8 @@ def _kernel_and_bias(rule, layer, calls, pairs, biases, ids, count) -> list:
 
 def _dense_norms(rule, layer, calls, ids, count):
     pairs = [(_btf(saved), _btf(grads[0])) for saved, grads in calls]
-    norms = kernel_squared_norms(
-        pairs, ids, count, bias=layer.bias is not None
-    )  # a Dense's bias: [j] at every position
+    # a Dense's bias is [j], added at every position: kernel_squared_norms gives its norm too
+    norms = kernel_squared_norms(pairs, ids, count, bias=layer.bias is not None)
     return fallback_squared_norms(rule, layer, calls, ids, count) if norms is None else list(norms)
 
 
@@ -574,8 +572,11 @@ def _embedding_norms(rule, layer, calls, ids, count):
     if in_xla_context():
         return [by_one_sort()]
     layout = _layout(ids, count)
-    padded = tf.cast(count, tf.int32) * layout.r <= 2 * tf.shape(ids)[0]
-    return [tf.cond(padded, lambda: unit_embedding_squared_norms(x, g, ids, count, layout), by_one_sort)]
+    return [
+        tf.cond(
+            layout.at_most_doubles(ids), lambda: unit_embedding_squared_norms(x, g, ids, count, layout), by_one_sort
+        )
+    ]
 
 
 # -- ReversibleEmbedding: per-unit tables, or each unit's rows as one padded example --
@@ -688,8 +689,7 @@ def _unit_projection(h: tf.Tensor, g: tf.Tensor, ids: tf.Tensor, count, layout) 
     def by_units():
         return tf.matmul(unit_examples(g, ids, count, layout), unit_examples(h, ids, count, layout), transpose_a=True)
 
-    padded = tf.cast(count, tf.int32) * layout.r <= 2 * tf.shape(ids)[0]
-    return tf.cond(padded, by_units, by_examples)
+    return tf.cond(layout.at_most_doubles(ids), by_units, by_examples)
 
 
 def unit_tables(rule, layer, calls, ids, count) -> list:
