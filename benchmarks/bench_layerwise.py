@@ -167,7 +167,7 @@ def time_round_robin(fns: dict, x, y, repeats: int, inner: int = 3) -> dict:
     return {q: statistics.median(v) for q, v in times.items()}
 
 
-def _status_kib(field: str) -> int:
+def status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -222,9 +222,9 @@ def peak_increment_mib(fn, x, y) -> float:
         _release_free_memory()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current RSS
-        before = _status_kib("VmRSS")
+        before = status_kib("VmRSS")
         wait_for(fn(x, y))
-        peaks.append((_status_kib("VmHWM") - before) / 1024)
+        peaks.append((status_kib("VmHWM") - before) / 1024)
     return statistics.median(peaks)
 
 

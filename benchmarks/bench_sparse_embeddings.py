@@ -43,6 +43,9 @@ import time
 import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_layerwise import status_kib  # noqa: E402  (the shared /proc/self/status reader)
 
 MODELS = {"embedding_bag": (20_000, 32, 12_000), "large_bag": (1_000_000, 64, 2_560)}  # vocabulary, dim, examples
 B, T = 256, 64
@@ -146,14 +149,6 @@ def speed(args) -> None:
 MODES = ("plain", "dp dense noise", "dp sparse selection")
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def _memory_child(name: str, label: str, warmup: int, steps: int, windows: int) -> None:
     """Prints ``RESULT <median peak RSS growth over a window of steps, MiB> <mean rows updated> <each window's>``."""
     import gc
@@ -191,11 +186,11 @@ def _memory_child(name: str, label: str, warmup: int, steps: int, windows: int) 
         growth = []
         for _ in range(windows):
             gc.collect()
-            base = _status_kb("VmRSS")
+            base = status_kib("VmRSS")
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # resets VmHWM, the peak resident set, to the current one
             fit(steps)
-            growth.append((_status_kb("VmHWM") - base) / 1024)
+            growth.append((status_kib("VmHWM") - base) / 1024)
         rows = []
 
         class Rows(keras.callbacks.Callback):  # after the measurement: the copies would count in it
