@@ -33,7 +33,8 @@ Grouped forms:
   matrices of all ``N = B T`` rows masked to pairs of one unit, the Gram
   form over each unit's examples laid end to end as one padded example
   (``unit_examples``: ``[U, R T, i]``, ``R`` the most examples of any unit),
-  or each unit's ``[i, j]`` kernel built from those. The bias's is the unit's summed ``g``, ``[U, j]``.
+  or each unit's ``[i, j]`` kernel built from those. The bias's from the same form: the
+  sum of the ``g`` Gram matrix over the unit's pairs, or the unit's summed ``g``.
 - Embedding: ``||G_u||^2 = sum_v ||sum_{r in u: x_r = v} g_r||^2``: each
   unit's ids sorted (``[U, R T]``, the example-level rule's sort with units
   for examples) and only the rows whose id repeats in their unit summed by
