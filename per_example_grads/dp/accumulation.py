@@ -272,14 +272,15 @@ class GradientAccumulator(tf.Module):
         self.count.assign_add(added)
 
     def _add_selection(self, keys: tf.Tensor, counts: tf.Tensor) -> None:
-        """Merges a micro-batch's ``(keys, counts)``: the sum per key, the keys in order of first lookup."""
+        """Merges a micro-batch's ``(keys, counts)``: the sum per key, the keys ascending (as ``selected_rows`` takes them)."""
         both = tf.concat([self.sparse_keys, keys], 0)
         unique, slot = tf.unique(both, out_idx=tf.int64)
         summed = tf.math.unsorted_segment_sum(
             tf.concat([self.sparse_counts, counts], 0), slot, tf.size(unique, out_type=tf.int64)
         )
-        self.sparse_keys.assign(unique)
-        self.sparse_counts.assign(summed)
+        order = tf.argsort(unique)
+        self.sparse_keys.assign(tf.gather(unique, order))
+        self.sparse_counts.assign(tf.gather(summed, order))
 
     def _check_new_units(self, unit_ids: Any, batch) -> None:
         """Refuses a micro-batch with a real row of a unit an earlier micro-batch of this logical batch had."""

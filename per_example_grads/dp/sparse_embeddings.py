@@ -89,8 +89,9 @@ every row, and the step costs ``O(V D)`` again in the optimizer (the
 release itself stays sparse; that densification is post-processing).
 
 Unsupported, refused with a clear error: XLA (the selected rows' number
-varies per step), ``GradientAccumulator`` (which sums into dense
-variables), a tied ``ReversibleEmbedding`` named in ``tables`` (its output
+varies per step), ``GradientAccumulator`` under a strategy with several
+replicas (its summed counts live on one replica), ``privacy_unit`` other
+than ``"example"``, a tied ``ReversibleEmbedding`` named in ``tables`` (its output
 projection's gradient is dense on every row, so the table gets dense noise;
 with ``tables=None`` such tables are left dense). Under ``tf.distribute``
 each replica counts its shard into a dense ``[V]`` vector with its share of
@@ -365,54 +366,63 @@ class SparseSelection:
         return flat
 
     def contribution_counts(self, x, real: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        """``(keys, counts)``: the distinct ``(table, id)`` keys the batch looks up and ``sum_n u_n`` at them.
+        """``(keys, counts)``: the distinct ``(table, id)`` keys the batch looks up, ascending, and ``sum_n u_n`` at them.
 
-        A key is ``offset_k + id``. Each real example (``real[n] = 1``) adds
-        ``1 / sqrt(|U_n|)`` to each of its ``|U_n|`` distinct keys (its
-        contribution's L2 norm is 1, or 0 with no keys); rows with
+        A key is ``offset_k + id`` (int64). Each real example (``real[n] =
+        1``) adds ``1 / sqrt(|U_n|)`` to each of its ``|U_n|`` distinct keys
+        (its contribution's L2 norm is 1, or 0 with no keys); rows with
         ``real[n] = 0`` and id 0 of a ``mask_zero`` table add nothing.
         """
+        total = int(self.offsets[-1])
+        dtype = tf.int32 if total < 2**31 - 1 else tf.int64  # a sort of int32 keys costs less
         parts = []
         for k, calls in enumerate(self.lookups(x)):
             for ids in calls:
-                keep = tf.ones_like(ids, tf.bool)
-                if getattr(self.layers[k], "mask_zero", False):
-                    keep = tf.not_equal(ids, 0)
-                parts.append(tf.where(keep, ids + int(self.offsets[k]), -tf.ones_like(ids)))
+                ids = tf.cast(ids, dtype)
+                keep = tf.not_equal(ids, 0) if getattr(self.layers[k], "mask_zero", False) else None
+                if int(self.offsets[k]):
+                    ids += int(self.offsets[k])
+                parts.append(ids if keep is None else tf.where(keep, ids, -tf.ones_like(ids)))
         keys = tf.concat(parts, axis=1) if len(parts) > 1 else parts[0]  # [B, T_total], -1 for nothing
         keys = tf.where(tf.cast(real, tf.bool)[:, None], keys, -tf.ones_like(keys))
         # Each example's distinct keys: the first of each run of its sorted keys (-1, nothing, sorts first).
         ordered = tf.sort(keys, axis=1)
-        first = tf.concat([tf.ones_like(ordered[:, :1], tf.bool), ordered[:, 1:] != ordered[:, :-1]], 1)
-        first = tf.logical_and(first, ordered >= 0)
-        distinct = tf.reduce_sum(tf.cast(first, tf.float32), axis=1, keepdims=True)  # |U_n|
-        weights = tf.boolean_mask(tf.broadcast_to(tf.math.rsqrt(tf.maximum(distinct, 1.0)), tf.shape(first)), first)
-        key = tf.boolean_mask(ordered, first)
-        total = int(self.offsets[-1])
+        first = tf.concat([ordered[:, :1] >= 0, ordered[:, 1:] > ordered[:, :-1]], 1)  # [B, T_total]
+        first = tf.cast(first, tf.float32)
+        distinct = tf.reduce_sum(first, axis=1, keepdims=True)  # |U_n|
+        weights = first * tf.math.rsqrt(tf.maximum(distinct, 1.0))  # 0 on repeats and on nothing
         if total <= DENSE_COUNTS:  # a [total] vector costs less than hashing the keys
-            dense = tf.math.unsorted_segment_sum(weights, key, total)
-            unique = tf.where(dense > 0)[:, 0]
+            # Every position is summed, weight 0 where it adds nothing (there -1 becomes key 0).
+            dense = tf.math.unsorted_segment_sum(
+                tf.reshape(weights, [-1]), tf.reshape(tf.maximum(ordered, 0), [-1]), total
+            )
+            unique = tf.where(dense > 0)[:, 0]  # ascending
             return unique, tf.gather(dense, unique)
-        unique, slot = tf.unique(key, out_idx=tf.int64)
-        return unique, tf.math.unsorted_segment_sum(weights, slot, tf.size(unique, out_type=tf.int64))
+        chosen = tf.cast(first, tf.bool)
+        unique, slot = tf.unique(tf.cast(tf.boolean_mask(ordered, chosen), tf.int64), out_idx=tf.int64)
+        summed = tf.math.unsorted_segment_sum(
+            tf.boolean_mask(weights, chosen), slot, tf.size(unique, out_type=tf.int64)
+        )
+        order = tf.argsort(unique)
+        return tf.gather(unique, order), tf.gather(summed, order)
 
     # -- selection and release ---------------------------------------------
 
     def selected_rows(self, keys, counts, source, step) -> list[tf.Tensor]:
-        """Per table, the sorted ``[M_k]`` int64 ids whose noisy count reaches ``threshold``."""
+        """Per table, the sorted ``[M_k]`` int64 ids whose noisy count reaches ``threshold``; ``keys`` ascending."""
         sigma = self.selection_noise_multiplier
         if replicas.num_replicas() > 1:
             return self._selected_dense(keys, counts, source, step)
         noisy = counts
         if sigma > 0:
             noisy = counts + sigma * standard_normal(tf.size(counts, out_type=tf.int64), _key(source, _COUNT_TAG, step))
-        chosen = tf.boolean_mask(keys, noisy >= self.threshold)
+        chosen = tf.boolean_mask(keys, noisy >= self.threshold)  # ascending, as keys
         out = []
         for k, v in enumerate(self.vocabularies):
             lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
-            mine = tf.sort(tf.boolean_mask(chosen, (chosen >= lo) & (chosen < hi)) - lo)
+            mine = tf.boolean_mask(chosen, (chosen >= lo) & (chosen < hi)) - lo
             if self.false_positive_rate > 0:
-                touched = tf.sort(tf.boolean_mask(keys, (keys >= lo) & (keys < hi)) - lo)
+                touched = tf.boolean_mask(keys, (keys >= lo) & (keys < hi)) - lo
                 extra = bernoulli_positions(v, self.false_positive_rate, _key(source, _FALSE_POSITIVE_TAG + k, step))
                 hit = _member(touched, extra)
                 extra = tf.boolean_mask(extra, tf.logical_not(hit))  # touched rows were decided by their own count
