@@ -11,7 +11,13 @@ batch 256, SGD: one plain Keras epoch (``fit(x, y, batch_size=256)``), one
 ``sparse_embeddings=SparseEmbeddings()``, each on its own copy of the model.
 Epochs are timed round-robin from ``on_epoch_begin`` to ``on_epoch_end``
 (the first, tracing epoch untimed); medians, and their ratio to the plain
-epoch.
+epoch. Then the steps alone, without the fit loop: each configuration's
+compiled train function called on its own iterator (plain: batches of 256;
+private: Poisson batches of the same q), ``--step-calls`` calls round-robin across
+the configurations (so slow spells of a shared machine hit all of them),
+medians. The share of CPU time the hypervisor took (steal, from
+``/proc/stat``) during the run is printed: above a few percent the epochs
+are noisy.
 
 ``memory``: the memory of one step. Each (model, configuration) in its own
 process that builds only that model and runs ``--warmup`` steps (tracing,
@@ -87,8 +93,13 @@ class _EpochTimer:
 
 
 def configurations(name: str):
-    """``{label: fit one epoch}``, each on its own copy of the model (same initial weights)."""
+    """``{label: (fit one epoch, one compiled step)}``, each on its own copy of the model (same initial weights).
+
+    The step calls the train function the first ``fit`` built, on an
+    iterator of its own; it trains outside ``fit``, so only after the epochs.
+    """
     import keras
+    import tensorflow as tf
 
     import per_example_grads as peg
     from per_example_grads.dp.sparse_embeddings import SparseEmbeddings
@@ -103,7 +114,11 @@ def configurations(name: str):
         m = _bag(vocab, dim)
         m.set_weights(first.get_weights())
         m.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
-        return lambda cb: m.fit(x, y, batch_size=B, epochs=1, verbose=0, shuffle=False, callbacks=[cb])
+        batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(B, drop_remainder=True).repeat()
+        return (
+            lambda cb: m.fit(x, y, batch_size=B, epochs=1, verbose=0, shuffle=False, callbacks=[cb]),
+            _step(m, batches),
+        )
 
     def private(sparse):
         m = _bag(vocab, dim)
@@ -113,7 +128,8 @@ def configurations(name: str):
         )
         dp.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
         data = peg.dp.poisson_batches(x, y, sampling_probability=B / n, seed=0)
-        return lambda cb: dp.fit(data, epochs=1, verbose=0, callbacks=[cb])
+        more = peg.dp.poisson_batches(x, y, sampling_probability=B / n, steps=10**6, seed=1)
+        return lambda cb: dp.fit(data, epochs=1, verbose=0, callbacks=[cb]), _step(dp, more)
 
     out["plain"] = plain()
     out["dp dense noise"] = private(False)
@@ -121,29 +137,63 @@ def configurations(name: str):
     return out
 
 
+def _step(model, dataset):
+    """One call of ``model``'s compiled train function on ``dataset`` (an iterator made at the first call), synced."""
+    import tensorflow as tf
+
+    state = {}
+
+    def step():
+        if "it" not in state:
+            state["it"] = iter(dataset)
+        tf.nest.map_structure(lambda t: t.numpy(), model.train_function(state["it"]))
+
+    return step
+
+
+def _cpu_times() -> tuple[int, int]:
+    """``(all, steal)`` CPU time since boot, in clock ticks (``/proc/stat``)."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:]]
+    return sum(ticks[:8]), ticks[7]
+
+
 def speed(args) -> None:
     for name in args.models.split(","):
         configs = configurations(name)
         timers = {k: _EpochTimer() for k in configs}
+        steps = {k: [] for k in configs}
+        start = _cpu_times()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for k, fit in configs.items():  # tracing epoch, untimed
+            for k, (fit, _) in configs.items():  # tracing epoch, untimed
                 fit(timers[k].callback)
             for k in timers:
                 timers[k].times.clear()
             for _ in range(args.repeats):
-                for k, fit in configs.items():
+                for k, (fit, _) in configs.items():
                     fit(timers[k].callback)
+            for _, step in configs.values():  # the step's own warm-up (a new iterator)
+                step()
+            for _ in range(args.step_calls):
+                for k, (_, step) in configs.items():
+                    t0 = time.perf_counter()
+                    step()
+                    steps[k].append(time.perf_counter() - t0)
+        end = _cpu_times()
+        steal = (end[1] - start[1]) / max(end[0] - start[0], 1)
         plain = statistics.median(timers["plain"].times)
+        plain_step = statistics.median(steps["plain"])
         print(
             f"\n{name} (vocabulary {MODELS[name][0]:,}, dim {MODELS[name][1]}, {MODELS[name][2]:,} examples, "
-            f"expected batch {B}; median of {args.repeats} epochs)"
+            f"expected batch {B}; median of {args.repeats} epochs and of {args.step_calls} steps; "
+            f"CPU steal {steal:.1%})"
         )
-        print("| configuration | epoch (s) | / plain |")
-        print("|---|---|---|")
+        print("| configuration | epoch (s) | / plain | step alone (ms) | / plain |")
+        print("|---|---|---|---|---|")
         for k, t in timers.items():
-            med = statistics.median(t.times)
-            print(f"| {k} | {med:.3f} | {med / plain:.2f}x |")
+            med, med_step = statistics.median(t.times), statistics.median(steps[k])
+            print(f"| {k} | {med:.3f} | {med / plain:.2f}x | {med_step * 1e3:.2f} | {med_step / plain_step:.2f}x |")
 
 
 MODES = ("plain", "dp dense noise", "dp sparse selection")
@@ -353,6 +403,7 @@ def main() -> None:
     parser.add_argument("what", choices=["speed", "memory", "utility", "grid"])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--step-calls", type=int, default=100, help="speed: steps alone per configuration")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3, help="memory: steps before the measurement")
     parser.add_argument("--steps", type=int, default=10, help="memory: steps per measured window")
