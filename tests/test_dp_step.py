@@ -171,6 +171,35 @@ def test_dp_model_fit_resumes_a_poisson_dataset_at_its_ledger(tmp_path):
 
 
 @pytest.mark.slow
+def test_dp_model_fit_takes_every_epoch_of_a_poisson_dataset_from_one_iterator(monkeypatch):
+    """Keras makes a finite dataset's iterator twice an epoch; fit repeats the passes behind one."""
+    x, y = _data(60)
+
+    def trained(**fit_kwargs):
+        dp = peg.keras.DPModel(_net(), l2_norm_clip=1.0, noise_multiplier=0.5, seed=0)
+        dp.compile(optimizer=keras.optimizers.SGD(0.5), loss=sparse_ce)
+        ds = peg.dp.poisson_batches(x, y, sampling_probability=0.2, seed=3)
+        history = dp.fit(ds, epochs=3, verbose=0, **fit_kwargs)
+        assert len(history.history["loss"]) == 3
+        return dp, ds
+
+    made = []
+    make = tf.data.Dataset.__iter__
+    monkeypatch.setattr(tf.data.Dataset, "__iter__", lambda self: made.append(self) or make(self))
+    dp, ds = trained()
+    monkeypatch.undo()
+    assert len(made) == 1
+    assert int(dp.dp_steps.numpy()) == 15
+    assert int(ds.pegrad_sampling.next_step.numpy()) == 15  # what the iterator prefetched past the end is unclaimed
+    # Keras's own reuse of an iterator (steps_per_epoch given) draws the same 15 batches, step noise and all.
+    reference, _ = trained(steps_per_epoch=5)
+    m, divisor = peg.dp.default_max_batch_size(60, 0.2), 0.2 * 60
+    p = sum(w.size for w in reference.get_weights())
+    for a, b in zip(reference.get_weights(), dp.get_weights()):
+        assert_close(b, a, atol=sgd_steps_atol(15, 0.5, clipped_sum_rtol(p, m) + EPS32, m / divisor, np.abs(a).max()))
+
+
+@pytest.mark.slow
 def test_dp_model_refuses_a_poisson_dataset_sampled_at_another_rate_and_accounts_the_real_one():
     x, y = _data(100)
     dp = peg.keras.DPModel(_net(), l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=5, num_examples=100)

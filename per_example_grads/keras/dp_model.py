@@ -351,6 +351,10 @@ class DPModel(keras.Model):
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
         """``keras.Model.fit``, with the sampling of ``x`` checked against the accounting (class docstring).
 
+        A ``poisson_batches`` dataset given without ``steps_per_epoch`` is
+        read one pass per epoch from a single iterator for the whole call;
+        afterwards its ``next_step`` is the ledger's ``dp_steps``.
+
         Raises:
           ValueError: ``num_examples`` disagrees with the data, the data's
             size is unknown and ``num_examples`` was not given, the network
@@ -380,10 +384,17 @@ class DPModel(keras.Model):
             callbacks.append(_StopAtBudget(limit, self._steps_per_call()))
         kwargs["callbacks"] = callbacks
         self._build_before_tracing(x, y)
+        if source is not None and kwargs.get("steps_per_epoch") is None and source.steps % self._steps_per_call() == 0:
+            # Keras creates a finite dataset's iterator twice an epoch, and each
+            # creation instantiates the sampler's functions again (tens of ms);
+            # repeated passes behind steps_per_epoch = one pass need one iterator.
+            x, kwargs["steps_per_epoch"] = x.repeat(), source.steps
         try:
             history = super().fit(x, y, batch_size, **kwargs)
         finally:
             self._guard.refresh()
+            if source is not None:  # prefetching may have claimed a pass no step used
+                source.next_step.assign(self.dp_steps)
         bad = history.history.get("nonfinite_examples", [])
         if bad and max(bad) > 0:
             warnings.warn(
