@@ -1,6 +1,7 @@
 """Privacy settings that cannot silently disagree with what ran: N from the data, one ledger per
 network, a budget that holds, and no privacy argument accepted only to be ignored."""
 
+import types
 import warnings
 
 import keras
@@ -362,17 +363,43 @@ def test_model_checks_name_a_non_model(check):
         check("not a model")
 
 
-def test_fingerprint_is_the_whole_arrays_float64_pairwise_sums_bit_for_bit():
-    """Taken in pieces (no float64 copy of a large table), it equals ``(sum w, sum w^2)`` of the cast arrays exactly.
+def test_fingerprint_is_the_integer_sums_of_the_entries_bits():
+    """``(sum b, sum b^2) mod 2^32`` of every entry's bits, on the host and in device pieces alike.
 
-    Exact equality matters: a checkpoint's saved fingerprint is compared with ``==``.
+    Exact equality matters: a checkpoint's saved fingerprint is compared with
+    ``==``. The reference sums the bits as Python integers (no wrapping).
     """
     from per_example_grads.keras import network_guard
 
     rng = np.random.default_rng(0)
-    shapes = [(3,), (129,), (1 << 16,), ((1 << 16) + 1,), (1000, 257), (7, 3, 40_001)]
-    variables = [tf.Variable(rng.normal(size=s).astype("float32") * 3) for s in shapes]
-    for v in variables:
+    piece = network_guard._PIECE
+    cases = [((3,), "float32"), ((129,), "float16"), ((piece,), "float32"), ((piece + 1,), "float32")]
+    cases += [((3, piece // 2 + 5), "float32"), ((piece + 3,), "float16"), ((piece // 2 + 1,), "float64")]
+    for shape, dtype in cases:
+        v = tf.Variable(rng.normal(size=shape).astype(dtype) * 3)
+        width = {2: np.uint16, 4: np.uint32, 8: np.uint32}[np.dtype(dtype).itemsize]
+        bits = np.ascontiguousarray(v.numpy()).reshape(-1).view(width).tolist()
+        want = np.array([sum(bits) % 2**32, sum(b * b for b in bits) % 2**32], np.float64)
+        assert np.array_equal(network_guard.fingerprint([v]), want), (shape, dtype)
+    both = [tf.Variable(rng.normal(size=s).astype("float32")) for s in [(5,), (piece + 7,)]]
+    parts = sum(network_guard.fingerprint([v]) for v in both) % 2**32
+    assert np.array_equal(network_guard.fingerprint(both), parts)
+
+
+def test_a_checkpoint_with_the_earlier_float_fingerprint_is_still_recognised():
+    """Weights saved with ``legacy_fingerprint`` (earlier versions) are not taken for training outside the ledger."""
+    from per_example_grads.keras import network_guard
+
+    rng = np.random.default_rng(1)
+    shapes = [(3,), (129,), (1 << 16,), ((1 << 16) + 1,), (1000, 257)]
+    weights = [tf.Variable(rng.normal(size=s).astype("float32") * 3) for s in shapes]
+    for v in weights:  # legacy_fingerprint is numpy's pairwise float64 sums, bit for bit
         w = np.asarray(v.numpy(), np.float64)
-        want = np.array([w.sum(), np.square(w).sum()])
-        assert np.array_equal(network_guard.fingerprint([v]), want), v.shape
+        assert np.array_equal(network_guard.legacy_fingerprint([v]), [w.sum(), np.square(w).sum()]), v.shape
+    saved = tf.Variable(network_guard.legacy_fingerprint(weights), dtype=tf.float64)
+    guard = network_guard.NetworkGuard(types.SimpleNamespace(trainable_variables=weights), saved)
+    assert not guard.changed()
+    weights[-1][0, 0].assign(weights[-1][0, 0] + 1.0)
+    assert guard.changed()
+    guard.refresh()
+    assert not guard.changed() and np.array_equal(saved.numpy(), network_guard.fingerprint(weights))

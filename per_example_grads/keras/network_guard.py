@@ -6,9 +6,8 @@ make its ``epsilon()`` silently describe less than the network went through:
 - **the network trained outside it** (``dp.model.fit(...)``, a custom loop
   on ``dp.model``): after the first DP step, the network's trainable weights
   must change only through ``DPModel``'s steps. ``NetworkGuard`` keeps a
-  fingerprint of them, ``(sum w, sum w^2)`` over every trainable variable in
-  float64, taken whenever ``DPModel`` has changed or saved them (after each
-  ``fit`` epoch and call, before ``save_weights`` / ``save``, after
+  fingerprint of them (``fingerprint``: integer sums of their bits), taken
+  whenever ``DPModel`` has changed or saved them (after each ``fit`` epoch and call, before ``save_weights`` / ``save``, after
   ``load_weights``), and stored in a non-trainable variable saved with the
   weights, so a restored checkpoint restores the fingerprint of its own
   weights. A mismatch later means the weights were changed by something
@@ -27,6 +26,7 @@ from __future__ import annotations
 import weakref
 
 import numpy as np
+import tensorflow as tf
 
 _OWNER = "_pegrad_dp_owner"
 
@@ -59,12 +59,60 @@ def owned_by(network, owner) -> bool:
 
 
 def fingerprint(variables) -> np.ndarray:
-    """``[2]`` float64: ``(sum w, sum w^2)`` over every entry of ``variables``.
+    """``[2]`` float64: ``(sum b, sum b^2) mod 2^32`` over the bits ``b`` of every entry of ``variables``.
 
-    Each variable's sums are numpy's pairwise float64 sums of its entries
-    (``_pairwise``: bit for bit what ``w.astype(float64).sum()`` gives,
-    without a float64 copy of a large table), so a fingerprint saved with a
-    checkpoint matches on any machine.
+    ``b`` is an entry's bit pattern as an unsigned integer (a 4-byte entry's
+    32 bits, each half of an 8-byte one, a narrower one's widened). Unsigned sums
+    wrap exactly and do not depend on the order of addition, so a fingerprint
+    saved with a checkpoint matches on any machine and device. A variable of
+    more than ``_PIECE`` entries is summed where it lives, ``_PIECE`` entries
+    at a time (no copy of a large table to the host); smaller ones on the
+    host, in one pass each. Any change of a weight changes its bits; the two
+    sums miss it only when the changes cancel in both.
+    """
+    total = np.zeros(2, np.uint64)
+    for v in variables:
+        if int(np.prod(v.shape)) > _PIECE:
+            total += _bit_sums(_bits(v)).numpy().astype(np.uint64)
+        else:
+            b = _host_bits(v.numpy())
+            total += (b.sum(dtype=np.uint64), (b * b).sum(dtype=np.uint64))  # b < 2^32: b^2 fits, sums wrap mod 2^64
+    return (total % (1 << 32)).astype(np.float64)
+
+
+_PIECE = 1 << 20  # entries squared at a time
+_UNSIGNED = {1: tf.uint8, 2: tf.uint16, 4: tf.uint32}  # an entry's bits by its width (8 bytes: two uint32)
+
+
+def _host_bits(w: np.ndarray) -> np.ndarray:
+    """``[n]`` uint64: ``_bits`` of a numpy array."""
+    w = np.ascontiguousarray(w)
+    return w.reshape(-1).view(_UNSIGNED[min(w.dtype.itemsize, 4)].as_numpy_dtype).astype(np.uint64)
+
+
+def _bits(v) -> tf.Tensor:
+    """``[n]`` uint32: the bits of ``v``'s entries (a view where the width allows it)."""
+    w = tf.convert_to_tensor(v)
+    return tf.cast(tf.reshape(tf.bitcast(w, _UNSIGNED[min(w.dtype.size, 4)]), [-1]), tf.uint32)
+
+
+@tf.function(input_signature=[tf.TensorSpec([None], tf.uint32)], autograph=False)
+def _bit_sums(bits: tf.Tensor) -> tf.Tensor:
+    """``[2]`` uint32: ``(sum b, sum b^2)`` mod 2^32 of ``bits [n]``."""
+    n = tf.size(bits)
+
+    def piece(start, sums):
+        b = bits[start : start + _PIECE]
+        return start + _PIECE, sums + tf.stack([tf.reduce_sum(b), tf.reduce_sum(b * b)])
+
+    return tf.while_loop(lambda start, _: start < n, piece, [tf.constant(0), tf.zeros([2], tf.uint32)])[1]
+
+
+def legacy_fingerprint(variables) -> np.ndarray:
+    """``[2]`` float64: ``(sum w, sum w^2)`` in float64, the fingerprint checkpoints of earlier versions saved.
+
+    numpy's pairwise float64 sums of each variable's entries, taken in pieces
+    split where numpy splits (bit for bit ``w.astype(float64).sum()``).
     """
     total = np.zeros(2, np.float64)
     for v in variables:
@@ -77,12 +125,7 @@ _LEAF = 1 << 16  # entries cast to float64 at a time
 
 
 def _pairwise(w: np.ndarray, f) -> float:
-    """``f(w.astype(float64)).sum()`` for 1-D ``w``, in pieces of at most ``_LEAF`` entries.
-
-    numpy sums a contiguous array pairwise, splitting ``n`` entries at
-    ``n2 = n // 2 - (n // 2) % 8``; splitting at the same points and adding
-    the halves in the same order gives the same float64 result bit for bit.
-    """
+    """``f(w.astype(float64)).sum()`` for 1-D ``w``, splitting ``n`` entries where numpy does (``n // 2`` rounded down to 8)."""
     n = w.size
     if n <= _LEAF:
         return f(w.astype(np.float64)).sum()
@@ -107,5 +150,8 @@ class NetworkGuard:
         self._variable.assign(fingerprint(self._network.trainable_variables))
 
     def changed(self) -> bool:
-        """Whether the weights differ from the last ``refresh`` (or the restored fingerprint)."""
-        return not np.array_equal(fingerprint(self._network.trainable_variables), np.asarray(self._variable.numpy()))
+        """Whether the weights differ from the last ``refresh`` (or the restored fingerprint, of either kind)."""
+        saved, weights = np.asarray(self._variable.numpy()), self._network.trainable_variables
+        if np.array_equal(fingerprint(weights), saved):
+            return False
+        return not np.array_equal(legacy_fingerprint(weights), saved)
