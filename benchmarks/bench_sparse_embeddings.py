@@ -200,7 +200,7 @@ MODES = ("plain", "dp dense noise", "dp sparse selection")
 
 
 def _memory_child(name: str, label: str, warmup: int, steps: int, windows: int) -> None:
-    """Prints ``RESULT <median peak RSS growth over a window of steps, MiB> <mean rows updated> <each window's>``."""
+    """Prints ``RESULT <median peak RSS growth over a window, MiB> <mean rows updated> <each window's> <median RSS at a window's start, MiB>``."""
     import gc
 
     import keras
@@ -233,10 +233,11 @@ def _memory_child(name: str, label: str, warmup: int, steps: int, windows: int) 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fit(warmup)  # builds, traces, allocates the optimizer's state
-        growth = []
+        growth, bases = [], []
         for _ in range(windows):
             gc.collect()
             base = status_kib("VmRSS")
+            bases.append(base / 1024)
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # resets VmHWM, the peak resident set, to the current one
             fit(steps)
@@ -251,7 +252,8 @@ def _memory_child(name: str, label: str, warmup: int, steps: int, windows: int) 
                 rows.append(int(np.any(m.layers[0].embeddings.numpy() != self.before, axis=1).sum()))
 
         fit(3, [Rows()])
-    print(f"RESULT {statistics.median(growth):.1f} {statistics.mean(rows):.0f} " + ",".join(f"{g:.1f}" for g in growth))
+    each = ",".join(f"{g:.1f}" for g in growth)
+    print(f"RESULT {statistics.median(growth):.1f} {statistics.mean(rows):.0f} {each} {statistics.median(bases):.0f}")
 
 
 def memory(args) -> None:
@@ -271,8 +273,11 @@ def memory(args) -> None:
         f"warm-up {args.warmup} steps, then the peak RSS growth over each of {args.windows} windows of {args.steps} "
         f"steps (median, and each window's); expected batch {B}, {T} ids per example"
     )
-    print("| model | configuration | peak RSS growth in a window (MiB) | rows updated per step | update size (MiB) |")
-    print("|---|---|---|---|---|")
+    print(
+        "| model | configuration | resident at a window's start (MiB) | peak RSS growth in a window (MiB) "
+        "| rows updated per step | update size (MiB) |"
+    )
+    print("|---|---|---|---|---|---|")
     for name in args.models.split(","):
         vocab, dim, _ = MODELS[name]
         for label in MODES:
@@ -289,9 +294,9 @@ def memory(args) -> None:
             out = subprocess.run(cmd, capture_output=True, text=True, env=env)
             got = [l.split()[1:] for l in out.stdout.splitlines() if l.startswith("RESULT")]
             if not got:
-                print(f"| {name} | {label} | failed: {out.stderr[-300:]} | | |")
+                print(f"| {name} | {label} | failed: {out.stderr[-300:]} | | | |")
                 continue
-            growth, rows, each = float(got[0][0]), int(got[0][1]), got[0][2]
+            growth, rows, each, base = float(got[0][0]), int(got[0][1]), got[0][2], got[0][3]
             if label == "dp dense noise":
                 size = vocab * dim * 4
             elif label == "plain":
@@ -299,7 +304,7 @@ def memory(args) -> None:
             else:
                 size = rows * (dim * 4 + 8)  # the selected rows (int64 indices)
             print(
-                f"| {name} ({vocab:,} x {dim}) | {label} | {growth:.1f} ({each}) | {rows:,} | {size / 2**20:.2f} |",
+                f"| {name} ({vocab:,} x {dim}) | {label} | {base} | {growth:.1f} ({each}) | {rows:,} | {size / 2**20:.2f} |",
                 flush=True,
             )
 
