@@ -7,12 +7,12 @@ make its ``epsilon()`` silently describe less than the network went through:
   on ``dp.model``): after the first DP step, the network's trainable weights
   must change only through ``DPModel``'s steps. ``NetworkGuard`` keeps a
   fingerprint of them (``fingerprint``: integer sums of their bits), taken
-  whenever ``DPModel`` has changed or saved them (after each ``fit`` epoch and call, before ``save_weights`` / ``save``, after
-  ``load_weights``), and stored in a non-trainable variable saved with the
-  weights, so a restored checkpoint restores the fingerprint of its own
-  weights. A mismatch later means the weights were changed by something
-  else; the fingerprint does not depend on the optimizer or on how the
-  change was made.
+  whenever ``DPModel`` has changed or saved them (after each ``fit`` epoch
+  and call, before ``save_weights`` / ``save``, after ``load_weights``), and
+  stored in a non-trainable variable saved with the weights, so a restored
+  checkpoint restores the fingerprint of its own weights. A mismatch later
+  means the weights were changed by something else; the fingerprint does
+  not depend on the optimizer or on how the change was made.
 - **two ``DPModel``\\ s wrapping one network**, each counting only its own
   steps: a network has one owner (``claim``). A second ``DPModel`` may take
   it over only while the first has taken no step.
@@ -111,8 +111,8 @@ def _bit_sums(bits: tf.Tensor) -> tf.Tensor:
 def legacy_fingerprint(variables) -> np.ndarray:
     """``[2]`` float64: ``(sum w, sum w^2)`` in float64, the fingerprint checkpoints of earlier versions saved.
 
-    numpy's pairwise float64 sums of each variable's entries, taken in pieces
-    split where numpy splits (bit for bit ``w.astype(float64).sum()``).
+    Each variable's sums are numpy's pairwise float64 sums of its entries
+    (``_pairwise``: bit for bit what ``w.astype(float64).sum()`` gives).
     """
     total = np.zeros(2, np.float64)
     for v in variables:
@@ -125,7 +125,12 @@ _LEAF = 1 << 16  # entries cast to float64 at a time
 
 
 def _pairwise(w: np.ndarray, f) -> float:
-    """``f(w.astype(float64)).sum()`` for 1-D ``w``, splitting ``n`` entries where numpy does (``n // 2`` rounded down to 8)."""
+    """``f(w.astype(float64)).sum()`` for 1-D ``w``, in pieces of at most ``_LEAF`` entries.
+
+    numpy sums a contiguous array pairwise, splitting ``n`` entries at
+    ``n2 = n // 2 - (n // 2) % 8``; splitting at the same points and adding
+    the halves in the same order gives the same float64 result bit for bit.
+    """
     n = w.size
     if n <= _LEAF:
         return f(w.astype(np.float64)).sum()
