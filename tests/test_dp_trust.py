@@ -375,6 +375,7 @@ def test_fingerprint_is_the_integer_sums_of_the_entries_bits():
     piece = network_guard._PIECE
     cases = [((3,), "float32"), ((129,), "float16"), ((piece,), "float32"), ((piece + 1,), "float32")]
     cases += [((3, piece // 2 + 5), "float32"), ((piece + 3,), "float16"), ((piece // 2 + 1,), "float64")]
+    cases += [((piece + 1,), "float64")]  # each entry two uint32 halves, on the device path
     for shape, dtype in cases:
         v = tf.Variable(rng.normal(size=shape).astype(dtype) * 3)
         width = {2: np.uint16, 4: np.uint32, 8: np.uint32}[np.dtype(dtype).itemsize]
