@@ -392,7 +392,7 @@ def test_a_checkpoint_with_the_earlier_float_fingerprint_is_still_recognised():
     from per_example_grads.keras import network_guard
 
     rng = np.random.default_rng(1)
-    shapes = [(3,), (129,), (1 << 16,), ((1 << 16) + 1,), (1000, 257)]
+    shapes = [(3,), (129,), (1 << 16,), ((1 << 16) + 1,), (1000, 257), (7, 3, 40_001)]
     weights = [tf.Variable(rng.normal(size=s).astype("float32") * 3) for s in shapes]
     for v in weights:  # legacy_fingerprint is numpy's pairwise float64 sums, bit for bit
         w = np.asarray(v.numpy(), np.float64)
