@@ -13,8 +13,8 @@ Epochs are timed round-robin from ``on_epoch_begin`` to ``on_epoch_end``
 (the first, tracing epoch untimed), ``--repeats`` ``fit`` calls of 2 epochs
 each: the first epoch of a call pays the call's set-up (a Poisson dataset's
 iterator: tf.data instantiates its functions), the second does not; medians
-of each, and their ratio to the plain epoch. Then the steps alone, without the fit loop: each configuration's
-compiled train function called on its own iterator (plain: batches of 256;
+of each, and their ratio to the plain epoch. Then the steps alone, without
+the fit loop: each configuration's compiled train function called on its own iterator (plain: batches of 256;
 private: Poisson batches of the same q), ``--step-calls`` calls round-robin across
 the configurations (so slow spells of a shared machine hit all of them),
 medians. The share of CPU time the hypervisor took (steal, from
