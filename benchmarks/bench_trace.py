@@ -11,7 +11,10 @@ and a small KerasHub GPT-2 built from its classes; the sizes of
 
 - ``plain first step s``: Keras's ``fit`` on ``b`` rows, one step: from the
   first ``on_train_batch_begin`` to its ``on_train_batch_end``, so tracing
-  plus one run of the step (what bench_dp_fit's first-step column reports);
+  plus one run of the step (what bench_dp_fit's first-step column reports),
+  and in brackets the trace: the seconds Python spent in ``train_step``
+  building the graph (the rest is the graph's first run: TensorFlow's
+  optimization of the graph, its kernels' creation and the step itself);
 - ``dp first step s``: the same for ``DPModel.fit`` on one Poisson batch
   (``poisson_batches(..., steps=1)``);
 - ``traces``: how many times Python ran ``train_step`` over two ``fit``
@@ -103,13 +106,16 @@ class _Clock:
 
 
 def _counting_train_step(model) -> list:
-    """Counts the Python calls of ``model.train_step`` (one per trace), on the instance."""
+    """The seconds of each Python call of ``model.train_step`` (one per trace: building its graph), on the instance."""
     calls = []
     original = model.train_step
 
     def train_step(data):
-        calls.append(1)
-        return original(data)
+        start = time.perf_counter()
+        try:
+            return original(data)
+        finally:
+            calls.append(time.perf_counter() - start)
 
     model.train_step = train_step
     return calls
@@ -136,7 +142,7 @@ def plain_first_step(copy, x, y, b, optimizer):
     clock = _Clock()
     traces = _counting_train_step(m)
     m.fit(_rows(x, b), y[:b], batch_size=b, epochs=1, verbose=0, callbacks=[clock.callback])
-    return clock.seconds, m, len(traces)
+    return clock.seconds, m, traces[0]
 
 
 def _rows(x, b):
@@ -155,7 +161,7 @@ def dp_first_step(copy, x, y, b, optimizer, method="auto", count_traces=True):
     clock = _Clock()
     data = peg.dp.poisson_batches(x, y, sampling_probability=b / n, steps=1, seed=0)
     dp.fit(data, epochs=1, verbose=0, callbacks=[clock.callback])
-    first = clock.seconds
+    first = clock.seconds, traces[0]
     if not count_traces:
         return first, dp, None, data
     dp.fit(peg.dp.poisson_batches(x, y, sampling_probability=b / n, steps=1, seed=1), epochs=1, verbose=0)
@@ -213,23 +219,28 @@ def run(models, b, optimizer, repeats, breakdown, count_traces=True):
         f"`python {' '.join(sys.argv)}`\n"
     )
     print(
-        "| model | plain first step s | dp first step s | dp / plain | traces (2 fits, then new q) | "
+        "| model | plain first step s (trace) | dp first step s (trace) | dp / plain | traces (2 fits, then new q) | "
         "plain nodes | dp nodes | dp Const |"
     )
     print("|---|---|---|---|---|---|---|---|", flush=True)
     for name in models:
         copy, x, y = _build(name, max(4 * b, 256))
-        plain_s, dp_s = [], []
+        plain_s, dp_s, plain_trace, dp_trace = [], [], [], []
         for _ in range(repeats):  # alternated, so load hits both alike
-            seconds, plain_model, _ = plain_first_step(copy, x, y, b, optimizer)
+            seconds, plain_model, trace = plain_first_step(copy, x, y, b, optimizer)
             plain_s.append(seconds)
-            seconds, dp_model, traces, data = dp_first_step(copy, x, y, b, optimizer, count_traces=count_traces)
+            plain_trace.append(trace)
+            (seconds, trace), dp_model, traces, data = dp_first_step(
+                copy, x, y, b, optimizer, count_traces=count_traces
+            )
             dp_s.append(seconds)
+            dp_trace.append(trace)
         plain_nodes, _ = nodes(_step_concrete(plain_model, (_rows(x, b), y[:b])))
         dp_nodes, dp_const = nodes(_step_concrete(dp_model, next(iter(data))))
         p, d = statistics.median(plain_s), statistics.median(dp_s)
+        pt, dt = statistics.median(plain_trace), statistics.median(dp_trace)
         print(
-            f"| {name} | {p:.2f} | {d:.2f} | {d / p:.2f} | {f'{traces[0]} + {traces[1] - traces[0]}' if traces else ''} | "
+            f"| {name} | {p:.2f} ({pt:.2f}) | {d:.2f} ({dt:.2f}) | {d / p:.2f} | {f'{traces[0]} + {traces[1] - traces[0]}' if traces else ''} | "
             f"{plain_nodes} | {dp_nodes} | {dp_const} |",
             flush=True,
         )
