@@ -149,6 +149,7 @@ def clipped_sums_and_predictions(
     allow_batch_coupling: bool = False,
     unit_ids: Any = None,
     num_units: int | None = None,
+    nonempty: bool = False,
 ) -> tuple[list, Any, Any]:
     """``clipped_gradients``' sums and norms (as ``return_norms=True`` gives them), and the model's predictions.
 
@@ -159,6 +160,9 @@ def clipped_sums_and_predictions(
     (the layer-wise engine runs the model once on the whole batch), or
     ``()`` when the engine ran no such pass: a training step then needs no
     second forward pass for its loss and metrics.
+
+    ``nonempty``: the caller guarantees at least one row when run, so a
+    batch of unknown size is not guarded by ``unless_empty``'s ``tf.cond``.
     """
     selection.check_method(method)
     l2_norm_clip = check_clip(l2_norm_clip)
@@ -179,27 +183,31 @@ def clipped_sums_and_predictions(
         sums, norms, predictions = selection.run(method, problem, use, batch)
         return sums, norms, () if predictions is None else predictions
 
-    if not tf.executing_eagerly():
-        # Traced once for the pass and its recomputation below, instead of the model and its rules
-        # traced twice: both calls are weighted (weights of 1 are exact), so they share one signature.
+    if not tf.executing_eagerly() and (units is not None or method not in ("auto", "layerwise")):
+        # An engine that does not leave non-finite examples out itself: traced once for the pass and
+        # its recomputation below, instead of the model and its rules traced twice; both calls are
+        # weighted (weights of 1 are exact), so they share one signature. Where the layer-wise engine
+        # may run, the pass is traced inline: that engine leaves them out itself, and a function
+        # boundary costs the first step more (benchmarks/RESULTS.md, first step); should ``auto``
+        # choose another engine, its recomputation traces the pass a second time.
         traced = tf.function(clipped_sums, autograph=False)
 
         def clipped_sums(batch):
             if "sample_weight" not in batch:
                 batch = batch | {"sample_weight": tf.ones([batch_size(batch)])}
-            sums, norms, predictions = traced(batch)
-            return _static_dense_shapes(sums, problem.variables), norms, predictions
+            return traced(batch)
 
     def without_nonfinite(batch):  # run only for B > 0
         problem.cache.pop(layerwise.EXCLUDES_NONFINITE, None)
         sums, norms, predictions = clipped_sums(batch)
+        sums = _static_dense_shapes(sums, problem.variables)
         if units is None and problem.cache.get(layerwise.EXCLUDES_NONFINITE):
             # The layer-wise engine left such examples out itself: no second pass to trace.
             return _without_nonfinite_examples(None, batch, sums, norms, problem.variables), norms, predictions
         recompute = lambda batch: clipped_sums(batch)[:2]
         return _without_nonfinite_examples(recompute, batch, sums, norms, problem.variables, units), norms, predictions
 
-    sums, norms, predictions = unless_empty(batch, without_nonfinite)
+    sums, norms, predictions = unless_empty(batch, without_nonfinite, nonempty)
     if not isinstance(l2_norm_clip, (Mapping, list)):
         return sums, norms[0], predictions
     names = list(l2_norm_clip) if isinstance(l2_norm_clip, Mapping) else list(range(len(clip.groups)))

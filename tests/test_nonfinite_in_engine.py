@@ -90,3 +90,28 @@ def test_a_non_finite_example_contributes_nothing_in_a_graph(name, dynamic, monk
     factors = clip / np.maximum(reference_norms(expected), clip)
     assert_clipped_sums_close(got, expected, factors)
     assert flags and all(flags), "the engine fell back to the recomputation"
+
+
+def test_what_depends_on_the_batch_is_known_inside_the_empty_batch_branch():
+    """With ``B`` dynamic the pass runs in ``unless_empty``'s ``tf.cond`` branch, where the batch is captured.
+
+    The branch sees the batch through the placeholders that capture it; a saved tensor
+    computed from them must count as the batch's (a ``[T, ...]`` batch mean
+    that does not lead with ``B`` then keeps the engine from cleaning), and
+    one computed from a variable alone must not.
+    """
+    from per_example_grads._core.batch import unless_empty
+
+    table = tf.Variable(tf.ones([3, 2]))
+    seen = []
+
+    def compute(batch):
+        from_batch = tf.reduce_mean(batch["x"], axis=0)
+        from_table = tf.reduce_sum(table * 2.0, axis=0)
+        sources = layerwise._batch_sources(batch)  # after the pass, as the engine asks
+        seen.append([layerwise._depends_on(t, sources, {}) for t in (from_batch, from_table)])
+        return tf.reduce_sum(batch["x"], axis=0)
+
+    graph = tf.function(lambda x: unless_empty({"x": x}, compute), input_signature=[tf.TensorSpec([None, 2])])
+    np.testing.assert_allclose(graph(tf.ones([4, 2])).numpy(), [4.0, 4.0])
+    assert seen == [[True, False]]

@@ -168,3 +168,31 @@ def test_a_remembered_engine_that_fails_is_not_trusted(monkeypatch):
     with pytest.warns(peg.EngineFallbackWarning, match="layerwise"):
         assert_grads_close(peg.per_example_gradients(model, sparse_ce, x, y), want)
     assert [p["auto"][0] for p in plans.values() if "auto" in p] == ["vectorized"]
+
+
+def test_a_poisson_step_builds_no_empty_batch_branch_and_an_empty_batch_changes_nothing(monkeypatch):
+    """The real rows are gathered to a dynamic count that is at least one bucket of rows (zero-weight ones
+    when none is real), so the clipped pass needs no ``tf.cond`` against an empty batch: its
+    no-examples branch is never built. A batch with no real row then contributes exactly nothing:
+    with no noise and plain SGD, the weights do not move."""
+    from per_example_grads._core import batch as batch_module
+
+    built = _counting(monkeypatch, batch_module, "_no_examples")
+    keras.utils.set_random_seed(0)
+    net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(3)])
+    dp = peg.keras.DPModel(net, l2_norm_clip=1.0, noise_multiplier=0.0, seed=0)
+    dp.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 4)).astype("float32"), rng.integers(0, 3, 16)
+    sampling = peg.dp.poisson_batches(x, y, sampling_probability=0.5, seed=0).pegrad_sampling
+    empty = tf.data.Dataset.from_tensors((x, y, np.zeros(16, "float32")))
+    empty.pegrad_sampling = sampling
+    before = [w.copy() for w in net.get_weights()]
+    dp.fit(empty, epochs=1, verbose=0)
+    for w, b in zip(net.get_weights(), before):
+        np.testing.assert_array_equal(w, b)
+    real = tf.data.Dataset.from_tensors((x, y, np.ones(16, "float32")))
+    real.pegrad_sampling = sampling
+    dp.fit(real, epochs=1, verbose=0)  # and a batch of real rows does move them (the test can fail)
+    assert any(not np.array_equal(w, b) for w, b in zip(net.get_weights(), before))
+    assert built == []

@@ -59,7 +59,7 @@ def batch_size(batch: Batch) -> tf.Tensor | int:
     return static if static is not None else tf.shape(first)[0]
 
 
-def unless_empty(batch: Batch, compute: Callable[[Batch], Any]) -> Any:
+def unless_empty(batch: Batch, compute: Callable[[Batch], Any], nonempty: bool = False) -> Any:
     """``compute(batch)``, except that for ``B = 0`` it returns the results for no examples without running it.
 
     The one guard against empty batches, shared by every public entry point
@@ -85,11 +85,13 @@ def unless_empty(batch: Batch, compute: Callable[[Batch], Any]) -> Any:
     - ``B`` known only at run time (``tf.function`` with an unknown batch
       size): ``tf.cond(B > 0, compute, no examples)``; ``tf.cond`` traces the
       first branch before the second, which builds its results from the
-      first's.
+      first's. With ``nonempty`` the caller guarantees ``B > 0`` when run
+      (``dp.aggregator.clipped_sum``'s bucketed rows of a batch of known
+      positive size), and ``compute(batch)`` is traced without the branch.
     """
     compute = tf.autograph.experimental.do_not_convert(compute)
     b = batch_size(batch)
-    if isinstance(b, int) and b > 0:
+    if (isinstance(b, int) and b > 0) or (nonempty and not isinstance(b, int)):
         return compute(batch)
     if isinstance(b, int):
         relaxed = tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), batch)

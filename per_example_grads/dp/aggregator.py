@@ -228,8 +228,15 @@ def clipped_sum(
     if keep is not None:
         data = tf.nest.map_structure(lambda t: tf.gather(t, keep), data)
     if physical_batch_size is None:
+        static = tf.nest.flatten(x)[0].shape[0]  # the computed rows are never 0 when the batch's are not
         sums, norms, predictions = clipped_sums_and_predictions(
-            model, loss_fn, data["x"], data.get("y"), sample_weight=data.get("sample_weight"), **args
+            model,
+            loss_fn,
+            data["x"],
+            data.get("y"),
+            sample_weight=data.get("sample_weight"),
+            nonempty=bool(static),
+            **args,
         )
     else:
         sums, norms, predictions = _chunked(model, loss_fn, data, args, physical_batch_size)
@@ -829,7 +836,11 @@ def _bucketed_real_rows(real: tf.Tensor) -> tf.Tensor:
     """Indices of the real rows, then of zero-weight rows up to a multiple of a bucket size: ``[b']``.
 
     The row count of the computed batch then takes only a few values (one
-    per bucket) instead of a new one at every step. TensorFlow's CPU kernels
+    per bucket) instead of a new one at every step. It is at least one
+    bucket (or every row, if fewer), even when no row is real: zero-weight
+    rows contribute exactly nothing, and a batch with rows then never
+    computes an empty one, so the step needs no branch for it
+    (``unless_empty``'s ``nonempty``). TensorFlow's CPU kernels
     (oneDNN) set up each convolution and matrix product per input shape and
     cache that, so a new shape at every step is much slower than a repeated
     one (``benchmarks/RESULTS.md``). The bucket is the power of two
@@ -842,5 +853,5 @@ def _bucketed_real_rows(real: tf.Tensor) -> tf.Tensor:
     bucket = 2 ** round(math.log2(math.sqrt(static))) if static else 16
     keep = tf.concat([real_rows(real), tf.where(tf.equal(real, 0))[:, 0]], axis=0)
     b = tf.cast(tf.reduce_sum(real), tf.int32)
-    target = tf.minimum(rows, (b + bucket - 1) // bucket * bucket)
+    target = tf.minimum(rows, tf.maximum(bucket, (b + bucket - 1) // bucket * bucket))
     return keep[:target]

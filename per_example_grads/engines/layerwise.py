@@ -329,7 +329,7 @@ def clipped_sums(problem: Problem, batch: Batch, clip: ClipGroups) -> tuple[list
     weights_for = lambda v: factors[group_of[id(v)]]  # noqa: E731
     sums = weighted_sums(problem, captured, weights_for)
     problem.cache[EXCLUDES_NONFINITE] = False
-    if not tf.executing_eagerly() and _cleanable(problem, captured):
+    if not tf.executing_eagerly() and _cleanable(problem, captured, batch):
         sums = _without_nonfinite(problem, captured, norms, sums, weights_for)
         problem.cache[EXCLUDES_NONFINITE] = True
     return sums, norms, captured.predictions
@@ -340,10 +340,10 @@ def clipped_sums(problem: Problem, batch: Batch, clip: ClipGroups) -> tuple[list
 EXCLUDES_NONFINITE = "layerwise_sums_exclude_nonfinite"
 
 
-def _cleanable(problem: Problem, captured: Captured) -> bool:
+def _cleanable(problem: Problem, captured: Captured, batch: Batch) -> bool:
     """Whether ``_without_nonfinite`` can clean ``captured`` exactly (decided while tracing).
 
-    It can when ``B`` is static, no layer couples examples, no rule maps its
+    It can when ``B`` is not a static 0, no layer couples examples, no rule maps its
     taps to examples itself (``capture.batch_led``), every tap's gradient
     leads with ``B``, and every saved floating tensor that depends on the
     batch's tensors leads with ``B`` (one that does not, a table or a shared
@@ -355,7 +355,7 @@ def _cleanable(problem: Problem, captured: Captured) -> bool:
         return False
     if problem.batch_coupling:
         return False
-    sources = _batch_sources(captured)
+    sources = _batch_sources(batch)
     if sources is None:
         return False
     depends: dict = {}
@@ -381,14 +381,20 @@ def _leads_with(t, b) -> bool:
     return t.shape[0] == b if isinstance(b, int) else t.shape[0] is None
 
 
-def _batch_sources(captured: Captured) -> set | None:
-    """Names of the graph inputs that are not captures (the batch's tensors), or None when not in a function graph."""
+def _batch_sources(batch: Batch) -> set | None:
+    """Names of the batch's tensors as the current function graph sees them, or None when not in a function graph.
+
+    A tensor of ``batch`` made outside this graph (the batch is checked before
+    ``unless_empty``'s ``tf.cond`` branch that runs the pass) is seen through
+    the placeholder that captures it.
+    """
     graph = tf.compat.v1.get_default_graph()
-    inputs = getattr(graph, "inputs", None)
-    if inputs is None:
+    captures = getattr(graph, "captures", None)
+    if captures is None:
         return None
-    captured_inputs = {id(t) for t in getattr(graph, "internal_captures", [])}
-    return {t.name for t in inputs if id(t) not in captured_inputs}
+    leaves = {t.ref() for t in tf.nest.flatten(batch) if isinstance(t, tf.Tensor)}
+    inside = {internal.name for external, internal in captures if external.ref() in leaves}
+    return inside | {t.deref().name for t in leaves if t.deref().graph is graph}
 
 
 def _depends_on(t: tf.Tensor, sources: set, memo: dict) -> bool:
