@@ -38,8 +38,21 @@ def test_mismatch_inside_tf_function_is_caught_at_run_time(case):
         lambda x, y: peg.per_example_gradients(case.model, sparse_ce, x, y),
         input_signature=[tf.TensorSpec([None, 6]), tf.TensorSpec([None], tf.int32)],
     )
-    with pytest.raises(tf.errors.InvalidArgumentError, match="leading batch dimension"):
+    # The message names both inputs and their sizes (case.x has 5 rows).
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match=r"leading batch dimension B: x has B =\] \[5\] \[but y has B =\] \[4\]"
+    ):
         f(case.x, case.y[:4])
+
+
+def test_run_time_mismatch_of_one_of_several_inputs_gives_every_size(case):
+    f = tf.function(
+        lambda x, y, w: peg.per_example_gradients(case.model, sparse_ce, x, y, sample_weight=w),
+        input_signature=[tf.TensorSpec([None, 6]), tf.TensorSpec([None], tf.int32), tf.TensorSpec([None])],
+    )
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"\[but y, sample_weight have B =\] \[5 3\]"):
+        f(case.x, case.y, np.ones(3, "float32"))
+    assert f(case.x, case.y, np.ones(5, "float32"))[0].shape[0] == 5  # matching sizes pass the check
 
 
 def test_sample_weight_must_be_vector(case):
