@@ -282,6 +282,23 @@ def _padded_batch(inputs: dict, chosen: tf.Tensor, m: int, what: str, overflow_m
     return xb, yb, tf.cast(tf.range(m) < b, tf.float32), b
 
 
+def _step_batches(pass_steps, sample, steps: int, sampling) -> tf.data.Dataset:
+    """The dataset of ``steps`` batches: ``sample(step)`` of each index that ``pass_steps`` claims for a pass.
+
+    Neither function is AutoGraph-converted (they have no Python control flow
+    on tensors): converting them was most of a first ``poisson_batches`` call
+    in a process (``benchmarks/RESULTS.md``, first step).
+    """
+    unconverted = tf.autograph.experimental.do_not_convert
+    ds = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).map(unconverted(pass_steps))
+    ds = ds.flat_map(tf.data.Dataset.from_tensor_slices)
+    ds = ds.apply(tf.data.experimental.assert_cardinality(steps))
+    ds = ds.map(unconverted(sample), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    ds = ds.prefetch(tf.data.AUTOTUNE)
+    ds.pegrad_sampling = sampling
+    return ds
+
+
 def _pad_rows(rows: tf.Tensor, num_rows: tf.Tensor, target: Any) -> tf.Tensor:
     """``rows [num_rows, ...]`` -> ``[target, ...]`` with zero rows appended."""
     paddings = tf.concat([[[0, target - num_rows]], tf.zeros([tf.rank(rows) - 1, 2], tf.int32)], axis=0)
@@ -475,13 +492,7 @@ def poisson_batches(
         xb, yb, mask, _ = _padded_batch(inputs, chosen, m, "A Poisson batch sampled", overflow_message)
         return xb, yb, mask
 
-    ds = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).map(pass_steps)
-    ds = ds.flat_map(tf.data.Dataset.from_tensor_slices)
-    ds = ds.apply(tf.data.experimental.assert_cardinality(steps))
-    ds = ds.map(sample, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    ds = ds.prefetch(tf.data.AUTOTUNE)
-    ds.pegrad_sampling = sampling
-    return ds
+    return _step_batches(pass_steps, sample, steps, sampling)
 
 
 def _check_unit_ids(unit_ids: Any, n: int) -> np.ndarray:
@@ -559,13 +570,7 @@ def _unit_batches(inputs, n, q, ids, rows_per_unit, max_batch_size, steps, seed,
         batch_ids = tf.ensure_shape(tf.concat([tf.gather(ids_t, chosen), -tf.ones([m - b], tf.int64)], axis=0), [m])
         return xb, yb, mask, batch_ids
 
-    ds = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).map(pass_steps)
-    ds = ds.flat_map(tf.data.Dataset.from_tensor_slices)
-    ds = ds.apply(tf.data.experimental.assert_cardinality(steps))
-    ds = ds.map(sample, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    ds = ds.prefetch(tf.data.AUTOTUNE)
-    ds.pegrad_sampling = sampling
-    return ds
+    return _step_batches(pass_steps, sample, steps, sampling)
 
 
 def _lists_as_tuples(tree: Any) -> Any:
