@@ -13,10 +13,19 @@ and a small KerasHub GPT-2 built from its classes; the sizes of
   first ``on_train_batch_begin`` to its ``on_train_batch_end``, so tracing
   plus one run of the step (what bench_dp_fit's first-step column reports),
   and in brackets the trace: the seconds Python spent in ``train_step``
-  building the graph (the rest is the graph's first run: TensorFlow's
-  optimization of the graph, its kernels' creation and the step itself);
+  building the graph the first time (the rest is the graph's first run:
+  TensorFlow's optimization of the graph, its kernels' creation and the
+  step itself, and any second trace);
 - ``dp first step s``: the same for ``DPModel.fit`` on one Poisson batch
   (``poisson_batches(..., steps=1)``);
+- ``from the call s``: from just before the ``fit`` call (for DP, before
+  the ``poisson_batches`` call) to the first step's end: what the user
+  waits, with what ``fit`` does before its first batch (its data adapter;
+  ``DPModel``'s creation of the optimizer's variables on symbolic inputs,
+  which Keras does inside the first trace);
+- ``first-step traces``: the Python calls of ``train_step`` by the end of
+  the first ``fit`` (Keras traces a step twice when the optimizer creates
+  its variables during the first trace, as Adam's moments are);
 - ``traces``: how many times Python ran ``train_step`` over two ``fit``
   calls (the second on a new ``poisson_batches`` dataset of the same ``q``),
   then a third on another ``q``, reported as ``traces of the first two + those
@@ -89,7 +98,7 @@ class _Clock:
     def __init__(self):
         import keras
 
-        marks = self.marks = {}
+        marks = self.marks = {"called": time.perf_counter()}  # made just before the fit (and its dataset)
 
         class Clock(keras.callbacks.Callback):
             def on_train_batch_begin(self, batch, logs=None):
@@ -103,6 +112,11 @@ class _Clock:
     @property
     def seconds(self) -> float:
         return self.marks["end"] - self.marks["begin"]
+
+    @property
+    def since_call(self) -> float:
+        """From just before the ``fit`` call (and, for DP, the ``poisson_batches`` call) to the first step's end."""
+        return self.marks["end"] - self.marks["called"]
 
 
 def _counting_train_step(model) -> list:
@@ -139,10 +153,11 @@ def _step_concrete(model, data):
 def plain_first_step(copy, x, y, b, optimizer):
     m = copy()
     m.compile(optimizer=_optimizer(optimizer), loss=_loss())
-    clock = _Clock()
     traces = _counting_train_step(m)
-    m.fit(_rows(x, b), y[:b], batch_size=b, epochs=1, verbose=0, callbacks=[clock.callback])
-    return clock.seconds, m, traces[0]
+    rows, labels = _rows(x, b), y[:b]
+    clock = _Clock()
+    m.fit(rows, labels, batch_size=b, epochs=1, verbose=0, callbacks=[clock.callback])
+    return (clock.seconds, clock.since_call, traces[0], len(traces)), m
 
 
 def _rows(x, b):
@@ -161,7 +176,7 @@ def dp_first_step(copy, x, y, b, optimizer, method="auto", count_traces=True):
     clock = _Clock()
     data = peg.dp.poisson_batches(x, y, sampling_probability=b / n, steps=1, seed=0)
     dp.fit(data, epochs=1, verbose=0, callbacks=[clock.callback])
-    first = clock.seconds, traces[0]
+    first = clock.seconds, clock.since_call, traces[0], len(traces)
     if not count_traces:
         return first, dp, None, data
     dp.fit(peg.dp.poisson_batches(x, y, sampling_probability=b / n, steps=1, seed=1), epochs=1, verbose=0)
@@ -219,28 +234,24 @@ def run(models, b, optimizer, repeats, breakdown, count_traces=True):
         f"`python {' '.join(sys.argv)}`\n"
     )
     print(
-        "| model | plain first step s (trace) | dp first step s (trace) | dp / plain | traces (2 fits, then new q) | "
-        "plain nodes | dp nodes | dp Const |"
+        "| model | plain first step s (trace) | dp first step s (trace) | dp / plain | plain, dp from the call s | "
+        "dp / plain from the call | first-step traces plain, dp | traces (2 fits, then new q) | plain nodes | dp nodes | dp Const |"
     )
-    print("|---|---|---|---|---|---|---|---|", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for name in models:
         copy, x, y = _build(name, max(4 * b, 256))
-        plain_s, dp_s, plain_trace, dp_trace = [], [], [], []
+        plain, dp = [], []  # per repeat: (first step s, from the call s, first trace s, traces)
         for _ in range(repeats):  # alternated, so load hits both alike
-            seconds, plain_model, trace = plain_first_step(copy, x, y, b, optimizer)
-            plain_s.append(seconds)
-            plain_trace.append(trace)
-            (seconds, trace), dp_model, traces, data = dp_first_step(
-                copy, x, y, b, optimizer, count_traces=count_traces
-            )
-            dp_s.append(seconds)
-            dp_trace.append(trace)
+            first, plain_model = plain_first_step(copy, x, y, b, optimizer)
+            plain.append(first)
+            first, dp_model, traces, data = dp_first_step(copy, x, y, b, optimizer, count_traces=count_traces)
+            dp.append(first)
         plain_nodes, _ = nodes(_step_concrete(plain_model, (_rows(x, b), y[:b])))
         dp_nodes, dp_const = nodes(_step_concrete(dp_model, next(iter(data))))
-        p, d = statistics.median(plain_s), statistics.median(dp_s)
-        pt, dt = statistics.median(plain_trace), statistics.median(dp_trace)
+        (p, pc, pt, pn), (d, dc, dt, dn) = ([statistics.median(col) for col in zip(*runs)] for runs in (plain, dp))
         print(
-            f"| {name} | {p:.2f} ({pt:.2f}) | {d:.2f} ({dt:.2f}) | {d / p:.2f} | {f'{traces[0]} + {traces[1] - traces[0]}' if traces else ''} | "
+            f"| {name} | {p:.2f} ({pt:.2f}) | {d:.2f} ({dt:.2f}) | {d / p:.2f} | {pc:.2f}, {dc:.2f} | {dc / pc:.2f} | "
+            f"{pn:g}, {dn:g} | {f'{traces[0]} + {traces[1] - traces[0]}' if traces else ''} | "
             f"{plain_nodes} | {dp_nodes} | {dp_const} |",
             flush=True,
         )
