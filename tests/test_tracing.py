@@ -63,6 +63,25 @@ def test_fit_traces_once_per_batch_shape_and_not_per_fit(monkeypatch):
     assert int(dp.dp_steps.numpy()) == 8
 
 
+@pytest.mark.slow
+def test_a_per_token_loss_with_adam_traces_the_first_step_once():
+    # Adam creates its moments on first use; DPModel creates them before the first trace (on symbolic
+    # inputs), else TensorFlow traces the step a second time. The batch's [B] mask must not take part
+    # in that build: against a language model's [B, T] loss it does not broadcast.
+    keras.utils.set_random_seed(0)
+    net = keras.Sequential([keras.Input((5,), dtype="int32"), keras.layers.Embedding(7, 4), keras.layers.Dense(7)])
+    dp = peg.keras.DPModel(net, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0)
+    dp.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    traces = []
+    original = dp.train_step
+    dp.train_step = lambda data: (traces.append(1), original(data))[1]
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 7, (32, 5)).astype("int32"), rng.integers(0, 7, (32, 5))
+    dp.fit(peg.dp.poisson_batches(x, y, sampling_probability=0.25, steps=2, seed=0), epochs=1, verbose=0)
+    assert len(traces) == 1
+    assert dp.optimizer.iterations.numpy() == 2
+
+
 def test_the_library_is_not_converted_by_autograph_under_a_users_function(monkeypatch):
     """Inside a user's tf.function (AutoGraph on), the entry points and the DP step run unconverted.
 

@@ -676,9 +676,16 @@ class DPModel(keras.Model):
         return (*keras.utils.unpack_x_y_sample_weight(data), None)
 
     def _symbolic_build(self, iterator=None, data_batch=None):
-        """Keras's, without a unit-level batch's ``unit_ids``, which are no input of the model."""
-        if self.privacy_unit == "unit" and isinstance(data_batch, tuple) and len(data_batch) == 4:
-            data_batch = data_batch[:3]
+        """Keras's, on a batch's ``(x, y)`` only.
+
+        The batch's mask (its sample weights) and a unit-level batch's
+        ``unit_ids`` create no variables, and a ``[B]`` mask does not broadcast
+        against a per-token loss (a language model's ``[B, T]``): Keras's
+        symbolic loss failed there, and the optimizer's variables were then
+        created in the first trace, which TensorFlow repeats.
+        """
+        if isinstance(data_batch, tuple) and len(data_batch) > 2:
+            data_batch = data_batch[:2]
         return super()._symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def test_step(self, data):
