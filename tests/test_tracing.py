@@ -120,6 +120,26 @@ def test_the_library_is_not_converted_by_autograph_under_a_users_function(monkey
     assert converted and not [name for name in converted if name.startswith("per_example_grads")]
 
 
+def test_poisson_batches_are_sampled_without_autograph(monkeypatch):
+    """The sampler's map functions run unconverted: converting them was most of a first call's time."""
+    from tensorflow.python.autograph.impl import api
+
+    called = []
+    original = api.converted_call
+
+    def converted_call(f, args, kwargs, caller_fn_scope=None, options=None):
+        called.append(getattr(f, "__module__", "") or "")
+        return original(f, args, kwargs, caller_fn_scope=caller_fn_scope, options=options)
+
+    monkeypatch.setattr(api, "converted_call", converted_call)
+    x, y = np.arange(40.0, dtype="float32").reshape(20, 2), np.arange(20) % 3
+    for unit_ids in (None, np.arange(20) // 2):
+        batch = next(iter(peg.dp.poisson_batches(x, y, sampling_probability=0.5, steps=1, seed=0, unit_ids=unit_ids)))
+        rows = batch[0].numpy()[batch[2].numpy() > 0]
+        assert len(rows) and set(rows[:, 0]) <= set(x[:, 0])  # real rows are rows of x
+    assert called and not [name for name in called if name.startswith("per_example_grads")]
+
+
 class _OwnScale(keras.Model):
     """A model that owns a variable itself, so ``auto`` passes the layer-wise engine for ``vectorized``."""
 
