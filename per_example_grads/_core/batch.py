@@ -292,7 +292,7 @@ def _check_leading_dims(batch: Batch) -> Batch:
             )
         if a is None or b is None:
             unknown.append((name, leaf))
-    if not unknown:
+    if not unknown:  # always so eagerly, where every shape is known
         return batch
     # One assertion for every leaf (tf.debugging.assert_equal took about 15 graph nodes per leaf).
     leads = tf.stack([tf.shape(leaf, out_type=tf.int32)[0] for _, leaf in unknown])
@@ -306,7 +306,5 @@ def _check_leading_dims(batch: Batch) -> Batch:
             leads,
         ],
     )
-    if check is None:  # eagerly, Assert has already checked
-        return batch
     with tf.control_dependencies([check]):
         return tf.nest.map_structure(tf.identity, batch)
