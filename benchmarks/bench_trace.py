@@ -35,6 +35,21 @@ and a small KerasHub GPT-2 built from its classes; the sizes of
   it calls, counted once each), for Keras's step and the DP step, and how
   many of the DP step's are ``Const``.
 
+``--floor`` adds, for a model that is a chain of Dense layers (the MLP),
+the first step of a DP-SGD step written by hand with nothing but DP-SGD's
+own computation (per-example norms in closed form from each layer's input
+and output gradient, clip factors, the clipped sum, one Gaussian draw per
+variable, the optimizer's update; a fixed batch, no checks, no non-finite
+handling, no ledger, no metrics): a floor for how small a DP step's graph,
+and so its first step, can be.
+
+``--grappler`` times TensorFlow's graph optimizer (Grappler, part of a
+first step's first run) on the traced steps' graphs, offline
+(``tf_optimizer.OptimizeGraph``, best of 2, no kernels created): with no
+pass, with all of them, and with each pass alone, for Keras's step and the
+DP step, with the nodes each leaves; and each graph's largest functions
+(a ``tf.cond`` branch is one).
+
 ``--breakdown`` traces the DP step once more with its parts instrumented and
 prints the nodes each added: the capture (forward and backward with the
 rules' taps), each rule class's ``squared_norms`` and ``weighted_sum``, the
@@ -185,6 +200,148 @@ def dp_first_step(copy, x, y, b, optimizer, method="auto", count_traces=True):
     return first, dp, (same_q, len(traces)), data
 
 
+def _floor_model(inner, clip: float = 1.0, noise_multiplier: float = 1.0):
+    """``inner`` (a ``Sequential`` of Dense layers) with the hand-written DP-SGD ``train_step`` of ``--floor`` (module docstring).
+
+    For Dense layer ``l`` with input rows ``a_n`` and output gradient rows
+    ``g_n``: ``||dW_n||^2 + ||db_n||^2 = ||a_n||^2 ||g_n||^2 + ||g_n||^2``;
+    ``c_n = min(1, C / ||grad_n||)``; the update's gradient is
+    ``(sum_n c_n grad_n + N(0, (sigma C)^2)) / B``.
+    """
+    import keras
+    import tensorflow as tf
+
+    dense = inner.layers
+
+    class FloorDP(keras.Model):
+        def call(self, x):
+            return inner(x)
+
+        def noised_gradients(self, x, y, seed):
+            """``(sum_n c_n grad_n + sigma C noise) / B`` per variable of ``variables_in_order``, and the mean loss."""
+            with tf.GradientTape() as tape:
+                h, inputs, outputs = x, [], []
+                for layer in dense:
+                    inputs.append(h)
+                    outputs.append(tf.matmul(h, layer.kernel) + layer.bias)
+                    h = layer.activation(outputs[-1])
+                loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(tf.cast(y, tf.int32), h))
+            output_grads = tape.gradient(loss, outputs)
+            squared = tf.add_n(
+                [
+                    (tf.reduce_sum(tf.square(a), 1) + 1.0) * tf.reduce_sum(tf.square(g), 1)
+                    for a, g in zip(inputs, output_grads)
+                ]
+            )
+            factors = tf.minimum(1.0, clip * tf.math.rsqrt(squared + 1e-12))[:, None]
+            batch = tf.cast(tf.shape(x)[0], tf.float32)
+            grads = []
+            for a, g in zip(inputs, output_grads):
+                for summed in (tf.matmul(a, factors * g, transpose_a=True), tf.reduce_sum(factors * g, 0)):
+                    noise = tf.random.stateless_normal(tf.shape(summed), seed + [0, len(grads)])
+                    grads.append((summed + noise_multiplier * clip * noise) / batch)
+            return grads, loss / batch
+
+        @property
+        def variables_in_order(self):
+            return [v for layer in dense for v in (layer.kernel, layer.bias)]
+
+        def train_step(self, data):
+            x, y = data[:2]
+            grads, loss = self.noised_gradients(x, y, tf.stack([tf.cast(self.optimizer.iterations, tf.int32), 0]))
+            self.optimizer.apply(grads, self.variables_in_order)
+            return {"loss": loss}
+
+    return FloorDP()
+
+
+def _dense_chain(model) -> bool:
+    import keras
+
+    return isinstance(model, keras.Sequential) and all(isinstance(layer, keras.layers.Dense) for layer in model.layers)
+
+
+def check_floor(copy, x, y, b):
+    """Raises unless the floor's noise-free gradients are the library's ``clipped_gradients / B`` (float32 rounding)."""
+    import numpy as np
+    import tensorflow as tf
+
+    import per_example_grads as peg
+
+    inner = copy()
+    floor = _floor_model(inner, noise_multiplier=0.0)
+    got, _ = floor.noised_gradients(_rows(x, b), y[:b], tf.constant([0, 0]))
+    want = peg.clipped_gradients(inner, _loss(), _rows(x, b), y[:b], l2_norm_clip=1.0)
+    for g, w, v in zip(got, want, floor.variables_in_order):
+        w = np.asarray(w) / b
+        # Float32 sums of at most B * 784 products: their rounding is within about (B + 784) eps32 = 5e-5
+        # of the terms' magnitudes, which 1e-4 of the largest entry allows.
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-4, atol=1e-4 * np.max(np.abs(w)), err_msg=v.path)
+
+
+def floor_first_step(copy, x, y, b, optimizer):
+    m = _floor_model(copy())
+    m.compile(optimizer=_optimizer(optimizer))
+    traces = _counting_train_step(m)
+    clock = _Clock()
+    m.fit(_rows(x, b), y[:b], batch_size=b, epochs=1, verbose=0, callbacks=[clock.callback])
+    return (clock.seconds, clock.since_call, traces[0], len(traces)), m
+
+
+GRAPPLER_PASSES = (
+    "layout_optimizer",
+    "constant_folding",
+    "shape_optimization",
+    "remapping",
+    "arithmetic_optimization",
+    "dependency_optimization",
+    "loop_optimization",
+    "function_optimization",
+    "implementation_selector",
+    "pin_to_host_optimization",
+)
+
+
+def grappler_seconds(concrete, passes=GRAPPLER_PASSES) -> dict[str, tuple[float, int]]:
+    """``{"none" | "all" | pass: (best seconds of 2, nodes after)}`` of Grappler on ``concrete``'s graph, offline."""
+    import tensorflow as tf
+    from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
+    from tensorflow.python.grappler import tf_optimizer
+
+    graph = concrete.graph
+    meta = tf.compat.v1.train.export_meta_graph(graph_def=graph.as_graph_def(add_shapes=True), graph=graph)
+    fetch = meta.collection_def["train_op"].node_list.value  # what Grappler must keep: outputs and variable writes
+    fetch.extend(t.name for t in concrete.outputs)
+    fetch.extend(op.name for op in graph.get_operations() if op.type.startswith("Assign"))
+    toggle = rewriter_config_pb2.RewriterConfig
+
+    def config(only: str):
+        c = config_pb2.ConfigProto()
+        rewrite = c.graph_options.rewrite_options
+        rewrite.min_graph_nodes = -1  # optimize graphs of any size
+        for name in passes:
+            setattr(rewrite, name, toggle.ON if only in (name, "all") else toggle.OFF)
+        rewrite.disable_model_pruning = only != "all"
+        return c
+
+    out = {}
+    for only in ("none", "all", *passes):
+        times = []
+        for _ in range(2):
+            start = time.perf_counter()
+            optimized = tf_optimizer.OptimizeGraph(config(only), meta, graph_id=b"step")
+            times.append(time.perf_counter() - start)
+        out[only] = min(times), len(optimized.node) + sum(len(f.node_def) for f in optimized.library.function)
+    return out
+
+
+def largest_functions(concrete, count: int = 3) -> list[tuple[str, int]]:
+    """The ``count`` largest functions of ``concrete``'s graph library, ``(name, nodes)``, and the outer graph's."""
+    graph_def = concrete.graph.as_graph_def()
+    sizes = sorted(((f.signature.name, len(f.node_def)) for f in graph_def.library.function), key=lambda x: -x[1])
+    return [("outer graph", len(graph_def.node)), *sizes[:count]]
+
+
 @contextlib.contextmanager
 def _instrumented(counts: collections.Counter):
     """Within the block, ``counts[part]`` gains the graph operations each instrumented part creates."""
@@ -228,7 +385,7 @@ def _instrumented(counts: collections.Counter):
             setattr(owner, name, original)
 
 
-def run(models, b, optimizer, repeats, breakdown, count_traces=True):
+def run(models, b, optimizer, repeats, breakdown, count_traces=True, floor=False, grappler=False):
     print(
         f"B = {b} (expected batch), {optimizer}; first step: trace plus one run, median of {repeats}; "
         f"`python {' '.join(sys.argv)}`\n"
@@ -236,16 +393,20 @@ def run(models, b, optimizer, repeats, breakdown, count_traces=True):
     print(
         "| model | plain first step s (trace) | dp first step s (trace) | dp / plain | plain, dp from the call s | "
         "dp / plain from the call | first-step traces plain, dp | traces (2 fits, then new q) | plain nodes | dp nodes | dp Const |"
+        + (" floor first step s (trace) | floor / plain | floor nodes |" if floor else "")
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if floor else ""), flush=True)
     for name in models:
         copy, x, y = _build(name, max(4 * b, 256))
-        plain, dp = [], []  # per repeat: (first step s, from the call s, first trace s, traces)
-        for _ in range(repeats):  # alternated, so load hits both alike
+        plain, dp, hand = [], [], []  # per repeat: (first step s, from the call s, first trace s, traces)
+        for _ in range(repeats):  # alternated, so load hits all alike
             first, plain_model = plain_first_step(copy, x, y, b, optimizer)
             plain.append(first)
             first, dp_model, traces, data = dp_first_step(copy, x, y, b, optimizer, count_traces=count_traces)
             dp.append(first)
+            if floor and _dense_chain(plain_model):
+                first, floor_model = floor_first_step(copy, x, y, b, optimizer)
+                hand.append(first)
         plain_nodes, _ = nodes(_step_concrete(plain_model, (_rows(x, b), y[:b])))
         dp_nodes, dp_const = nodes(_step_concrete(dp_model, next(iter(data))))
         (p, pc, pt, pn), (d, dc, dt, dn) = ([statistics.median(col) for col in zip(*runs)] for runs in (plain, dp))
@@ -253,8 +414,31 @@ def run(models, b, optimizer, repeats, breakdown, count_traces=True):
             f"| {name} | {p:.2f} ({pt:.2f}) | {d:.2f} ({dt:.2f}) | {d / p:.2f} | {pc:.2f}, {dc:.2f} | {dc / pc:.2f} | "
             f"{pn:g}, {dn:g} | {f'{traces[0]} + {traces[1] - traces[0]}' if traces else ''} | "
             f"{plain_nodes} | {dp_nodes} | {dp_const} |",
-            flush=True,
+            end="",
         )
+        if floor and hand:
+            check_floor(copy, x, y, b)  # after the timings: its eager run would warm the floor's kernels
+            f, _, ft, _ = (statistics.median(col) for col in zip(*hand))
+            floor_nodes, _ = nodes(_step_concrete(floor_model, (_rows(x, b), y[:b])))
+            print(f" {f:.2f} ({ft:.2f}) | {f / p:.2f} | {floor_nodes} |", end="")
+        elif floor:
+            print(" | | |", end="")
+        print(flush=True)
+        if grappler:
+            steps = {
+                "plain": _step_concrete(plain_model, (_rows(x, b), y[:b])),
+                "dp": _step_concrete(dp_model, next(iter(data))),
+            }
+            found = {k: grappler_seconds(c) for k, c in steps.items()}
+            none = {k: f["none"][0] for k, f in found.items()}
+            for part in found["plain"]:
+                (ps, pn), (ds, dn) = found["plain"][part], found["dp"][part]
+                print(
+                    f"|   {name} | grappler {part}: s above no pass (nodes after), plain | "
+                    f"{ps - none['plain']:.2f} ({pn}) | dp | {ds - none['dp']:.2f} ({dn}) |"
+                )
+            for k, c in steps.items():
+                print(f"|   {name} | {k} graph's largest functions (nodes) | {largest_functions(c)} |")
         if breakdown:
             counts = collections.Counter()
             with _instrumented(counts):
@@ -270,6 +454,8 @@ def main():
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--breakdown", action="store_true")
+    parser.add_argument("--floor", action="store_true", help="also the hand-written DP-SGD step (Dense chains only)")
+    parser.add_argument("--grappler", action="store_true", help="time each Grappler pass offline on both steps' graphs")
     parser.add_argument(
         "--no-trace-count",
         action="store_true",
@@ -277,7 +463,16 @@ def main():
     )
     args = parser.parse_args()
     warnings.simplefilter("ignore")
-    run(args.models.split(","), args.batch_size, args.optimizer, args.repeats, args.breakdown, not args.no_trace_count)
+    run(
+        args.models.split(","),
+        args.batch_size,
+        args.optimizer,
+        args.repeats,
+        args.breakdown,
+        not args.no_trace_count,
+        args.floor,
+        args.grappler,
+    )
 
 
 if __name__ == "__main__":
