@@ -1,8 +1,9 @@
 """The layer-wise engine leaves out an example with a non-finite gradient itself, in a graph, for every rule.
 
-In a ``tf.function`` the engine replaces such an example's rows (its tap
-gradients by zeros, its saved rows by a finite example's) and takes the
-weighted sums again, instead of a second forward and backward pass. Here
+In a ``tf.function`` the engine replaces such an example's rows (in the
+per-example tensors the norms kept, by zeros; where a rule's sum needs more,
+its tap gradients by zeros and its saved rows by a finite example's) and
+takes the weighted sums again, instead of a second forward and backward pass. Here
 each rule family's case gets one example whose loss weight is Inf (its tap
 gradients are non-finite) and, where its input is float, a NaN input entry
 (its saved activations are non-finite too); the clipped sum must be the
@@ -115,3 +116,36 @@ def test_what_depends_on_the_batch_is_known_inside_the_empty_batch_branch():
     graph = tf.function(lambda x: unless_empty({"x": x}, compute), input_signature=[tf.TensorSpec([None, 2])])
     np.testing.assert_allclose(graph(tf.ones([4, 2])).numpy(), [4.0, 4.0])
     assert seen == [[True, False]]
+
+
+def _if_branches(graph_def) -> list:
+    """The ``tf.cond`` branch functions of a graph's ``If``/``StatelessIf`` ops."""
+    functions = {f.signature.name: f for f in graph_def.library.function}
+    names = [
+        n.attr[k].func.name
+        for n in graph_def.node
+        if n.op in ("If", "StatelessIf")
+        for k in ("then_branch", "else_branch")
+    ]
+    return [functions[name] for name in names]
+
+
+def test_the_sums_again_read_the_kernels_the_norms_kept_not_the_convolution():
+    """A convolution whose norms keep its per-example kernels: the non-finite branch sums their cleaned rows.
+
+    Taking the kernel VJP again (the sum without the cache) would put a
+    ``Conv2DBackpropFilter`` in the branch and make it read the layer's input
+    and output gradient, which it then keeps alive until every norm is known.
+    """
+    model = tf.keras.Sequential(
+        [tf.keras.Input((8, 8, 2)), tf.keras.layers.Conv2D(4, 3), tf.keras.layers.Flatten(), tf.keras.layers.Dense(3)]
+    )
+    x = np.random.default_rng(0).normal(size=(4, 8, 8, 2)).astype("float32")
+    y = np.array([0, 1, 2, 0])
+    graph = tf.function(
+        lambda a, b_: peg.clipped_gradients(model, sparse_ce, a, b_, l2_norm_clip=1.0, method="layerwise")
+    ).get_concrete_function(x, y)
+    branches = _if_branches(graph.graph.as_graph_def())
+    assert branches, "no non-finite branch was traced"
+    convolutions = [n.op for f in branches for n in f.node_def if n.op.startswith("Conv2D")]
+    assert convolutions == []

@@ -260,7 +260,7 @@ def _default(rule: LayerRule, method: str) -> bool:
     return getattr(type(rule), method) is getattr(LayerRule, method)
 
 
-def weighted_sums(problem: Problem, captured: Captured, weights_for) -> list[tf.Tensor]:
+def weighted_sums(problem: Problem, captured: Captured, weights_for, rule_sum=None) -> list[tf.Tensor]:
     """``sum_i w_i grad_i`` per variable, ``[*var.shape]``, aligned with ``problem.variables``.
 
     Embedding tables' sums are ``tf.IndexedSlices`` (see ``rules.embedding``).
@@ -268,7 +268,10 @@ def weighted_sums(problem: Problem, captured: Captured, weights_for) -> list[tf.
     Args:
       weights_for: ``variable -> [B]`` weights (the same tensor object for
         variables clipped together; each distinct one costs one rule call).
+      rule_sum: ``(unit, record, g, w) -> the rule's sums`` for one call, in
+        place of its ``weighted_sum`` on the record's tensors and cache.
     """
+    rule_sum = rule_sum or _rule_sum
     requested = {id(v) for v in problem.variables}
     sums: dict[int, tf.Tensor] = {}
     for unit, calls in captured.by_unit().items():
@@ -276,11 +279,15 @@ def weighted_sums(problem: Problem, captured: Captured, weights_for) -> list[tf.
         distinct = {id(weights_for(v)): weights_for(v) for v in wanted}
         for w in distinct.values():
             for record, g in calls:
-                outputs = unit.rule.weighted_sum(unit.layer, record.saved, g, w, record.cache)
+                outputs = rule_sum(unit, record, g, w)
                 for v, s in zip(unit.variables, outputs):
                     if id(v) in requested and weights_for(v) is w:
                         sums[id(v)] = s if id(v) not in sums else add_sums(sums[id(v)], s)
     return [sums[id(v)] if id(v) in sums else tf.zeros(v.shape, v.dtype) for v in problem.variables]
+
+
+def _rule_sum(unit: Unit, record: Record, g: list, w: tf.Tensor) -> list:
+    return unit.rule.weighted_sum(unit.layer, record.saved, g, w, record.cache)
 
 
 def add_sums(a, b):
@@ -420,13 +427,17 @@ def _without_nonfinite(problem: Problem, captured: Captured, norms: list, sums: 
     its gradient may hold NaN or Inf, and ``0 * inf`` is NaN. So when one
     exists, the sums are taken again (the rules' ``weighted_sum`` only, not
     the model's passes) on the captured tensors with that example's rows
-    replaced: its tap gradients by zeros and the saved floating tensors that
-    lead with the batch by a finite example's rows, without the norms' cache
-    (computed from the original rows). Each rule's per-example gradient is
-    linear in the tap gradients, and its other operands are a finite
-    example's, so the replaced rows contribute exactly zero and the other
-    examples' terms are the ones of the first sums. With no finite example
-    the sums are zeros. Requires ``_cleanable``.
+    replaced. First the rows of the per-example tensors the norms left in a
+    record's cache, by zeros (``_cleaned_cache``): a rule whose sum from that
+    cache reads none of the record's captured tensors is done (nothing of
+    the per-example computation is traced again, and the branch does not
+    keep those tensors alive). Otherwise, or without a cache it can clean so,
+    its tap gradients by zeros and its saved floating tensors that lead with
+    the batch by a finite example's rows, and the rule sums those. Each
+    rule's per-example gradient is linear in the tap gradients, and its
+    other operands are a finite example's, so the replaced rows contribute
+    exactly zero and the other examples' terms are the ones of the first
+    sums. With no finite example the sums are zeros. Requires ``_cleanable``.
     """
     finite = tf.reduce_all(tf.stack([tf.math.is_finite(n) for n in norms]), axis=0)
     b = captured.batch_size
@@ -449,18 +460,38 @@ def _without_nonfinite(problem: Problem, captured: Captured, norms: list, sums: 
             out.set_shape(t.shape)
             return out
 
+        keep_by_rank: dict = {}  # finite as [B, 1, ...], one per rank (fewer nodes to trace)
+
         def zero_rows(g):
-            keep = tf.reshape(finite, tf.concat([[b], tf.ones([g.shape.rank - 1], tf.int32)], 0))
-            out = tf.where(keep, g, tf.zeros_like(g))
+            rank = g.shape.rank
+            if rank not in keep_by_rank:
+                keep_by_rank[rank] = tf.reshape(finite, [-1] + [1] * (rank - 1))
+            out = tf.where(keep_by_rank[rank], g, tf.zeros([], g.dtype))
             out.set_shape(g.shape)
             return out
 
-        records = [
-            dataclasses.replace(r, saved=tf.nest.map_structure(rows_of, r.saved, expand_composites=True), cache=None)
-            for r in captured.records
-        ]
-        grads = [[zero_rows(g) for g in gs] for gs in captured.grads]
-        again = dataclasses.replace(captured, records=records, grads=grads)
+        graph = tf.compat.v1.get_default_graph()  # the branch's
+        caches: dict = {}  # id(record) -> its cleaned cache (None: none usable)
+        tensors: dict = {}  # id(record) -> its cleaned (saved, tap gradients)
+
+        def rule_sum(unit, record, g, w):
+            key = id(record)
+            if key not in caches:
+                caches[key] = _cleaned_cache(record, zero_rows, b)
+            cache = caches[key]
+            if cache is not None:
+                start = len(graph.get_operations())
+                out = unit.rule.weighted_sum(unit.layer, record.saved, g, w, cache)
+                if not _reads(graph, start, [record.saved, g]):
+                    return out
+            if key not in tensors:
+                tensors[key] = (
+                    tf.nest.map_structure(rows_of, record.saved, expand_composites=True),
+                    [zero_rows(t) for t in g],
+                )
+            saved, grads = tensors[key]
+            return unit.rule.weighted_sum(unit.layer, saved, grads, w, cache)
+
         # With no finite example the donor is not one, and the sums are zeros.
         any_finite = tf.reduce_any(finite)
         return tf.nest.flatten(
@@ -468,13 +499,45 @@ def _without_nonfinite(problem: Problem, captured: Captured, norms: list, sums: 
                 tf.IndexedSlices(tf.where(any_finite, s.values, tf.zeros_like(s.values)), s.indices, s.dense_shape)
                 if isinstance(s, tf.IndexedSlices)
                 else tf.where(any_finite, s, tf.zeros_like(s))
-                for s in weighted_sums(problem, again, weights_for)
+                for s in weighted_sums(problem, captured, weights_for, rule_sum)
             ],
             expand_composites=True,
         )
 
     out = tf.cond(tf.reduce_all(finite), lambda: flat, cleaned)
     return tf.nest.pack_sequence_as(sums, out, expand_composites=True)
+
+
+def _cleaned_cache(record: Record, zero_rows, b) -> dict | None:
+    """``record.cache`` with ``zero_rows`` applied to each of its tensors, or None where that would not be exact.
+
+    Exact when the package's own ``squared_norms`` filled the cache (a
+    rule's own may keep anything there) and every tensor in it is a
+    floating per-example tensor leading with ``B``: a rule's sum from such a
+    cache is linear in each example's rows (``sum_n w_n K_n``), so zeroed
+    rows contribute zero. The cached rows are the ones the rule's sum would
+    compute from the cleaned tensors, without tracing that computation again.
+    """
+    if not record.cache or not type(record.unit.rule).squared_norms.__module__.startswith(_RULES):
+        return None
+    leaves = tf.nest.flatten(record.cache)
+    if not all(t is None or (_floating(t) and _leads_with(t, b)) for t in leaves):
+        return None
+    return tf.nest.map_structure(lambda t: None if t is None else zero_rows(t), record.cache)
+
+
+def _reads(graph, start: int, structures) -> bool:
+    """Whether an op ``graph`` made after its first ``start`` ones reads a tensor of ``structures`` (captured from outside)."""
+    inner = {outer.ref(): inside for outer, inside in graph.captures}
+    read = {
+        inner[t.ref()].ref()
+        for t in tf.nest.flatten(structures, expand_composites=True)
+        if isinstance(t, tf.Tensor) and t.ref() in inner
+    }
+    return bool(read) and any(x.ref() in read for op in graph.get_operations()[start:] for x in op.inputs)
+
+
+_RULES = _builtin_rules.__name__ + "."  # the modules whose rules' caches hold only per-example tensors
 
 
 def layerwise(problem: Problem, batch: Batch) -> list:
