@@ -407,8 +407,11 @@ def run(models, b, optimizer, repeats, breakdown, count_traces=True, floor=False
             if floor and _dense_chain(plain_model):
                 first, floor_model = floor_first_step(copy, x, y, b, optimizer)
                 hand.append(first)
-        plain_nodes, _ = nodes(_step_concrete(plain_model, (_rows(x, b), y[:b])))
-        dp_nodes, dp_const = nodes(_step_concrete(dp_model, next(iter(data))))
+        steps = {
+            "plain": _step_concrete(plain_model, (_rows(x, b), y[:b])),
+            "dp": _step_concrete(dp_model, next(iter(data))),
+        }
+        (plain_nodes, _), (dp_nodes, dp_const) = nodes(steps["plain"]), nodes(steps["dp"])
         (p, pc, pt, pn), (d, dc, dt, dn) = ([statistics.median(col) for col in zip(*runs)] for runs in (plain, dp))
         print(
             f"| {name} | {p:.2f} ({pt:.2f}) | {d:.2f} ({dt:.2f}) | {d / p:.2f} | {pc:.2f}, {dc:.2f} | {dc / pc:.2f} | "
@@ -425,10 +428,6 @@ def run(models, b, optimizer, repeats, breakdown, count_traces=True, floor=False
             print(" | | |", end="")
         print(flush=True)
         if grappler:
-            steps = {
-                "plain": _step_concrete(plain_model, (_rows(x, b), y[:b])),
-                "dp": _step_concrete(dp_model, next(iter(data))),
-            }
             found = {k: grappler_seconds(c) for k, c in steps.items()}
             none = {k: f["none"][0] for k, f in found.items()}
             for part in found["plain"]:
