@@ -130,6 +130,32 @@ def _if_branches(graph_def) -> list:
     return [functions[name] for name in names]
 
 
+def _conv_then_dense():
+    """A Conv2D whose norms keep its per-example kernels, then a Dense layer, whose sum reads its tensors."""
+    return tf.keras.Sequential(
+        [tf.keras.Input((8, 8, 2)), tf.keras.layers.Conv2D(4, 3), tf.keras.layers.Flatten(), tf.keras.layers.Dense(3)]
+    )
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static_b", "dynamic_b"])
+def test_with_no_finite_example_the_sums_are_zeros(dynamic):
+    """Every example non-finite: the sums from zeroed cached rows and from donor rows are exactly 0."""
+    model = _conv_then_dense()
+    x = np.full((4, 8, 8, 2), np.nan, "float32")
+    y = np.array([0, 1, 2, 0])
+    signature = [tf.TensorSpec([None, 8, 8, 2]), tf.TensorSpec([None], tf.int64)] if dynamic else None
+    graph = tf.function(
+        lambda a, b_: peg.clipped_gradients(
+            model, sparse_ce, a, b_, l2_norm_clip=1.0, return_norms=True, method="layerwise"
+        ),
+        input_signature=signature,
+    )
+    sums, norms = graph(x, y)
+    assert not np.any(np.isfinite(norms.numpy()))
+    for s in sums:
+        np.testing.assert_array_equal(np.asarray(s), 0.0)
+
+
 def test_the_sums_again_read_the_kernels_the_norms_kept_not_the_convolution():
     """A convolution whose norms keep its per-example kernels: the non-finite branch sums their cleaned rows.
 
@@ -137,9 +163,7 @@ def test_the_sums_again_read_the_kernels_the_norms_kept_not_the_convolution():
     ``Conv2DBackpropFilter`` in the branch and make it read the layer's input
     and output gradient, which it then keeps alive until every norm is known.
     """
-    model = tf.keras.Sequential(
-        [tf.keras.Input((8, 8, 2)), tf.keras.layers.Conv2D(4, 3), tf.keras.layers.Flatten(), tf.keras.layers.Dense(3)]
-    )
+    model = _conv_then_dense()
     x = np.random.default_rng(0).normal(size=(4, 8, 8, 2)).astype("float32")
     y = np.array([0, 1, 2, 0])
     graph = tf.function(

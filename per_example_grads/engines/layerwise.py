@@ -460,13 +460,16 @@ def _without_nonfinite(problem: Problem, captured: Captured, norms: list, sums: 
             out.set_shape(t.shape)
             return out
 
-        keep_by_rank: dict = {}  # finite as [B, 1, ...], one per rank (fewer nodes to trace)
+        keep_by_rank: dict = {}  # finite as [B, 1, ...], one per rank, and a 0 per dtype (fewer nodes to trace)
+        zero_of: dict = {}
 
         def zero_rows(g):
             rank = g.shape.rank
             if rank not in keep_by_rank:
                 keep_by_rank[rank] = tf.reshape(finite, [-1] + [1] * (rank - 1))
-            out = tf.where(keep_by_rank[rank], g, tf.zeros([], g.dtype))
+            if g.dtype not in zero_of:
+                zero_of[g.dtype] = tf.zeros([], g.dtype)
+            out = tf.where(keep_by_rank[rank], g, zero_of[g.dtype])
             out.set_shape(g.shape)
             return out
 
@@ -490,19 +493,17 @@ def _without_nonfinite(problem: Problem, captured: Captured, norms: list, sums: 
                     [zero_rows(t) for t in g],
                 )
             saved, grads = tensors[key]
-            return unit.rule.weighted_sum(unit.layer, saved, grads, w, cache)
-
-        # With no finite example the donor is not one, and the sums are zeros.
-        any_finite = tf.reduce_any(finite)
-        return tf.nest.flatten(
-            [
+            # With no finite example the donor is not one, and these sums are zeros (those from
+            # zeroed rows alone are zeros then already).
+            return [
                 tf.IndexedSlices(tf.where(any_finite, s.values, tf.zeros_like(s.values)), s.indices, s.dense_shape)
                 if isinstance(s, tf.IndexedSlices)
                 else tf.where(any_finite, s, tf.zeros_like(s))
-                for s in weighted_sums(problem, captured, weights_for, rule_sum)
-            ],
-            expand_composites=True,
-        )
+                for s in unit.rule.weighted_sum(unit.layer, saved, grads, w, cache)
+            ]
+
+        any_finite = tf.reduce_any(finite)
+        return tf.nest.flatten(weighted_sums(problem, captured, weights_for, rule_sum), expand_composites=True)
 
     out = tf.cond(tf.reduce_all(finite), lambda: flat, cleaned)
     return tf.nest.pack_sequence_as(sums, out, expand_composites=True)
