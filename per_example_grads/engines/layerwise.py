@@ -474,15 +474,16 @@ def _without_nonfinite(problem: Problem, captured: Captured, norms: list, sums: 
             return out
 
         graph = tf.compat.v1.get_default_graph()  # the branch's
+        any_finite = tf.reduce_any(finite)
         caches: dict = {}  # id(record) -> its cleaned cache (None: none usable)
-        tensors: dict = {}  # id(record) -> its cleaned (saved, tap gradients)
+        tensors: dict = {}  # id(record) -> its cleaned (saved, tap gradients), once its sum needed them
 
         def rule_sum(unit, record, g, w):
             key = id(record)
             if key not in caches:
                 caches[key] = _cleaned_cache(record, zero_rows, b)
             cache = caches[key]
-            if cache is not None:
+            if cache is not None and key not in tensors:  # not yet known to read more than the cache
                 start = len(graph.get_operations())
                 out = unit.rule.weighted_sum(unit.layer, record.saved, g, w, cache)
                 if not _reads(graph, start, [record.saved, g]):
@@ -502,7 +503,6 @@ def _without_nonfinite(problem: Problem, captured: Captured, norms: list, sums: 
                 for s in unit.rule.weighted_sum(unit.layer, saved, grads, w, cache)
             ]
 
-        any_finite = tf.reduce_any(finite)
         return tf.nest.flatten(weighted_sums(problem, captured, weights_for, rule_sum), expand_composites=True)
 
     out = tf.cond(tf.reduce_all(finite), lambda: flat, cleaned)
