@@ -1,9 +1,10 @@
 """The layer-wise engine leaves out an example with a non-finite gradient itself, in a graph, for every rule.
 
-In a ``tf.function`` the engine replaces such an example's rows (in the
-per-example tensors the norms kept, by zeros; where a rule's sum needs more,
-its tap gradients by zeros and its saved rows by a finite example's) and
-takes the weighted sums again, instead of a second forward and backward pass. Here
+In a ``tf.function`` the rules sum tensors a ``tf.cond`` chooses: as captured,
+or with such an example's rows replaced (in the per-example tensors the norms
+kept, by zeros; where a rule's sum needs more, its tap gradients by zeros and
+its saved rows by a finite example's), instead of a second forward and
+backward pass. Here
 each rule family's case gets one example whose loss weight is Inf (its tap
 gradients are non-finite) and, where its input is float, a NaN input entry
 (its saved activations are non-finite too); the clipped sum must be the
@@ -130,6 +131,17 @@ def _if_branches(graph_def) -> list:
     return [functions[name] for name in names]
 
 
+def _branch_ops(model, x) -> list:
+    """The op types in the ``tf.cond`` branches of a layer-wise clipped sum's graph on ``x`` (labels 0, 1, 2, 0)."""
+    y = np.array([0, 1, 2, 0])
+    graph = tf.function(
+        lambda a, b_: peg.clipped_gradients(model, sparse_ce, a, b_, l2_norm_clip=1.0, method="layerwise")
+    ).get_concrete_function(x, y)
+    branches = _if_branches(graph.graph.as_graph_def())
+    assert branches, "no non-finite branch was traced"
+    return [n.op for f in branches for n in f.node_def]
+
+
 def _conv_then_dense():
     """A Conv2D whose norms keep its per-example kernels, then a Dense layer, whose sum reads its tensors."""
     return tf.keras.Sequential(
@@ -156,20 +168,84 @@ def test_with_no_finite_example_the_sums_are_zeros(dynamic):
         np.testing.assert_array_equal(np.asarray(s), 0.0)
 
 
-def test_the_sums_again_read_the_kernels_the_norms_kept_not_the_convolution():
-    """A convolution whose norms keep its per-example kernels: the non-finite branch sums their cleaned rows.
+def test_the_branch_zeroes_the_kernels_the_norms_kept_and_has_no_convolution():
+    """A convolution whose norms keep its per-example kernels: the non-finite branch zeroes their rows.
 
     Taking the kernel VJP again (the sum without the cache) would put a
     ``Conv2DBackpropFilter`` in the branch and make it read the layer's input
     and output gradient, which it then keeps alive until every norm is known.
     """
-    model = _conv_then_dense()
     x = np.random.default_rng(0).normal(size=(4, 8, 8, 2)).astype("float32")
-    y = np.array([0, 1, 2, 0])
+    assert [op for op in _branch_ops(_conv_then_dense(), x) if op.startswith("Conv2D")] == []
+
+
+def test_the_dense_sums_are_traced_once_outside_the_branches():
+    """Dense layers keep no cache: the branch gives their saved rows and zeroes their tap gradients, and the rules sum once, outside it."""
+    model = tf.keras.Sequential([tf.keras.Input((5,)), tf.keras.layers.Dense(4), tf.keras.layers.Dense(3)])
+    x = np.random.default_rng(0).normal(size=(4, 5)).astype("float32")
+    assert [op for op in _branch_ops(model, x) if op in ("MatMul", "BatchMatMulV2", "Einsum")] == []
+
+
+class Scale(tf.keras.layers.Layer):
+    """``y = x * w`` elementwise, for a user's rule below."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1],), initializer="random_normal")
+
+    def call(self, x):
+        return x * self.w
+
+
+class CachingScaleRule(peg.LayerRule):
+    """A user's rule whose norms leave its per-example gradients in the cache: not the package's, so not zeroed."""
+
+    def forward(self, layer, call, args, kwargs):
+        out = call(*args, **kwargs)
+        return out, args[0], [out]
+
+    def per_example(self, layer, saved, grads):
+        return [saved * grads[0]]
+
+    def squared_norms(self, layer, saved, grads, cache=None):
+        (per_example,) = self.per_example(layer, saved, grads)
+        if cache is not None:
+            cache["mine"] = per_example
+        return [tf.reduce_sum(tf.square(per_example), axis=1)]
+
+    def weighted_sum(self, layer, saved, grads, weights, cache=None):
+        per_example = (cache or {}).get("mine")
+        if per_example is None:
+            (per_example,) = self.per_example(layer, saved, grads)
+        return [tf.linalg.matvec(per_example, weights, transpose_a=True)]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static_b", "dynamic_b"])
+def test_a_users_own_cache_is_summed_as_it_is_or_without_it(dynamic, monkeypatch):
+    """A rule's own cache is summed when every norm is finite, and without it (from the cleaned tensors) when not."""
+    from per_example_grads.rules import rule as rule_module
+
+    monkeypatch.setattr(rule_module, "RULES", dict(rule_module.RULES))
+    peg.register_layer_rule(Scale, CachingScaleRule())
+    model = tf.keras.Sequential([tf.keras.Input((5,)), Scale(), tf.keras.layers.Dense(3)])
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(6, 5)).astype("float32"), np.array([0, 1, 2, 0, 1, 2])
+    weights = np.ones(6, "float32")
+    weights[BAD] = np.inf
+    keep = np.arange(6) != BAD
+    flags = _recording_flags(monkeypatch)
+    signature = [_relaxed(x), _relaxed(y), _relaxed(weights)] if dynamic else None
     graph = tf.function(
-        lambda a, b_: peg.clipped_gradients(model, sparse_ce, a, b_, l2_norm_clip=1.0, method="layerwise")
-    ).get_concrete_function(x, y)
-    branches = _if_branches(graph.graph.as_graph_def())
-    assert branches, "no non-finite branch was traced"
-    convolutions = [n.op for f in branches for n in f.node_def if n.op.startswith("Conv2D")]
-    assert convolutions == []
+        lambda a, b_, w: peg.clipped_gradients(
+            model, sparse_ce, a, b_, sample_weight=w, l2_norm_clip=0.3, return_norms=True, method="layerwise"
+        ),
+        input_signature=signature,
+    )
+    got, norms = graph(_poisoned(x), y, weights)
+    assert not np.isfinite(norms.numpy()[BAD])
+    expected = reference_gradients(model, sparse_ce, x[keep], y[keep])
+    assert_clipped_sums_close(got, expected, 0.3 / np.maximum(reference_norms(expected), 0.3))
+    assert flags and all(flags)
+    # All finite: the sums from the cache are the loop's too.
+    got = graph(x, y, np.ones(6, "float32"))[0]
+    expected = reference_gradients(model, sparse_ce, x, y)
+    assert_clipped_sums_close(got, expected, 0.3 / np.maximum(reference_norms(expected), 0.3))

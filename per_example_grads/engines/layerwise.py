@@ -334,21 +334,22 @@ def clipped_sums(problem: Problem, batch: Batch, clip: ClipGroups) -> tuple[list
     factors = [transforms.clip_factors(n, c) for n, c in zip(norms, clip.clips)]
     group_of = {id(problem.variables[i]): g for g, idx in enumerate(clip.groups) for i in idx}
     weights_for = lambda v: factors[group_of[id(v)]]  # noqa: E731
-    sums = weighted_sums(problem, captured, weights_for)
-    problem.cache[EXCLUDES_NONFINITE] = False
-    if not tf.executing_eagerly() and _cleanable(problem, captured, batch):
-        sums = _without_nonfinite(problem, captured, norms, sums, weights_for)
-        problem.cache[EXCLUDES_NONFINITE] = True
+    excludes = not tf.executing_eagerly() and _cleanable(problem, captured, batch)
+    problem.cache[EXCLUDES_NONFINITE] = excludes
+    if excludes:
+        sums = _finite_sums(problem, captured, norms, weights_for)
+    else:
+        sums = weighted_sums(problem, captured, weights_for)
     return sums, norms, captured.predictions
 
 
 # Set in ``Problem.cache`` by ``clipped_sums`` (True or False, each time it traces): whether the sums it
-# returned already leave out every example whose norm is non-finite (``_without_nonfinite``).
+# returned already leave out every example whose norm is non-finite (``_finite_sums``).
 EXCLUDES_NONFINITE = "layerwise_sums_exclude_nonfinite"
 
 
 def _cleanable(problem: Problem, captured: Captured, batch: Batch) -> bool:
-    """Whether ``_without_nonfinite`` can clean ``captured`` exactly (decided while tracing).
+    """Whether ``_finite_sums`` can clean ``captured`` exactly (decided while tracing).
 
     It can when ``B`` is not a static 0, no layer couples examples, no rule maps its
     taps to examples itself (``capture.batch_led``), every tap's gradient
@@ -420,120 +421,208 @@ def _depends_on(t: tf.Tensor, sources: set, memo: dict) -> bool:
     return bool(memo[t.op.name])
 
 
-def _without_nonfinite(problem: Problem, captured: Captured, norms: list, sums: list, weights_for) -> list:
-    """``sums``, or where some example's norm is non-finite, the weighted sums of the other examples.
+def _finite_sums(problem: Problem, captured: Captured, norms: list, weights_for) -> list:
+    """``weighted_sums`` over the examples whose norms are all finite. Requires ``_cleanable``.
 
     Such an example's weight is already 0 (``transforms.clip_factors``), but
-    its gradient may hold NaN or Inf, and ``0 * inf`` is NaN. So when one
-    exists, the sums are taken again (the rules' ``weighted_sum`` only, not
-    the model's passes) on the captured tensors with that example's rows
-    replaced. First the rows of the per-example tensors the norms left in a
-    record's cache, by zeros (``_cleaned_cache``): a rule whose sum from that
-    cache reads none of the record's captured tensors is done (nothing of
-    the per-example computation is traced again, and the branch does not
-    keep those tensors alive). Otherwise, or without a cache it can clean so,
-    its tap gradients by zeros and its saved floating tensors that lead with
-    the batch by a finite example's rows, and the rule sums those. Each
-    rule's per-example gradient is linear in the tap gradients, and its
-    other operands are a finite example's, so the replaced rows contribute
-    exactly zero and the other examples' terms are the ones of the first
-    sums. With no finite example the sums are zeros. Requires ``_cleanable``.
+    its gradient may hold NaN or Inf, and ``0 * inf`` is NaN. So the rules
+    sum tensors that a ``tf.cond`` on "every norm is finite" chooses
+    (``_Choice``): the captured ones as they are, or with each non-finite
+    example's rows replaced. When every norm is finite the conds pass their
+    inputs through, and the sums are the ones taken on the captured tensors.
+    What replaces the rows depends on the record:
+
+    - The package's own norms left per-example tensors in its cache
+      (``_zeroable_cache``): their rows are zeroed. The sum from such a
+      cache is ``sum_n w_n K_n``, linear in each example's rows, so zeroed
+      rows add exactly zero, and nothing of the per-example computation is
+      traced again. If the rule's sum reads the record's saved tensors or
+      tap gradients too, those are chosen as below and the rule sums again
+      (the first sum is left unused).
+    - No cache: its tap gradients' rows are zeroed and its saved floating
+      tensors that lead with the batch get a finite example's rows. Each
+      rule's per-example gradient is linear in its tap gradients, and its
+      other operands are a finite example's, so the replaced rows add
+      exactly zero and the other examples' terms are unchanged.
+    - A cache of another kind (a rule's own): its sum from the cache, or,
+      in a ``tf.cond`` branch taken only when some norm is not finite, its
+      sum without the cache from tensors replaced as for no cache.
+
+    With no finite example there is no finite row to give, and the sums
+    that some record given rows adds to are zeros (one more ``tf.cond``).
     """
     finite = tf.reduce_all(tf.stack([tf.math.is_finite(n) for n in norms]), axis=0)
-    b = captured.batch_size
-    flat = tf.nest.flatten(sums, expand_composites=True)
+    every, b = tf.reduce_all(finite), captured.batch_size
+    zeroable = {id(r) for r in captured.records if _zeroable_cache(r, b)}
+    chosen = _Choice(every, finite, b)
+    for r, g in zip(captured.records, captured.grads):
+        if id(r) in zeroable:
+            chosen.zero(r.cache)
+        elif not r.cache:
+            chosen.zero(g)
+            chosen.give(r.saved)
+    chosen.choose()
+    graph = tf.compat.v1.get_default_graph()
+    # The variables whose sums some record given a finite example's rows adds to.
+    given = {id(v) for r in captured.records if not r.cache for v in r.unit.variables}
+    again: dict = {}  # id(record) -> its own _Choice of (saved, tap gradients): its cached sum read them
 
-    def cleaned():
-        rows = tf.range(b)
-        donor = tf.cast(tf.argmax(tf.cast(finite, tf.int32)), rows.dtype)
-        source = tf.where(finite, rows, donor)
-
-        def rows_of(t):
-            if not (_floating(t) and _leads_with(t, b)):
-                return t
-            if isinstance(b, int):
-                return tf.gather(t, source)
-            # B dynamic: rows are replaced only where the leading size is B at run time (no tf.cond: cheaper to trace).
-            n = tf.shape(t, out_type=rows.dtype)[0]
-            own = tf.range(n)
-            out = tf.gather(t, tf.where(tf.equal(n, b), tf.gather(source, tf.minimum(own, b - 1)), own))
-            out.set_shape(t.shape)
-            return out
-
-        keep_by_rank: dict = {}  # finite as [B, 1, ...], one per rank, and a 0 per dtype (fewer nodes to trace)
-        zero_of: dict = {}
-
-        def zero_rows(g):
-            rank = g.shape.rank
-            if rank not in keep_by_rank:
-                keep_by_rank[rank] = tf.reshape(finite, [-1] + [1] * (rank - 1))
-            if g.dtype not in zero_of:
-                zero_of[g.dtype] = tf.zeros([], g.dtype)
-            out = tf.where(keep_by_rank[rank], g, zero_of[g.dtype])
-            out.set_shape(g.shape)
-            return out
-
-        graph = tf.compat.v1.get_default_graph()  # the branch's
-        any_finite = tf.reduce_any(finite)
-        caches: dict = {}  # id(record) -> its cleaned cache (None: none usable)
-        tensors: dict = {}  # id(record) -> its cleaned (saved, tap gradients), once its sum needed them
-
-        def rule_sum(unit, record, g, w):
-            key = id(record)
-            if key not in caches:
-                caches[key] = _cleaned_cache(record, zero_rows, b)
-            cache = caches[key]
-            if cache is not None and key not in tensors:  # not yet known to read more than the cache
+    def rule_sum(unit, record, g, w):
+        rule, key = unit.rule, id(record)
+        if key in zeroable:
+            cache = chosen.of(record.cache)
+            if key not in again:
                 start = len(graph.get_operations())
-                out = unit.rule.weighted_sum(unit.layer, record.saved, g, w, cache)
+                out = rule.weighted_sum(unit.layer, record.saved, g, w, cache)
                 if not _reads(graph, start, [record.saved, g]):
                     return out
-            if key not in tensors:
-                tensors[key] = (
-                    tf.nest.map_structure(rows_of, record.saved, expand_composites=True),
-                    [zero_rows(t) for t in g],
-                )
-            saved, grads = tensors[key]
-            # With no finite example the donor is not one, and these sums are zeros (those from
-            # zeroed rows alone are zeros then already).
-            return [
-                tf.IndexedSlices(tf.where(any_finite, s.values, tf.zeros_like(s.values)), s.indices, s.dense_shape)
-                if isinstance(s, tf.IndexedSlices)
-                else tf.where(any_finite, s, tf.zeros_like(s))
-                for s in unit.rule.weighted_sum(unit.layer, saved, grads, w, cache)
-            ]
+                again[key] = _Choice(every, finite, b).zero(g).give(record.saved).choose()
+                given.update(id(v) for v in unit.variables)
+            return rule.weighted_sum(unit.layer, again[key].of(record.saved), again[key].of(g), w, cache)
+        if not record.cache:
+            return rule.weighted_sum(unit.layer, chosen.of(record.saved), chosen.of(g), w)
+        given.update(id(v) for v in unit.variables)
+        first = rule.weighted_sum(unit.layer, record.saved, g, w, record.cache)
 
-        return tf.nest.flatten(weighted_sums(problem, captured, weights_for, rule_sum), expand_composites=True)
+        def without_cache():
+            rows = _RowReplacement(finite, b)
+            saved = tf.nest.map_structure(rows.given, record.saved, expand_composites=True)
+            return tf.nest.flatten(
+                rule.weighted_sum(unit.layer, saved, [rows.zeroed(t) for t in g], w), expand_composites=True
+            )
 
-    out = tf.cond(tf.reduce_all(finite), lambda: flat, cleaned)
-    return tf.nest.pack_sequence_as(sums, out, expand_composites=True)
+        flat = tf.nest.flatten(first, expand_composites=True)
+        return tf.nest.pack_sequence_as(first, tf.cond(every, lambda: flat, without_cache), expand_composites=True)
+
+    sums = weighted_sums(problem, captured, weights_for, rule_sum)
+    at = [i for i, v in enumerate(problem.variables) if id(v) in given]
+    if at:
+        picked = [sums[i] for i in at]
+        flat = tf.nest.flatten(picked, expand_composites=True)
+        zeros = lambda: tf.nest.flatten([_zeroed_sum(s) for s in picked], expand_composites=True)  # noqa: E731
+        out = tf.cond(tf.reduce_any(finite), lambda: flat, zeros)
+        for i, s in zip(at, tf.nest.pack_sequence_as(picked, out, expand_composites=True)):
+            sums[i] = s
+    return sums
 
 
-def _cleaned_cache(record: Record, zero_rows, b) -> dict | None:
-    """``record.cache`` with ``zero_rows`` applied to each of its tensors, or None where that would not be exact.
+def _zeroed_sum(s):
+    if isinstance(s, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.zeros_like(s.values), s.indices, s.dense_shape)
+    return tf.zeros_like(s)
 
-    Exact when the package's own ``squared_norms`` filled the cache (a
+
+class _Choice:
+    """``[B, ...]`` tensors passed through one ``tf.cond``: as they are when ``every`` norm is finite, else with the rows of the examples not ``finite`` replaced (``_RowReplacement``).
+
+    ``zero`` and ``give`` name the tensors whose rows are zeroed or given a
+    finite example's (a saved tensor's floating leaves that lead with ``B``;
+    the others are left as they are); ``choose`` builds the cond; ``of``
+    maps a structure of named tensors to the chosen ones.
+    """
+
+    def __init__(self, every: tf.Tensor, finite: tf.Tensor, b):
+        self._every, self._finite, self._b = every, finite, b
+        self._named: dict = {}  # (ref, zeroed?) -> tensor, in order
+        self._chosen: dict = {}  # the same keys -> chosen tensor
+
+    def _name(self, structure, zeroed: bool):
+        for t in tf.nest.flatten(structure, expand_composites=True):
+            if isinstance(t, tf.Tensor) and (zeroed or _floating(t) and _leads_with(t, self._b)):
+                self._named.setdefault((t.ref(), zeroed), t)
+        return self
+
+    def zero(self, structure) -> _Choice:
+        return self._name(structure, True)
+
+    def give(self, structure) -> _Choice:
+        return self._name(structure, False)
+
+    def choose(self) -> _Choice:
+        keys, tensors = list(self._named), list(self._named.values())
+        if not tensors:
+            return self
+
+        def replaced():
+            rows = _RowReplacement(self._finite, self._b)
+            return [rows.zeroed(t) if zeroed else rows.given(t) for (_, zeroed), t in zip(keys, tensors)]
+
+        self._chosen = dict(zip(keys, tf.cond(self._every, lambda: tensors, replaced)))
+        return self
+
+    def of(self, structure):
+        def pick(t):
+            if not isinstance(t, tf.Tensor):
+                return t
+            return self._chosen.get((t.ref(), True), self._chosen.get((t.ref(), False), t))
+
+        return tf.nest.map_structure(pick, structure, expand_composites=True)
+
+
+class _RowReplacement:
+    """Inside a ``tf.cond`` branch: ``[B, ...]`` tensors with the rows of the examples not ``finite`` replaced.
+
+    ``zeroed``: by zeros. ``given``: by the rows of a finite example (the
+    first), for a floating tensor that leads with ``B`` (others are returned
+    as they are); when ``B`` is known only at run time, only where the
+    tensor's leading size is ``B`` then. Masks, indices and a zero per dtype
+    are built once per branch (fewer nodes to trace).
+    """
+
+    def __init__(self, finite: tf.Tensor, b):
+        self._finite, self._b = finite, b
+        self._keep_by_rank: dict = {}
+        self._zero_of: dict = {}
+        self._source = None
+
+    def zeroed(self, t: tf.Tensor) -> tf.Tensor:
+        rank = t.shape.rank
+        if rank not in self._keep_by_rank:
+            self._keep_by_rank[rank] = tf.reshape(self._finite, [-1] + [1] * (rank - 1))
+        if t.dtype not in self._zero_of:
+            self._zero_of[t.dtype] = tf.zeros([], t.dtype)
+        out = tf.where(self._keep_by_rank[rank], t, self._zero_of[t.dtype])
+        out.set_shape(t.shape)
+        return out
+
+    def given(self, t):
+        b = self._b
+        if not (_floating(t) and _leads_with(t, b)):
+            return t
+        if self._source is None:
+            rows = tf.range(b)
+            donor = tf.cast(tf.argmax(tf.cast(self._finite, tf.int32)), rows.dtype)
+            self._source = tf.where(self._finite, rows, donor)
+        if isinstance(b, int):
+            return tf.gather(t, self._source)
+        # No tf.cond on the leading size (cheaper to trace): rows are replaced where it is B.
+        n = tf.shape(t, out_type=self._source.dtype)[0]
+        own = tf.range(n)
+        out = tf.gather(t, tf.where(tf.equal(n, b), tf.gather(self._source, tf.minimum(own, b - 1)), own))
+        out.set_shape(t.shape)
+        return out
+
+
+def _zeroable_cache(record: Record, b) -> bool:
+    """Whether zeroing the rows of ``record.cache``'s tensors zeroes exactly those examples' terms of the rule's sum from it.
+
+    True when the package's own ``squared_norms`` filled the cache (a
     rule's own may keep anything there) and every tensor in it is a
     floating per-example tensor leading with ``B``: a rule's sum from such a
-    cache is linear in each example's rows (``sum_n w_n K_n``), so zeroed
-    rows contribute zero. The cached rows are the ones the rule's sum would
-    compute from the cleaned tensors, without tracing that computation again.
+    cache is linear in each example's rows (``sum_n w_n K_n``).
     """
     if not record.cache or not type(record.unit.rule).squared_norms.__module__.startswith(_RULES):
-        return None
-    leaves = tf.nest.flatten(record.cache)
-    if not all(t is None or (_floating(t) and _leads_with(t, b)) for t in leaves):
-        return None
-    return tf.nest.map_structure(lambda t: None if t is None else zero_rows(t), record.cache)
+        return False
+    return all(t is None or (_floating(t) and _leads_with(t, b)) for t in tf.nest.flatten(record.cache))
 
 
 def _reads(graph, start: int, structures) -> bool:
-    """Whether an op ``graph`` made after its first ``start`` ones reads a tensor of ``structures`` (captured from outside)."""
+    """Whether an op ``graph`` made after its first ``start`` ones reads a tensor of ``structures`` (or, if captured, its capture)."""
     inner = {outer.ref(): inside for outer, inside in graph.captures}
     read = {
-        inner[t.ref()].ref()
+        (inner[t.ref()] if t.ref() in inner else t).ref()
         for t in tf.nest.flatten(structures, expand_composites=True)
-        if isinstance(t, tf.Tensor) and t.ref() in inner
+        if isinstance(t, tf.Tensor)
     }
     return bool(read) and any(x.ref() in read for op in graph.get_operations()[start:] for x in op.inputs)
 
