@@ -203,6 +203,32 @@ def test_layer_called_on_non_batch_tensor_is_refused_and_auto_falls_back():
     assert_grads_close(grads, reference_gradients(model, sparse_ce, x, y))
 
 
+class OnRows(keras.Model):
+    """A Dense on ``[B, 4, 5]``, then one on its ``[4 B, 5]`` rows: off the batch, known only at run time."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = keras.layers.Dense(5, name="on_examples")
+        self.rows = keras.layers.Dense(2, name="on_rows")
+
+    def call(self, x):
+        h = self.rows(tf.reshape(self.first(x), [-1, 5]))
+        return tf.reshape(h, [tf.shape(x)[0], 8])
+
+
+def test_a_layer_called_off_the_batch_at_run_time_is_named_by_the_assertion():
+    """``B`` dynamic: the taps' leading sizes (ranks 3 and 2) are checked at run time, and the message names the layer."""
+    model = OnRows()
+    x, y = rng.normal(size=(B, 4, 3)).astype("float32"), rng.integers(0, 8, B).astype("int32")
+    model(x)
+    f = tf.function(
+        lambda x, y: peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=1.0, method="layerwise"),
+        input_signature=[tf.TensorSpec([None, 4, 3]), tf.TensorSpec([None], tf.int32)],
+    )
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"cannot use layer\] \[on_rows\]"):
+        f(x, y)
+
+
 class _Scale(keras.layers.Layer):
     """``tanh(x * w)``: no rule, so the layer-local fallback (whose forward runs the layer's own call)."""
 
