@@ -17,9 +17,10 @@ in the prefix sums ``A G`` the model's trajectory follows.
 
 ``GaussianNoise`` (``C = I``, the default) is DP-SGD. The correlated ones
 need **cyclic Poisson sampling**: ``poisson_batches(..., cycle_length=b)``
-splits the examples into ``b`` fixed parts and step ``t`` samples part ``t
-mod b`` at rate ``q``, so an example joins at most ``k = ceil(T / b)`` of
-``T`` steps, any two at least ``b`` apart. Their accounting:
+assigns every example to one of ``b`` parts, once for the run, and step
+``t`` samples part ``t mod b`` at rate ``q``, so an example joins at most
+``k = ceil(T / b)`` of ``T`` steps, any two at least ``b`` apart (its
+docstring states for which neighbours, and why). Their accounting:
 
 - ``BandMF(bands, ...)``: ``C`` has ``bands <= b`` non-zero diagonals and
   columns of norm at most 1. Two participations ``b >= bands`` steps apart

@@ -64,6 +64,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -111,8 +112,9 @@ class PhysicalChunk(NamedTuple):
 class PoissonSampling:
     """How a ``poisson_batches`` dataset samples; it is the dataset's ``pegrad_sampling`` attribute.
 
-    ``DPModel.fit`` reads it to account the sampling actually used and to
-    resume the dataset where its ledger stopped.
+    ``DPModel.fit`` reads it to account the sampling actually used, to
+    resume the dataset where its ledger stopped, and to keep a cyclic run on
+    one partition (``partition``).
 
     Attributes:
       sampling_probability: ``q``, the probability that an example of the
@@ -125,8 +127,8 @@ class PoissonSampling:
         only on the seed and ``t``, so setting it to the number of steps a
         restored run has taken continues that run's batches instead of
         replaying them.
-      cycle_length: ``b``, the number of fixed parts the examples are split
-        into; step ``t`` samples part ``t mod b`` only (1: every step samples
+      cycle_length: ``b``, the number of parts the examples are assigned to;
+        step ``t`` samples part ``t mod b`` only (1: every step samples
         from all ``N``).
       privacy_unit: ``"example"`` (each row is sampled) or ``"unit"`` (a
         ``poisson_batches(..., unit_ids=...)`` dataset: units are sampled,
@@ -135,6 +137,14 @@ class PoissonSampling:
       num_rows: the rows the dataset holds (``N`` for example-level sampling).
       rows_per_unit: unit-level sampling: the most rows one unit brings to a
         batch, ``min(rows_per_unit, largest unit)``; None for example-level.
+      partition_key: cyclic sampling: ``[2]`` int64 variable, the key every
+        example's (unit's) part is drawn from (``poisson_batches``, Cyclic
+        Poisson sampling); None for ``b = 1``. Every step reads it, so a
+        run's partition can be given to a new dataset of the same rows
+        (``partition``).
+      rows_digest: cyclic sampling: ``[2]`` int64, a digest of the rows (and
+        unit ids) in their order, which with the key fixes every example's
+        part; None for ``b = 1``.
     """
 
     sampling_probability: float
@@ -146,11 +156,45 @@ class PoissonSampling:
     privacy_unit: str = "example"
     num_rows: int | None = None
     rows_per_unit: int | None = None
+    partition_key: tf.Variable | None = None
+    rows_digest: np.ndarray | None = None
 
     @property
     def expected_batch_size(self) -> float:
         """``q N / b``: the mean number of sampled examples (units, for unit-level sampling) of a batch."""
         return self.sampling_probability * self.num_examples / self.cycle_length
+
+    @property
+    def partition(self) -> np.ndarray | None:
+        """``int64 [5]`` ``[b, key, digest]``: what fixes every example's part in a cyclic run; None for ``b = 1``.
+
+        A ledger saves it; two datasets with the same ``partition`` put every
+        example (unit) in the same part.
+        """
+        if self.partition_key is None:
+            return None
+        return np.concatenate([[self.cycle_length], self.partition_key.numpy(), self.rows_digest]).astype(np.int64)
+
+    def take_partition(self, partition: np.ndarray) -> None:
+        """Makes this dataset's partition ``partition`` (a run's, as ``partition`` gave it), if it holds the same rows.
+
+        Raises:
+          ValueError: the cycle or the rows (their digest: other rows, or the
+            same rows in another order) are not those ``partition`` was made
+            for, so no key can give every example the part it had.
+        """
+        partition = np.asarray(partition, np.int64)
+        own = self.partition
+        if own is None or own[0] != partition[0] or not np.array_equal(own[3:], partition[3:]):
+            what = "unit" if self.privacy_unit == "unit" else "example"
+            raise ValueError(
+                f"the run's earlier steps were cyclic-sampled with cycle_length={int(partition[0])} from other "
+                f"rows than this dataset's (cycle_length={self.cycle_length}; other rows, or the same rows in "
+                f"another order): every {what} must stay in the part it had, or it could be sampled again "
+                "sooner than cycle_length steps after its last turn, which the accounting excludes. Build the "
+                "dataset from the same rows, in the same order, with the same cycle_length."
+            )
+        self.partition_key.assign(partition[1:3])
 
 
 # --------------------------------------------------------------------------
@@ -237,13 +281,37 @@ _PARTITION_TAG = 0x7061727473  # "parts"
 _ROWS_TAG = 0x726F7773  # "rows"
 
 
-def _cyclic_parts(n: int, cycle: int, key: tf.Tensor) -> tf.Tensor | None:
-    """``[n]`` int64 part of every example: a seeded random partition into ``cycle`` near-equal parts, or None for 1."""
+def _rows_digest(*trees: Any) -> np.ndarray:
+    """``int64 [2]``: a digest of every leaf of ``trees`` (shapes, dtypes and values, in row order)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for leaf in tf.nest.flatten(trees):
+        values = np.ascontiguousarray(leaf.numpy() if tf.is_tensor(leaf) else leaf)
+        digest.update(f"{values.dtype.str}{values.shape}".encode())
+        if values.dtype == object:  # strings
+            for item in values.reshape(-1):
+                digest.update(len(item).to_bytes(8, "little") + bytes(item))
+        else:
+            digest.update(values.view(np.uint8).reshape(-1))
+    return np.frombuffer(digest.digest(), np.int64).copy()
+
+
+def _partition_key(cycle: int, key: tf.Tensor) -> tf.Variable | None:
+    """The ``[2]`` int64 variable that every part is drawn from (folded from the sampling key), or None for 1."""
     if cycle == 1:
         return None
-    u = tf.random.stateless_uniform([n], seed=tf.random.experimental.stateless_fold_in(key, _PARTITION_TAG))
-    order = tf.argsort(u)  # a random permutation; the j-th example of it goes to part j mod cycle
-    return tf.scatter_nd(order[:, None], tf.range(n, dtype=tf.int64) % cycle, [n])
+    with tf.init_scope():
+        folded = tf.random.experimental.stateless_fold_in(key, _PARTITION_TAG)
+        return tf.Variable(folded, dtype=tf.int64, trainable=False, name="partition_key")
+
+
+def _cyclic_parts(n: int, cycle: int, partition_key: tf.Variable) -> tf.Tensor:
+    """``[n]`` int64 part of every example (unit): each drawn independently and uniformly from ``0 .. cycle - 1``.
+
+    Independent, not an equal split: adding or removing one example then
+    leaves every other example's part as it was (``poisson_batches``, Cyclic
+    Poisson sampling, for why that matters).
+    """
+    return tf.random.stateless_uniform([n], seed=partition_key, minval=0, maxval=cycle, dtype=tf.int64)
 
 
 def _steps_and_key(steps: int | None, cycle: int, q: float, seed: int | None, first_step: Any) -> tuple[int, tf.Tensor]:
@@ -324,14 +392,31 @@ def poisson_batches(
     independently with probability ``q = sampling_probability``.
 
     **Cyclic Poisson sampling** (``cycle_length = b > 1``, for the
-    correlated-noise mechanisms of ``per_example_grads.dp.mechanisms``): the
-    examples are split once into ``b`` fixed parts of ``floor(N / b)`` or
-    ``ceil(N / b)`` examples (a random partition drawn from ``seed``, never
-    from the data), and step ``t`` Poisson-samples, at rate ``q``, only part
-    ``t mod b``. An example can then join a batch only every ``b`` steps, at
-    most ``ceil(T / b)`` times in ``T`` steps, which is what the accounting
-    of ``BandMF`` and ``BLT`` relies on. The expected batch size is
-    ``q N / b``.
+    correlated-noise mechanisms of ``per_example_grads.dp.mechanisms``): every
+    example is assigned once to one of ``b`` parts, each example's part drawn
+    independently and uniformly (from ``seed``, never from the data), and
+    step ``t`` Poisson-samples, at rate ``q``, only part ``t mod b``. An
+    example can then join a batch only every ``b`` steps, at most
+    ``ceil(T / b)`` times in ``T`` steps, which is what the accounting of
+    ``BandMF`` and ``BLT`` relies on. The expected batch size is ``q N / b``
+    (parts have ``N / b`` examples on average, not exactly).
+
+    The guarantee, for **add/remove-one** neighbours (``D' = D + z``, and so
+    replace-one at twice the sensitivity): adding ``z`` leaves the law of
+    every other example's part unchanged, because parts are drawn
+    independently per example. Conditioned on ``z``'s part ``p`` and on all
+    the others', the run is the mechanism with ``z`` taking part only in the
+    steps of ``p``, which the accounting bounds for every ``p``; the release
+    under ``D'`` is the mixture over ``p``, and the hockey-stick divergence is
+    jointly convex, so the bound holds for the mixture, both ways. An equal
+    split (``N / b`` examples per part, from a permutation) is not sound for
+    add/remove: adding ``z`` moves *other* examples into other parts, and on
+    small ``N`` the exact ``delta`` of such a pair exceeds the accounted one by
+    orders of magnitude (``tests/test_dp_cyclic_partition.py``); jax_privacy
+    allows its equal split only for zero-out and replace-one adjacency. A run
+    must keep its partition: ``DPModel`` saves it in its ledger and gives it
+    to every later dataset of the run, or refuses one of other rows
+    (``PoissonSampling.partition``).
 
     Each element is ``(x_batch, y_batch, mask)``:
 
@@ -369,7 +454,7 @@ def poisson_batches(
     rows belong to ``U`` privacy units (users, say), row ``i`` to unit
     ``unit_ids[i]``, and at every step each *unit* joins independently with
     probability ``q`` (in part ``t mod b`` only, with ``cycle_length = b``:
-    the units are split into the parts, never their rows). A sampled unit
+    each unit is assigned a part, never its rows). A sampled unit
     brings its rows, at most ``k = rows_per_unit`` of them: a unit with more
     than ``k`` rows brings ``k`` of them drawn uniformly without replacement,
     afresh at every step (from the sampling key; so over a run every row of
@@ -383,7 +468,7 @@ def poisson_batches(
     consecutive (units in increasing id order), ``batch_unit_ids`` is
     ``int64 [M]``, each real row's unit id (as given), ``-1`` on padding.
     ``M`` defaults to the rows of the ``m`` largest units (each counted at
-    most ``k`` rows), ``m = default_max_batch_size(ceil(U / b), q)``: more
+    most ``k`` rows), ``m = default_max_batch_size(U, q / b)``: more
     than ``M`` rows needs more than ``m`` units, which happens with
     probability at most 1e-12 per step. ``steps`` defaults to ``round(b / q)``
     (each unit seen once per pass in expectation). ``pegrad_sampling`` then
@@ -406,9 +491,9 @@ def poisson_batches(
         OS entropy.
       first_step: the global index of the first batch (see Randomness).
       cycle_length: ``b >= 1`` parts, ``b <= N`` (see Cyclic Poisson
-        sampling). The default ``M`` and ``steps`` then follow the part's
-        size: ``default_max_batch_size(ceil(N / b), q)`` and ``round(b / q)``
-        (one epoch in expectation).
+        sampling). The default ``M`` and ``steps`` then follow a step's
+        rate ``q / b``: ``default_max_batch_size(N, q / b)`` and
+        ``round(b / q)`` (one epoch in expectation).
       unit_ids: None (each row is its own unit), or ``[N]`` integers, the
         privacy unit of every row (any integer values; rows of one unit need
         not be adjacent). Must be concrete (an array or eager tensor).
@@ -460,14 +545,15 @@ def poisson_batches(
         )
     if cycle > n:
         raise ValueError(f"cycle_length ({cycle}) must be at most the number of examples N={n}: every part needs one.")
-    if max_batch_size is None:
-        max_batch_size = default_max_batch_size(-(-n // cycle), q)
+    if max_batch_size is None:  # a step's batch is Binomial(N, q / b), the partition drawn too
+        max_batch_size = default_max_batch_size(n, q / cycle)
     m = check_positive_int("max_batch_size", max_batch_size)
     steps, key = _steps_and_key(steps, cycle, q, seed, first_step)
     with tf.init_scope():
         next_step = tf.Variable(int(first_step), dtype=tf.int64, trainable=False, name="next_step")
-        parts = _cyclic_parts(n, cycle, key)
-    sampling = PoissonSampling(q, n, m, steps, next_step, cycle)
+    partition_key = _partition_key(cycle, key)
+    digest = None if partition_key is None else _rows_digest(inputs)
+    sampling = PoissonSampling(q, n, m, steps, next_step, cycle, partition_key=partition_key, rows_digest=digest)
     overflow_message = (
         f"examples, more than max_batch_size={m} (N={n}, sampling_probability={q}"
         f"{f', cycle_length={cycle}' if cycle > 1 else ''}). "
@@ -486,8 +572,8 @@ def poisson_batches(
         step_seed = tf.random.experimental.stateless_fold_in(key, step)
         u = tf.random.stateless_uniform([n], seed=step_seed, dtype=tf.float64)
         eligible = u < q
-        if parts is not None:
-            eligible &= tf.equal(parts, step % cycle)
+        if partition_key is not None:
+            eligible &= tf.equal(_cyclic_parts(n, cycle, partition_key), step % cycle)
         chosen = tf.where(eligible)[:, 0]  # sorted example indices
         xb, yb, mask, _ = _padded_batch(inputs, chosen, m, "A Poisson batch sampled", overflow_message)
         return xb, yb, mask
@@ -522,8 +608,8 @@ def _unit_batches(inputs, n, q, ids, rows_per_unit, max_batch_size, steps, seed,
     if cycle > u:
         raise ValueError(f"cycle_length ({cycle}) must be at most the number of units U={u}: every part needs one.")
     brought = np.minimum(sizes, k)  # rows each unit brings when sampled
-    if max_batch_size is None:
-        most_units = default_max_batch_size(-(-u // cycle), q)
+    if max_batch_size is None:  # a step samples Binomial(U, q / b) units, the partition drawn too
+        most_units = default_max_batch_size(u, q / cycle)
         max_batch_size = int(np.sort(brought)[::-1][:most_units].sum())
     m = check_positive_int("max_batch_size", max_batch_size)
     steps, key = _steps_and_key(steps, cycle, q, seed, first_step)
@@ -533,12 +619,15 @@ def _unit_batches(inputs, n, q, ids, rows_per_unit, max_batch_size, steps, seed,
     select = k < int(sizes.max())
     with tf.init_scope():
         next_step = tf.Variable(int(first_step), dtype=tf.int64, trainable=False, name="next_step")
-        parts = _cyclic_parts(u, cycle, key)
         by_unit_t = tf.constant(by_unit, tf.int64)
         unit_sorted_t = tf.constant(unit_sorted, tf.int64)
         start_t = tf.constant(start, tf.int64)
         ids_t = tf.constant(ids, tf.int64)
-    sampling = PoissonSampling(q, u, m, steps, next_step, cycle, privacy_unit="unit", num_rows=n, rows_per_unit=k)
+    partition_key = _partition_key(cycle, key)
+    digest = None if partition_key is None else _rows_digest(inputs, ids)
+    sampling = PoissonSampling(
+        q, u, m, steps, next_step, cycle, "unit", n, k, partition_key=partition_key, rows_digest=digest
+    )
     overflow_message = (
         f"rows, more than max_batch_size={m} (U={u} units, sampling_probability={q}, rows_per_unit={k}"
         f"{f', cycle_length={cycle}' if cycle > 1 else ''}). Dropping rows would invalidate the privacy "
@@ -553,8 +642,8 @@ def _unit_batches(inputs, n, q, ids, rows_per_unit, max_batch_size, steps, seed,
     def sample(step):
         step_seed = tf.random.experimental.stateless_fold_in(key, step)
         unit_in = tf.random.stateless_uniform([u], seed=step_seed, dtype=tf.float64) < q  # [U]
-        if parts is not None:
-            unit_in &= tf.equal(parts, step % cycle)
+        if partition_key is not None:
+            unit_in &= tf.equal(_cyclic_parts(u, cycle, partition_key), step % cycle)
         order = tf.range(n, dtype=tf.int64)  # positions in by_unit
         if select:  # k random rows of each larger unit: rank the unit's rows by a fresh uniform key
             row_seed = tf.random.experimental.stateless_fold_in(step_seed, _ROWS_TAG)
