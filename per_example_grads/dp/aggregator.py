@@ -53,6 +53,7 @@ import math
 from typing import Any, Sequence
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from per_example_grads._core import replicas
@@ -305,6 +306,9 @@ class DPAggregator(keras.layers.Layer):
         next noise draw).
       min_noise_multiplier, max_sampling_probability: float64 ledger variables.
       poisson: int64 variable, 1 while every recorded step was Poisson sampled.
+      partition: int64 ``[5]`` variable, a cyclic run's partition
+        (``PoissonSampling.partition``), recorded by the owner; zeros when
+        none is recorded.
       canaries: None, or a privacy audit's gradient canaries
         (``peg.dp.audit.GradientCanaries``, set by its ``attach``): the one
         hook of this class, read by ``release`` only. None (the default) leaves
@@ -366,10 +370,20 @@ class DPAggregator(keras.layers.Layer):
         self.min_noise_multiplier = _ledger_variable(float("inf"), "float64", "min_noise_multiplier")
         self.max_sampling_probability = _ledger_variable(0.0, "float64", "max_sampling_probability")
         self.poisson = _ledger_variable(1, "int64", "poisson")
+        self.partition = _ledger_variable(np.zeros(5, np.int64), "int64", "partition")
         self._noise = noise_source(seed)
         self.canaries = None  # a privacy audit's hook (see ``release``); not a weight, never saved
         self.sparse = None  # sparse embedding noise (see ``release``); set by the owner
         self.built = True
+
+    def load_own_variables(self, store) -> None:
+        """Keras's; a file saved before the ledger had ``partition`` loads with the partition not recorded."""
+        own = self._trainable_variables + self._non_trainable_variables
+        if len(store.keys()) == len(own) - 1 and own[-1] is self.partition:
+            for i, v in enumerate(own[:-1]):
+                v.assign(store[f"{i}"])
+            return
+        super().load_own_variables(store)
 
     # -- the step --------------------------------------------------------
 

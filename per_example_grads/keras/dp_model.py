@@ -97,7 +97,11 @@ class DPModel(keras.Model):
     only a ``poisson_batches(..., cycle_length=b)`` dataset with the
     mechanism's ``cycle_length``, the sampling its accounting covers; the
     mechanism's buffers are saved with the weights, so a restored run
-    continues its noise sequence. ``epsilon()`` accounts the mechanism.
+    continues its noise sequence. The ledger records the partition of the
+    first cyclic dataset of the run (``PoissonSampling.partition``) and
+    every later one, in this ``fit``, the next or after a restore, takes it
+    (whatever its seed) or is refused when it holds other rows, or the same
+    rows in another order. ``epsilon()`` accounts the mechanism.
 
     **Sparse embedding noise.** With ``sparse_embeddings=SparseEmbeddings()``
     the embedding tables get gradient noise only on the rows that a noisy
@@ -469,6 +473,8 @@ class DPModel(keras.Model):
                 poisson=False, sampling_probability=None, divisor=None, largest_batch=rows.largest_batch
             )
         self._check_num_examples(source.num_examples, "the poisson_batches dataset samples from")
+        if source.partition is not None:
+            self._keep_partition(source)
         q = source.sampling_probability
         expected = source.expected_batch_size
         if self.expected_batch_size is not None and abs(self.expected_batch_size - expected) > 1e-9 * expected:
@@ -521,6 +527,28 @@ class DPModel(keras.Model):
                 f"before it is clipped). Give physical_batch_size >= {source.rows_per_unit}, or resample with "
                 f"a smaller rows_per_unit."
             )
+
+    def _keep_partition(self, source: PoissonSampling) -> None:
+        """Keeps a cyclic run on one partition: records the data's before the first step, else gives the data the run's.
+
+        Raises:
+          ValueError: the dataset holds other rows than the run's partition
+            was made for, or the ledger has steps but no partition (saved
+            before it was recorded).
+        """
+        recorded = self.aggregator.partition.numpy()
+        if int(self.dp_steps.numpy()) == 0:
+            self.aggregator.partition.assign(source.partition)
+        elif not recorded.any():
+            raise ValueError(
+                f"this DPModel's ledger has {int(self.dp_steps.numpy())} cyclic-sampled step(s) but no record of "
+                "the partition they used (it was saved by an earlier version of per_example_grads, whose "
+                "partition was an equal split): a new partition could sample an example again sooner than "
+                f"cycle_length={source.cycle_length} steps after its last turn, which the accounting excludes. "
+                "Begin a new run (a new DPModel) instead."
+            )
+        else:
+            source.take_partition(recorded)
 
     def _check_num_examples(self, rows: int | None, what: str) -> None:
         """``num_examples`` from the data's ``rows``, or a ``ValueError`` where they disagree or neither is known."""
