@@ -299,3 +299,50 @@ def test_prefix_sum_error_is_that_of_the_explicit_matrices(name):
     assert prefix_sum_error(mechanism, n) == pytest.approx(want, rel=1e-10)
     if name == "dp_sgd":
         assert want == pytest.approx(np.sqrt((n + 1) / 2), rel=1e-12)
+
+
+class _HalfNoise(peg.dp.NoiseMechanism):
+    """A mechanism of one's own: half DP-SGD's noise, and accounted as such."""
+
+    def build_state(self, variables):
+        return  # stateless
+
+    def correlate(self, fresh, step):
+        return [z / 2 for z in fresh]
+
+    def accounted_as(self, noise_multiplier, sampling_probability, steps):
+        return noise_multiplier / 2, sampling_probability, steps
+
+
+def test_a_mechanism_of_ones_own_is_accounted_as_it_says():
+    # Its accounting was consulted only for a mechanism flagged correlated: this one reported
+    # DP-SGD's epsilon at the full noise, and a budget let the run past it.
+    x, y = _data()
+    budget = peg.dp.PrivacyBudget(epsilon=30.0, delta=1e-5)
+    dp = _dp_model(_HalfNoise(), budget=budget)
+    dp.fit(peg.dp.poisson_batches(x, y, sampling_probability=0.5, steps=6, seed=0), epochs=1, verbose=0)
+    half = PrivacyAccountant(0.5, 0.5)  # the reference: dp_accounting at the noise it adds
+    half.step(6)
+    assert dp.epsilon(1e-5) == pytest.approx(half.epsilon(1e-5), rel=ACCOUNTING_SAME_RTOL)
+    assert dp.max_steps() == budget.max_steps(noise_multiplier=0.5, sampling_probability=0.5)
+    assert compute_epsilon(24, 12, None, 1.0, 1e-5, steps=6, mechanism=_HalfNoise()) == pytest.approx(
+        half.epsilon(1e-5), rel=ACCOUNTING_SAME_RTOL
+    )
+
+
+def test_a_mechanism_that_states_no_accounting_is_refused():
+    class Silent(peg.dp.NoiseMechanism):
+        def correlate(self, fresh, step):
+            return list(fresh)
+
+    for make in (
+        lambda: _dp_model(Silent()),
+        lambda: compute_epsilon(24, 12, None, 1.0, 1e-5, steps=6, mechanism=Silent()),
+        lambda: peg.dp.PrivacyBudget(epsilon=1.0, delta=1e-5).max_steps(
+            noise_multiplier=1.0, sampling_probability=0.5, mechanism=Silent()
+        ),
+    ):
+        with pytest.raises(TypeError, match="Silent does not say how its steps are accounted: implement accounted_as"):
+            make()
+    with pytest.raises(TypeError, match="mechanism must be a peg.dp.NoiseMechanism .* got str 'BandMF'"):
+        compute_epsilon(24, 12, None, 1.0, 1e-5, steps=6, mechanism="BandMF")

@@ -560,7 +560,12 @@ def compute_epsilon(
 
 
 def _cycle_of(mechanism: Any) -> int:
-    return 1 if mechanism is None else int(mechanism.cycle_length)
+    """The cycle ``mechanism``'s accounting assumes (1 for None), once it is checked to be a mechanism that states it."""
+    if mechanism is None:
+        return 1
+    from per_example_grads.dp.mechanisms import check_mechanism  # keras layers: imported where a mechanism is given
+
+    return int(check_mechanism(mechanism).cycle_length)
 
 
 def _run_segments(sigma: float, q: float, steps: int, mechanism: Any = None) -> list[_Segment]:

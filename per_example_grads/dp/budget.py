@@ -91,6 +91,10 @@ class PrivacyBudget:
         """
         if self.steps is not None:
             return int(self.steps)
+        if mechanism is not None:
+            from per_example_grads.dp.mechanisms import check_mechanism  # keras layers: imported where one is given
+
+            mechanism = check_mechanism(mechanism)
         return _max_steps(
             float(self.epsilon),
             float(self.delta),

@@ -413,13 +413,24 @@ class BLT(_BufferedMechanism):
 
 
 def check_mechanism(mechanism) -> NoiseMechanism:
-    """``mechanism``, or a ``GaussianNoise`` for None; a ``TypeError`` naming it otherwise."""
+    """``mechanism``, or a ``GaussianNoise`` for None; a ``TypeError`` naming it otherwise.
+
+    Every ``epsilon`` of a run with ``mechanism`` is its ``accounted_as``: a
+    subclass that does not state its accounting is refused, never taken
+    for DP-SGD.
+    """
     if mechanism is None:
         return GaussianNoise()
     if not isinstance(mechanism, NoiseMechanism):
         raise TypeError(
             "mechanism must be a peg.dp.NoiseMechanism (GaussianNoise, BandMF, BLT) or None; got "
             f"{type(mechanism).__name__} {mechanism!r}."
+        )
+    if type(mechanism).accounted_as is NoiseMechanism.accounted_as:
+        raise TypeError(
+            f"the mechanism {type(mechanism).__name__} does not say how its steps are accounted: implement "
+            "accounted_as(noise_multiplier, sampling_probability, steps), returning the (sigma', q', k) of the "
+            "Poisson-sampled Gaussian steps it is as private as. Without it no epsilon could be computed."
         )
     return mechanism
 

@@ -640,9 +640,7 @@ class DPModel(keras.Model):
         if steps:
             sigma = min(sigma, float(self.dp_min_noise_multiplier.numpy()))
             q = max(q, float(self.dp_max_sampling_probability.numpy()))
-        return self.budget.max_steps(
-            noise_multiplier=sigma, sampling_probability=q, mechanism=self._accounted_mechanism()
-        )
+        return self.budget.max_steps(noise_multiplier=sigma, sampling_probability=q, mechanism=self.mechanism)
 
     # Unconverted, as under Keras's fit (whose caller of train_step is keras code, which AutoGraph
     # never converts), also where a caller's own tf.function traces it.
@@ -743,17 +741,12 @@ class DPModel(keras.Model):
             return None
         return min(1.0, float(self.expected_batch_size) * self.mechanism.cycle_length / self.num_examples)
 
-    def _accounted_mechanism(self) -> NoiseMechanism | None:
-        """The mechanism the accountant must ask, or None for DP-SGD's own ledger."""
-        mechanism = self.mechanism
-        return mechanism if mechanism.correlated or mechanism.cycle_length > 1 else None
-
     def accountant(self, *, accountant: str = "pld") -> PrivacyAccountant:
         """A ``PrivacyAccountant`` holding the saved ledger: ``dp_steps`` sampled steps.
 
-        With a correlated ``mechanism``, the equivalent ledger it gives
-        (``mechanism.accounted_as``): for ``BandMF`` ``ceil(dp_steps / b)``
-        steps, for ``BLT`` one Gaussian release; its ``steps`` are those.
+        The ledger is the equivalent one ``mechanism.accounted_as`` gives
+        (DP-SGD's own for ``GaussianNoise``; for ``BandMF`` ``ceil(dp_steps /
+        b)`` steps, for ``BLT`` one Gaussian release); its ``steps`` are those.
 
         It uses the smallest noise multiplier and the largest sampling
         probability any recorded step used (exactly the run's own when they
@@ -770,9 +763,7 @@ class DPModel(keras.Model):
             )
         sigma = float(self.dp_min_noise_multiplier.numpy()) if steps else self.noise_multiplier
         sampling = "poisson" if int(self.aggregator.poisson.numpy()) else "shuffle"
-        mechanism = self._accounted_mechanism()
-        if mechanism is not None:  # an equivalent ledger: k steps at (sigma', q')
-            sigma, q, steps = mechanism.accounted_as(sigma, q, steps)
+        sigma, q, steps = self.mechanism.accounted_as(sigma, q, steps)  # an equivalent ledger: k steps at (sigma', q')
         ledger = PrivacyAccountant(sigma, q, accountant=accountant, sampling=sampling)
         ledger.step(steps)
         return ledger
