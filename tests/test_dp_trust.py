@@ -176,6 +176,21 @@ def test_step_budget_stops_fit_and_later_fits():
     assert all(np.array_equal(a, b) for a, b in zip(weights, dp.model.get_weights()))
 
 
+def test_train_on_batch_keeps_to_the_budget_and_the_ledger():
+    # It took steps past the budget without a word, and epsilon() then took its steps for training outside.
+    dp = _dp(expected_batch_size=16, num_examples=64, budget=PrivacyBudget(steps=2))
+    for _ in range(2):
+        dp.train_on_batch(X[:16], Y[:16])
+    weights = [w.copy() for w in dp.model.get_weights()]
+    with pytest.raises(RuntimeError, match=r"takes no step: the privacy budget \(2 steps\) allows 2 steps, 2 are taken"):
+        dp.train_on_batch(X[:16], Y[:16])
+    assert int(dp.dp_steps.numpy()) == 2
+    assert all(np.array_equal(a, b) for a, b in zip(weights, dp.model.get_weights()))
+    with pytest.warns(UserWarning, match="not a proven bound for fixed-size batches"):
+        want = peg.dp.compute_epsilon(64, 16, None, 1.0, 1e-5, steps=2, sampling="shuffle")
+        assert dp.epsilon(1e-5) == pytest.approx(want, rel=1e-12)
+
+
 def test_epsilon_budget_is_met_and_one_more_step_would_exceed_it():
     target, delta = 3.0, 1e-3
     dp = _dp(budget=PrivacyBudget(epsilon=target, delta=delta, accountant="rdp", rtol=1e-6))

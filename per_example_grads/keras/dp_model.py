@@ -410,6 +410,30 @@ class DPModel(keras.Model):
             )
         return history
 
+    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
+        """``keras.Model.train_on_batch``: one DP step, within the budget, counted by the ledger as ``fit``'s are.
+
+        The step uses the sampling of the last ``fit`` (before any, the
+        batch's rows over ``num_examples``).
+
+        Raises:
+          RuntimeError: the step would take the ledger past ``budget``.
+          ValueError: as ``fit``: the network was trained outside this
+            ``DPModel``.
+        """
+        self._check_ledger_covers_network()
+        if self.budget is not None:
+            limit, steps = self.max_steps(), int(self.dp_steps.numpy())
+            if steps + self._steps_per_call() > limit:
+                raise RuntimeError(
+                    f"DPModel.train_on_batch takes no step: the privacy budget ({self.budget.describe()}) allows "
+                    f"{limit} steps, {steps} are taken, and the next would exceed it."
+                )
+        try:
+            return super().train_on_batch(x, y, sample_weight, class_weight, return_dict)
+        finally:
+            self._guard.refresh()  # the weights as its own step left them
+
     def _build_before_tracing(self, x, y) -> None:
         """Creates the optimizer's and the compiled metrics' variables before the train step is traced.
 
