@@ -427,3 +427,11 @@ def test_poisson_batches_of_a_list_of_arrays_keep_one_leaf_per_array():
     xb, _, mask = next(iter(peg.dp.poisson_batches([a, b], sampling_probability=1.0, seed=0)))
     assert isinstance(xb, tuple) and xb[0].shape == (10, 1) and xb[1].shape == (10, 3)
     np.testing.assert_array_equal(xb[1].numpy()[:, 0], 2 * xb[0].numpy()[:, 0])
+
+
+def test_a_pass_of_billions_of_steps_is_not_held_whole():
+    # round(b / q) = 4e9 steps a pass: their indices were a [4e9] tensor (32 GB) before the first batch.
+    ds = poisson_batches(np.ones((8, 2), "float32"), sampling_probability=1e-9, cycle_length=4, seed=0)
+    assert int(ds.cardinality()) == 4_000_000_000
+    xb, _, mask = next(iter(ds))
+    assert xb.shape == (mask.shape[0], 2) and int(ds.pegrad_sampling.next_step.numpy()) == 4_000_000_000

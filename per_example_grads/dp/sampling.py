@@ -350,16 +350,28 @@ def _padded_batch(inputs: dict, chosen: tf.Tensor, m: int, what: str, overflow_m
     return xb, yb, tf.cast(tf.range(m) < b, tf.float32), b
 
 
-def _step_batches(pass_steps, sample, steps: int, sampling) -> tf.data.Dataset:
-    """The dataset of ``steps`` batches: ``sample(step)`` of each index that ``pass_steps`` claims for a pass.
+def _step_batches(sample, steps: int, sampling: PoissonSampling) -> tf.data.Dataset:
+    """The dataset of ``steps`` batches a pass: ``sample(t)`` for the step indices ``t`` the pass claims.
 
-    Neither function is AutoGraph-converted (they have no Python control flow
-    on tensors): converting them was most of a first ``poisson_batches`` call
-    in a process (``benchmarks/RESULTS.md``, first step).
+    A pass claims its indices at its start, all at once (``sampling.next_step``
+    advances by ``steps``): how far a prefetching iterator ran ahead cannot
+    change the next pass. They are then produced one by one, so a pass of
+    billions of steps (a tiny ``q``) is never held whole. No function here
+    is AutoGraph-converted (none has Python control flow on tensors):
+    converting them was most of a first ``poisson_batches`` call in a
+    process (``benchmarks/RESULTS.md``, first step).
     """
     unconverted = tf.autograph.experimental.do_not_convert
-    ds = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).map(unconverted(pass_steps))
-    ds = ds.flat_map(tf.data.Dataset.from_tensor_slices)
+    next_step = sampling.next_step
+
+    def pass_start(_):
+        return next_step.assign_add(steps) - steps
+
+    def pass_steps(start):
+        return tf.data.Dataset.range(steps).map(unconverted(lambda i: start + i))
+
+    ds = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).map(unconverted(pass_start))
+    ds = ds.flat_map(unconverted(pass_steps))
     ds = ds.apply(tf.data.experimental.assert_cardinality(steps))
     ds = ds.map(unconverted(sample), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     ds = ds.prefetch(tf.data.AUTOTUNE)
@@ -562,12 +574,6 @@ def poisson_batches(
         f"probability <= {DEFAULT_OVERFLOW_PROBABILITY:g} per step)."
     )
 
-    def pass_steps(_):
-        # The pass claims its step indices all at once: how far a prefetching
-        # iterator ran ahead cannot change the next pass.
-        start = next_step.assign_add(steps) - steps
-        return start + tf.range(steps, dtype=tf.int64)  # [steps]
-
     def sample(step):
         step_seed = tf.random.experimental.stateless_fold_in(key, step)
         u = tf.random.stateless_uniform([n], seed=step_seed, dtype=tf.float64)
@@ -578,7 +584,7 @@ def poisson_batches(
         xb, yb, mask, _ = _padded_batch(inputs, chosen, m, "A Poisson batch sampled", overflow_message)
         return xb, yb, mask
 
-    return _step_batches(pass_steps, sample, steps, sampling)
+    return _step_batches(sample, steps, sampling)
 
 
 def _check_unit_ids(unit_ids: Any, n: int) -> np.ndarray:
@@ -635,10 +641,6 @@ def _unit_batches(inputs, n, q, ids, rows_per_unit, max_batch_size, steps, seed,
         f"{DEFAULT_OVERFLOW_PROBABILITY:g} per step)."
     )
 
-    def pass_steps(_):
-        start_step = next_step.assign_add(steps) - steps
-        return start_step + tf.range(steps, dtype=tf.int64)
-
     def sample(step):
         step_seed = tf.random.experimental.stateless_fold_in(key, step)
         unit_in = tf.random.stateless_uniform([u], seed=step_seed, dtype=tf.float64) < q  # [U]
@@ -659,7 +661,7 @@ def _unit_batches(inputs, n, q, ids, rows_per_unit, max_batch_size, steps, seed,
         batch_ids = tf.ensure_shape(tf.concat([tf.gather(ids_t, chosen), -tf.ones([m - b], tf.int64)], axis=0), [m])
         return xb, yb, mask, batch_ids
 
-    return _step_batches(pass_steps, sample, steps, sampling)
+    return _step_batches(sample, steps, sampling)
 
 
 def _lists_as_tuples(tree: Any) -> Any:
