@@ -435,3 +435,9 @@ def test_a_pass_of_billions_of_steps_is_not_held_whole():
     assert int(ds.cardinality()) == 4_000_000_000
     xb, _, mask = next(iter(ds))
     assert xb.shape == (mask.shape[0], 2) and int(ds.pegrad_sampling.next_step.numpy()) == 4_000_000_000
+
+
+def test_a_repeated_dataset_is_refused_not_counted_twice():
+    ds = tf.data.Dataset.from_tensor_slices((np.ones((10, 2), "float32"), np.arange(10))).repeat(2)
+    with pytest.raises(ValueError, match=r"repeats its elements \(Dataset.repeat\).*larger N"):
+        poisson_batches_from_dataset(ds, sampling_probability=0.5)

@@ -73,6 +73,7 @@ import tensorflow as tf
 
 from per_example_grads._core.arguments import check_positive_int, check_sampling_probability
 from per_example_grads._core.batch import _check_leading_dims, _to_tensors
+from per_example_grads._core.datasets import repeats
 from per_example_grads.dp.noise import hashed_key
 
 __all__ = [
@@ -746,7 +747,7 @@ def poisson_batches_from_dataset(
       ``poisson_batches``.
 
     Raises:
-      ValueError: an infinite dataset, a count different from
+      ValueError: an infinite or repeated dataset, a count different from
         ``num_examples``, an empty dataset, elements that are 3-tuples, a
         ``unit_ids`` feature that ``x`` does not have, a ``unit_ids`` that
         is not one scalar per element, or any error ``poisson_batches`` raises.
@@ -766,6 +767,12 @@ def poisson_batches_from_dataset(
     cardinality = int(dataset.cardinality())
     if cardinality == tf.data.INFINITE_CARDINALITY:
         raise ValueError("dataset is infinite; Poisson sampling needs a finite set of N examples.")
+    if repeats(dataset):
+        raise ValueError(
+            "dataset repeats its elements (Dataset.repeat): every example would be read, and counted in N, once "
+            "per repetition, so epsilon() would be computed for a larger N than the data has. Give the dataset "
+            "without repeat: Poisson sampling makes its own passes over it."
+        )
     limit = None
     if num_examples is not None:
         num_examples = check_positive_int("num_examples", num_examples)

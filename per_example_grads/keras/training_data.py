@@ -25,6 +25,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from per_example_grads._core.datasets import repeats
+
 
 @dataclasses.dataclass(frozen=True)
 class FitRows:
@@ -65,7 +67,7 @@ def _dataset_rows(dataset: tf.data.Dataset) -> FitRows:
         return FitRows(None, None, "a dataset that repeats forever")
     if cardinality == tf.data.UNKNOWN_CARDINALITY:
         return FitRows(None, None, "a dataset of unknown cardinality")
-    if _repeats(dataset):
+    if repeats(dataset):
         return FitRows(None, None, "a dataset that repeats its elements (Dataset.repeat)")
     leaves = tf.nest.flatten(dataset.element_spec)
     if not leaves or any(getattr(spec, "shape", None) is None or spec.shape.rank in (None, 0) for spec in leaves):
@@ -79,26 +81,3 @@ def _dataset_rows(dataset: tf.data.Dataset) -> FitRows:
         lambda acc, rows: (acc[0] + rows, tf.maximum(acc[1], rows)),
     )
     return FitRows(int(total.numpy()), int(largest.numpy()), "one pass of the dataset has")
-
-
-def _repeats(dataset: tf.data.Dataset) -> bool:
-    """Whether a ``repeat`` stands anywhere in the chain of datasets ``dataset`` was made from.
-
-    One pass of a repeated dataset shows each example several times, so its
-    rows are not its number of examples. The chain is followed through the
-    ``_input_dataset`` of TensorFlow's unary datasets (and the inputs of zips
-    and concatenations); a transformation that hides its input is not seen.
-    """
-    seen, stack = set(), [dataset]
-    while stack:
-        d = stack.pop()
-        if id(d) in seen:
-            continue
-        seen.add(id(d))
-        if type(d).__name__ == "_RepeatDataset":
-            return True
-        for name in ("_input_dataset", "_dataset_to_concatenate"):
-            if isinstance(getattr(d, name, None), tf.data.Dataset):
-                stack.append(getattr(d, name))
-        stack.extend(x for x in tf.nest.flatten(getattr(d, "_datasets", ())) if isinstance(x, tf.data.Dataset))
-    return False
