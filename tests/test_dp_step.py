@@ -384,6 +384,9 @@ def test_numbers_of_every_kind_are_accepted_and_bad_ones_refused():
             "expected_batch_size must be a finite number > 0",
         ),
         (dict(l2_norm_clip=float("inf"), noise_multiplier=1.0), "l2_norm_clip must be a finite number > 0"),
+        # Noise of std 1e38 overflowed float32 to inf, and the weights to NaN, without a word.
+        (dict(l2_norm_clip=1e37, noise_multiplier=10.0), "noise_multiplier \\* l2_norm_clip = 1e\\+38 is too large"),
+        (dict(l2_norm_clip=[1e37, 1e37], noise_multiplier=5.0), "noise_multiplier \\* l2_norm_clip = 7.07107e\\+37"),
         (dict(l2_norm_clip=tf.constant(-1.0), noise_multiplier=1.0), "l2_norm_clip must be a finite number > 0"),
         (
             dict(l2_norm_clip={**{l.name: 1.0 for l in model.layers}, "densse": 1.0}, noise_multiplier=1.0),

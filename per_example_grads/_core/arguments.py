@@ -187,6 +187,15 @@ def check_dp_arguments(l2_norm_clip: Any, noise_multiplier: Any, expected_batch_
     sigma = check_number("noise_multiplier", noise_multiplier, inclusive=True)
     if expected_batch_size is not None:
         expected_batch_size = check_number("expected_batch_size", expected_batch_size)
+    flat = list(clip.values()) if isinstance(clip, Mapping) else list(clip) if isinstance(clip, Sequence) else [clip]
+    if all(isinstance(c, numbers.Real) for c in flat + [sigma]):
+        std = float(sigma) * total_clip(clip)
+        # A float32 normal draw reaches about 6.7 std (Box-Muller on 32-bit uniforms): past this it is inf.
+        if std * 8.0 > float(np.finfo(np.float32).max):
+            raise ValueError(
+                f"noise_multiplier * l2_norm_clip = {std:g} is too large: float32 noise of that std overflows to "
+                "inf and makes the weights NaN. Scale the loss down instead of the clip norm up."
+            )
     return clip, sigma, expected_batch_size
 
 
