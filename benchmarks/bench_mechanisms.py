@@ -22,6 +22,9 @@ side by side in one process, median ms per step over ``--repeats`` fits of
 ``--steps`` steps (the first fit, which traces, excluded), and the floats of
 state each keeps (``(b - 1) x P`` for BandMF, ``d x P`` for BLT).
 
+Sampling (``--sampling``): what cyclic Poisson sampling costs the input
+pipeline against plain Poisson sampling (``sampling``).
+
     python benchmarks/bench_mechanisms.py --utility --cost
 """
 
@@ -152,10 +155,43 @@ def cost(models, steps, repeats) -> list[str]:
     return rows
 
 
+def sampling(repeats: int, steps: int = 64) -> list[str]:
+    """What cyclic Poisson sampling costs the input pipeline: ``poisson_batches`` on ``[60000, 784]`` float32 rows.
+
+    For cycle 1 and 4 at an expected batch of 256, interleaved: the call
+    (for a cycle, the digest of the rows that fixes the partition), the
+    first batch, and the median ms per batch of the rest of a ``steps``-step
+    pass, drained with nothing trained.
+    """
+    x = np.random.RandomState(0).rand(60_000, 784).astype("float32")
+    y = np.zeros(len(x), "int64")
+    times: dict[int, list[tuple[float, float, float]]] = {1: [], 4: []}
+    for seed in range(repeats):
+        for cycle in times:
+            started = time.perf_counter()
+            ds = peg.dp.poisson_batches(
+                x, y, sampling_probability=256 * cycle / len(x), cycle_length=cycle, seed=seed, steps=steps
+            )
+            built = time.perf_counter()
+            batches = iter(ds)
+            next(batches)
+            first = time.perf_counter()
+            for _ in batches:
+                pass
+            times[cycle].append((built - started, first - built, (time.perf_counter() - first) / (steps - 1)))
+    rows = ["| cycle_length | call ms | first batch ms | ms per batch |", "|---:|---:|---:|---:|"]
+    for cycle, runs in times.items():
+        call, first, per = (1e3 * statistics.median(column) for column in zip(*runs))
+        rows.append(f"| {cycle} | {call:.1f} | {first:.1f} | {per:.2f} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--utility", action="store_true")
     parser.add_argument("--cost", action="store_true")
+    parser.add_argument("--sampling", action="store_true")
     parser.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 2.0, 4.0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=20)
@@ -183,6 +219,13 @@ def main() -> None:
             "### Cost of a DPModel step, ratio to DP-SGD's (median ms, added ms)",
             "",
             *cost(args.models, args.steps, args.repeats),
+            "",
+        ]
+    if args.sampling:
+        lines += [
+            "### poisson_batches on [60000, 784] rows, expected batch 256 (medians)",
+            "",
+            *sampling(args.repeats),
             "",
         ]
     text = "\n".join(lines)
