@@ -414,18 +414,17 @@ def poisson_batches(
     ``BandMF`` and ``BLT`` relies on. The expected batch size is ``q N / b``
     (parts have ``N / b`` examples on average, not exactly).
 
-    The guarantee, for **add/remove-one** neighbours (``D' = D + z``, and so
-    replace-one at twice the sensitivity): adding ``z`` leaves the law of
-    every other example's part unchanged, because parts are drawn
-    independently per example. Conditioned on ``z``'s part ``p`` and on all
+    The guarantee, for **add/remove-one** neighbours (``D' = D + z``):
+    adding ``z`` leaves the law of every other example's part unchanged,
+    because parts are drawn independently per example. Conditioned on ``z``'s part ``p`` and on all
     the others', the run is the mechanism with ``z`` taking part only in the
     steps of ``p``, which the accounting bounds for every ``p``; the release
     under ``D'`` is the mixture over ``p``, and the hockey-stick divergence is
     jointly convex, so the bound holds for the mixture, both ways. An equal
     split (``N / b`` examples per part, from a permutation) is not sound for
     add/remove: adding ``z`` moves *other* examples into other parts, and on
-    small ``N`` the exact ``delta`` of such a pair exceeds the accounted one by
-    orders of magnitude (``tests/test_dp_cyclic_partition.py``); jax_privacy
+    small ``N`` the exact ``delta`` of such a pair exceeds the accounted one
+    several times over (``tests/test_dp_sampling_partition.py``); jax_privacy
     allows its equal split only for zero-out and replace-one adjacency. A run
     must keep its partition: ``DPModel`` saves it in its ledger and gives it
     to every later dataset of the run, or refuses one of other rows
