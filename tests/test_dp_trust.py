@@ -182,7 +182,9 @@ def test_train_on_batch_keeps_to_the_budget_and_the_ledger():
     for _ in range(2):
         dp.train_on_batch(X[:16], Y[:16])
     weights = [w.copy() for w in dp.model.get_weights()]
-    with pytest.raises(RuntimeError, match=r"takes no step: the privacy budget \(2 steps\) allows 2 steps, 2 are taken"):
+    with pytest.raises(
+        RuntimeError, match=r"takes no step: the privacy budget \(2 steps\) allows 2 steps, 2 are taken"
+    ):
         dp.train_on_batch(X[:16], Y[:16])
     assert int(dp.dp_steps.numpy()) == 2
     assert all(np.array_equal(a, b) for a, b in zip(weights, dp.model.get_weights()))
