@@ -274,6 +274,33 @@ def test_a_run_restored_into_another_factorization_is_refused(tmp_path):
         other.epsilon(1e-5)
 
 
+@pytest.mark.parametrize("how", ["checkpoint", "load_weights", "skip_mismatch"])
+def test_a_dp_sgd_run_restored_into_bandmf_is_refused_naming_both(tmp_path, how):
+    # Restored through a checkpoint or load_weights(skip_mismatch=True), DP-SGD's steps were accounted
+    # as BandMF's (about half the epsilon); plain load_weights failed with Keras's count of variables.
+    x, y = _data()
+    dp = _dp_model(None)
+    dp.fit(peg.dp.poisson_batches(x, y, sampling_probability=0.25, steps=8, seed=0), epochs=1, verbose=0)
+    other = _dp_model(peg.dp.BandMF(bands=4, num_steps=64))
+    both = "8 step\\(s\\) were taken with a GaussianNoise mechanism, and this DPModel's is a BandMF"
+    if how == "checkpoint":
+        path = tf.train.Checkpoint(model=dp).write(str(tmp_path / "run"))
+        tf.train.Checkpoint(model=other).read(path).expect_partial()
+        with pytest.raises(ValueError, match=both):
+            other.epsilon(1e-5)
+        with pytest.raises(ValueError, match=both):
+            other.fit(peg.dp.poisson_batches(x, y, sampling_probability=0.5, cycle_length=4, seed=0), verbose=0)
+    else:
+        dp.save_weights(tmp_path / "run.weights.h5")
+        with pytest.raises(ValueError, match=both):
+            other.load_weights(tmp_path / "run.weights.h5", skip_mismatch=how == "skip_mismatch")
+    # The same mechanism takes the run over, and accounts it as the run did.
+    same = _dp_model(None)
+    path = tf.train.Checkpoint(model=dp).write(str(tmp_path / "same"))
+    tf.train.Checkpoint(model=same).read(path).expect_partial()
+    assert same.epsilon(1e-5) == pytest.approx(dp.epsilon(1e-5), rel=ACCOUNTING_SAME_RTOL)
+
+
 def test_bandmf_states_its_sensitivity_for_the_planned_participations():
     mechanism = peg.dp.BandMF(bands=4, num_steps=16)
     c = _toeplitz(mechanism.coefficients, 16)

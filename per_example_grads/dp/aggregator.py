@@ -64,7 +64,7 @@ from per_example_grads._core.xla_context import in_xla_context
 from per_example_grads.clipping import clipped_sums_and_predictions, dense_sums
 from per_example_grads.dp import adaptive as adaptive_clipping
 from per_example_grads.dp.accounting import adaptive_clipping_noise_multiplier
-from per_example_grads.dp.mechanisms import NoiseMechanism, check_mechanism
+from per_example_grads.dp.mechanisms import NoiseMechanism, check_mechanism, fingerprint, fingerprint_name
 from per_example_grads.dp.noise import NoiseSeed, gaussian_like, noise_source
 from per_example_grads.dp.sampling import real_rows, split_into_chunks
 from per_example_grads.engines.selection import check_method
@@ -309,6 +309,8 @@ class DPAggregator(keras.layers.Layer):
       partition: int64 ``[5]`` variable, a cyclic run's partition
         (``PoissonSampling.partition``), recorded by the owner; zeros when
         none is recorded.
+      mechanism_fingerprint: int64 ``[4]`` variable, the ``fingerprint`` of
+        the mechanism that took the ledger's steps (``check_ledger``).
       canaries: None, or a privacy audit's gradient canaries
         (``peg.dp.audit.GradientCanaries``, set by its ``attach``): the one
         hook of this class, read by ``release`` only. None (the default) leaves
@@ -371,19 +373,51 @@ class DPAggregator(keras.layers.Layer):
         self.max_sampling_probability = _ledger_variable(0.0, "float64", "max_sampling_probability")
         self.poisson = _ledger_variable(1, "int64", "poisson")
         self.partition = _ledger_variable(np.zeros(5, np.int64), "int64", "partition")
+        self.mechanism_fingerprint = _ledger_variable(fingerprint(self.mechanism), "int64", "mechanism")
         self._noise = noise_source(seed)
         self.canaries = None  # a privacy audit's hook (see ``release``); not a weight, never saved
         self.sparse = None  # sparse embedding noise (see ``release``); set by the owner
         self.built = True
 
     def load_own_variables(self, store) -> None:
-        """Keras's; a file saved before the ledger had ``partition`` loads with the partition not recorded."""
+        """Keras's; a file saved before the ledger had ``partition`` and ``mechanism_fingerprint`` loads without them.
+
+        The partition is then not recorded, and the steps are taken for this
+        mechanism's (nothing recorded otherwise).
+        """
         own = self._trainable_variables + self._non_trainable_variables
-        if len(store.keys()) == len(own) - 1 and own[-1] is self.partition:
-            for i, v in enumerate(own[:-1]):
+        if own[-2:] == [self.partition, self.mechanism_fingerprint] and len(store.keys()) == len(own) - 2:
+            for i, v in enumerate(own[:-2]):
                 v.assign(store[f"{i}"])
             return
         super().load_own_variables(store)
+
+    def check_ledger(self) -> None:
+        """Raises ``ValueError`` if the restored ledger's steps were taken by another mechanism than this one's.
+
+        Those steps would be accounted as this mechanism's: a DP-SGD run's
+        as BandMF's reports about half its epsilon. Restored state of the
+        mechanism itself is checked by ``NoiseMechanism.check_state``.
+        """
+        self.mechanism.check_state()
+        steps, saved = int(self.steps.numpy()), self.mechanism_fingerprint.numpy()
+        if steps == 0:  # no step to account: the run begins with this mechanism
+            self.mechanism_fingerprint.assign(fingerprint(self.mechanism))
+            return
+        self.check_saved_ledger(steps, saved)
+
+    def check_saved_ledger(self, steps: int, saved: np.ndarray) -> None:
+        """``check_ledger`` for a saved ledger's ``steps`` and mechanism ``fingerprint`` (``saved``)."""
+        if steps == 0 or np.array_equal(saved, fingerprint(self.mechanism)):
+            return
+        other = fingerprint_name(saved)
+        mine = type(self.mechanism).__name__
+        raise ValueError(
+            f"the restored ledger's {steps} step(s) were taken with a {other} mechanism"
+            f"{' with other parameters' if other == mine else ''}, and this DPModel's is a {mine}: they would be "
+            f"accounted as {mine}'s steps, which they were not. Restore the run into a DPModel with the mechanism "
+            f"that took them ({other}, as it was constructed), or begin a new run."
+        )
 
     # -- the step --------------------------------------------------------
 

@@ -52,6 +52,8 @@ A mechanism of your own: subclass ``NoiseMechanism`` and implement
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Sequence
 
 import keras
@@ -435,9 +437,38 @@ def check_mechanism(mechanism) -> NoiseMechanism:
     return mechanism
 
 
+def fingerprint(mechanism: NoiseMechanism) -> np.ndarray:
+    """``int64 [4]``: ``mechanism``'s class name (its first 16 bytes) and a digest of its configuration.
+
+    What a ledger records of the mechanism that took its steps
+    (``DPAggregator.check_ledger``); ``fingerprint_name`` reads the name back.
+    """
+    name = type(mechanism).__name__.encode()[:16].ljust(16, b"\0")
+    try:
+        config = {k: v for k, v in mechanism.get_config().items() if k not in ("name", "trainable", "dtype")}
+    except NotImplementedError:
+        config = {}
+    digest = hashlib.blake2b(json.dumps(config, sort_keys=True, default=repr).encode(), digest_size=16).digest()
+    return np.frombuffer(name + digest, np.int64).copy()
+
+
+def fingerprint_name(record: np.ndarray) -> str:
+    """The class name a ``fingerprint`` holds."""
+    return np.asarray(record, np.int64)[:2].tobytes().rstrip(b"\0").decode(errors="replace")
+
+
 def prefix_sum_error(mechanism: NoiseMechanism, steps: int) -> float:
     """``||A C^{-1}||_F / sqrt(steps)`` of ``mechanism``'s ``C``, per unit of noise std (``sqrt((n+1)/2)`` for DP-SGD)."""
     return float(_strategies().prefix_sum_error(mechanism._coefficients_for(steps), steps))
 
 
-__all__ = ["BLT", "BandMF", "GaussianNoise", "NoiseMechanism", "check_mechanism", "prefix_sum_error"]
+__all__ = [
+    "BLT",
+    "BandMF",
+    "GaussianNoise",
+    "NoiseMechanism",
+    "check_mechanism",
+    "fingerprint",
+    "fingerprint_name",
+    "prefix_sum_error",
+]

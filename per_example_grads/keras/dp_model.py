@@ -598,9 +598,9 @@ class DPModel(keras.Model):
     def _check_ledger_covers_network(self) -> None:
         """Raises if another DPModel took the network over, or (after a DP step) something else changed its weights.
 
-        Also if the restored noise state belongs to another mechanism (``NoiseMechanism.check_state``).
+        Also if the restored ledger or noise state belongs to another mechanism (``DPAggregator.check_ledger``).
         """
-        self.mechanism.check_state()
+        self.aggregator.check_ledger()
         if not network_guard.owned_by(self.model, self):
             raise ValueError(
                 f"the network {self.model.name!r} is now wrapped by another DPModel; this one's ledger no "
@@ -807,6 +807,38 @@ class DPModel(keras.Model):
         """``keras.Model.save_weights``, with the network's fingerprint as saved (``network_guard``)."""
         self._guard.refresh()
         return super().save_weights(filepath, *args, **kwargs)
+
+    def load_weights(self, filepath, *args, **kwargs):
+        """``keras.Model.load_weights``; a file whose steps another noise mechanism took is refused, naming both.
+
+        (Keras's own message for it is about a count of variables.)
+        """
+        try:
+            loaded = super().load_weights(filepath, *args, **kwargs)
+        except ValueError:
+            saved = self._saved_ledger(filepath)
+            if saved is not None:
+                self.aggregator.check_saved_ledger(*saved)
+            raise
+        # Loaded whole, or with skip_mismatch=True past the mechanism's own variables.
+        ledger = self.aggregator
+        ledger.check_saved_ledger(int(ledger.steps.numpy()), ledger.mechanism_fingerprint.numpy())
+        return loaded
+
+    def _saved_ledger(self, filepath) -> tuple[int, Any] | None:
+        """``(steps, mechanism fingerprint)`` of a ``.weights.h5`` file's ledger, or None where it has none to read."""
+        if not str(filepath).endswith(".weights.h5"):
+            return None
+        import h5py  # Keras's own dependency for .weights.h5
+
+        own = self.aggregator._trainable_variables + self.aggregator._non_trainable_variables
+        index = {id(v): i for i, v in enumerate(own)}
+        with h5py.File(filepath, "r") as f:
+            saved = f.get("aggregator/vars")
+            if saved is None or len(saved) != len(own):
+                return None
+            steps = saved[str(index[id(self.aggregator.steps)])][()]
+            return int(steps), saved[str(index[id(self.aggregator.mechanism_fingerprint)])][()]
 
     def save(self, filepath, *args, **kwargs):
         """``keras.Model.save``, with the network's fingerprint as saved (``network_guard``)."""
