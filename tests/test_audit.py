@@ -478,6 +478,25 @@ def test_noise_off_is_caught_through_fit_with_poisson_sampling_and_physical_chun
     assert report.violated and "EXCEEDS THE CLAIM" in report.summary()
 
 
+@pytest.mark.slow
+def test_a_trained_model_is_audited_against_the_epsilon_of_its_audited_steps(monkeypatch):
+    """The claim was the epsilon of every step the model took: noise off in the audit was certified after training."""
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(200, 44)).astype("float32"), rng.normal(size=(200, 48)).astype("float32")
+    dp_model = _regression_dp_model(44, 48, 1.0)
+    dp_model.fit(peg.dp.poisson_batches(x, y, sampling_probability=0.05, steps=1000, seed=0), verbose=0)
+    monkeypatch.setattr(dp_model.aggregator, "_gradient_noise_multiplier", 0.0)  # the bug: the ledger still says 1
+    report = audit.audit(
+        dp_model, x, y, canaries=audit.GradientCanaries(2000, seed=5), sampling_probability=0.05, steps=20, delta=DELTA
+    )
+    assert report.steps == 20
+    assert report.epsilon_accountant == pytest.approx(_claim(None, 1.0, 0.05, 20), rel=ACCOUNTING_COMPOSED_RTOL)
+    assert report.violated and "EXCEEDS THE CLAIM" in report.summary()
+    # What it was compared with before: the whole run's epsilon, above the one valid bound here (so "no
+    # violation"; the Gaussian-DP bound does not count at q < 1).
+    assert not report.gaussian_dp_exact and report.epsilon_one_run < dp_model.epsilon(DELTA)
+
+
 def _memorization_data(m: int, rng):
     """Real examples in the first 8 inputs; canary j is 10 e_(8+j) with target 10 (it moves only its own weight)."""
     x = np.zeros((200, 8 + m), np.float32)

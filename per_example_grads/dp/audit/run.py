@@ -9,8 +9,10 @@ the mechanism's ``cycle_length``), its engine, clipping, physical chunks,
 noise, mechanism, divisor and optimizer. Gradient canaries enter through the
 aggregator's one hook (``DPAggregator.canaries``); input canaries are rows of
 the training data whose Poisson mask is multiplied by 0 when they are left
-out. ``epsilon_accountant`` is ``dp_model.epsilon(delta)`` after the run;
-the lower bounds are ``CanaryScoreAuditor``'s.
+out. ``epsilon_accountant`` is the accountant's epsilon of the audited steps
+alone (the canaries take part in no other; on a fresh model it is
+``dp_model.epsilon(delta)`` after the run); the lower bounds are
+``CanaryScoreAuditor``'s.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ class AuditReport:
     """What an audit found: the accountant's epsilon beside the empirical lower bounds.
 
     Attributes:
-      epsilon_accountant: ``dp_model.epsilon(delta)`` after the run: what the
-        library claims.
+      epsilon_accountant: what the library claims for the audited steps: the
+        accountant's epsilon of those steps alone, at the run's noise
+        multiplier and ``sampling_probability``.
       one_run: the one-run bound (``OneRunBound``): valid for any mechanism.
       threshold_test: the Gaussian-DP and Clopper-Pearson bounds of one
         threshold test (``ThresholdBound``); the Gaussian-DP one assumes a
@@ -300,6 +303,17 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(headers), "  ".join("-" * w for w in widths)] + [line(r) for r in rows])
 
 
+def _claim(dp_model: Any, sampling_probability: float, steps: int, delta: float) -> float:
+    """The accountant's epsilon of ``steps`` steps of ``dp_model``'s mechanism at its noise multiplier and ``q``."""
+    from per_example_grads.dp.accounting import PrivacyAccountant
+
+    dp_model._check_ledger_covers_network()
+    sigma, q, k = dp_model.mechanism.accounted_as(dp_model.noise_multiplier, sampling_probability, steps)
+    ledger = PrivacyAccountant(sigma, q)
+    ledger.step(k)
+    return float(ledger.epsilon(delta))
+
+
 def _gaussian_tradeoff(fpr: np.ndarray, mu: float) -> np.ndarray:
     """``Phi(Phi^-1(1 - FPR) - mu)``: the smallest false negative rate ``mu``-Gaussian DP allows."""
     from scipy.stats import norm  # drawing only; the bounds themselves use tensorflow-probability
@@ -333,7 +347,9 @@ def audit(
     ``CanaryScoreAuditor`` turns the scores into the one-run bound and the
     threshold test's bounds (gradient canaries: the threshold is half an
     included canary's expected score, fixed in advance; input canaries: chosen
-    on half of them), and ``dp_model.epsilon(delta)`` gives the claim.
+    on half of them), and the accountant's epsilon of the audited steps alone
+    gives the claim (a model that trained before is not credited with its
+    earlier steps, in which no canary took part).
 
     Audit a run made for the audit, not the model you release: the canaries
     are part of its training.
@@ -416,8 +432,9 @@ def audit(
         in_scores, out_scores = canaries.scores(dp_model.model, dp_model.loss)
         threshold = None
     auditor = CanaryScoreAuditor(in_scores, out_scores)
+    audited = int(dp_model.dp_steps.numpy()) - before
     report = AuditReport(
-        epsilon_accountant=float(dp_model.epsilon(delta)),
+        epsilon_accountant=_claim(dp_model, sampling.sampling_probability, audited, delta),
         one_run=auditor.one_run(delta=delta, significance=significance),
         threshold_test=auditor.threshold_test(
             delta=delta, significance=significance, threshold=threshold, seed=canaries.seed
@@ -427,7 +444,7 @@ def audit(
         out_scores=out_scores,
         delta=delta,
         significance=significance,
-        steps=int(dp_model.dp_steps.numpy()) - before,
+        steps=audited,
         noise_multiplier=float(dp_model.noise_multiplier),
         sampling_probability=float(sampling.sampling_probability),
         l2_norm_clip=dp_model.l2_norm_clip
