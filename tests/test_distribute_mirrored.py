@@ -452,3 +452,47 @@ def test_whole_units_on_replicas_refuses_float_unit_ids():
     out = strategy.run(lambda: whole_units_on_replicas(x, None, None, ids))
     weights = [w.numpy() for w in strategy.experimental_local_results(out[2])]
     np.testing.assert_array_equal(np.sum(weights, axis=0), np.ones(8))  # the gathered 2 x 4 rows, each owned once
+
+
+def test_private_gradients_clip_a_unit_split_between_replicas_once():
+    """A unit whose rows are on both replicas moves the all-reduced release by C, as on one device (was up to R C).
+
+    Reference: the single-device private_gradients of the whole batch, noise-free; the replicas' shares sum to it.
+    """
+    strategy = _strategy()
+    model, single = _twins(strategy)
+    x, y = _data()
+    ids = np.repeat(np.arange(4) + 10, [3, 7, 4, 2])  # 16 rows, 8 per replica: unit 11 (rows 3..9) straddles them
+    clip, expected = 0.5, 4.0
+    step = tf.function(
+        lambda a, b, u: peg.dp.private_gradients(
+            model, sparse_ce, a, b, unit_ids=u, l2_norm_clip=clip, noise_multiplier=0.0, expected_batch_size=expected
+        )
+    )
+    shares = _local(strategy, strategy.run(step, args=_distributed_batch(strategy, x, y, ids)))
+    got = [sum(share[k].numpy() for share in shares) for k in range(len(model.trainable_variables))]
+    want = peg.dp.private_gradients(
+        single, sparse_ce, x, y, unit_ids=ids, l2_norm_clip=clip, noise_multiplier=0.0, expected_batch_size=expected
+    )
+    p = sum(int(np.prod(v.shape)) for v in single.trainable_variables)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w.numpy(), rtol=0, atol=clipped_sum_rtol(p, B) * 4 * clip / expected)
+    # Each replica clipping its part of unit 11 would give another sum: the comparison can fail.
+    halves = [
+        peg.dp.private_gradients(
+            single,
+            sparse_ce,
+            x[part],
+            y[part],
+            unit_ids=ids[part],
+            l2_norm_clip=clip,
+            noise_multiplier=0.0,
+            expected_batch_size=expected,
+        )
+        for part in (slice(0, B // 2), slice(B // 2, B))
+    ]
+    split = [a.numpy() + b.numpy() for a, b in zip(*halves)]
+    assert (
+        max(np.abs(s - w.numpy()).max() for s, w in zip(split, want))
+        > 100 * clipped_sum_rtol(p, B) * 4 * clip / expected
+    )

@@ -30,6 +30,7 @@ from per_example_grads.dp.aggregator import (
     clipped_sum,
     noised_average,
     regularization_gradients,
+    whole_units_on_replicas,
 )
 from per_example_grads.dp.noise import NoiseSeed, RepeatedNoiseWarning, stateless_key
 
@@ -82,6 +83,8 @@ def private_gradients(
         over the number of units, with units Poisson-sampled: see
         ``poisson_batches(..., unit_ids=...)``). ``expected_batch_size`` is
         then required, ``q U``: the number of units in a batch is data.
+        Inside ``strategy.run`` a unit whose rows are on several replicas is
+        clipped whole on one of them (``whole_units_on_replicas``).
 
     Returns:
       list of ``[*var.shape]`` tensors aligned with the variables (plus the
@@ -109,6 +112,8 @@ def private_gradients(
             "a batch (the divisor must not depend on how many units or rows the batch has)."
         )
     _warn_if_noise_repeats(seed)
+    if unit_ids is not None:  # several replicas: every unit clipped whole on one of them (sensitivity C, not R C)
+        x, y, sample_weight, unit_ids = whole_units_on_replicas(x, y, sample_weight, unit_ids)
     # The DP step's two phases (per_example_grads.dp.aggregator), without its counter and ledger.
     clipped = clipped_sum(
         model,
