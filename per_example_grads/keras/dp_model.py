@@ -376,6 +376,9 @@ class DPModel(keras.Model):
         if isinstance(x, tf.data.Dataset):
             kwargs.setdefault("shuffle", False)  # a dataset is never shuffled by fit; say nothing about it
         source = self._fit_sampling.source
+        replicas_in_sync = self.distribute_strategy.num_replicas_in_sync
+        if source is not None and source.max_batch_size % replicas_in_sync:
+            x = _padded_to_multiple(x, source.max_batch_size, replicas_in_sync)
         # First, so that the fingerprint is fresh for the user's epoch-end callbacks (checkpoints).
         callbacks = [_GuardNetwork(self._guard)] + list(kwargs.get("callbacks") or [])
         if source is not None:
@@ -844,6 +847,28 @@ class DPModel(keras.Model):
         """``keras.Model.save``, with the network's fingerprint as saved (``network_guard``)."""
         self._guard.refresh()
         return super().save(filepath, *args, **kwargs)
+
+
+def _padded_to_multiple(dataset: tf.data.Dataset, m: int, r: int) -> tf.data.Dataset:
+    """A ``poisson_batches`` dataset's ``M``-row batches with zero rows added up to a multiple of ``r`` replicas.
+
+    A strategy splits each batch's rows between its replicas and needs the
+    same number on each. The added rows have mask 0 (and unit id -1): no
+    example, so the step, its noise and its accounting are those of the
+    batch as it was.
+    """
+    extra = -m % r
+
+    def rows(t, value=0):
+        return tf.concat([t, tf.fill([extra, *t.shape[1:]], tf.cast(value, t.dtype))], axis=0)
+
+    def pad(x, y, mask, *unit_ids):
+        padded = (tf.nest.map_structure(rows, x), tf.nest.map_structure(rows, y), rows(mask))
+        return padded + tuple(rows(ids, -1) for ids in unit_ids)
+
+    out = dataset.map(tf.autograph.experimental.do_not_convert(pad))
+    out.pegrad_sampling = dataset.pegrad_sampling
+    return out
 
 
 class _GuardNetwork(keras.callbacks.Callback):
