@@ -19,7 +19,14 @@ import tensorflow as tf
 def export_gradients(grads_and_vars: Sequence[tuple[Any, Any]]) -> dict[str, np.ndarray]:
     """``{variable.path: gradient as numpy}``, e.g. for ``np.savez`` or pickling."""
     out = {}
-    for g, v in grads_and_vars:
+    for pair in grads_and_vars:
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise TypeError(
+                "export_gradients takes (gradient, variable) pairs, as compute_gradients returns them; got a "
+                f"{type(pair).__name__}. For a list of gradients (peg.dp.private_gradients'), give "
+                "zip(grads, model.trainable_variables)."
+            )
+        g, v = pair
         name = _name(v)
         if name in out:
             raise ValueError(f"two variables share the name {name!r}; cannot export by name.")

@@ -120,6 +120,24 @@ def test_training_the_network_outside_is_refused():
     assert dp.epsilon(1e-3) == before
 
 
+def test_a_layer_made_untrainable_after_steps_is_named_not_taken_for_training_outside():
+    net = _net()
+    dp = _dp(net, expected_batch_size=16)
+    _fit(dp, X, Y, batch_size=16, epochs=1)
+    net.layers[0].trainable = False  # told before: "changed outside this DPModel ... set_weights"
+    with pytest.raises(ValueError, match=r"other trainable variables than at its last DP step \(4 then, 2 now"):
+        dp.epsilon(1e-3)
+    net.layers[0].trainable = True
+    assert dp.epsilon(1e-3) > 0
+
+
+def test_epsilon_before_any_step_is_zero():
+    # After a fit of no step on poisson_batches it asked for num_examples and expected_batch_size.
+    dp = _dp()
+    dp.fit(peg.dp.poisson_batches(X, Y, sampling_probability=0.25, seed=0), epochs=0, verbose=0)
+    assert dp.epsilon(1e-5) == 0.0 and _dp().epsilon(1e-5) == 0.0
+
+
 def test_changes_before_the_first_step_are_accepted():
     net = _net()
     dp = _dp(net, expected_batch_size=16)
@@ -340,6 +358,15 @@ def test_import_between_two_copies_of_a_model_by_position():
         np.testing.assert_array_equal(g.numpy(), h.numpy())
     as_list = peg.import_gradients(list(exported.values()), server.trainable_variables)
     assert len(as_list) == 4
+
+
+def test_export_of_private_gradients_says_to_pair_them_with_their_variables():
+    net = _net()
+    grads = peg.dp.private_gradients(net, LOSS, X, Y, l2_norm_clip=1.0, noise_multiplier=1.0, seed=(0, 0))
+    with pytest.raises(TypeError, match=r"takes \(gradient, variable\) pairs.*zip\(grads, model.trainable_variables\)"):
+        peg.export_gradients(grads)  # was "too many values to unpack"
+    exported = peg.export_gradients(zip(grads, net.trainable_variables))
+    assert list(exported) == [v.path for v in net.trainable_variables]
 
 
 def test_import_by_position_names_every_mismatch():

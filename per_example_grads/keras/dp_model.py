@@ -614,6 +614,15 @@ class DPModel(keras.Model):
         if int(self.dp_steps.numpy()) == 0:
             self._guard.refresh()  # before any private step: loading or pre-training public weights
             return
+        moved = self._guard.trainable_changed()
+        if moved is not None:
+            before, now = moved
+            raise ValueError(
+                f"the network {self.model.name!r} has other trainable variables than at its last DP step "
+                f"({len(before)} then, {len(now)} now: a layer's trainable was changed; "
+                f"{sorted(set(before) ^ set(now))[:4]}): the ledger and the noise were built for those. Set "
+                "trainable back, or set it before wrapping the network in a DPModel (a new run)."
+            )
         raise ValueError(
             f"the network {self.model.name!r} was changed outside this DPModel after its "
             f"{int(self.dp_steps.numpy())} DP step(s) (e.g. dp.model.fit, a custom training loop or "
@@ -804,6 +813,9 @@ class DPModel(keras.Model):
         """
         if self.num_examples is not None:
             check_run_delta(delta, self.num_examples)
+        if int(self.dp_steps.numpy()) == 0:  # nothing spent, whatever the sampling will be
+            self._check_ledger_covers_network()
+            return 0.0
         return self.accountant(accountant=accountant).epsilon(delta)
 
     def save_weights(self, filepath, *args, **kwargs):

@@ -149,10 +149,21 @@ class NetworkGuard:
 
     def __init__(self, network, variable):
         self._network, self._variable = network, variable
+        self._paths: list[str] = []
 
     def refresh(self) -> None:
         """Records the weights as they are now."""
         self._variable.assign(fingerprint(self._network.trainable_variables))
+        self._paths = self.paths()
+
+    def paths(self) -> list[str]:
+        """The paths of the network's trainable variables now."""
+        return [getattr(v, "path", v.name) for v in self._network.trainable_variables]
+
+    def trainable_changed(self) -> tuple[list[str], list[str]] | None:
+        """``(before, now)`` trainable variable paths, where a layer's ``trainable`` changed since ``refresh``; else None."""
+        now = self.paths()
+        return None if now == self._paths else (self._paths, now)
 
     def changed(self) -> bool:
         """Whether the weights differ from the last ``refresh`` (or the restored fingerprint, of either kind)."""
