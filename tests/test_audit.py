@@ -297,6 +297,12 @@ def test_canaries_refuse_what_they_cannot_audit():
     with pytest.raises(ValueError, match="has canaries already"):
         audit.GradientCanaries(5).attach(aggregator, [w])
     canaries.detach()
+    units = peg.keras.DPModel(
+        keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]), noise_multiplier=1.0, privacy_unit="unit"
+    )  # was refused for the unit ids audit() cannot give
+    units.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="audits example-level privacy, and dp_model has privacy_unit='unit'"):
+        audit.audit(units, np.zeros((4, 2)), np.zeros(4), canaries=canaries, sampling_probability=1.0, delta=DELTA)
     with pytest.raises(TypeError, match="must be a peg.keras.DPModel"):
         audit.audit(
             keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]),
@@ -548,6 +554,19 @@ def test_pegrad_audit_help_answers_without_tensorflow():
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_pegrad_audit_with_input_canaries_runs_as_the_readme_writes_it(tmp_path, capsys):
+    # Its default of 1,000 canaries was refused for input canaries (a third of the digits: 479).
+    import json
+
+    from per_example_grads.apps import cli
+
+    out = tmp_path / "audit"
+    assert cli.main(["audit", "--canaries", "input", "--fast", "--out", str(out)]) == 0
+    numbers = json.loads((out / "audit.json").read_text())
+    assert numbers["num_canaries"] == 479 and numbers["kind"] == "input"
+
+
 def test_pegrad_audit_writes_its_figure_and_numbers(tmp_path, capsys):
     import json
 

@@ -55,7 +55,7 @@ def run_audit_demo(
     *,
     target_epsilon: float = DEFAULT_TARGET_EPSILON,
     kind: str = "gradient",
-    num_canaries: int = DEFAULT_CANARIES,
+    num_canaries: int | None = None,
     epochs: int | None = None,
     full_batch: bool = False,
     fast: bool = False,
@@ -79,7 +79,8 @@ def run_audit_demo(
       target_epsilon: the claim to audit, ``> 0``.
       kind: ``"gradient"`` or ``"input"`` canaries.
       num_canaries: ``m``; at most the MLP's parameters (gradient) or a
-        third of the training digits (input).
+        third of the training digits (input). Default ``DEFAULT_CANARIES``,
+        or that third if it is fewer.
       epochs: passes over the data; default ``DEFAULT_EPOCHS``, or
         ``FAST_EPOCHS`` with ``fast``.
       full_batch: ``q = 1``.
@@ -120,6 +121,7 @@ def run_audit_demo(
     x, y = split.x_train, split.y_train
     if kind == "gradient":
         limit = digits_parameters()
+        num_canaries = DEFAULT_CANARIES if num_canaries is None else num_canaries
         if not 2 <= num_canaries <= limit:
             raise InputError(
                 f"--num-canaries must be in [2, {limit}] for gradient canaries (one parameter each); got {num_canaries}"
@@ -127,6 +129,7 @@ def run_audit_demo(
         canaries = audit_lib.GradientCanaries(num_canaries, seed=seed)
     else:
         limit = len(x) // 3
+        num_canaries = min(DEFAULT_CANARIES, limit) if num_canaries is None else num_canaries
         if not 2 <= num_canaries <= limit:
             raise InputError(
                 f"--num-canaries must be in [2, {limit}] for input canaries (a third of the digits); got {num_canaries}"

@@ -437,9 +437,10 @@ def _add_audit_parser(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument(
         "--num-canaries",
         type=_positive_int,
-        default=1000,
+        default=None,
         metavar="M",
-        help="canaries (default: %(default)s; gradient: at most the MLP's 4,810 parameters)",
+        help="canaries (default: 1000, at most the MLP's 4,810 parameters, for gradient canaries; "
+        "a third of the training digits, 479, for input canaries)",
     )
     p.add_argument(
         "--target-epsilon",

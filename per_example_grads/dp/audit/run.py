@@ -375,7 +375,7 @@ def audit(
 
     Raises:
       TypeError: ``dp_model`` is not a ``DPModel`` or ``canaries`` not canaries.
-      ValueError: ``dp_model`` is not compiled, or an argument is out of range
+      ValueError: ``dp_model`` is not compiled or is a unit-level one, or an argument is out of range
         (``delta``, ``significance``, ``sampling_probability``, ``steps``).
     """
     from per_example_grads.dp.sampling import poisson_batches
@@ -386,6 +386,12 @@ def audit(
     if not isinstance(canaries, (GradientCanaries, InputCanaries)):
         raise TypeError(
             f"canaries must be peg.dp.audit.GradientCanaries or InputCanaries; got {type(canaries).__name__}."
+        )
+    if dp_model.privacy_unit != "example":
+        raise ValueError(
+            f"audit() audits example-level privacy, and dp_model has privacy_unit={dp_model.privacy_unit!r}: its "
+            "canaries are single examples, while the model's epsilon is per unit, which they do not measure. "
+            "Audit a DPModel with privacy_unit='example' (the same network and noise), or audit by hand."
         )
     if getattr(dp_model, "optimizer", None) is None or getattr(dp_model, "loss", None) is None:
         raise ValueError("compile dp_model (optimizer and loss) before auditing it.")
