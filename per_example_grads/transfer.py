@@ -53,7 +53,10 @@ def import_gradients(
         ``dense_1``); ``"position"`` (the only choice for a list): the k-th
         array goes to the k-th variable, in the dict's order for a dict
         (``export_gradients`` keeps its variables' order), so a server can
-        import what a worker with its own copy of the model exported.
+        import what a worker with its own copy of the model exported. A
+        dict whose keys name the receiving variables in another order, or
+        pair a variable's own name (``kernel``) with another (``bias``), is
+        refused.
 
     Raises:
       TypeError: ``arrays`` is neither a dict nor a list, or ``match`` is not
@@ -88,6 +91,13 @@ def import_gradients(
                 problems.append("(between two copies of a model, import with match='position')")
             given = [(arrays[n], v, repr(n)) for n, v in zip(names, variables) if n in arrays]
         else:
+            if set(arrays) <= set(names) and [n for n in names if n in arrays] != list(arrays):
+                problems.append("its keys name these variables, in another order: import with match='path'")
+            problems += [
+                f"{k!r} -> {n!r} pairs a {_own_name(k)!r} gradient with a {_own_name(n)!r} variable"
+                for k, n in zip(arrays, names)
+                if _own_name(k) != _own_name(n)
+            ]
             given = list(zip(arrays.values(), variables, (f"{k!r} -> {n!r}" for k, n in zip(arrays, names))))
     elif isinstance(arrays, (list, tuple)):
         if match == "path":
@@ -116,3 +126,8 @@ def import_gradients(
 
 def _name(v) -> str:
     return getattr(v, "path", None) or v.name
+
+
+def _own_name(path: str) -> str:
+    """A variable's own name in its path: ``"kernel"`` of ``"sequential/dense/kernel"`` (or of ``"dense/kernel:0"``)."""
+    return str(path).rsplit("/", 1)[-1].split(":")[0]

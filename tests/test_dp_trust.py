@@ -369,6 +369,23 @@ def test_export_of_private_gradients_says_to_pair_them_with_their_variables():
     assert list(exported) == [v.path for v in net.trainable_variables]
 
 
+def test_import_by_position_refuses_a_dict_whose_keys_say_otherwise():
+    # Two kernels of one shape: a re-ordered dict was paired by position without a word.
+    def net():
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(4), keras.layers.Dense(4)])
+
+    worker = net()
+    exported = peg.export_gradients(peg.compute_gradients(worker, "mse", X, np.zeros((64, 4), "float32")))
+    paths = list(exported)
+    swapped = {k: exported[k] for k in [paths[2], paths[1], paths[0], paths[3]]}  # the two kernels
+    with pytest.raises(ValueError, match="its keys name these variables, in another order: import with match='path'"):
+        peg.import_gradients(swapped, worker.trainable_variables, match="position")
+    bias_first = {k: exported[k] for k in [paths[1], paths[0], paths[2], paths[3]]}
+    with pytest.raises(ValueError, match="pairs a 'bias' gradient with a 'kernel' variable"):
+        peg.import_gradients(bias_first, net().trainable_variables, match="position")
+    assert len(peg.import_gradients(exported, net().trainable_variables, match="position")) == 4
+
+
 def test_import_by_position_names_every_mismatch():
     server = _net()
     arrays = [np.zeros((4, 8), np.float64), np.zeros((7,), np.float32)]
