@@ -10,6 +10,7 @@ Statistical checks allow ``Z`` standard errors (``tests/tolerances.py``).
 from __future__ import annotations
 
 import math
+import warnings
 
 import dp_accounting
 import keras
@@ -290,6 +291,37 @@ def test_fit_under_mirrored_strategy_without_noise_is_the_clipped_mean_on_the_lo
 
 
 @pytest.mark.slow
+def test_a_regularized_table_stays_dense_by_default_and_keeps_its_regularizer_gradient():
+    # By default it was updated sparsely, and its regularizer's gradient (on every row) was dropped.
+    def model():
+        keras.utils.set_random_seed(0)
+        a, b = keras.Input((T,), dtype="int32", name="a"), keras.Input((T,), dtype="int32", name="b")
+        plain = keras.layers.Embedding(30, 4, name="plain")
+        decayed = keras.layers.Embedding(30, 4, embeddings_regularizer=keras.regularizers.L2(0.5), name="decayed")
+        h = keras.layers.GlobalAveragePooling1D()(plain(a)) + keras.layers.GlobalAveragePooling1D()(decayed(b))
+        return keras.Model({"a": a, "b": b}, keras.layers.Dense(2)(h))
+
+    rng = np.random.default_rng(0)
+    x, y = {"a": _ids(rng, 30), "b": _ids(rng, 30)}, rng.integers(0, 2, B)
+    assert [l.name for l in _bound(model()).layers] == ["plain"]
+    net = model()
+    with pytest.raises(ValueError, match="'decayed' has a regularizer"):
+        SparseEmbeddings(tables=[net.get_layer("decayed")]).bind(net, net.trainable_variables, noise_multiplier=1.0)
+    tables = []
+    for sparse in (SparseEmbeddings(), None):
+        net = model()
+        dp = peg.keras.DPModel(net, noise_multiplier=0.0, num_examples=B, sparse_embeddings=sparse)
+        dp.compile(
+            optimizer=keras.optimizers.SGD(1.0), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # fixed-size batches
+            dp.fit(x, y, batch_size=B, verbose=0)
+        tables.append(net.get_layer("decayed").embeddings.numpy())
+    # The same update as the dense step's: the clipped mean plus 2 * 0.5 * table on every row.
+    np.testing.assert_allclose(tables[0], tables[1], rtol=0, atol=4 * EPS32 * np.abs(tables[1]).max())
+
+
 def test_refused_combinations_say_why():
     model = _bag()
     make = lambda **kw: peg.keras.DPModel(model, noise_multiplier=1.0, sparse_embeddings=SparseEmbeddings(), **kw)  # noqa: E731

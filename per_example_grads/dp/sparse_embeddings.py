@@ -153,7 +153,8 @@ class SparseEmbeddings:
       false_positive_rate: ``p_0`` for the default ``threshold``.
       tables: the ``Embedding`` / ``ReversibleEmbedding`` layers (or their
         table variables) to update sparsely; None: every ``Embedding`` and
-        every untied ``ReversibleEmbedding`` whose table is trained.
+        every untied ``ReversibleEmbedding`` whose table is trained and has
+        no regularizer (a regularizer's gradient touches every row).
       ids_fn: ``x -> [ids per table]`` (each a ``[B, ...]`` integer tensor
         or a list of them, one per call), for models that are not
         functional; None reads them from the model's graph.
@@ -232,6 +233,10 @@ def _is_tied(layer) -> bool:
     return bool(getattr(layer, "tie_weights", False))
 
 
+def _is_regularized(layer) -> bool:
+    return getattr(layer.embeddings, "regularizer", None) is not None
+
+
 def _tables(model, variables, wanted) -> list:
     """The covered layers, in order, each with its table among ``variables``."""
     trained = {id(v) for v in variables}
@@ -240,12 +245,13 @@ def _tables(model, variables, wanted) -> list:
         for l in model_inspection.iter_layers(model)
         if isinstance(l, keras.layers.Embedding) or hasattr(l, "tie_weights")
     ]
-    if wanted is None:
-        layers = [l for l in embeddings if not _is_tied(l) and id(l.embeddings) in trained]
+    if wanted is None:  # a regularized table's gradient touches every row: it stays dense, as a tied one does
+        dense = [l.name for l in embeddings if _is_tied(l) or _is_regularized(l)]
+        layers = [l for l in embeddings if l.name not in dense and id(l.embeddings) in trained]
         if not layers:
             raise ValueError(
-                "sparse_embeddings found no Embedding or untied ReversibleEmbedding whose table is trained in this "
-                f"model (tied ReversibleEmbeddings stay dense: {[l.name for l in embeddings if _is_tied(l)]})."
+                "sparse_embeddings found no Embedding or untied ReversibleEmbedding without a regularizer whose "
+                f"table is trained in this model (tied or regularized tables stay dense: {dense})."
             )
         return layers
     by_variable = {id(l.embeddings): l for l in embeddings}
@@ -265,7 +271,7 @@ def _tables(model, variables, wanted) -> list:
             raise ValueError(f"the table of {layer.name!r} is not among the trained variables.")
         layers.append(layer)
     for layer in layers:
-        if getattr(layer.embeddings, "regularizer", None) is not None:
+        if _is_regularized(layer):
             raise ValueError(
                 f"the table of {layer.name!r} has a regularizer, whose gradient touches every row: its update "
                 "cannot stay sparse. Remove embeddings_regularizer, or leave the table out of tables."
