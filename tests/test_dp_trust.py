@@ -154,6 +154,22 @@ def test_a_second_dp_model_cannot_take_over_a_trained_network():
         peg.keras.DPModel(net, noise_multiplier=1.0)
 
 
+def test_the_guards_advice_for_a_second_dp_model_carries_the_ledger(tmp_path):
+    # It advised clone_model, then set_weights: a new DPModel at 0 steps on privately trained weights.
+    net = _net()
+    first = _dp(net, expected_batch_size=16)
+    _fit(first, X, Y, batch_size=16, epochs=1)
+    with pytest.raises(ValueError, match="load that DPModel's save_weights file into it, which carries the ledger"):
+        peg.keras.DPModel(net, noise_multiplier=1.0)
+    first.save_weights(tmp_path / "run.weights.h5")
+    second = _dp(keras.models.clone_model(net), expected_batch_size=16)
+    second.load_weights(tmp_path / "run.weights.h5")
+    assert int(second.dp_steps.numpy()) == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the fixed-size-batches heuristic
+        assert second.epsilon(1e-3) == first.epsilon(1e-3)
+
+
 def test_an_untrained_owner_hands_over_and_then_refuses_to_train():
     net = _net()
     first = _dp(net, expected_batch_size=16)

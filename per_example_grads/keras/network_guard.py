@@ -46,8 +46,10 @@ def claim(network, owner, steps_of) -> None:
         raise ValueError(
             f"the network {network.name!r} is already wrapped by another DPModel, which has taken "
             f"{steps_of(previous)} DP step(s): two ledgers would each count only their own steps, and "
-            "neither epsilon would cover the network. Keep training with that DPModel, or wrap a copy "
-            "(keras.models.clone_model(network), then set_weights)."
+            "neither epsilon would cover the network. Keep training with that DPModel, or continue its run in "
+            "another: wrap a copy (keras.models.clone_model(network)) in a DPModel built the same way and load "
+            "that DPModel's save_weights file into it, which carries the ledger (set_weights alone would start "
+            "the new ledger at 0 steps)."
         )
     object.__setattr__(network, _OWNER, weakref.ref(owner))  # not a tracked Keras attribute
 
