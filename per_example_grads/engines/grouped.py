@@ -41,7 +41,7 @@ from per_example_grads._core.example_ops import WIDE
 from per_example_grads._core.problem import Problem
 from per_example_grads._core.xla_context import in_xla_context
 from per_example_grads.engines import layerwise
-from per_example_grads.engines.base import ClipGroups, Engine
+from per_example_grads.engines.base import ENGINES, ClipGroups, Engine
 from per_example_grads.per_example_slices import PerExampleSlices
 from per_example_grads.rules import grouped as grouped_rules
 from per_example_grads.rules import grouped_conv  # noqa: F401  (registers the convolutions' grouped forms)
@@ -246,3 +246,12 @@ def _weighted_sums(problem: Problem, captured, weights_for, kept: dict) -> list:
         sums[id(v)] if id(v) in sums else (None if id(v) in kept else tf.zeros(v.shape, v.dtype))
         for v in problem.variables
     ]
+
+
+# The layer-wise engine's per-unit forms: registered here, where they are defined (that engine's module cannot
+# import this one, which builds on it).
+ENGINES["layerwise"] = dataclasses.replace(
+    ENGINES["layerwise"],
+    native_unit_squared_norms=layerwise_unit_squared_norms,
+    native_unit_clipped_sums=layerwise_unit_clipped_sums,
+)

@@ -709,17 +709,7 @@ class LayerwiseEngine(Engine):
         return example_norms(problem, batch, by_variable)
 
 
-def _grouped(name: str):
-    """``engines.grouped``'s function ``name``, imported when first called (that module builds on this one)."""
-
-    def run(*args):
-        from per_example_grads.engines import grouped
-
-        return getattr(grouped, name)(*args)
-
-    return run
-
-
+# Its per-unit forms are ``engines.grouped``'s, which builds on this module and completes the registration.
 ENGINES["layerwise"] = LayerwiseEngine(
     name="layerwise",
     compute=layerwise,
@@ -727,8 +717,6 @@ ENGINES["layerwise"] = LayerwiseEngine(
     why_not=why_not,
     native_squared_norms=squared_norms,
     native_clipped_sums=clipped_sums,
-    native_unit_squared_norms=_grouped("layerwise_unit_squared_norms"),
-    native_unit_clipped_sums=_grouped("layerwise_unit_clipped_sums"),
     native_moments=moments,
     native_features=features,
     native_sparse_compute=sparse_per_example_gradients,
