@@ -440,8 +440,8 @@ def test_model_checks_name_a_non_model(check):
         check("not a model")
 
 
-def test_fingerprint_is_the_integer_sums_of_the_entries_bits():
-    """``(sum b, sum b^2) mod 2^32`` of every entry's bits, on the host and in device pieces alike.
+def test_fingerprint_is_the_integer_sums_of_the_entries_bits_plain_and_by_position():
+    """``(sum b_j, sum (2 j + 1) b_j) mod 2^32`` of every entry's bits, on the host and in device pieces alike.
 
     Exact equality matters: a checkpoint's saved fingerprint is compared with
     ``==``. The reference sums the bits as Python integers (no wrapping).
@@ -453,15 +453,49 @@ def test_fingerprint_is_the_integer_sums_of_the_entries_bits():
     cases = [((3,), "float32"), ((129,), "float16"), ((piece,), "float32"), ((piece + 1,), "float32")]
     cases += [((3, piece // 2 + 5), "float32"), ((piece + 3,), "float16"), ((piece // 2 + 1,), "float64")]
     cases += [((piece + 1,), "float64")]  # each entry two uint32 halves, on the device path
+
+    def bits_of(v):
+        width = {2: np.uint16, 4: np.uint32, 8: np.uint32}[np.dtype(v.dtype.name).itemsize]
+        return np.ascontiguousarray(v.numpy()).reshape(-1).view(width).tolist()
+
+    def want(bits):
+        return np.array([sum(bits) % 2**32, sum((2 * j + 1) * b for j, b in enumerate(bits)) % 2**32], np.float64)
+
     for shape, dtype in cases:
         v = tf.Variable(rng.normal(size=shape).astype(dtype) * 3)
-        width = {2: np.uint16, 4: np.uint32, 8: np.uint32}[np.dtype(dtype).itemsize]
-        bits = np.ascontiguousarray(v.numpy()).reshape(-1).view(width).tolist()
-        want = np.array([sum(bits) % 2**32, sum(b * b for b in bits) % 2**32], np.float64)
-        assert np.array_equal(network_guard.fingerprint([v]), want), (shape, dtype)
-    both = [tf.Variable(rng.normal(size=s).astype("float32")) for s in [(5,), (piece + 7,)]]
-    parts = sum(network_guard.fingerprint([v]) for v in both) % 2**32
-    assert np.array_equal(network_guard.fingerprint(both), parts)
+        assert np.array_equal(network_guard.fingerprint([v]), want(bits_of(v))), (shape, dtype)
+    both = [tf.Variable(rng.normal(size=s).astype("float32")) for s in [(5,), (piece + 7,), (6,)]]
+    assert np.array_equal(network_guard.fingerprint(both), want(sum((bits_of(v) for v in both), [])))
+
+
+def test_the_fingerprint_sees_weights_moved_to_other_places():
+    # (sum b, sum b^2), the earlier fingerprint, did not change under a permutation of the weights.
+    from per_example_grads.keras import network_guard
+
+    net = _net()
+    before, blind = (
+        kind(net.trainable_variables) for kind in (network_guard.fingerprint, network_guard.bit_sums_fingerprint)
+    )
+    kernel = net.trainable_variables[0]
+    kernel.assign(kernel.numpy()[::-1])  # rows in reverse order
+    assert np.array_equal(network_guard.bit_sums_fingerprint(net.trainable_variables), blind)
+    assert not np.array_equal(network_guard.fingerprint(net.trainable_variables), before)
+    dp = _dp(net, expected_batch_size=16)
+    _fit(dp, X, Y, batch_size=16, epochs=1)
+    kernel.assign(kernel.numpy()[::-1])
+    with pytest.raises(ValueError, match="changed outside this DPModel"):
+        dp.epsilon(1e-3)
+
+
+def test_a_checkpoint_with_the_earlier_bit_sums_fingerprint_is_still_recognised():
+    from per_example_grads.keras import network_guard
+
+    net = _net()
+    saved = tf.Variable(network_guard.bit_sums_fingerprint(net.trainable_variables), dtype=tf.float64)
+    guard = network_guard.NetworkGuard(net, saved)
+    assert not guard.changed()
+    net.trainable_variables[-1].assign_add(tf.ones_like(net.trainable_variables[-1]))
+    assert guard.changed()
 
 
 def test_a_checkpoint_with_the_earlier_float_fingerprint_is_still_recognised():

@@ -6,7 +6,8 @@ make its ``epsilon()`` silently describe less than the network went through:
 - **the network trained outside it** (``dp.model.fit(...)``, a custom loop
   on ``dp.model``): after the first DP step, the network's trainable weights
   must change only through ``DPModel``'s steps. ``NetworkGuard`` keeps a
-  fingerprint of them (``fingerprint``: integer sums of their bits), taken
+  fingerprint of them (``fingerprint``: integer sums of their bits, plain
+  and weighed by position), taken
   whenever ``DPModel`` has changed or saved them (after each ``fit`` epoch
   and call, before ``save_weights`` / ``save``, after ``load_weights``), and
   stored in a non-trainable variable saved with the weights, so a restored
@@ -61,28 +62,49 @@ def owned_by(network, owner) -> bool:
 
 
 def fingerprint(variables) -> np.ndarray:
-    """``[2]`` float64: ``(sum b, sum b^2) mod 2^32`` over the bits ``b`` of every entry of ``variables``.
+    """``[2]`` float64: ``(sum_j b_j, sum_j (2 j + 1) b_j) mod 2^32`` over the bits ``b_j`` of every entry.
 
-    ``b`` is an entry's bit pattern as an unsigned integer (a 4-byte entry's
-    32 bits, each half of an 8-byte one, a narrower one's widened). Unsigned sums
-    wrap exactly and do not depend on the order of addition, so a fingerprint
+    ``b_j`` is the ``j``-th entry's bit pattern as an unsigned integer,
+    counted over all of ``variables`` in order (a 4-byte entry's 32 bits,
+    each half of an 8-byte one, a narrower one's widened). The second sum
+    weighs each entry by its position, so moving weights to other places (a
+    permutation, two variables swapped) changes it. Unsigned sums wrap
+    exactly and do not depend on the order of addition, so a fingerprint
     saved with a checkpoint matches on any machine and device. A variable of
     more than ``_PIECE`` entries is summed where it lives, ``_PIECE`` entries
     at a time (no copy of a large table to the host); smaller ones on the
     host, in one pass each. Any change of a weight changes its bits; the two
     sums miss it only when the changes cancel in both.
     """
-    total = np.zeros(2, np.uint64)
+    total, offset = np.zeros(2, np.uint64), 0
     for v in variables:
         if int(np.prod(v.shape)) > _PIECE:
-            total += _bit_sums(_bits(v)).numpy().astype(np.uint64)
+            bits = _bits(v)
+            total += _bit_sums(bits, tf.constant(offset % (1 << 32), tf.int64)).numpy().astype(np.uint64)
+            n = int(bits.shape[0])
         else:
             b = _host_bits(v.numpy())
-            total += (b.sum(dtype=np.uint64), (b * b).sum(dtype=np.uint64))  # b < 2^32: b^2 fits, sums wrap mod 2^64
+            n = b.size
+            weight = 2 * (np.arange(n, dtype=np.uint64) + np.uint64(offset)) + np.uint64(1)  # wraps mod 2^64
+            total += (b.sum(dtype=np.uint64), (b * weight).sum(dtype=np.uint64))
+        offset += n
     return (total % (1 << 32)).astype(np.float64)
 
 
-_PIECE = 1 << 20  # entries squared at a time
+def bit_sums_fingerprint(variables) -> np.ndarray:
+    """``[2]`` float64: ``(sum b, sum b^2) mod 2^32``, the fingerprint checkpoints of the versions before ``fingerprint``'s saved.
+
+    Blind to a permutation of the entries; recognised in a restored
+    checkpoint only.
+    """
+    total = np.zeros(2, np.uint64)
+    for v in variables:
+        b = _host_bits(v.numpy())
+        total += (b.sum(dtype=np.uint64), (b * b).sum(dtype=np.uint64))  # b < 2^32: b^2 fits, sums wrap mod 2^64
+    return (total % (1 << 32)).astype(np.float64)
+
+
+_PIECE = 1 << 20  # entries weighed at a time
 _UNSIGNED = {1: tf.uint8, 2: tf.uint16, 4: tf.uint32}  # an entry's bits by its width (8 bytes: two uint32)
 
 
@@ -98,14 +120,16 @@ def _bits(v) -> tf.Tensor:
     return tf.cast(tf.reshape(tf.bitcast(w, _UNSIGNED[min(w.dtype.size, 4)]), [-1]), tf.uint32)
 
 
-@tf.function(input_signature=[tf.TensorSpec([None], tf.uint32)], autograph=False)
-def _bit_sums(bits: tf.Tensor) -> tf.Tensor:
-    """``[2]`` uint32: ``(sum b, sum b^2)`` mod 2^32 of ``bits [n]``."""
+@tf.function(input_signature=[tf.TensorSpec([None], tf.uint32), tf.TensorSpec([], tf.int64)], autograph=False)
+def _bit_sums(bits: tf.Tensor, offset: tf.Tensor) -> tf.Tensor:
+    """``[2]`` uint32: ``(sum b_k, sum (2 (offset + k) + 1) b_k)`` mod 2^32 of ``bits [n]``."""
     n = tf.size(bits)
 
     def piece(start, sums):
         b = bits[start : start + _PIECE]
-        return start + _PIECE, sums + tf.stack([tf.reduce_sum(b), tf.reduce_sum(b * b)])
+        k = offset + tf.cast(start, tf.int64) + tf.range(tf.size(b, out_type=tf.int64))
+        weight = tf.cast(tf.math.floormod(2 * k + 1, 1 << 32), tf.uint32)
+        return start + _PIECE, sums + tf.stack([tf.reduce_sum(b), tf.reduce_sum(b * weight)])
 
     return tf.while_loop(lambda start, _: start < n, piece, [tf.constant(0), tf.zeros([2], tf.uint32)])[1]
 
@@ -168,8 +192,7 @@ class NetworkGuard:
         return None if now == self._paths else (self._paths, now)
 
     def changed(self) -> bool:
-        """Whether the weights differ from the last ``refresh`` (or the restored fingerprint, of either kind)."""
+        """Whether the weights differ from the last ``refresh`` (or the restored fingerprint, of any kind)."""
         saved, weights = np.asarray(self._variable.numpy()), self._network.trainable_variables
-        if np.array_equal(fingerprint(weights), saved):
-            return False
-        return not np.array_equal(legacy_fingerprint(weights), saved)
+        kinds = (fingerprint, bit_sums_fingerprint, legacy_fingerprint)  # the current one, then earlier versions'
+        return not any(np.array_equal(kind(weights), saved) for kind in kinds)
