@@ -45,12 +45,12 @@ def _batches(x=X, seed=None, **kw):
 
 
 def _parts(ds) -> list[set]:
-    """The rows (by value) of each part, read from the dataset's next cycle of q = 1 batches."""
+    """The rows (by value) of part 0, 1, ..., read from the dataset's next cycle of q = 1 batches."""
     sampling = ds.pegrad_sampling
     saved = int(sampling.next_step.numpy())
     parts = [set(xb.numpy()[mask.numpy() == 1, 0].astype(int).tolist()) for xb, _, mask, *_ in ds.take(CYCLE)]
     sampling.next_step.assign(saved)
-    return parts
+    return [parts[(p - saved) % CYCLE] for p in range(CYCLE)]  # step t samples part t mod CYCLE
 
 
 def test_a_second_fit_on_a_new_unseeded_dataset_keeps_the_runs_partition():
@@ -100,6 +100,26 @@ def test_a_restored_run_gives_its_partition_to_a_new_dataset(tmp_path, how):
     restored.fit(again, epochs=1, verbose=0)
     assert _parts(again) == _parts(first)
     np.testing.assert_array_equal(restored.aggregator.partition.numpy(), first.pegrad_sampling.partition)
+
+
+def test_a_run_restored_by_backup_and_restore_keeps_its_partition_on_a_new_dataset(tmp_path):
+    # BackupAndRestore restores the ledger in on_train_begin, after fit has read the dataset's partition.
+    class Crash(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.dp_steps.numpy()) == 5:
+                raise RuntimeError("killed")
+
+    backup = str(tmp_path / "backup")
+    first = _batches()
+    with pytest.raises(RuntimeError, match="killed"):
+        _dp_model().fit(
+            first, epochs=3, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=2), Crash()]
+        )
+    restored, again = _dp_model(), _batches()  # another unseeded dataset, as after a restart
+    restored.fit(again, epochs=3, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=2)])
+    assert _parts(again) == _parts(first)
+    np.testing.assert_array_equal(restored.aggregator.partition.numpy(), first.pegrad_sampling.partition)
+    assert int(restored.dp_steps.numpy()) > 5  # continued from the backup
 
 
 def test_unit_level_cyclic_sampling_keeps_each_units_part():

@@ -919,11 +919,17 @@ def _warn_budget(model: DPModel, limit: int, *, stopped: bool) -> None:
 
 
 class _ResumeSampling(keras.callbacks.Callback):
-    """Starts a ``poisson_batches`` dataset at the step the ledger reached, after any restore."""
+    """Starts a ``poisson_batches`` dataset at the step the ledger reached, on the run's partition, after any restore.
+
+    It runs after the user's callbacks' ``on_train_begin``, where
+    ``BackupAndRestore`` restores the ledger.
+    """
 
     def __init__(self, source: PoissonSampling, steps):
         super().__init__()
         self._source, self._steps = source, steps
 
     def on_train_begin(self, logs=None):
+        if self._source.partition is not None:
+            self.model._keep_partition(self._source)
         self._source.next_step.assign(self._steps)
