@@ -503,6 +503,28 @@ def test_a_trained_model_is_audited_against_the_epsilon_of_its_audited_steps(mon
     assert not report.gaussian_dp_exact and report.epsilon_one_run < dp_model.epsilon(DELTA)
 
 
+@pytest.mark.slow
+def test_an_audit_of_a_trained_cyclic_model_keeps_its_partition_and_claims_its_audited_steps():
+    """BandMF after a cyclic fit: the audit's batches take the run's partition, the claim is its own steps' epsilon."""
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(64, 44)).astype("float32"), rng.normal(size=(64, 48)).astype("float32")
+    dp_model = _regression_dp_model(44, 48, 1.0, mechanism=peg.dp.BandMF(bands=2, num_steps=40))
+    trained = peg.dp.poisson_batches(x, y, sampling_probability=0.5, cycle_length=2, steps=20)  # seed=None
+    dp_model.fit(trained, verbose=0)
+    report = audit.audit(
+        dp_model, x, y, canaries=audit.GradientCanaries(2000, seed=5), sampling_probability=0.5, steps=8, delta=DELTA
+    )
+    np.testing.assert_array_equal(dp_model.aggregator.partition.numpy(), trained.pegrad_sampling.partition)
+    assert int(dp_model.dp_steps.numpy()) == 28 and report.steps == 8
+    claim = _claim(peg.dp.BandMF(bands=2, num_steps=40), 1.0, 0.5, 8)  # 4 participations at q = 0.5
+    assert report.epsilon_accountant == pytest.approx(claim, rel=ACCOUNTING_COMPOSED_RTOL)
+    assert not report.violated
+    # Input canaries add rows to a run whose N (and partition) were fixed by its data: refused, naming N.
+    canaries = audit.InputCanaries(np.ones((4, 44), "float32"), np.zeros((4, 48), "float32"))
+    with pytest.raises(ValueError, match="num_examples=64, but the poisson_batches dataset samples from 68"):
+        audit.audit(dp_model, x, y, canaries=canaries, sampling_probability=0.5, steps=2, delta=DELTA)
+
+
 def _memorization_data(m: int, rng):
     """Real examples in the first 8 inputs; canary j is 10 e_(8+j) with target 10 (it moves only its own weight)."""
     x = np.zeros((200, 8 + m), np.float32)

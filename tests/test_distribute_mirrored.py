@@ -528,3 +528,24 @@ def test_dp_model_fits_poisson_batches_of_a_size_the_replicas_do_not_divide(priv
         atol = sgd_steps_atol(3, 0.2, clipped_sum_rtol(p, B), update_scale, np.abs(want) + 3 * 0.2 * update_scale)
         np.testing.assert_allclose(got, want, rtol=0, atol=float(np.max(atol)))
     assert dp.epsilon(1e-5) == pytest.approx(ref.epsilon(1e-5), rel=1e-12)
+
+
+@pytest.mark.slow
+def test_dp_model_keeps_a_cyclic_partition_under_a_strategy_across_fits():
+    """BandMF on cyclic batches of odd M under 2 replicas: the second, unseeded dataset takes the run's partition."""
+    strategy = _strategy()
+    model, _ = _twins(strategy)
+    x, y = _data()
+    x[:, 0] = np.arange(B)  # row i is recognisable by its first input
+    with strategy.scope():
+        dp = peg.keras.DPModel(model, noise_multiplier=1.0, mechanism=peg.dp.BandMF(bands=2, num_steps=8))
+        dp.compile(optimizer=keras.optimizers.SGD(0.1), loss=sparse_ce)
+    parts = []
+    for _ in range(2):
+        data = peg.dp.poisson_batches(x, y, sampling_probability=1.0, cycle_length=2, max_batch_size=B + 1, steps=4)
+        dp.fit(data, verbose=0)
+        start = int(data.pegrad_sampling.next_step.numpy())
+        batches = [xb.numpy()[mask.numpy() == 1, 0].astype(int) for xb, _, mask in data.take(2)]
+        parts.append([set(batches[(p - start) % 2].tolist()) for p in range(2)])
+    assert parts[0] == parts[1] and int(dp.dp_steps.numpy()) == 8
+    assert sorted(parts[0][0] | parts[0][1]) == list(range(B))
