@@ -20,7 +20,7 @@ import pytest
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
-from per_example_grads.dp import accounting
+from per_example_grads.dp import accounting, pld_cost
 from per_example_grads.dp.accounting import PrivacyAccountant, compute_epsilon, noise_multiplier_for_epsilon
 from tolerances import ACCOUNTING_SAME_RTOL
 
@@ -131,7 +131,7 @@ def test_the_usual_run_still_uses_pld_and_gives_the_same_number():
 @pytest.mark.parametrize("n, b, epochs, sigma, delta", [(10_000, 100, 2, 1.5, 1e-6), (1_000, 100, 3, 2.0, 1e-4)])
 def test_past_the_bounds_the_answer_is_rdp_and_not_below_pld(monkeypatch, n, b, epochs, sigma, delta):
     steps = math.ceil(epochs * n / b)
-    monkeypatch.setattr(accounting, "PLD_MAX_BYTES", 0)
+    monkeypatch.setattr(pld_cost, "PLD_MAX_BYTES", 0)
     with pytest.warns(UserWarning, match=r"past the bound of 0 KiB / 20 s\), so epsilon comes from the RDP"):
         got = compute_epsilon(n, b, epochs, sigma, delta)
     rdp = rdp_epsilon(sigma, b / n, steps, delta)
@@ -175,14 +175,14 @@ def test_a_target_met_below_the_searched_range_is_refused_at_once():
 
 
 @pytest.mark.parametrize(
-    "bound, value, match",
+    "module, bound, value, match",
     [
-        ("PLD_MAX_SECONDS", 0.0, r"the PLD accountant would need about .* past the bound of"),
-        ("SEARCH_MAX_SECONDS", 0.0, r"calibrating with the PLD accountant would take more than 0 s"),
+        (pld_cost, "PLD_MAX_SECONDS", 0.0, r"the PLD accountant would need about .* past the bound of"),
+        (accounting, "SEARCH_MAX_SECONDS", 0.0, r"calibrating with the PLD accountant would take more than 0 s"),
     ],
 )
-def test_a_calibration_past_the_bounds_is_refused_with_the_rdp_answer(monkeypatch, bound, value, match):
-    monkeypatch.setattr(accounting, bound, value)
+def test_a_calibration_past_the_bounds_is_refused_with_the_rdp_answer(monkeypatch, module, bound, value, match):
+    monkeypatch.setattr(module, bound, value)
     with pytest.raises(ValueError, match=r"^target_epsilon=0.5: " + match) as error:
         noise_multiplier_for_epsilon(0.5, 1e-5, 1_000, 20, 2, rtol=0.01)
     rdp = noise_multiplier_for_epsilon(0.5, 1e-5, 1_000, 20, 2, accountant="rdp", rtol=0.01)
@@ -209,15 +209,15 @@ def test_the_estimate_is_above_the_memory_dp_accounting_takes_but_not_far(sigma,
     code = f"""
         import json
         from dp_accounting.pld import PLDAccountant
-        from per_example_grads.dp import accounting
+        from per_example_grads.dp import accounting, pld_cost
 
         def kib(field):
             line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))
             return int(line.split()[1]) * 1024
 
         segments = [accounting._Segment(accounting._STEP, ({sigma},), {q}, {steps})]
-        cost = accounting._pld_cost(segments, 1e-4)
-        accounting._single_step_probabilities.cache_clear()
+        cost = pld_cost.estimate([({sigma}, {q}, {steps})], 1e-4)
+        pld_cost._single_step_probabilities.cache_clear()
         resident = kib("VmRSS")
         PLDAccountant().compose(accounting._composed_event(segments)).get_epsilon(1e-5)
         print(json.dumps([cost.bytes, kib("VmHWM") - resident]))  # the peak's rise
@@ -234,6 +234,6 @@ def test_the_estimate_stops_before_building_an_unaffordable_grid(monkeypatch):
     def no_build(*args):
         raise AssertionError("built a single-step PMF the bounds exclude")
 
-    monkeypatch.setattr(accounting, "_single_step_probabilities", no_build)
-    cost = accounting._pld_cost([accounting._Segment(accounting._STEP, (1e-3,), MNIST_Q, MNIST_STEPS)], 1e-4)
+    monkeypatch.setattr(pld_cost, "_single_step_probabilities", no_build)
+    cost = pld_cost.estimate([(1e-3, MNIST_Q, MNIST_STEPS)], 1e-4)
     assert not cost.fits() and cost.bytes > 100 * 2**30
