@@ -232,3 +232,15 @@ def layerwise_per_example_against_loop(model, x, y, tf_function=None):
     grads = lambda x, y: peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise")  # noqa: E731
     fn = grads if tf_function is None else tf.function(grads, **tf_function)
     assert_grads_close(fn(x, y), reference_gradients(model, sparse_ce, x, y))
+
+
+class CrashAtStep(keras.callbacks.Callback):
+    """Raises ``RuntimeError("killed")`` after the batch at which a DPModel's ledger reaches ``step`` steps."""
+
+    def __init__(self, step: int):
+        super().__init__()
+        self._step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.dp_steps.numpy()) == self._step:
+            raise RuntimeError("killed")

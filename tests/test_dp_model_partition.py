@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 
 import per_example_grads as peg
+from helpers import CrashAtStep
 
 N, CYCLE = 12, 2
 X = np.arange(N, dtype="float32")[:, None] * np.ones((1, 3), "float32")  # row i holds i
@@ -104,16 +105,14 @@ def test_a_restored_run_gives_its_partition_to_a_new_dataset(tmp_path, how):
 
 def test_a_run_restored_by_backup_and_restore_keeps_its_partition_on_a_new_dataset(tmp_path):
     # BackupAndRestore restores the ledger in on_train_begin, after fit has read the dataset's partition.
-    class Crash(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if int(self.model.dp_steps.numpy()) == 5:
-                raise RuntimeError("killed")
-
     backup = str(tmp_path / "backup")
     first = _batches()
     with pytest.raises(RuntimeError, match="killed"):
         _dp_model().fit(
-            first, epochs=3, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=2), Crash()]
+            first,
+            epochs=3,
+            verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=2), CrashAtStep(5)],
         )
     restored, again = _dp_model(), _batches()  # another unseeded dataset, as after a restart
     restored.fit(again, epochs=3, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=2)])

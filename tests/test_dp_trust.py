@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import per_example_grads as peg
+from helpers import CrashAtStep
 from per_example_grads.dp.budget import PrivacyBudget
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -250,17 +251,16 @@ def test_pld_budget_search_is_within_rtol_of_the_largest():
 @pytest.mark.slow
 def test_a_restored_run_stops_at_the_same_budget(tmp_path):
     """Kill after step 7 with a backup at step 6; the restored run stops at 10 steps, not 6 + a full epoch more."""
-
-    class Crash(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if int(self.model.dp_steps.numpy()) == 7:
-                raise RuntimeError("killed")
-
     backup = str(tmp_path / "backup")
     data = peg.dp.poisson_batches(X, Y, sampling_probability=0.25, seed=1)  # 4 steps an epoch
     args = dict(budget=PrivacyBudget(steps=10), seed=0)
     with pytest.raises(RuntimeError, match="killed"):
-        _fit(_dp(**args), data, epochs=5, callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=3), Crash()])
+        _fit(
+            _dp(**args),
+            data,
+            epochs=5,
+            callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=3), CrashAtStep(7)],
+        )
     restored = _dp(**args)
     _fit(restored, data, epochs=5, callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=3)])
     assert int(restored.dp_steps.numpy()) == 10
