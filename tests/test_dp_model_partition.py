@@ -121,9 +121,10 @@ def test_a_run_restored_by_backup_and_restore_keeps_its_partition_on_a_new_datas
     assert int(restored.dp_steps.numpy()) > 5  # continued from the backup
 
 
-def test_unit_level_cyclic_sampling_keeps_each_units_part():
+@pytest.mark.parametrize("physical_batch_size", [None, 4])
+def test_unit_level_cyclic_sampling_keeps_each_units_part(physical_batch_size):
     ids = np.repeat(np.arange(6) + 100, 2)
-    dp = _dp_model(privacy_unit="unit")
+    dp = _dp_model(privacy_unit="unit", physical_batch_size=physical_batch_size)
     first = _batches(unit_ids=ids)
     dp.fit(first, epochs=1, verbose=0)
     again = _batches(unit_ids=ids)
