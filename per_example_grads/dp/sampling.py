@@ -138,11 +138,13 @@ class PoissonSampling:
       num_rows: the rows the dataset holds (``N`` for example-level sampling).
       rows_per_unit: unit-level sampling: the most rows one unit brings to a
         batch, ``min(rows_per_unit, largest unit)``; None for example-level.
-      partition_key: cyclic sampling: ``[2]`` int64 variable, the key every
+      partition_key: cyclic sampling: ``[2]`` int64, the key every
         example's (unit's) part is drawn from (``poisson_batches``, Cyclic
-        Poisson sampling); None for ``b = 1``. Every step reads it, so a
-        run's partition can be given to a new dataset of the same rows
-        (``partition``).
+        Poisson sampling); None for ``b = 1``.
+      parts: cyclic sampling: ``[N]`` (``[U]``) int64 variable, every
+        example's (unit's) part, drawn from ``partition_key``; every step
+        reads it, so a run's partition can be given to a new dataset of the
+        same rows (``take_partition``). None for ``b = 1``.
       rows_digest: cyclic sampling: ``[2]`` int64, a digest of the rows (and
         unit ids) in their order, which with the key fixes every example's
         part; None for ``b = 1``.
@@ -157,7 +159,8 @@ class PoissonSampling:
     privacy_unit: str = "example"
     num_rows: int | None = None
     rows_per_unit: int | None = None
-    partition_key: tf.Variable | None = None
+    partition_key: np.ndarray | None = None
+    parts: tf.Variable | None = None
     rows_digest: np.ndarray | None = None
 
     @property
@@ -174,7 +177,7 @@ class PoissonSampling:
         """
         if self.partition_key is None:
             return None
-        return np.concatenate([[self.cycle_length], self.partition_key.numpy(), self.rows_digest]).astype(np.int64)
+        return np.concatenate([[self.cycle_length], self.partition_key, self.rows_digest]).astype(np.int64)
 
     def take_partition(self, partition: np.ndarray) -> None:
         """Makes this dataset's partition ``partition`` (a run's, as ``partition`` gave it), if it holds the same rows.
@@ -195,7 +198,8 @@ class PoissonSampling:
                 "sooner than cycle_length steps after its last turn, which the accounting excludes. Build the "
                 "dataset from the same rows, in the same order, with the same cycle_length."
             )
-        self.partition_key.assign(partition[1:3])
+        self.partition_key = partition[1:3].copy()
+        self.parts.assign(_cyclic_parts(int(self.parts.shape[0]), self.cycle_length, self.partition_key))
 
 
 # --------------------------------------------------------------------------
@@ -296,16 +300,21 @@ def _rows_digest(*trees: Any) -> np.ndarray:
     return np.frombuffer(digest.digest(), np.int64).copy()
 
 
-def _partition_key(cycle: int, key: tf.Tensor) -> tf.Variable | None:
-    """The ``[2]`` int64 variable that every part is drawn from (folded from the sampling key), or None for 1."""
+def _partition(n: int, cycle: int, key: tf.Tensor, *rows: Any) -> dict:
+    """``PoissonSampling``'s ``partition_key``, ``parts`` and ``rows_digest`` for ``n`` examples (units); all None for 1.
+
+    ``rows``: the data (and unit ids) whose order fixes which example each
+    part entry belongs to.
+    """
     if cycle == 1:
-        return None
+        return {}
     with tf.init_scope():
-        folded = tf.random.experimental.stateless_fold_in(key, _PARTITION_TAG)
-        return tf.Variable(folded, dtype=tf.int64, trainable=False, name="partition_key")
+        partition_key = tf.random.experimental.stateless_fold_in(key, _PARTITION_TAG).numpy()
+        parts = tf.Variable(_cyclic_parts(n, cycle, partition_key), trainable=False, name="parts")
+    return {"partition_key": partition_key, "parts": parts, "rows_digest": _rows_digest(*rows)}
 
 
-def _cyclic_parts(n: int, cycle: int, partition_key: tf.Variable) -> tf.Tensor:
+def _cyclic_parts(n: int, cycle: int, partition_key: np.ndarray) -> tf.Tensor:
     """``[n]`` int64 part of every example (unit): each drawn independently and uniformly from ``0 .. cycle - 1``.
 
     Independent, not an equal split: adding or removing one example then
@@ -416,17 +425,18 @@ def poisson_batches(
 
     The guarantee, for **add/remove-one** neighbours (``D' = D + z``):
     adding ``z`` leaves the law of every other example's part unchanged,
-    because parts are drawn independently per example. Conditioned on ``z``'s part ``p`` and on all
-    the others', the run is the mechanism with ``z`` taking part only in the
-    steps of ``p``, which the accounting bounds for every ``p``; the release
-    under ``D'`` is the mixture over ``p``, and the hockey-stick divergence is
-    jointly convex, so the bound holds for the mixture, both ways. An equal
-    split (``N / b`` examples per part, from a permutation) is not sound for
-    add/remove: adding ``z`` moves *other* examples into other parts, and on
-    small ``N`` the exact ``delta`` of such a pair exceeds the accounted one
-    several times over (``tests/test_dp_sampling_partition.py``); jax_privacy
-    allows its equal split only for zero-out and replace-one adjacency. A run
-    must keep its partition: ``DPModel`` saves it in its ledger and gives it
+    because parts are drawn independently per example. Conditioned on
+    ``z``'s part ``p`` and on all the others', the run is the mechanism with
+    ``z`` taking part only in the steps of ``p``, which the accounting bounds
+    for every ``p``; the release under ``D'`` is the mixture over ``p``, and
+    the hockey-stick divergence is jointly convex, so the bound holds for the
+    mixture, both ways. An equal split (``N / b`` examples per part, from a
+    permutation) is not sound for add/remove: adding ``z`` moves *other*
+    examples into other parts, and on small ``N`` the exact ``delta`` of such
+    a pair exceeds the accounted one several times over
+    (``tests/test_dp_sampling_partition.py``); jax_privacy allows its equal
+    split only for zero-out and replace-one adjacency. A run must keep its
+    partition: ``DPModel`` saves it in its ledger and gives it
     to every later dataset of the run, or refuses one of other rows
     (``PoissonSampling.partition``).
 
@@ -563,9 +573,8 @@ def poisson_batches(
     steps, key = _steps_and_key(steps, cycle, q, seed, first_step)
     with tf.init_scope():
         next_step = tf.Variable(int(first_step), dtype=tf.int64, trainable=False, name="next_step")
-    partition_key = _partition_key(cycle, key)
-    digest = None if partition_key is None else _rows_digest(inputs)
-    sampling = PoissonSampling(q, n, m, steps, next_step, cycle, partition_key=partition_key, rows_digest=digest)
+    sampling = PoissonSampling(q, n, m, steps, next_step, cycle, **_partition(n, cycle, key, inputs))
+    parts = sampling.parts
     overflow_message = (
         f"examples, more than max_batch_size={m} (N={n}, sampling_probability={q}"
         f"{f', cycle_length={cycle}' if cycle > 1 else ''}). "
@@ -578,8 +587,8 @@ def poisson_batches(
         step_seed = tf.random.experimental.stateless_fold_in(key, step)
         u = tf.random.stateless_uniform([n], seed=step_seed, dtype=tf.float64)
         eligible = u < q
-        if partition_key is not None:
-            eligible &= tf.equal(_cyclic_parts(n, cycle, partition_key), step % cycle)
+        if parts is not None:
+            eligible &= tf.equal(parts, step % cycle)
         chosen = tf.where(eligible)[:, 0]  # sorted example indices
         xb, yb, mask, _ = _padded_batch(inputs, chosen, m, "A Poisson batch sampled", overflow_message)
         return xb, yb, mask
@@ -629,11 +638,8 @@ def _unit_batches(inputs, n, q, ids, rows_per_unit, max_batch_size, steps, seed,
         unit_sorted_t = tf.constant(unit_sorted, tf.int64)
         start_t = tf.constant(start, tf.int64)
         ids_t = tf.constant(ids, tf.int64)
-    partition_key = _partition_key(cycle, key)
-    digest = None if partition_key is None else _rows_digest(inputs, ids)
-    sampling = PoissonSampling(
-        q, u, m, steps, next_step, cycle, "unit", n, k, partition_key=partition_key, rows_digest=digest
-    )
+    sampling = PoissonSampling(q, u, m, steps, next_step, cycle, "unit", n, k, **_partition(u, cycle, key, inputs, ids))
+    parts = sampling.parts
     overflow_message = (
         f"rows, more than max_batch_size={m} (U={u} units, sampling_probability={q}, rows_per_unit={k}"
         f"{f', cycle_length={cycle}' if cycle > 1 else ''}). Dropping rows would invalidate the privacy "
@@ -644,8 +650,8 @@ def _unit_batches(inputs, n, q, ids, rows_per_unit, max_batch_size, steps, seed,
     def sample(step):
         step_seed = tf.random.experimental.stateless_fold_in(key, step)
         unit_in = tf.random.stateless_uniform([u], seed=step_seed, dtype=tf.float64) < q  # [U]
-        if partition_key is not None:
-            unit_in &= tf.equal(_cyclic_parts(u, cycle, partition_key), step % cycle)
+        if parts is not None:
+            unit_in &= tf.equal(parts, step % cycle)
         order = tf.range(n, dtype=tf.int64)  # positions in by_unit
         if select:  # k random rows of each larger unit: rank the unit's rows by a fresh uniform key
             row_seed = tf.random.experimental.stateless_fold_in(step_seed, _ROWS_TAG)
