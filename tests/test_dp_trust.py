@@ -228,6 +228,59 @@ def test_train_on_batch_keeps_to_the_budget_and_the_ledger():
         assert dp.epsilon(1e-5) == pytest.approx(want, rel=1e-12)
 
 
+def _custom_loop(dp, steps, *, jit_compile=False):
+    """``steps`` calls of ``dp.train_step`` in the user's own ``tf.function``, on batches of 16."""
+    step = tf.function(dp.train_step, jit_compile=jit_compile)
+    for i in range(steps):
+        step((X[16 * (i % 4) : 16 * (i % 4) + 16], Y[16 * (i % 4) : 16 * (i % 4) + 16]))
+
+
+@pytest.mark.parametrize(
+    "budget", [PrivacyBudget(steps=3), PrivacyBudget(epsilon=4.0, delta=1e-3, accountant="rdp")], ids=["steps", "eps"]
+)
+def test_a_custom_loop_over_train_step_stops_at_the_budget(budget):
+    # It took every step it was given: the budget was a fit callback.
+    dp = _dp(expected_batch_size=16, num_examples=64, budget=budget)
+    dp.optimizer.build(dp.model.trainable_variables)
+    limit = dp.max_steps()
+    assert 1 <= limit < 20
+    _custom_loop(dp, limit)
+    assert int(dp.dp_steps.numpy()) == limit
+    weights = [w.copy() for w in dp.model.get_weights()]
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"train_step takes no step: the privacy budget"):
+        _custom_loop(dp, 1)
+    assert int(dp.dp_steps.numpy()) == limit  # not counted, and nothing released
+    assert all(np.array_equal(a, b) for a, b in zip(weights, dp.model.get_weights()))
+    if budget.epsilon is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            assert dp.epsilon(1e-3, accountant="rdp") <= 4.0
+    dp.model.layers[0].kernel.assign(dp.model.layers[0].kernel * 2.0)  # ... and still sees a change of its own
+    with pytest.raises(ValueError, match="was changed outside this DPModel after its"):
+        dp.epsilon(1e-3)
+
+
+def test_a_custom_loop_stops_eagerly_too_and_after_a_fit():
+    dp = _dp(expected_batch_size=16, num_examples=64, budget=PrivacyBudget(steps=5))
+    _fit(dp, X, Y, batch_size=16, epochs=1)  # 4 steps: within the budget
+    dp.train_step((X[:16], Y[:16]))  # the fifth, eagerly
+    with pytest.raises(tf.errors.InvalidArgumentError, match="takes no step"):
+        dp.train_step((X[:16], Y[:16]))
+    assert int(dp.dp_steps.numpy()) == 5
+
+
+def test_a_custom_loop_under_xla_with_a_budget_is_refused_but_fit_under_xla_keeps_it():
+    dp = _dp(expected_batch_size=16, num_examples=64, budget=PrivacyBudget(steps=2))
+    with pytest.raises(ValueError, match=r"traced with XLA \(jit_compile=True\) outside fit and train_on_batch"):
+        _custom_loop(dp, 1, jit_compile=True)
+    assert int(dp.dp_steps.numpy()) == 0
+    dp = peg.keras.DPModel(_net(), noise_multiplier=1.0, expected_batch_size=16, budget=PrivacyBudget(steps=2))
+    dp.compile(optimizer="sgd", loss=LOSS, jit_compile=True)
+    with pytest.warns(UserWarning, match="stopped after DP step 2"):
+        dp.fit(X, Y, batch_size=16, epochs=2, verbose=0)
+    assert int(dp.dp_steps.numpy()) == 2
+
+
 def test_epsilon_budget_is_met_and_one_more_step_would_exceed_it():
     target, delta = 3.0, 1e-3
     dp = _dp(budget=PrivacyBudget(epsilon=target, delta=delta, accountant="rdp", rtol=1e-6))
@@ -461,11 +514,14 @@ def test_fingerprint_is_the_integer_sums_of_the_entries_bits_plain_and_by_positi
     def want(bits):
         return np.array([sum(bits) % 2**32, sum((2 * j + 1) * b for j, b in enumerate(bits)) % 2**32], np.float64)
 
+    in_graph = tf.function(network_guard.graph_fingerprint, jit_compile=True)  # a custom loop's step, under XLA
     for shape, dtype in cases:
         v = tf.Variable(rng.normal(size=shape).astype(dtype) * 3)
         assert np.array_equal(network_guard.fingerprint([v]), want(bits_of(v))), (shape, dtype)
+        assert np.array_equal(in_graph([v]).numpy(), want(bits_of(v))), (shape, dtype)
     both = [tf.Variable(rng.normal(size=s).astype("float32")) for s in [(5,), (piece + 7,), (6,)]]
     assert np.array_equal(network_guard.fingerprint(both), want(sum((bits_of(v) for v in both), [])))
+    assert np.array_equal(network_guard.graph_fingerprint(both).numpy(), want(sum((bits_of(v) for v in both), [])))
 
 
 def test_the_fingerprint_sees_weights_moved_to_other_places():

@@ -13,6 +13,7 @@ import tensorflow as tf
 from per_example_grads._core import replicas
 from per_example_grads._core.arguments import check_choice, check_positive_int
 from per_example_grads._core.losses import as_per_example_loss
+from per_example_grads._core.xla_context import in_xla_context
 from per_example_grads.dp import adaptive as adaptive_clipping
 from per_example_grads.dp import validation
 from per_example_grads.dp.accounting import PrivacyAccountant, check_run_delta
@@ -23,6 +24,8 @@ from per_example_grads.dp.sampling import PoissonSampling
 from per_example_grads.dp.sparse_embeddings import SparseEmbeddings, check_sparse_embeddings
 from per_example_grads.keras import network_guard
 from per_example_grads.keras.training_data import rows_of_fit_data
+
+_NO_LIMIT = 2**62  # the step limit without a budget: more steps than any run takes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +155,11 @@ class DPModel(keras.Model):
     many steps were taken. The limit counts the ledger's steps, so a run
     restored from a checkpoint stops at the same total as an uninterrupted
     one. ``dp.max_steps()`` gives the limit (see ``per_example_grads.dp.budget``).
+    The step itself enforces it too: ``train_on_batch`` refuses the step that
+    would pass it, and in a custom loop over ``train_step`` (a
+    ``tf.function`` without XLA) that step raises
+    ``tf.errors.InvalidArgumentError`` before its release; a custom loop
+    compiled with XLA, which drops in-graph checks, is refused when traced.
 
     ``compile``, ``fit``, ``evaluate``, ``predict``, callbacks and metrics work
     as usual. Supported losses: one loss (a ``keras.losses.Loss`` with any
@@ -260,6 +268,10 @@ class DPModel(keras.Model):
         if budget is not None and not isinstance(budget, PrivacyBudget):
             raise TypeError(f"budget must be a peg.dp.PrivacyBudget or None; got {type(budget).__name__} {budget!r}.")
         self.budget = budget
+        # The budget's step limit as the last front door (fit, train_on_batch) computed it, read by
+        # train_step. Not a weight: it follows from the budget and the ledger, never saved.
+        object.__setattr__(self, "_step_limit", tf.Variable(_NO_LIMIT, dtype=tf.int64, trainable=False))
+        self._front_door = False  # True while fit or train_on_batch runs (their own budget checks run first)
         self.aggregator = DPAggregator(
             l2_norm_clip=l2_norm_clip,
             noise_multiplier=noise_multiplier,
@@ -384,7 +396,7 @@ class DPModel(keras.Model):
         if source is not None:
             callbacks.append(_ResumeSampling(source, self.dp_steps))
         if self.budget is not None:
-            limit = self.max_steps()
+            limit = self._set_step_limit()
             if int(self.dp_steps.numpy()) + self._steps_per_call() > limit:
                 _warn_budget(self, limit, stopped=False)
                 return keras.callbacks.History()
@@ -397,8 +409,10 @@ class DPModel(keras.Model):
             # repeated passes behind steps_per_epoch = one pass need one iterator.
             x, kwargs["steps_per_epoch"] = x.repeat(), source.steps
         try:
+            self._front_door = True
             history = super().fit(x, y, batch_size, **kwargs)
         finally:
+            self._front_door = False
             self._guard.refresh()
             if source is not None:  # prefetching may have claimed a pass no step used
                 source.next_step.assign(self.dp_steps)
@@ -426,15 +440,17 @@ class DPModel(keras.Model):
         """
         self._check_ledger_covers_network()
         if self.budget is not None:
-            limit, steps = self.max_steps(), int(self.dp_steps.numpy())
+            limit, steps = self._set_step_limit(), int(self.dp_steps.numpy())
             if steps + self._steps_per_call() > limit:
                 raise RuntimeError(
                     f"DPModel.train_on_batch takes no step: the privacy budget ({self.budget.describe()}) allows "
                     f"{limit} steps, {steps} are taken, and the next would exceed it."
                 )
         try:
+            self._front_door = True
             return super().train_on_batch(x, y, sample_weight, class_weight, return_dict)
         finally:
+            self._front_door = False
             self._guard.refresh()  # the weights as its own step left them
 
     def _build_before_tracing(self, x, y) -> None:
@@ -678,6 +694,46 @@ class DPModel(keras.Model):
             q = max(q, float(self.dp_max_sampling_probability.numpy()))
         return self.budget.max_steps(noise_multiplier=sigma, sampling_probability=q, mechanism=self.mechanism)
 
+    def _set_step_limit(self) -> int:
+        """``max_steps()``, also given to the step's own check (``_budget_check``)."""
+        limit = self.max_steps()
+        self._step_limit.assign(min(limit, _NO_LIMIT))
+        return limit
+
+    def _budget_check(self) -> list:
+        """The step's own budget check: an op that fails when the ledger has reached the limit, or none.
+
+        ``fit`` and ``train_on_batch`` stop before the limit themselves and
+        set it (``_set_step_limit``); a custom loop's trace computes it now,
+        from the ledger as it is. The check runs before the release, so a
+        step past the budget releases nothing and is not counted.
+
+        Raises:
+          ValueError: a custom loop compiled with XLA, which drops in-graph
+            checks, on a DPModel with a budget.
+        """
+        if self.budget is None:
+            return []
+        limit = tf.convert_to_tensor(self._step_limit)
+        if not self._front_door:
+            if in_xla_context():
+                raise ValueError(
+                    f"DPModel.train_step was traced with XLA (jit_compile=True) outside fit and train_on_batch: "
+                    f"XLA drops the step's own check of the privacy budget ({self.budget.describe()}), so a custom "
+                    "loop could take steps past it. Trace the loop without jit_compile, or use fit."
+                )
+            with tf.init_scope():  # the ledger's numbers, read eagerly while the loop is traced
+                now = min(self.max_steps(), _NO_LIMIT)
+            limit = tf.minimum(limit, now)
+        return [
+            tf.debugging.assert_less(
+                self.aggregator.steps,
+                limit,
+                message=f"DPModel.train_step takes no step: the privacy budget ({self.budget.describe()}) allows "
+                "no more steps than the ledger (dp_steps) has taken",
+            )
+        ]
+
     # Unconverted, as under Keras's fit (whose caller of train_step is keras code, which AutoGraph
     # never converts), also where a caller's own tf.function traces it.
     @tf.autograph.experimental.do_not_convert
@@ -691,18 +747,19 @@ class DPModel(keras.Model):
         q = sampling.sampling_probability
         if q is None and self.num_examples is not None:
             q = tf.minimum(tf.cast(replicas.global_sum(rows), tf.float64) / self.num_examples, 1.0)
-        step = self.aggregator.step(
-            self.model,
-            loss_fn,
-            x,
-            y,
-            sample_weight,
-            divisor=sampling.divisor,
-            sampling_probability=q,
-            poisson=sampling.poisson,
-            unit_ids=unit_ids,
-            rows_per_unit=sampling.rows_per_unit,
-        )
+        with tf.control_dependencies(self._budget_check()):
+            step = self.aggregator.step(
+                self.model,
+                loss_fn,
+                x,
+                y,
+                sample_weight,
+                divisor=sampling.divisor,
+                sampling_probability=q,
+                poisson=sampling.poisson,
+                unit_ids=unit_ids,
+                rows_per_unit=sampling.rows_per_unit,
+            )
         clipped = step.clipped
         step_clipped_fraction = step.clipped_fraction
         # An empty Poisson step has no examples to be clipped: it is not a 0.
@@ -711,6 +768,8 @@ class DPModel(keras.Model):
         # DP gradients are never loss-scaled: apply them with the loss-scale optimizer's inner one.
         optimizer = getattr(self.optimizer, "inner_optimizer", self.optimizer)
         optimizer.apply_gradients(zip(step.gradients, self.model.trainable_variables))
+        if not self._front_door:  # a custom loop: no front door refreshes the guard after the step
+            self._guard.record_in_step()
 
         weights = tf.ones([rows]) if sample_weight is None else tf.cast(sample_weight, tf.float32)
         y_pred, y_seen, weights = self._predictions(clipped, x, y, weights)

@@ -91,6 +91,25 @@ def fingerprint(variables) -> np.ndarray:
     return (total % (1 << 32)).astype(np.float64)
 
 
+def graph_fingerprint(variables) -> tf.Tensor:
+    """``fingerprint(variables)`` as a ``[2]`` float64 tensor, computed where the variables live (in a graph too).
+
+    For a step that records its own weights (a custom loop's
+    ``DPModel.train_step``); the same integers mod 2^32, so it equals the
+    host's ``fingerprint`` exactly. It holds a ``[n]`` int64 position
+    vector of the largest variable while it runs.
+    """
+    total, offset = tf.zeros([2], tf.uint32), 0
+    for v in variables:
+        bits = _bits(v)
+        n = int(bits.shape[0])  # an 8-byte entry counts as two
+        k = offset + tf.range(n, dtype=tf.int64)
+        weight = tf.cast(tf.math.floormod(2 * k + 1, 1 << 32), tf.uint32)
+        total += tf.stack([tf.reduce_sum(bits), tf.reduce_sum(bits * weight)])
+        offset += n
+    return tf.cast(total, tf.float64)
+
+
 def bit_sums_fingerprint(variables) -> np.ndarray:
     """``[2]`` float64: ``(sum b, sum b^2) mod 2^32``, the fingerprint checkpoints of the versions before ``fingerprint``'s saved.
 
@@ -181,6 +200,13 @@ class NetworkGuard:
         """Records the weights as they are now."""
         self._variable.assign(fingerprint(self._network.trainable_variables))
         self._paths = self.paths()
+
+    def record_in_step(self) -> None:
+        """``refresh``'s record, as ops of the step being built (after its update: they read the variables it wrote).
+
+        For a step that no ``refresh`` follows (a custom loop's).
+        """
+        self._variable.assign(graph_fingerprint(self._network.trainable_variables))
 
     def paths(self) -> list[str]:
         """The paths of the network's trainable variables now."""
