@@ -22,7 +22,7 @@ from per_example_grads.dp.budget import PrivacyBudget
 from per_example_grads.dp.mechanisms import NoiseMechanism
 from per_example_grads.dp.sampling import PoissonSampling
 from per_example_grads.dp.sparse_embeddings import SparseEmbeddings, check_sparse_embeddings
-from per_example_grads.keras import network_guard
+from per_example_grads.keras import network_guard, network_ledger
 from per_example_grads.keras.training_data import rows_of_fit_data
 
 _NO_LIMIT = 2**62  # the step limit without a budget: more steps than any run takes
@@ -300,6 +300,7 @@ class DPModel(keras.Model):
         self._fit_sampling = _FitSampling(poisson=False, sampling_probability=None, divisor=None)
         self._warned_fixed_batches = False
         network_guard.claim(model, self, lambda other: int(other.dp_steps.numpy()))
+        network_ledger.attach(model, self)
         self._network_fingerprint = keras.Variable(
             [0.0, 0.0],
             dtype="float64",
@@ -885,8 +886,13 @@ class DPModel(keras.Model):
     def load_weights(self, filepath, *args, **kwargs):
         """``keras.Model.load_weights``; a file whose steps another noise mechanism took is refused, naming both.
 
-        (Keras's own message for it is about a count of variables.)
+        (Keras's own message for it is about a count of variables.) The
+        wrapped network's own file (``dp.model.save`` / ``save_weights``) loads
+        into the network, with the ledger it holds
+        (``per_example_grads.keras.network_ledger``).
         """
+        if network_ledger.holds_network(filepath):
+            return self.model.load_weights(filepath, *args, **kwargs)
         try:
             loaded = super().load_weights(filepath, *args, **kwargs)
         except ValueError:
