@@ -7,8 +7,11 @@ process set-up that must happen before TensorFlow starts.
 
 from __future__ import annotations
 
+import os
+
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import per_example_grads as peg
@@ -244,3 +247,21 @@ class CrashAtStep(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if int(self.model.dp_steps.numpy()) == self._step:
             raise RuntimeError("killed")
+
+
+_MIRRORED = []
+
+
+def mirrored_strategy():
+    """One strategy for the whole process: strategies created one after another
+    in a process share collective instance keys, and a second one's first
+    all-reduce can meet the first one's (TF 2.21 aborts all collectives then)."""
+    devices = tf.config.list_logical_devices("CPU")
+    if len(devices) < 2:
+        reason = "needs two logical CPU devices (configured in tests/conftest.py before TensorFlow starts)"
+        if os.environ.get("CI") == "true":  # in CI a skip would hide every test here
+            pytest.fail(f"{reason}; found {len(devices)}: something initialized TensorFlow first", pytrace=False)
+        pytest.skip(reason)
+    if not _MIRRORED:
+        _MIRRORED.append(tf.distribute.MirroredStrategy([d.name for d in devices[:2]]))
+    return _MIRRORED[0]

@@ -301,7 +301,7 @@ def test_canaries_refuse_what_they_cannot_audit():
         keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]), noise_multiplier=1.0, privacy_unit="unit"
     )  # was refused for the unit ids audit() cannot give
     units.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ValueError, match="audits example-level privacy, and dp_model has privacy_unit='unit'"):
+    with pytest.raises(ValueError, match="audit: a privacy audit cannot be combined with privacy_unit='unit'"):
         audit.audit(units, np.zeros((4, 2)), np.zeros(4), canaries=canaries, sampling_probability=1.0, delta=DELTA)
     with pytest.raises(TypeError, match="must be a peg.keras.DPModel"):
         audit.audit(

@@ -10,8 +10,6 @@ not ``sqrt(R)`` times that, nor ``1/sqrt(R)``).
 
 from __future__ import annotations
 
-import os
-
 import keras
 import numpy as np
 import pytest
@@ -22,6 +20,7 @@ from helpers import (
     assert_clipped_sums_close,
     assert_grads_close,
     assert_norms_close,
+    mirrored_strategy,
     reference_gradients,
     reference_norms,
     sparse_ce,
@@ -39,24 +38,6 @@ from tolerances import (
 )
 
 B, D, K = 16, 6, 3
-
-
-_STRATEGY = []
-
-
-def _strategy():
-    """One strategy for the whole process: strategies created one after another
-    in a process share collective instance keys, and a second one's first
-    all-reduce can meet the first one's (TF 2.21 aborts all collectives then)."""
-    devices = tf.config.list_logical_devices("CPU")
-    if len(devices) < 2:
-        reason = "needs two logical CPU devices (configured in tests/conftest.py before TensorFlow starts)"
-        if os.environ.get("CI") == "true":  # in CI a skip would hide every test here
-            pytest.fail(f"{reason}; found {len(devices)}: something initialized TensorFlow first", pytrace=False)
-        pytest.skip(reason)
-    if not _STRATEGY:
-        _STRATEGY.append(tf.distribute.MirroredStrategy([d.name for d in devices[:2]]))
-    return _STRATEGY[0]
 
 
 def _data(seed=0):
@@ -89,7 +70,7 @@ def _local(strategy, value):
 
 
 def test_per_example_gradients_per_replica_shards_match_the_loop():
-    strategy = _strategy()
+    strategy = mirrored_strategy()
     model, _ = _twins(strategy)
     x, y = _data()
     xb, yb = _distributed_batch(strategy, x, y)
@@ -105,7 +86,7 @@ def test_per_example_gradients_per_replica_shards_match_the_loop():
 
 @pytest.mark.slow
 def test_clipped_sums_all_reduced_equal_one_device():
-    strategy = _strategy()
+    strategy = mirrored_strategy()
     model, single = _twins(strategy)
     x, y = _data()
     xb, yb = _distributed_batch(strategy, x, y)
@@ -149,7 +130,7 @@ def test_private_gradients_have_noise_sigma_c_exactly_once(seed_kind):
     Every replica adding all the noise would give sqrt(2) sigma C (+41%); one
     replica's share alone sigma C / sqrt(2) (-29%); the test allows 5 standard errors (5.6%).
     """
-    strategy = _strategy()
+    strategy = mirrored_strategy()
     with strategy.scope():
         model = keras.Sequential([keras.Input((D,)), keras.layers.Dense(400), keras.layers.Dense(K)])
         seed = tf.random.Generator.from_seed(3) if seed_kind == "generator" else (3, 5)
@@ -168,7 +149,7 @@ def test_private_gradients_have_noise_sigma_c_exactly_once(seed_kind):
 
 @pytest.mark.slow
 def test_accumulator_under_strategy_equals_one_device():
-    strategy = _strategy()
+    strategy = mirrored_strategy()
     model, single = _twins(strategy)
     x, y = _data()
     with strategy.scope():
@@ -208,7 +189,7 @@ def test_accumulator_under_strategy_equals_one_device():
 
 
 def test_accumulator_apply_under_strategy_counts_one_step():
-    strategy = _strategy()
+    strategy = mirrored_strategy()
     model, single = _twins(strategy)
     x, y = _data()
     with strategy.scope():
@@ -250,7 +231,7 @@ def _fit(model, x, y, **dp_args):
 @pytest.mark.slow
 @pytest.mark.parametrize("divisor", [None, 16])
 def test_dp_model_fit_without_noise_equals_one_device(divisor):
-    strategy = _strategy()
+    strategy = mirrored_strategy()
     model, single = _twins(strategy)
     x, y = np.concatenate([_data(0)[0], _data(1)[0]]), np.concatenate([_data(0)[1], _data(1)[1]])
     args = dict(l2_norm_clip=0.5, noise_multiplier=0.0, expected_batch_size=divisor, num_examples=2 * B, seed=1)
@@ -273,7 +254,7 @@ def test_dp_model_fit_without_noise_equals_one_device(divisor):
 
 @pytest.mark.slow
 def test_dp_model_adaptive_clipping_under_strategy_tracks_one_device():
-    strategy = _strategy()
+    strategy = mirrored_strategy()
     model, single = _twins(strategy)
     x, y = _data()
     adaptive = peg.dp.AdaptiveClipping(target_quantile=0.5, learning_rate=0.3, clipped_count_stddev=1e-4)
@@ -288,7 +269,7 @@ def test_dp_model_adaptive_clipping_under_strategy_tracks_one_device():
 
 
 def test_gradient_statistics_under_scope_equal_one_device():
-    strategy = _strategy()
+    strategy = mirrored_strategy()
     model, single = _twins(strategy)
     x, y = _data()
     with strategy.scope():
@@ -305,7 +286,7 @@ def test_gradient_statistics_under_scope_equal_one_device():
 @pytest.mark.slow
 def test_embedding_model_sparse_sums_under_strategy_equal_one_device():
     """An embedding table's clipped sum is an IndexedSlices: all-reduced by the optimizer, scatter-added by the accumulator."""
-    strategy = _strategy()
+    strategy = mirrored_strategy()
 
     def text_net():
         return keras.Sequential(
@@ -356,7 +337,7 @@ def test_correlated_noise_under_strategy_is_c_inverse_of_the_summed_draws():
     """Each replica correlates its own share; the all-reduced noise is C^{-1} of the all-reduced fresh draws."""
     from per_example_grads.dp.aggregator import ClippedSum, DPAggregator
 
-    strategy = _strategy()
+    strategy = mirrored_strategy()
     mechanism, n, size = peg.dp.BandMF(bands=3, num_steps=6), 6, 512
     with strategy.scope():
         aggregators = [
@@ -391,7 +372,7 @@ def test_dp_model_per_unit_clips_a_unit_split_between_replicas_once():
 
     Reference: one-row tapes on one device, summed per unit, clipped, SGD by hand.
     """
-    strategy = _strategy()
+    strategy = mirrored_strategy()
     model, single = _twins(strategy)
     sizes = [3, 2, 4, 3, 2, 2]  # 16 rows, 8 per replica: unit 2 (rows 5..8) straddles the shards
     ids = np.repeat(np.arange(len(sizes)) + 10, sizes)
@@ -443,7 +424,7 @@ def test_whole_units_on_replicas_refuses_float_unit_ids():
     """Float ids are refused, naming unit_ids, before the all-gather's int64 cast could merge two units."""
     from per_example_grads.dp.aggregator import whole_units_on_replicas
 
-    strategy = _strategy()
+    strategy = mirrored_strategy()
     x = tf.zeros([4, 3])
     with pytest.raises(TypeError, match="unit_ids must be integers"):
         strategy.run(lambda: whole_units_on_replicas(x, None, None, tf.constant([1.2, 1.7, 2.0, 3.0])))
@@ -459,7 +440,7 @@ def test_private_gradients_clip_a_unit_split_between_replicas_once():
 
     Reference: the single-device private_gradients of the whole batch, noise-free; the replicas' shares sum to it.
     """
-    strategy = _strategy()
+    strategy = mirrored_strategy()
     model, single = _twins(strategy)
     x, y = _data()
     ids = np.repeat(np.arange(4) + 10, [3, 7, 4, 2])  # 16 rows, 8 per replica: unit 11 (rows 3..9) straddles them
@@ -502,7 +483,7 @@ def test_private_gradients_clip_a_unit_split_between_replicas_once():
 @pytest.mark.parametrize("privacy_unit", ["example", "unit"])
 def test_dp_model_fits_poisson_batches_of_a_size_the_replicas_do_not_divide(privacy_unit):
     """Batches of M = 17 rows on 2 replicas failed in Keras's first build; padded with masked rows they train as on one device."""
-    strategy = _strategy()
+    strategy = mirrored_strategy()
     model, single = _twins(strategy)
     x, y = _data()
     units = dict(unit_ids=np.repeat(np.arange(6) + 10, [3, 2, 4, 3, 2, 2])) if privacy_unit == "unit" else {}
@@ -533,7 +514,7 @@ def test_dp_model_fits_poisson_batches_of_a_size_the_replicas_do_not_divide(priv
 @pytest.mark.slow
 def test_dp_model_keeps_a_cyclic_partition_under_a_strategy_across_fits():
     """BandMF on cyclic batches of odd M under 2 replicas: the second, unseeded dataset takes the run's partition."""
-    strategy = _strategy()
+    strategy = mirrored_strategy()
     model, _ = _twins(strategy)
     x, y = _data()
     x[:, 0] = np.arange(B)  # row i is recognisable by its first input

@@ -78,7 +78,7 @@ BLOCKS = readme_python_blocks(README.read_text())
 SUBPROCESS: dict[str, str] = {
     "Scaling out (tf.distribute) #0": (
         "it creates a MirroredStrategy: a second strategy in one process shares collective instance keys "
-        "with the first (tests/test_distribute_mirrored.py::_strategy), and a later test's all-reduce "
+        "with the first (tests/helpers.py::mirrored_strategy), and a later test's all-reduce "
         "then meets this one's and aborts"
     ),
 }

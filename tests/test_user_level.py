@@ -215,8 +215,12 @@ def _unit_dp(**options):
 @pytest.mark.parametrize(
     "make, data, match",
     [
-        (lambda: _unit_dp(), lambda x, y: poisson_batches(x, y, sampling_probability=Q), "has no unit ids"),
-        (lambda: _unit_dp(), lambda x, y: (x, y), "has no unit ids"),
+        (
+            lambda: _unit_dp(),
+            lambda x, y: poisson_batches(x, y, sampling_probability=Q),
+            "privacy_unit='unit' cannot be combined with data without unit ids",
+        ),
+        (lambda: _unit_dp(), lambda x, y: (x, y), "privacy_unit='unit' cannot be combined with data without unit ids"),
         (
             lambda: peg.keras.DPModel(_net(), l2_norm_clip=CLIP, noise_multiplier=SIGMA),
             lambda x, y: poisson_batches(x, y, unit_ids=np.arange(N_ROWS) // 4, sampling_probability=Q),
@@ -232,12 +236,13 @@ def _unit_dp(**options):
             lambda x, y: poisson_batches(
                 x, y, unit_ids=np.arange(N_ROWS) // 4, rows_per_unit=3, sampling_probability=Q
             ),
-            "rows_per_unit=3 rows, more than physical_batch_size=2",
+            "physical_batch_size=2 cannot be combined with units of up to rows_per_unit=3 rows",
         ),
         (
             lambda: _unit_dp(mechanism=peg.dp.BandMF(bands=2, num_steps=2)),
             lambda x, y: poisson_batches(x, y, unit_ids=np.arange(N_ROWS) // 4, sampling_probability=Q),
-            "cycle_length=1, but DPModel's BandMF mechanism is accounted for cycle_length=2",
+            r"the BandMF mechanism \(accounted for cycle_length=2\) cannot be combined with a poisson_batches "
+            "dataset of cycle_length=1",
         ),
     ],
 )
@@ -251,7 +256,7 @@ def test_dp_model_refuses_unit_mismatches(make, data, match):
 def test_dp_model_refuses_bad_privacy_unit_settings():
     with pytest.raises(ValueError, match="privacy_unit must be one of 'example', 'unit'; got 'user'"):
         peg.keras.DPModel(_net(), noise_multiplier=1.0, privacy_unit="user")
-    with pytest.raises(ValueError, match="adaptive_clipping is not available with privacy_unit='unit'"):
+    with pytest.raises(ValueError, match="DPModel: privacy_unit='unit' cannot be combined with adaptive_clipping"):
         peg.keras.DPModel(
             _net(), noise_multiplier=1.0, privacy_unit="unit", adaptive_clipping=peg.dp.AdaptiveClipping()
         )
@@ -380,7 +385,7 @@ def test_dp_model_per_unit_refuses_xla():
     assert dp.jit_compile is False  # "auto" resolves to no XLA per unit
     dp.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
     x, y = _xy()
-    with pytest.raises(ValueError, match="does not train under XLA"):
+    with pytest.raises(ValueError, match=r"privacy_unit='unit' cannot be combined with XLA \(jit_compile=True\)"):
         dp.fit(poisson_batches(x, y, unit_ids=np.arange(N_ROWS) // 4, sampling_probability=Q), verbose=0)
 
 
@@ -479,7 +484,7 @@ def test_accumulator_per_unit_equals_the_one_unit_loop_and_refuses_a_cut_unit():
     plain = peg.dp.GradientAccumulator(net, sparse_ce, l2_norm_clip=CLIP, noise_multiplier=0.0, expected_batch_size=1.0)
     with pytest.raises(ValueError, match=r"unit_ids needs GradientAccumulator\(..., privacy_unit='unit'\)"):
         plain.accumulate(x, y, unit_ids=BATCH_IDS)
-    with pytest.raises(ValueError, match="privacy_unit='unit' needs DP mode"):
+    with pytest.raises(ValueError, match=r"privacy_unit='unit' cannot be combined with plain mode \(no l2_norm_clip\)"):
         peg.dp.GradientAccumulator(net, sparse_ce, privacy_unit="unit")
 
 

@@ -52,6 +52,7 @@ from per_example_grads._core import replicas
 from per_example_grads._core.arguments import check_choice
 from per_example_grads._core.batch import batch_size, make_batch, unless_empty
 from per_example_grads._core.problem import make_problem
+from per_example_grads.dp import composition
 from per_example_grads.dp.aggregator import ClippedSum, DPAggregator, add_regularization, regularization_gradients
 from per_example_grads.dp.applied_steps import AppliedSteps
 from per_example_grads.dp.noise import NoiseSeed
@@ -146,13 +147,18 @@ class GradientAccumulator(tf.Module):
         super().__init__(name="gradient_accumulator")
         check_choice("privacy_unit", privacy_unit, ("example", "unit"))
         self.privacy_unit = privacy_unit
-        if privacy_unit == "unit" and l2_norm_clip is None:
-            raise ValueError(
-                "privacy_unit='unit' needs DP mode (l2_norm_clip): without clipping, units change nothing."
+        check_sparse_embeddings(sparse_embeddings)
+        composition.check(
+            composition.Parts(
+                "GradientAccumulator",
+                mechanism=mechanism,
+                private=l2_norm_clip is not None,
+                per_layer=composition.per_layer(l2_norm_clip),
+                units=privacy_unit == "unit",
+                sparse=sparse_embeddings is not None,
+                replicas=tf.distribute.get_strategy().num_replicas_in_sync,
             )
-        check_sparse_embeddings(sparse_embeddings, privacy_unit)
-        if sparse_embeddings is not None and l2_norm_clip is None:
-            raise ValueError("sparse_embeddings needs DP mode (l2_norm_clip): it is a noise mechanism.")
+        )
         self._problem = make_problem(model, loss_fn, variables, training, False)
         self._model, self._loss_fn = model, loss_fn
         self.private = l2_norm_clip is not None
@@ -178,10 +184,7 @@ class GradientAccumulator(tf.Module):
             self.aggregator.attach(self.variables_)
             if sparse_embeddings is not None:
                 self.aggregator.sparse = sparse_embeddings.bind(
-                    model,
-                    self.variables_,
-                    noise_multiplier=self.aggregator.noise_multiplier,
-                    mechanism=self.aggregator.mechanism,
+                    model, self.variables_, noise_multiplier=self.aggregator.noise_multiplier
                 )
         else:
             dp_only = dict(
@@ -212,20 +215,9 @@ class GradientAccumulator(tf.Module):
             self.sums = [tf.Variable(tf.zeros(v.shape, v.dtype), name="sum", **local) for v in self.variables_]
             self.count = tf.Variable(0.0, name="count", **local)
             if privacy_unit == "unit":
-                if self.strategy.num_replicas_in_sync > 1:
-                    raise ValueError(
-                        "GradientAccumulator(privacy_unit='unit') does not run under a strategy with several "
-                        "replicas (a unit's rows could be clipped in parts on two replicas): use "
-                        "DPModel(privacy_unit='unit'), which keeps units whole across replicas."
-                    )
                 # the units of this logical batch so far: one unit in two micro-batches is refused
                 self._seen_units = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, 0, name="seen_units")
             if sparse_embeddings is not None:
-                if self.strategy.num_replicas_in_sync > 1:
-                    raise ValueError(
-                        "GradientAccumulator(sparse_embeddings=...) does not run under a strategy with several "
-                        "replicas: use DPModel(sparse_embeddings=...)."
-                    )
                 # the logical batch's (keys, counts) so far, keys in order of first lookup (saved with the sums)
                 self.sparse_keys = tf.Variable(
                     tf.zeros([0], tf.int64), shape=tf.TensorShape([None]), trainable=False, name="sparse_keys"

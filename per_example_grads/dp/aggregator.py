@@ -63,6 +63,7 @@ from per_example_grads._core.example_ops import in_dtype
 from per_example_grads._core.xla_context import in_xla_context
 from per_example_grads.clipping import clipped_sums_and_predictions, dense_sums
 from per_example_grads.dp import adaptive as adaptive_clipping
+from per_example_grads.dp import composition
 from per_example_grads.dp.accounting import adaptive_clipping_noise_multiplier
 from per_example_grads.dp.mechanisms import NoiseMechanism, check_mechanism, fingerprint, fingerprint_name
 from per_example_grads.dp.noise import NoiseSeed, gaussian_like, noise_source
@@ -338,11 +339,15 @@ class DPAggregator(keras.layers.Layer):
     ):
         super().__init__(name=name)
         self.mechanism = check_mechanism(mechanism)
-        if self.mechanism.correlated and adaptive_clipping is not None:
-            raise ValueError(
-                f"adaptive_clipping cannot be combined with the correlated {type(self.mechanism).__name__} "
-                "mechanism: its noise mixes the draws of several steps, whose std would differ as the clip norm moves."
+        composition.check(
+            composition.Parts(
+                "DPAggregator",
+                mechanism=self.mechanism,
+                adaptive=adaptive_clipping is not None,
+                per_layer=composition.per_layer(l2_norm_clip),
+                chunks=physical_batch_size,
             )
+        )
         if adaptive_clipping is not None:
             l2_norm_clip = adaptive_clipping.initial_l2_norm_clip
         clip, sigma, self.expected_batch_size = check_dp_arguments(l2_norm_clip, noise_multiplier, expected_batch_size)
@@ -351,8 +356,6 @@ class DPAggregator(keras.layers.Layer):
         self.method, self.training = method, training
         if physical_batch_size is not None:
             physical_batch_size = check_positive_int("physical_batch_size", physical_batch_size)
-            if not isinstance(clip, float) and not tf.is_tensor(clip):
-                raise ValueError("physical_batch_size supports a single (flat) l2_norm_clip.")
         self.physical_batch_size = physical_batch_size
         self.adaptive = adaptive_clipping
         if adaptive_clipping is not None:
@@ -605,8 +608,8 @@ class DPAggregator(keras.layers.Layer):
                 "sparse embedding noise needs the rows each example looked up, which DPAggregator.clipped_sum "
                 "counts (in a DPModel step or a GradientAccumulator(sparse_embeddings=...)): release got bare sums."
             )
-        if self.canaries is not None:
-            raise ValueError("a privacy audit's canaries assume the dense release; audit without sparse_embeddings.")
+        if self.canaries is not None:  # attached by hand (audit() refuses the pairing up front)
+            composition.check(composition.Parts("DPAggregator", sparse=True, audit="gradient"))
         sparse = self.sparse
         selected = sparse.selected_rows(*clipped.selection, self._noise, step)
         rows = sparse.release(sums, selected, total_clip(clip), divisor, self._noise, step)

@@ -111,6 +111,7 @@ import tensorflow as tf
 
 from per_example_grads._core import model_inspection, replicas
 from per_example_grads._core.xla_context import in_xla_context
+from per_example_grads.dp import composition
 from per_example_grads.dp.noise import standard_normal
 
 # Folded into the step's noise key: the counts' and the selected rows' draws
@@ -175,57 +176,32 @@ class SparseEmbeddings:
         if self.ids_fn is not None and not callable(self.ids_fn):
             raise TypeError(f"ids_fn must be callable or None; got {type(self.ids_fn).__name__}.")
 
-    def bind(
-        self,
-        model: Any,
-        variables: Sequence,
-        *,
-        noise_multiplier: float,
-        mechanism: Any = None,
-        adaptive_clipping: Any = None,
-    ) -> "SparseSelection":
-        """The step's selection for ``model``'s tables among ``variables``, checked against the rest of the DP step.
+    def bind(self, model: Any, variables: Sequence, *, noise_multiplier: float) -> "SparseSelection":
+        """The step's selection for ``model``'s tables among ``variables``.
+
+        Which other parts of a DP step it combines with is checked by the
+        owner (``per_example_grads.dp.composition``).
 
         Raises:
-          ValueError: a correlated mechanism or adaptive clipping, a table
+          ValueError: a table
             that is tied, not an embedding or not trained, no table at all,
             or (without ``ids_fn``) a model whose calls of a table cannot be
             read from its graph.
         """
-        if mechanism is not None and getattr(mechanism, "correlated", False):
-            raise ValueError(
-                f"sparse_embeddings cannot be combined with the correlated {type(mechanism).__name__} mechanism: "
-                "its noise mixes the draws of several steps, and a step's row selection would then depend on "
-                "earlier gradient noise, which the one-Gaussian-mechanism accounting of the selection does not cover."
-            )
-        if adaptive_clipping is not None:
-            raise ValueError(
-                "sparse_embeddings cannot be combined with adaptive_clipping: both split the noise budget, and "
-                "their composition is not accounted. Use a fixed l2_norm_clip."
-            )
         layers = _tables(model, variables, self.tables)
         return SparseSelection(self, model, layers, variables, float(noise_multiplier))
 
 
-def check_sparse_embeddings(sparse_embeddings: Any, privacy_unit: str) -> None:
-    """Refuses a ``sparse_embeddings=`` setting that no DP step can run (DPModel's and GradientAccumulator's).
+def check_sparse_embeddings(sparse_embeddings: Any) -> None:
+    """Refuses a ``sparse_embeddings=`` that is neither None nor a ``SparseEmbeddings`` (DPModel's and GradientAccumulator's).
 
     Raises:
-      TypeError: ``sparse_embeddings`` neither None nor a ``SparseEmbeddings``.
-      ValueError: ``privacy_unit`` other than ``"example"``: the noisy lookup
-        counts bound one example's contribution, not one unit's.
+      TypeError: as said.
     """
-    if sparse_embeddings is None:
-        return
-    if not isinstance(sparse_embeddings, SparseEmbeddings):
+    if sparse_embeddings is not None and not isinstance(sparse_embeddings, SparseEmbeddings):
         raise TypeError(
             "sparse_embeddings must be a per_example_grads.dp.sparse_embeddings.SparseEmbeddings or None; "
             f"got {sparse_embeddings!r}."
-        )
-    if privacy_unit != "example":
-        raise ValueError(
-            "sparse_embeddings needs privacy_unit='example': its noisy lookup counts bound one example's "
-            "contribution, not one unit's."
         )
 
 
@@ -477,11 +453,8 @@ class SparseSelection:
         return out
 
     def check_context(self) -> None:
-        if in_xla_context():
-            raise ValueError(
-                "sparse_embeddings does not run under XLA (jit_compile=True): the number of selected rows varies "
-                "from step to step. Compile with jit_compile=False."
-            )
+        """Refuses a step being compiled with XLA (``composition``)."""
+        composition.check(composition.Parts("the DP step", sparse=True, xla=in_xla_context()))
 
 
 def _member(sorted_ids: tf.Tensor, ids: tf.Tensor) -> tf.Tensor:

@@ -15,7 +15,7 @@ from per_example_grads._core.arguments import check_choice, check_positive_int
 from per_example_grads._core.losses import as_per_example_loss
 from per_example_grads._core.xla_context import in_xla_context
 from per_example_grads.dp import adaptive as adaptive_clipping
-from per_example_grads.dp import validation
+from per_example_grads.dp import composition, validation
 from per_example_grads.dp.accounting import PrivacyAccountant, check_run_delta
 from per_example_grads.dp.aggregator import DPAggregator, whole_units_on_replicas
 from per_example_grads.dp.budget import PrivacyBudget
@@ -261,10 +261,19 @@ class DPModel(keras.Model):
     ):
         super().__init__(**kwargs)
         check_choice("privacy_unit", privacy_unit, ("example", "unit"))
-        check_sparse_embeddings(sparse_embeddings, privacy_unit)
-        if privacy_unit == "unit" and adaptive_clipping is not None:
-            raise ValueError("adaptive_clipping is not available with privacy_unit='unit': give a fixed l2_norm_clip.")
+        check_sparse_embeddings(sparse_embeddings)
         self.privacy_unit = privacy_unit
+        parts = composition.Parts(
+            "DPModel",
+            mechanism=mechanism,
+            adaptive=adaptive_clipping is not None,
+            per_layer=composition.per_layer(l2_norm_clip),
+            units=privacy_unit == "unit",
+            chunks=physical_batch_size,
+            sparse=sparse_embeddings is not None,
+        )
+        composition.check(parts)  # before any part is built (a mechanism, once attached, is this run's)
+        self._parts = parts
         if budget is not None and not isinstance(budget, PrivacyBudget):
             raise TypeError(f"budget must be a peg.dp.PrivacyBudget or None; got {type(budget).__name__} {budget!r}.")
         self.budget = budget
@@ -287,11 +296,7 @@ class DPModel(keras.Model):
         self.aggregator.attach(model.trainable_variables)
         if sparse_embeddings is not None:
             self.aggregator.sparse = sparse_embeddings.bind(
-                model,
-                model.trainable_variables,
-                noise_multiplier=self.aggregator.noise_multiplier,
-                mechanism=self.aggregator.mechanism,
-                adaptive_clipping=adaptive_clipping,
+                model, model.trainable_variables, noise_multiplier=self.aggregator.noise_multiplier
             )
         self.model = model
         self.num_examples = None if num_examples is None else check_positive_int("num_examples", num_examples)
@@ -354,8 +359,8 @@ class DPModel(keras.Model):
         if isinstance(metrics, (list, tuple)):
             weighted_metrics = list(weighted_metrics or []) + list(metrics)
             metrics = None
-        if self.privacy_unit == "unit" and kwargs.get("jit_compile", "auto") == "auto":
-            kwargs["jit_compile"] = False  # the grouped clipped sums do not compile with XLA (see fit)
+        if (self._parts.units or self._parts.sparse) and kwargs.get("jit_compile", "auto") == "auto":
+            kwargs["jit_compile"] = False  # parts that do not compile with XLA (dp.composition)
         super().compile(
             optimizer=optimizer,
             loss=loss,
@@ -480,21 +485,26 @@ class DPModel(keras.Model):
 
     def _sampling_of(self, x, batch_size, validation_split: float) -> _FitSampling:
         source = getattr(x, "pegrad_sampling", None) if isinstance(x, tf.data.Dataset) else None
-        self._check_privacy_unit(source)
+        sampling = composition.Sampling(poisson=False)
+        if source is not None:
+            sampling = composition.Sampling(
+                poisson=True,
+                cycle_length=source.cycle_length,
+                units=source.privacy_unit == "unit",
+                rows_per_unit=source.rows_per_unit,
+            )
+        composition.check(
+            dataclasses.replace(
+                self._parts,
+                mechanism=self.mechanism,
+                sampling=sampling,
+                xla=bool(getattr(self, "jit_compile", False)),
+                replicas=self.distribute_strategy.num_replicas_in_sync,
+            )
+        )
+        if source is not None and source.privacy_unit == "unit":
+            self._check_num_units(source)
         cycle = self.mechanism.cycle_length
-        if source is None and (cycle > 1 or self.mechanism.correlated):
-            raise ValueError(
-                f"DPModel with the {type(self.mechanism).__name__} mechanism trains only on "
-                f"peg.dp.poisson_batches(x, y, sampling_probability=q, cycle_length={cycle}): its accounting "
-                "needs every example's participations at least cycle_length steps apart, which other data "
-                "does not guarantee."
-            )
-        if source is not None and source.cycle_length != cycle:
-            raise ValueError(
-                f"the poisson_batches dataset has cycle_length={source.cycle_length}, but DPModel's "
-                f"{type(self.mechanism).__name__} mechanism is accounted for cycle_length={cycle}: "
-                f"resample with poisson_batches(..., cycle_length={cycle})."
-            )
         if source is None:
             rows = rows_of_fit_data(x, batch_size, validation_split)
             self._check_num_examples(rows.total, rows.what)
@@ -534,42 +544,14 @@ class DPModel(keras.Model):
             poisson=True, sampling_probability=q, divisor=divisor, source=source, rows_per_unit=source.rows_per_unit
         )
 
-    def _check_privacy_unit(self, source: PoissonSampling | None) -> None:
-        """Refuses data whose sampling is not over this DPModel's privacy unit (class docstring)."""
-        sampled = "example" if source is None else source.privacy_unit
-        if self.privacy_unit == "example":
-            if sampled == "unit":
-                raise ValueError(
-                    "the poisson_batches dataset samples units (it was given unit_ids), but DPModel has "
-                    "privacy_unit='example': its steps would clip rows, not units. Give "
-                    "DPModel(..., privacy_unit='unit'), or sample rows (poisson_batches without unit_ids)."
-                )
-            return
-        if sampled != "unit":
-            raise ValueError(
-                "DPModel(privacy_unit='unit') trains only on peg.dp.poisson_batches(x, y, unit_ids=..., "
-                "rows_per_unit=k, sampling_probability=q): the data given has no unit ids, so neither its "
-                "steps could clip per unit nor epsilon() count units."
-            )
-        if getattr(self, "jit_compile", False):
-            raise ValueError(
-                "DPModel(privacy_unit='unit') does not train under XLA: compile it with jit_compile=False "
-                "(the engine's grouped clipped sums have data-dependent shapes)."
-            )
+    def _check_num_units(self, source: PoissonSampling) -> None:
+        """Refuses a ``num_examples`` other than the number of units a unit-level dataset samples."""
         if self.num_examples is not None and self.num_examples != source.num_examples:
             raise ValueError(
                 f"DPModel(privacy_unit='unit') has num_examples={self.num_examples}, but the dataset samples "
                 f"{source.num_examples} units (from {source.num_rows} rows): num_examples must be the number "
                 "of units, over which epsilon() is accounted. Leave it out (it is taken from the data) or give "
                 f"num_examples={source.num_examples}."
-            )
-        p = self.aggregator.physical_batch_size
-        if p is not None and source.rows_per_unit > p:
-            raise ValueError(
-                f"the dataset's units bring up to rows_per_unit={source.rows_per_unit} rows, more than "
-                f"physical_batch_size={p}: a physical chunk holds whole units (a unit's gradient is summed "
-                f"before it is clipped). Give physical_batch_size >= {source.rows_per_unit}, or resample with "
-                f"a smaller rows_per_unit."
             )
 
     def _keep_partition(self, source: PoissonSampling) -> None:
@@ -739,6 +721,7 @@ class DPModel(keras.Model):
     # never converts), also where a caller's own tf.function traces it.
     @tf.autograph.experimental.do_not_convert
     def train_step(self, data):
+        composition.check(dataclasses.replace(self._parts, xla=in_xla_context()))  # also a custom loop's trace
         x, y, sample_weight, unit_ids = self._unpack(data)
         if unit_ids is not None:  # several replicas: every unit clipped whole on one of them
             x, y, sample_weight, unit_ids = whole_units_on_replicas(x, y, sample_weight, unit_ids)

@@ -207,13 +207,11 @@ class GradientCanaries:
     # -- the hook -----------------------------------------------------------
 
     def _check_replicas(self) -> None:
+        """Refuses a release under several replicas (``audit()`` refuses it up front; canaries attached by hand here)."""
         from per_example_grads._core import replicas
+        from per_example_grads.dp import composition
 
-        if replicas.num_replicas() > 1:
-            raise ValueError(
-                "gradient canaries audit single-process runs: under tf.distribute each replica would add "
-                "them, and read only its share of the noise."
-            )
+        composition.check(composition.Parts("GradientCanaries", audit="gradient", replicas=replicas.num_replicas()))
 
     def insert(self, sums: list, *, step, l2_norm_clip, sampling_probability=None) -> list:
         """``sums`` plus ``l2_norm_clip * u_j`` for every canary that joins step ``step`` (included, its turn, sampled)."""

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from per_example_grads.dp import composition
 from per_example_grads.dp.audit import statistics
 from per_example_grads.dp.audit.auditor import CanaryScoreAuditor, OneRunBound, ThresholdBound
 from per_example_grads.dp.audit.canaries import GradientCanaries, InputCanaries
@@ -387,12 +388,14 @@ def audit(
         raise TypeError(
             f"canaries must be peg.dp.audit.GradientCanaries or InputCanaries; got {type(canaries).__name__}."
         )
-    if dp_model.privacy_unit != "example":
-        raise ValueError(
-            f"audit() audits example-level privacy, and dp_model has privacy_unit={dp_model.privacy_unit!r}: its "
-            "canaries are single examples, while the model's epsilon is per unit, which they do not measure. "
-            "Audit a DPModel with privacy_unit='example' (the same network and noise), or audit by hand."
+    composition.check(
+        dataclasses.replace(
+            dp_model._parts,
+            owner="audit",
+            audit="gradient" if isinstance(canaries, GradientCanaries) else "input",
+            replicas=dp_model.distribute_strategy.num_replicas_in_sync,
         )
+    )
     if getattr(dp_model, "optimizer", None) is None or getattr(dp_model, "loss", None) is None:
         raise ValueError("compile dp_model (optimizer and loss) before auditing it.")
     delta = statistics._probability("delta", delta, closed_low=False)
