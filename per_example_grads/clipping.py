@@ -95,7 +95,7 @@ def clipped_gradients(
       ``tape.gradient``): ``optimizer.apply_gradients`` takes it as is, and
       ``tf.convert_to_tensor`` (or ``dense_sums``) makes it a dense tensor.
 
-    Example:
+    Examples:
       >>> import keras, numpy as np
       >>> import per_example_grads as peg
       >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])

@@ -81,7 +81,7 @@ def per_example_gradients(
     Raises:
       ValueError, TypeError: for bad inputs, naming the argument.
 
-    Example:
+    Examples:
       >>> import keras, numpy as np
       >>> import per_example_grads as peg
       >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
@@ -156,7 +156,7 @@ def per_example_norms(
       ``[B]`` global norms (float32), or with ``by_variable=True`` a list of
       ``[B]`` tensors aligned with the variables (``[U]`` with ``unit_ids``).
 
-    Example:
+    Examples:
       >>> import keras, numpy as np
       >>> import per_example_grads as peg
       >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])

@@ -118,7 +118,7 @@ class PerExampleSlices(tf.experimental.ExtensionType):
       values: ``[B, T, *row]``: the gradient at each looked-up row.
       table_shape: ``[V, *row]``: the table's (the variable's) shape.
 
-    Example:
+    Examples:
       >>> s = PerExampleSlices(tf.constant([[0, 0], [2, 1]]), tf.ones([2, 2, 1]), tf.TensorShape([3, 1]))
       >>> s.to_dense()[:, :, 0].numpy()
       array([[2., 0., 0.],

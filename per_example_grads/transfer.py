@@ -64,7 +64,7 @@ def import_gradients(
       ValueError: listing every missing or unexpected name (or a count that
         differs), and every mismatched shape or dtype.
 
-    Example:
+    Examples:
       >>> import keras
       >>> worker = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
       >>> server = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])

@@ -30,7 +30,7 @@ def per_variable_norms(grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     Returns:
       list of ``[B]`` tensors.
 
-    Example:
+    Examples:
       >>> g = [tf.constant([[3.0, 4.0], [0.0, 1.0]])]
       >>> per_variable_norms(g)[0].numpy()
       array([5., 1.], dtype=float32)
@@ -49,7 +49,7 @@ def global_norms(grads: Sequence[tf.Tensor]) -> tf.Tensor:
     Returns:
       ``[B]``.
 
-    Example:
+    Examples:
       >>> g = [tf.constant([[3.0], [0.0]]), tf.constant([[4.0], [2.0]])]
       >>> global_norms(g).numpy()
       array([5., 2.], dtype=float32)
@@ -77,7 +77,7 @@ def clip_by_global_norm(grads: Sequence[tf.Tensor], l2_norm_clip: float) -> tupl
       ``(clipped, norms)``: clipped is a list shaped like ``grads``; norms is
       ``[B]``, the norms before clipping.
 
-    Example:
+    Examples:
       >>> g = [tf.constant([[3.0, 4.0], [0.3, 0.4]])]
       >>> clipped, norms = clip_by_global_norm(g, 1.0)
       >>> clipped[0].numpy()

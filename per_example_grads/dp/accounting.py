@@ -231,7 +231,7 @@ class PrivacyAccountant:
         mechanisms run on the same batch at every step, e.g. ``[2 * sigma_b]``
         for adaptive clipping's centred count.
 
-    Example:
+    Examples:
       >>> acc = PrivacyAccountant(1.1, 256 / 60_000, accountant="rdp")
       >>> acc.step(1000)
       >>> acc.steps
@@ -446,7 +446,7 @@ def dp_sgd_schedule(
       ValueError: both ``epochs`` and ``steps``, or a ``sampling_probability``
         that disagrees with ``batch_size / num_examples``, or values out of range.
 
-    Example:
+    Examples:
       >>> dp_sgd_schedule(60_000, 256, 60)
       (0.004266666666666667, 14063)
     """
@@ -529,7 +529,7 @@ def compute_epsilon(
         ``MAX_STEPS`` steps; an RDP fallback that answers 0 (its numerics
         failing); or any argument out of range (named).
 
-    Example:
+    Examples:
       >>> eps = compute_epsilon(60_000, 256, 60, 1.1, 1e-5, accountant="rdp")
       >>> 2 < eps < 4
       True
@@ -602,7 +602,7 @@ def noise_multiplier_for_epsilon(
         ``SEARCH_MAX_SECONDS`` (the message gives the RDP accountant's
         answer); and for the arguments ``compute_epsilon`` refuses.
 
-    Example:
+    Examples:
       >>> sigma = noise_multiplier_for_epsilon(2.0, 1e-5, 60_000, 256, 5, accountant="rdp")
       >>> compute_epsilon(60_000, 256, 5, sigma, 1e-5, accountant="rdp") <= 2.0
       True
@@ -826,7 +826,7 @@ def adaptive_clipping_noise_multiplier(
       expected_batch_size: only used for that default; the formula itself
         does not depend on the batch size.
 
-    Example:
+    Examples:
       >>> round(adaptive_clipping_noise_multiplier(1.0, 5.0), 4)
       1.005
     """

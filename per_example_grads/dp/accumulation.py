@@ -116,7 +116,7 @@ class GradientAccumulator(tf.Module):
         an accountant counts), else the logical batches applied.
       strategy: the ``tf.distribute`` strategy in scope when it was created.
 
-    Example:
+    Examples:
       >>> import keras, numpy as np
       >>> import per_example_grads as peg
       >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])

@@ -29,7 +29,7 @@ class AppliedSteps(tf.Module):
     Attributes:
       count: scalar int64 ``tf.Variable``, steps applied (or started) so far.
 
-    Example:
+    Examples:
       >>> import keras, numpy as np
       >>> import per_example_grads as peg
       >>> net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])

@@ -50,7 +50,7 @@ class PrivacyBudget:
       rtol: how far below the largest allowed number of steps the answer
         may fall, relatively (default 1%).
 
-    Example:
+    Examples:
       >>> budget = PrivacyBudget(epsilon=2.0, delta=1e-5, accountant="rdp")
       >>> steps = budget.max_steps(noise_multiplier=1.1, sampling_probability=0.01)
       >>> from per_example_grads.dp.accounting import compute_epsilon

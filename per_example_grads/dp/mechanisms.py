@@ -126,7 +126,7 @@ class NoiseMechanism(keras.layers.Layer):
 class GaussianNoise(NoiseMechanism):
     """Independent noise at every step (DP-SGD, ``C = I``): ``x_t = z_t``.
 
-    Example:
+    Examples:
       >>> GaussianNoise().accounted_as(1.1, 0.01, 500)
       (1.1, 0.01, 500)
     """
@@ -271,7 +271,7 @@ class BandMF(_BufferedMechanism):
       cycle_length: the ``poisson_batches`` cycle the run uses; at least
         ``bands`` (default ``bands``).
 
-    Example:
+    Examples:
       >>> m = BandMF(bands=4, num_steps=64)
       >>> m.coefficients.shape, round(float(np.linalg.norm(m.coefficients)), 6)
       ((4,), 1.0)

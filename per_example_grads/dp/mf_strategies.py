@@ -224,7 +224,7 @@ def inverse_coefficients(coefficients: np.ndarray, n: int) -> np.ndarray:
     Raises:
       TypeError, ValueError: naming the argument that is not as above.
 
-    Example:
+    Examples:
       >>> inverse_coefficients([1.0, -1.0], 4)  # C = I - shift; its inverse is A
       array([1., 1., 1., 1.])
       >>> inverse_coefficients([1.0, 0.5], 4)  # 1 / (1 + z / 2)
@@ -256,7 +256,7 @@ def prefix_sum_error(coefficients: np.ndarray, n: int) -> float:
       coefficients: 1-D real array-like, finite, ``c_0 > 0``.
       n: the number of steps (positive int).
 
-    Example:
+    Examples:
       >>> prefix_sum_error([1.0], 3)  # DP-SGD: sqrt((n + 1) / 2)
       1.4142135623730951
       >>> prefix_sum_error(np.ones(5), 5)  # C = A: exact prefix sums, error 1
@@ -423,7 +423,7 @@ def sensitivity(coefficients: np.ndarray, n: int, *, min_separation: int, max_pa
       TypeError, ValueError: an argument is not as above (the message names
         it), or point 4.
 
-    Example:
+    Examples:
       >>> sensitivity([1.0], 10, min_separation=3, max_participations=4)  # DP-SGD: sqrt(k)
       2.0
       >>> # Two bands, consecutive steps allowed: columns 0 and 1 overlap on one row.
@@ -617,7 +617,7 @@ def banded_coefficients(num_steps: int, bands: int) -> np.ndarray:
     Raises:
       TypeError, ValueError: an argument not as above (the message names it).
 
-    Example:
+    Examples:
       >>> banded_coefficients(100, 1)
       array([1.])
       >>> c = banded_coefficients(64, 8)  # cached: the module's example computed it
@@ -703,7 +703,7 @@ def blt_parameters(
     Raises:
       TypeError, ValueError: an argument not as above (the message names it).
 
-    Example:
+    Examples:
       >>> n = 64  # one participation: DP-SGD's sensitivity * error is sqrt((n + 1) / 2)
       >>> theta, omega = blt_parameters(n, 2, min_separation=n, max_participations=1)
       >>> theta.shape, bool(np.all((0 < theta) & (theta < 1))), bool(np.all(omega > 0))
@@ -734,7 +734,7 @@ def blt_coefficients(theta: np.ndarray, omega: np.ndarray, n: int) -> np.ndarray
     Raises:
       TypeError, ValueError: naming the argument that is not as above.
 
-    Example:
+    Examples:
       >>> blt_coefficients([0.5], [0.25], 5)
       array([1.     , 0.25   , 0.125  , 0.0625 , 0.03125])
     """

@@ -93,7 +93,7 @@ def private_gradients(
       ``strategy.run``, this replica's share: the shares sum (as the
       optimizer's all-reduce does) to the noised gradient of the global batch.
 
-    Example:
+    Examples:
       >>> import keras, numpy as np
       >>> import per_example_grads as peg
       >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])

@@ -48,7 +48,7 @@ gradient sums over the chunks and apply the noisy update when ``is_last``.
 An empty logical batch gives one all-masked chunk, so the optimizer still
 steps.
 
-Example:
+Examples:
   >>> import numpy as np
   >>> x = np.arange(100, dtype="float32")[:, None]          # [N=100, 1]
   >>> y = np.arange(100) % 2                                 # [N]
@@ -241,7 +241,7 @@ def default_max_batch_size(
     Returns:
       ``M``, a Python int.
 
-    Example:
+    Examples:
       >>> default_max_batch_size(60_000, 256 / 60_000)
       376
     """
@@ -532,7 +532,7 @@ def poisson_batches(
         ``max_batch_size``.
       TypeError: non-numeric inputs or arguments of the wrong type.
 
-    Example:
+    Examples:
       >>> import numpy as np
       >>> x = {"ids": np.arange(20)[:, None]}
       >>> ds = poisson_batches(x, sampling_probability=0.5, max_batch_size=20, seed=1)
@@ -758,7 +758,7 @@ def poisson_batches_from_dataset(
         is not one scalar per element, or any error ``poisson_batches`` raises.
       TypeError: ``unit_ids`` an array, or giving non-integer ids.
 
-    Example:
+    Examples:
       >>> import numpy as np
       >>> ds = tf.data.Dataset.from_tensor_slices((np.ones([50, 3], "float32"), np.arange(50)))
       >>> batches = poisson_batches_from_dataset(ds, 50, sampling_probability=0.2, seed=0)
@@ -962,7 +962,7 @@ def physical_chunks(x_batch: Any, y_batch: Any, mask: Any, physical_batch_size: 
     Yields:
       ``PhysicalChunk`` tuples (tensors; ``y`` is ``None`` if ``y_batch`` is).
 
-    Example:
+    Examples:
       >>> import numpy as np
       >>> x = np.arange(6, dtype="float32")[:, None]
       >>> mask = np.array([1, 1, 1, 0, 0, 0], "float32")
@@ -1006,7 +1006,7 @@ def physical_chunks_dataset(dataset: tf.data.Dataset, physical_batch_size: int) 
     Returns:
       A ``tf.data.Dataset`` of ``PhysicalChunk``.
 
-    Example:
+    Examples:
       >>> import numpy as np
       >>> logical = poisson_batches(np.arange(30.0)[:, None], sampling_probability=0.3, seed=0)
       >>> chunks = physical_chunks_dataset(logical, 4)

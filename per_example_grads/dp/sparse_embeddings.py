@@ -123,7 +123,7 @@ DENSE_COUNTS = 1 << 18  # up to this many (table, id) keys in all, the counts ar
 def noise_multipliers(noise_multiplier: float, selection_share: float) -> tuple[float, float]:
     """``(sigma_sel, sigma_grad)`` with ``1/sigma_sel^2 = f/sigma^2`` and ``1/sigma_grad^2 = (1-f)/sigma^2``.
 
-    Example:
+    Examples:
       >>> s, g = noise_multipliers(1.0, 0.1)
       >>> round(s, 4), round(g, 4), round(1 / s**2 + 1 / g**2, 12)
       (3.1623, 1.0541, 1.0)

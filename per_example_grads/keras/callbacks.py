@@ -38,7 +38,7 @@ class EpsilonCallback(keras.callbacks.Callback):
       verbose: 1 prints ``Epoch k: epsilon = ...`` after each epoch.
       log_name: the key in the epoch logs.
 
-    Example:
+    Examples:
       >>> import keras, numpy as np
       >>> from per_example_grads.dp import PrivacyAccountant
       >>> acc = PrivacyAccountant(1.1, 32 / 96)

@@ -227,7 +227,7 @@ class DPModel(keras.Model):
         selects, as a sparse update, at the same epsilon
         (``per_example_grads.dp.sparse_embeddings``); None: dense noise.
 
-    Example:
+    Examples:
       >>> import keras, numpy as np
       >>> import per_example_grads as peg
       >>> net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])

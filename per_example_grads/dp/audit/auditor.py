@@ -110,7 +110,7 @@ class CanaryScoreAuditor:
       num_canaries: ``m`` of the one-run bound, the canaries whose inclusion
         was randomized; default ``m_in + m_out``.
 
-    Example:
+    Examples:
       >>> auditor = CanaryScoreAuditor(np.arange(500) + 400.0, np.arange(500))
       >>> bound = auditor.one_run(delta=1e-5)
       >>> bound.num_correct == bound.num_guesses, bound.epsilon > 2

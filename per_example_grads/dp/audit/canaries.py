@@ -91,7 +91,7 @@ class GradientCanaries:
       included: ``[m]`` bool, the canaries the run includes.
       kind: ``"gradient"``.
 
-    Example:
+    Examples:
       >>> import tensorflow as tf
       >>> from per_example_grads.dp.aggregator import ClippedSum, DPAggregator
       >>> w = tf.Variable(tf.zeros([6]))

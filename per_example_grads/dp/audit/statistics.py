@@ -149,7 +149,7 @@ def one_run_p_value(num_canaries: int, num_guesses: int, num_correct: int, *, ep
     guesses are no better than ``r`` coin flips that land right with
     probability ``p``.
 
-    Example:
+    Examples:
       >>> round(one_run_p_value(100, 10, 10, epsilon=0.0, delta=0.0), 6)   # 10 of 10 at eps = 0: 2^-10
       0.000977
 
@@ -179,7 +179,7 @@ def epsilon_one_run(
     rejected. If the training was ``(epsilon*, delta)``-DP, the bound exceeds
     ``epsilon*`` with probability at most ``significance``.
 
-    Example:
+    Examples:
       >>> round(epsilon_one_run(1000, 100, 100, delta=0.0), 4)   # 100 of 100: logit(0.05 ** (1 / 100))
       3.493
 
@@ -257,7 +257,7 @@ def clopper_pearson(successes: int, trials: int, *, significance: float = 0.05) 
     more (fewer) successes of ``n`` have probability exactly ``significance /
     2``. Each end fails with probability at most ``significance / 2``.
 
-    Example:
+    Examples:
       >>> low, high = clopper_pearson(0, 100)
       >>> low, round(high, 6), round(1 - 0.025 ** (1 / 100), 6)   # k = 0: 1 - (significance/2)^(1/n)
       (0.0, 0.036217, 0.036217)
@@ -330,7 +330,7 @@ def mu_gaussian_dp(
 
     The canaries are treated as independent trials of one test.
 
-    Example:
+    Examples:
       >>> round(mu_gaussian_dp(0, 0, num_out=1000, num_in=1000), 4)   # perfect separation: 2 Phi^-1(1 - 0.025^(1/1000))
       5.3598
 
@@ -349,7 +349,7 @@ def gaussian_dp_delta(mu: float, epsilon: float) -> float:
 
     Dong, Roth and Su (2019), Corollary 2.13; computed in the log domain.
 
-    Example:
+    Examples:
       >>> round(gaussian_dp_delta(1.0, 0.0), 6)   # eps = 0: the total variation Phi(mu/2) - Phi(-mu/2)
       0.382925
     """
@@ -391,7 +391,7 @@ def epsilon_for_mu(mu: float, delta: float) -> float:
     mechanism of sensitivity 1 and std ``1 / mu`` is exactly ``mu``-GDP);
     100 bisections (the upper end is returned, so the epsilon is never under-stated).
 
-    Example:
+    Examples:
       >>> round(epsilon_for_mu(1.0, 1e-5), 4)
       4.3772
 
@@ -439,7 +439,7 @@ def mu_for_epsilon(epsilon: float, delta: float) -> float:
     Useful to draw an accountant's claim as a Gaussian trade-off curve (for
     DP-SGD at ``q = 1`` with ``T`` steps it is ``sqrt(T) / sigma``).
 
-    Example:
+    Examples:
       >>> round(mu_for_epsilon(epsilon_for_mu(1.5, 1e-5), 1e-5), 6)
       1.5
     """
@@ -476,7 +476,7 @@ def epsilon_gaussian_dp(
     trade-off curve is Gaussian (see the module docstring): a mechanism that
     is not ``mu``-GDP may still be ``(epsilon_for_mu(mu), delta)``-DP.
 
-    Example:
+    Examples:
       >>> round(epsilon_gaussian_dp(0, 0, num_out=1000, num_in=1000, delta=1e-5), 3)
       36.489
 
@@ -518,7 +518,7 @@ def epsilon_clopper_pearson(
     Looser than ``epsilon_gaussian_dp`` at a given test, but it assumes
     nothing about the shape of the trade-off curve.
 
-    Example:
+    Examples:
       >>> round(epsilon_clopper_pearson(0, 0, num_out=1000, num_in=1000, delta=1e-5), 4)   # log((1 - d - FNR_hi) / FPR_hi)
       5.6006
 
