@@ -1,18 +1,21 @@
-"""The README's Python examples run as written, and it names every public entry point.
+"""The README's and the documentation's Python examples run as written; the site builds; every public name has a page.
 
-Every ```python block of README.md is extracted and run, so a new block is
-tested without anything added here. Each runs in a fresh namespace (so it
-must define what it uses) in the test process, with a temporary working
-directory; the blocks in ``SUBPROCESS`` run in a child Python instead, for
-the reason given there. A block whose first line is a comment starting
-``# Not run by the tests:`` is skipped; the comment must say why (it is in
-the README, for the reader). ``CHECKS`` adds, for some blocks, assertions
-against an independent reference; every other block must only run.
+Every ```python block of README.md and of docs/**/*.md is extracted and run,
+so a new block is tested without anything added here. Each runs in a fresh
+namespace (so it must define what it uses) in the test process, with a
+temporary working directory; the blocks in ``SUBPROCESS`` run in a child
+Python instead, for the reason given there. A block whose first line is a
+comment starting ``# Not run by the tests:`` is skipped; the comment must say
+why (it is in the page, for the reader). ``CHECKS`` adds, for some blocks,
+assertions against an independent reference; every other block must only
+run. A block's id is ``"{page}: {heading} #{i}"`` (``page`` relative to the
+repository, the nearest ``#``, ``##`` or ``###`` heading above it).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import pathlib
 import re
@@ -28,12 +31,14 @@ import per_example_grads as peg
 from helpers import assert_clipped_sums_close, assert_grads_close, reference_gradients, reference_norms
 from tolerances import GRADIENT_RTOL, norm_rtol
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 SKIP_MARK = "# Not run by the tests:"
 
 
 class Block(NamedTuple):
-    heading: str  # the nearest "## " or "### " heading above the block
+    heading: str  # "{page}: " and the nearest "# ", "## " or "### " heading above the block
     index: int  # its position among the Python blocks under that heading, from 0
     code: str
 
@@ -54,36 +59,42 @@ class Block(NamedTuple):
         return " ".join(part.strip() for part in reason).strip()
 
 
-def readme_python_blocks(text: str) -> list[Block]:
-    """Every fenced ```python block of ``text``, in order, with its heading."""
+def readme_python_blocks(text: str, page: str = "") -> list[Block]:
+    """Every fenced ```python block of ``text``, in order, with its heading (prefixed by ``page: ``)."""
     blocks: list[Block] = []
     heading, counts = "(top)", {}
+    prefix = f"{page}: " if page else ""
     fence = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
     pos = 0
     for match in fence.finditer(text):
         for line in text[pos : match.start()].splitlines():
-            if line.startswith("## ") or line.startswith("### "):
+            if line.startswith(("# ", "## ", "### ")):
                 heading = line.lstrip("#").strip()
         pos = match.end()
         if match.group(1) == "python":
             index = counts.get(heading, 0)
             counts[heading] = index + 1
-            blocks.append(Block(heading, index, match.group(2)))
+            blocks.append(Block(prefix + heading, index, match.group(2)))
     return blocks
 
 
-BLOCKS = readme_python_blocks(README.read_text())
+BLOCKS = [b for page in PAGES for b in readme_python_blocks(page.read_text(), str(page.relative_to(ROOT)))]
 
 # Blocks run in a child process, and why.
 SUBPROCESS: dict[str, str] = {
-    "Scaling out (tf.distribute) #0": (
+    "docs/guides/scaling-out.md: Scaling out (tf.distribute) and restarts #0": (
         "it creates a MirroredStrategy: a second strategy in one process shares collective instance keys "
         "with the first (tests/helpers.py::mirrored_strategy), and a later test's all-reduce "
         "then meets this one's and aborts"
     ),
 }
 # Blocks that take well under a second; every other block is marked slow.
-FAST = {"(top) #0", "The layer-wise engine #0", "Gradients computed here, applied elsewhere #0"}
+FAST = {
+    "README.md: per_example_grads #0",
+    "docs/guides/per-example-gradients.md: Per-example gradients, and what to do with them #0",
+    "docs/design/engines.md: The layer-wise engine #0",
+    "docs/guides/parameter-server.md: Gradients computed here, applied elsewhere #0",
+}
 
 
 def run_block(block: Block, tmp_path: pathlib.Path, monkeypatch) -> tuple[dict, str]:
@@ -178,6 +189,21 @@ def check_keras_applications(ns, out, capsys):
     assert dp.model is model and peg.dp.validate(model).errors == []
 
 
+def check_readme_dp(ns, out, capsys):
+    dp, x = ns["dp"], ns["x"]
+    steps = int(dp.dp_steps.numpy())
+    assert steps == 2 * round(len(x) / 64)  # two epochs of round(1/q) Poisson steps
+    expected = peg.dp.compute_epsilon(len(x), 64, None, 1.1, 1e-5, steps=steps)  # independently of the model
+    assert float(capsys.readouterr().out.split("epsilon = ")[1]) == pytest.approx(expected, abs=0.005)
+
+
+def check_accumulation(ns, out, capsys):
+    model, loss_fn, x, y = ns["model"], ns["loss_fn"], ns["x"], ns["y"]
+    mean = [g.mean(axis=0) for g in reference_gradients(model, loss_fn, x, y)]  # the one-example loop, averaged
+    assert_grads_close([g[None] for g in ns["full_batch_gradient"]], [m[None] for m in mean])
+    assert int(ns["private"].steps.numpy()) == 1 and "1 private step" in capsys.readouterr().out
+
+
 def check_gradients_elsewhere(ns, out, capsys):
     server, worker = ns["server"], ns["worker"]
     assert server is not worker
@@ -211,16 +237,19 @@ def check_diagnostics(ns, out, capsys):
 
 
 CHECKS: dict[str, Callable] = {
-    "(top) #0": check_quick_example,
-    "The layer-wise engine #0": check_layer_rule,
-    "DP-SGD #0": check_dp_sgd,
-    "Correlated noise (BandMF, BLT) #0": check_correlated_noise,
-    "Auditing the privacy (`peg.dp.audit`) #0": check_audit,
-    "Private fine-tuning of a KerasHub model #0": check_keras_hub,
-    "Private training of keras.applications models #0": check_keras_applications,
-    "Gradients computed here, applied elsewhere #0": check_gradients_elsewhere,
-    "Scaling out (tf.distribute) #0": check_mirrored,
-    "Gradient diagnostics #0": check_diagnostics,
+    "README.md: per_example_grads #0": check_quick_example,
+    "README.md: per_example_grads #1": check_readme_dp,
+    "docs/guides/per-example-gradients.md: Per-example gradients, and what to do with them #0": check_quick_example,
+    "docs/guides/accumulation.md: Large logical batches from micro-batches #0": check_accumulation,
+    "docs/design/engines.md: The layer-wise engine #0": check_layer_rule,
+    "docs/guides/private-training.md: Private training with fit (DP-SGD) #0": check_dp_sgd,
+    "docs/guides/correlated-noise.md: Correlated noise (BandMF, BLT) #0": check_correlated_noise,
+    "docs/guides/auditing.md: Auditing the privacy #0": check_audit,
+    "docs/guides/fine-tuning.md: Private fine-tuning of a KerasHub model #0": check_keras_hub,
+    "docs/guides/fine-tuning.md: Private training of keras.applications models #0": check_keras_applications,
+    "docs/guides/parameter-server.md: Gradients computed here, applied elsewhere #0": check_gradients_elsewhere,
+    "docs/guides/scaling-out.md: Scaling out (tf.distribute) and restarts #0": check_mirrored,
+    "docs/guides/diagnostics.md: Gradient diagnostics #0": check_diagnostics,
 }
 
 
@@ -262,28 +291,58 @@ PUBLIC_MODULES = (
     "per_example_grads.dp.audit",
     "per_example_grads.diagnostics",
     "per_example_grads.keras",
+    "per_example_grads.rules",
 )
 
 
-def _code_text(text: str) -> str:
-    """The README's code: fenced blocks and inline code spans, where an API name is written as code."""
-    fenced = re.findall(r"^```\w*\n(.*?)^```", text, re.M | re.S)
-    prose = re.sub(r"^```\w*\n.*?^```", "", text, flags=re.M | re.S)
-    return "\n".join(fenced + re.findall(r"`([^`]+)`", prose))
-
-
 @pytest.mark.parametrize("module", PUBLIC_MODULES)
-def test_readme_names_every_public_name(module):
-    code = _code_text(README.read_text())
-    names = importlib.import_module(module).__all__
-    missing = [n for n in names if not re.search(rf"\b{re.escape(n)}\b", code)]
-    assert not missing, f"README.md does not mention these public names of {module} (as code): {missing}"
+def test_every_public_name_has_a_reference_entry(module):
+    """Each name of ``__all__`` (but submodules) is rendered from its docstring by a ``::: path`` line of docs/reference."""
+    entries = {
+        line[4:].strip()
+        for page in (ROOT / "docs" / "reference").glob("*.md")
+        for line in page.read_text().splitlines()
+    }
+    mod = importlib.import_module(module)
+    missing = []
+    for name in mod.__all__:
+        obj = getattr(mod, name)
+        if inspect.ismodule(obj):
+            continue
+        defined = f"{obj.__module__}.{obj.__qualname__}" if hasattr(obj, "__qualname__") else None
+        if defined not in entries and not any(e.endswith(f".{name}") for e in entries):
+            missing.append(name)
+    assert not missing, f"docs/reference has no entry (::: path) for these public names of {module}: {missing}"
+
+
+@pytest.mark.slow
+def test_the_documentation_site_builds_offline_with_warnings_as_errors(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    page = (tmp_path / "site" / "reference" / "dp" / "index.html").read_text()
+    assert "noise_multiplier_for_epsilon" in page and "DPAggregator" in page  # rendered from the docstrings
+
+
+def test_every_page_is_in_the_sites_navigation_and_every_link_resolves():
+    nav = (ROOT / "mkdocs.yml").read_text()
+    pages = sorted(str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md"))
+    assert [p for p in pages if p not in nav] == []
+    for link in re.findall(r"\]\((docs/[^)#]+)", README.read_text()):  # the README's links into the docs
+        assert (ROOT / link).is_file(), link
 
 
 def test_ci_runs_the_readme_test_command():
     """.ci/run ends with the README's test command, character for character (the README says it is what CI runs)."""
     text = README.read_text()
-    quickstart = text[text.index("\n## Quickstart\n") : text.index("\n## API\n")]
+    start = text.index("\n## Quickstart\n")
+    quickstart = text[start : text.index("\n## ", start + 1)]
     commands = [c.strip() for c in re.findall(r"^```bash\n(.*?)^```", quickstart, re.M | re.S) if "pytest" in c]
     assert len(commands) == 1, "the Quickstart has one bash block that runs the tests"
     ci = [
