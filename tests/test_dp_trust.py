@@ -269,6 +269,24 @@ def test_a_custom_loop_stops_eagerly_too_and_after_a_fit():
     assert int(dp.dp_steps.numpy()) == 5
 
 
+def test_a_custom_loop_under_a_strategy_stops_at_the_budget():
+    from helpers import mirrored_strategy
+
+    strategy = mirrored_strategy()
+    with strategy.scope():
+        dp = _dp(expected_batch_size=16, num_examples=64, budget=PrivacyBudget(steps=2))
+        dp.optimizer.build(dp.model.trainable_variables)
+    batches = iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((X, Y)).batch(16)))
+    step = tf.function(lambda batch: strategy.run(dp.train_step, args=(batch,)))
+    step(next(batches)), step(next(batches))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="takes no step"):
+        step(next(batches))
+    assert int(dp.dp_steps.numpy()) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        assert dp.epsilon(1e-3) > 0  # the guard took the loop's own steps for the DPModel's
+
+
 def test_a_custom_loop_under_xla_with_a_budget_is_refused_but_fit_under_xla_keeps_it():
     dp = _dp(expected_batch_size=16, num_examples=64, budget=PrivacyBudget(steps=2))
     with pytest.raises(ValueError, match=r"traced with XLA \(jit_compile=True\) outside fit and train_on_batch"):

@@ -155,3 +155,23 @@ def test_a_new_process_continues_from_the_networks_keras_file(tmp_path):
     steps, eps = out.stdout.split()[-2:]
     assert int(steps) == int(dp.dp_steps.numpy())
     assert float(eps) == pytest.approx(dp.epsilon(1e-5), rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["unit", "adaptive"])
+def test_unit_level_and_adaptive_runs_continue_from_the_networks_file(tmp_path, kind):
+    if kind == "unit":
+        make = lambda net=None: _dp(net, privacy_unit="unit")  # noqa: E731
+        data = lambda: peg.dp.poisson_batches(X, Y, unit_ids=np.arange(N) // 2, sampling_probability=0.5, seed=0)  # noqa: E731
+    else:
+        make = lambda net=None: _dp(net, adaptive_clipping=peg.dp.AdaptiveClipping(initial_l2_norm_clip=1.0))  # noqa: E731
+        data = _batches
+    dp = make()
+    dp.fit(data(), epochs=1, verbose=0)
+    path = str(tmp_path / "net.keras")
+    dp.model.save(path)
+    resumed = make(keras.models.load_model(path))
+    resumed.load_weights(path)
+    assert int(resumed.dp_steps.numpy()) == int(dp.dp_steps.numpy()) > 0
+    assert resumed.epsilon(1e-5) == pytest.approx(dp.epsilon(1e-5), rel=1e-12)
+    if kind == "adaptive":  # the clip norm the run had moved to, not the initial one
+        assert float(resumed.aggregator.l2_norm_clip.numpy()) == float(dp.aggregator.l2_norm_clip.numpy()) != 1.0
