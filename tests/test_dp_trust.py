@@ -299,6 +299,27 @@ def test_a_custom_loop_under_xla_with_a_budget_is_refused_but_fit_under_xla_keep
     assert int(dp.dp_steps.numpy()) == 2
 
 
+def test_train_on_batch_after_a_poisson_fit_is_accounted_as_a_fixed_size_batch():
+    # Its batch was recorded as a Poisson sample at the last fit's q, which nothing guaranteed.
+    dp = _dp()
+    dp.fit(peg.dp.poisson_batches(X, Y, sampling_probability=0.25, seed=0), epochs=1, verbose=0)
+    assert int(dp.aggregator.poisson.numpy()) == 1
+    dp.train_on_batch(X[:16], Y[:16])
+    assert int(dp.aggregator.poisson.numpy()) == 0 and int(dp.dp_steps.numpy()) == 5
+    with pytest.warns(UserWarning, match="not a proven bound for fixed-size batches"):
+        dp.epsilon(1e-5)
+
+
+def test_a_correlated_mechanism_trains_only_through_fit():
+    # train_on_batch and a custom loop took BandMF steps on batches no partition governed.
+    dp = _dp(mechanism=peg.dp.BandMF(bands=2, num_steps=8))
+    with pytest.raises(ValueError, match=r"DPModel.train_on_batch: the BandMF mechanism cannot be combined with data"):
+        dp.train_on_batch(X[:16], Y[:16])
+    with pytest.raises(ValueError, match=r"DPModel.train_step \(a custom loop\): the BandMF mechanism cannot"):
+        tf.function(dp.train_step)((X[:16], Y[:16], np.ones(16, "float32")))
+    assert int(dp.dp_steps.numpy()) == 0
+
+
 def test_epsilon_budget_is_met_and_one_more_step_would_exceed_it():
     target, delta = 3.0, 1e-3
     dp = _dp(budget=PrivacyBudget(epsilon=target, delta=delta, accountant="rdp", rtol=1e-6))

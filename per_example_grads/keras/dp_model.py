@@ -434,17 +434,25 @@ class DPModel(keras.Model):
         return history
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
-        """``keras.Model.train_on_batch``: one DP step, within the budget, counted by the ledger as ``fit``'s are.
+        """``keras.Model.train_on_batch``: one DP step, within the budget, counted by the ledger.
 
-        The step uses the sampling of the last ``fit`` (before any, the
-        batch's rows over ``num_examples``).
+        The batch's sampling is not known: it is accounted as a fixed-size
+        batch, at ``q = rows / num_examples`` (the heuristic ``fit`` uses for
+        arrays; the ledger records that the step was not Poisson sampled, and
+        ``epsilon()`` warns), never as the last ``fit``'s Poisson sampling.
 
         Raises:
           RuntimeError: the step would take the ledger past ``budget``.
           ValueError: as ``fit``: the network was trained outside this
-            ``DPModel``.
+            ``DPModel``; a correlated or cyclic mechanism, whose accounting
+            needs ``fit`` on ``poisson_batches``.
         """
         self._check_ledger_covers_network()
+        composition.check(self._unknown_sampling_parts("DPModel.train_on_batch"))
+        sampling = self._unknown_sampling(int(tf.nest.flatten(x)[0].shape[0]))
+        if sampling.traced_as() != self._fit_sampling.traced_as():
+            self.train_function = None  # retrace: the step uses this sampling
+        self._fit_sampling = sampling
         if self.budget is not None:
             limit, steps = self._set_step_limit(), int(self.dp_steps.numpy())
             if steps + self._steps_per_call() > limit:
@@ -677,6 +685,25 @@ class DPModel(keras.Model):
             q = max(q, float(self.dp_max_sampling_probability.numpy()))
         return self.budget.max_steps(noise_multiplier=sigma, sampling_probability=q, mechanism=self.mechanism)
 
+    def _unknown_sampling(self, largest_batch: int | None = None) -> _FitSampling:
+        """The sampling of batches this ``DPModel`` did not draw (``train_on_batch``, a custom loop): fixed-size."""
+        return _FitSampling(
+            poisson=False,
+            sampling_probability=None,
+            divisor=None,
+            largest_batch=largest_batch,
+            rows_per_unit=self._fit_sampling.rows_per_unit,
+        )
+
+    def _unknown_sampling_parts(self, owner: str) -> composition.Parts:
+        """``Parts`` of a step on such batches (their unit ids, if any, are checked by ``_unpack``)."""
+        return dataclasses.replace(
+            self._parts,
+            owner=owner,
+            mechanism=self.mechanism,
+            sampling=composition.Sampling(poisson=False, units=self._parts.units),
+        )
+
     def _set_step_limit(self) -> int:
         """``max_steps()``, also given to the step's own check (``_budget_check``)."""
         limit = self.max_steps()
@@ -721,12 +748,15 @@ class DPModel(keras.Model):
     # never converts), also where a caller's own tf.function traces it.
     @tf.autograph.experimental.do_not_convert
     def train_step(self, data):
-        composition.check(dataclasses.replace(self._parts, xla=in_xla_context()))  # also a custom loop's trace
+        composition.check(dataclasses.replace(self._parts, xla=in_xla_context()))
+        sampling = self._fit_sampling
+        if not self._front_door:  # a custom loop's batches: their sampling is not known
+            composition.check(self._unknown_sampling_parts("DPModel.train_step (a custom loop)"))
+            sampling = self._unknown_sampling()
         x, y, sample_weight, unit_ids = self._unpack(data)
         if unit_ids is not None:  # several replicas: every unit clipped whole on one of them
             x, y, sample_weight, unit_ids = whole_units_on_replicas(x, y, sample_weight, unit_ids)
         loss_fn = as_per_example_loss(self.loss)
-        sampling = self._fit_sampling
         rows = tf.shape(tf.nest.flatten(x)[0])[0]
         q = sampling.sampling_probability
         if q is None and self.num_examples is not None:
