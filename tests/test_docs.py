@@ -204,6 +204,26 @@ def check_accumulation(ns, out, capsys):
     assert int(ns["private"].steps.numpy()) == 1 and "1 private step" in capsys.readouterr().out
 
 
+def check_user_level(ns, out, capsys):
+    dp, users = ns["dp"], ns["users"]
+    units = len(np.unique(users))
+    assert dp.num_examples == units and int(dp.dp_steps.numpy()) == 3 * 10
+    # Per user: 30 Poisson steps at q = 0.1 over the users, accounted independently of the model.
+    expected = peg.dp.compute_epsilon(units, 0.1 * units, None, 1.0, 1e-4, steps=30)
+    assert dp.epsilon(1e-4) == pytest.approx(expected, rel=1e-12)
+    assert f"user-level epsilon = {expected:.2f}" in capsys.readouterr().out
+
+
+def check_sparse_embeddings(ns, out, capsys):
+    dp, n, moved, vocab = ns["dp"], ns["n"], ns["moved"], ns["vocab"]
+    steps = int(dp.dp_steps.numpy())
+    assert steps == 8
+    # The epsilon of dense DP-SGD at the same noise multiplier (the split noise is one Gaussian mechanism).
+    assert dp.epsilon(1e-5) == pytest.approx(peg.dp.compute_epsilon(n, 64, None, 1.0, 1e-5, steps=steps), rel=1e-12)
+    assert 0 < moved.sum() < vocab // 10  # sparse: the selected rows only
+    assert f"table rows written: {moved.sum()} of {vocab}" in capsys.readouterr().out
+
+
 def check_gradients_elsewhere(ns, out, capsys):
     server, worker = ns["server"], ns["worker"]
     assert server is not worker
@@ -241,6 +261,8 @@ CHECKS: dict[str, Callable] = {
     "README.md: per_example_grads #1": check_readme_dp,
     "docs/guides/per-example-gradients.md: Per-example gradients, and what to do with them #0": check_quick_example,
     "docs/guides/accumulation.md: Large logical batches from micro-batches #0": check_accumulation,
+    "docs/guides/user-level-privacy.md: User-level privacy #0": check_user_level,
+    "docs/guides/sparse-embeddings.md: Sparse embedding noise #0": check_sparse_embeddings,
     "docs/design/engines.md: The layer-wise engine #0": check_layer_rule,
     "docs/guides/private-training.md: Private training with fit (DP-SGD) #0": check_dp_sgd,
     "docs/guides/correlated-noise.md: Correlated noise (BandMF, BLT) #0": check_correlated_noise,

@@ -47,157 +47,51 @@ class _FitSampling:
 class DPModel(keras.Model):
     """A Keras model trained with DP-SGD.
 
-    Each ``train_step``:
+    Each ``train_step`` releases, for the batch's examples ``i`` (or units,
+    with ``privacy_unit="unit"``: the sum of a unit's rows' gradients):
 
-    1. computes every example's gradient of its own loss (times its
-       ``sample_weight``) and clips it to global L2 norm ``l2_norm_clip``;
-    2. sums them and adds Gaussian noise of std ``noise_multiplier *
-       l2_norm_clip`` once;
-    3. divides by ``expected_batch_size`` (default: ``q N`` of a
-       ``poisson_batches`` dataset, else the rows of each batch) and applies
-       the result with the compiled optimizer.
+        g_tilde = ( sum_i clip_C(w_i grad loss_i) + x_t ) / D  (+ grad R)
 
-    The step is a ``peg.dp.DPAggregator``'s (``self.aggregator``): noise is
-    fresh at every step whatever ``seed`` is, examples with a NaN or Inf
-    gradient contribute nothing (counted in the ``nonfinite_examples``
-    metric, and a warning after ``fit``), and the gradient of the model's
-    weight regularizers is added without noise (activity regularizers are
-    refused). Under ``mixed_float16`` the update is applied by the loss-scale
-    optimizer's inner optimizer: DP gradients are never loss-scaled.
+    with ``C = l2_norm_clip``, ``x_t`` the mechanism's noise of step ``t``
+    (``N(0, (sigma C)^2 I)``, fresh, for the default DP-SGD), ``D =
+    expected_batch_size`` (default ``q N`` of a ``poisson_batches`` dataset,
+    else the rows of each batch; never a count taken from the data), and
+    ``grad R`` the weight regularizers' gradient. The step is a
+    ``peg.dp.DPAggregator``'s (``self.aggregator``), and applies with the
+    compiled optimizer (the inner one under ``mixed_float16``).
 
-    **Sampling and accounting.** ``fit`` on a ``peg.dp.poisson_batches``
-    dataset uses its sampling probability ``q`` and size ``N`` (a mismatch
-    with ``expected_batch_size / num_examples`` is refused) and resumes the
-    dataset at the step the ledger reached, so a restored run never replays
-    batches. Anything else (arrays with ``batch_size``, another dataset) is
-    fixed-size batches: ``fit`` warns once that the Poisson analysis is then
-    only an approximation, and the ledger records it, so ``epsilon()`` warns
-    too.
+    Contract (each item is enforced where it says; the guide
+    ``docs/guides/private-training.md`` explains them):
 
-    **N comes from the data.** ``epsilon()`` is computed for ``N =
-    num_examples``; a larger ``N`` than the data has would under-report it.
-    So wherever the data says how many examples it has, ``fit`` takes ``N``
-    from it, or refuses a ``num_examples`` that disagrees, naming both: a
-    ``poisson_batches`` dataset (its ``N``), arrays (their rows, less those
-    ``validation_split`` holds out), a ``tf.data`` dataset of known
-    cardinality (the rows of one pass, counted by running the pipeline once
-    unless every batch has a static size). Data of unknown size (a dataset
-    of unknown or infinite cardinality, one that repeats its elements, a
-    generator) needs ``num_examples``.
-    Every ``fit`` of one ``DPModel`` must see the same ``N``.
-
-    **One ledger per network.** ``epsilon()`` covers the steps this
-    ``DPModel`` took. After its first step, ``fit`` and ``epsilon()`` raise
-    if the wrapped network's trainable weights were changed by anything else
-    (``dp.model.fit``, a custom loop), and a second ``DPModel`` cannot wrap a
-    network the first has trained (``per_example_grads.keras.network_guard``).
-    ``accept_current_weights()`` declares a change you made on purpose
-    without private data (for example public weights set by hand).
-
-    **Correlated noise.** With ``mechanism=peg.dp.BandMF(...)`` or
-    ``peg.dp.BLT(...)`` the noise of each step is correlated with that of
-    earlier steps (``per_example_grads.dp.mechanisms``), and ``fit`` takes
-    only a ``poisson_batches(..., cycle_length=b)`` dataset with the
-    mechanism's ``cycle_length``, the sampling its accounting covers; the
-    mechanism's buffers are saved with the weights, so a restored run
-    continues its noise sequence. The ledger records the partition of the
-    first cyclic dataset of the run (``PoissonSampling.partition``) and
-    every later one, in this ``fit``, the next or after a restore, takes it
-    (whatever its seed) or is refused when it holds other rows, or the same
-    rows in another order. ``epsilon()`` accounts the mechanism.
-
-    **Sparse embedding noise.** With ``sparse_embeddings=SparseEmbeddings()``
-    the embedding tables get gradient noise only on the rows that a noisy
-    count of the batch's lookups selects, and the update of each table is a
-    ``tf.IndexedSlices`` on those rows (DP-AdaFEST,
-    ``per_example_grads.dp.sparse_embeddings``, which states the guarantee):
-    the noise is split between the count and the gradient so that
-    ``epsilon()`` is that of dense DP-SGD with the same ``noise_multiplier``.
-    **User-level privacy** (``privacy_unit="unit"``). When one person (or
-    any other unit) contributes several rows, example-level DP protects each
-    row, and a person only through group privacy, with an epsilon that grows
-    with their number of rows. ``DPModel(..., privacy_unit="unit")`` protects
-    whole units: neighbouring datasets differ by all the rows of one unit.
-    It trains only on ``peg.dp.poisson_batches(x, y, unit_ids=...,
-    rows_per_unit=k, sampling_probability=q)``, which samples units at rate
-    ``q`` (each bringing at most ``k`` of its rows); each step then
-
-    1. sums the (weighted) gradients of each unit's rows and clips that sum
-       to ``l2_norm_clip`` (the engine's grouped clipped sums: removing a
-       unit changes the sum by at most ``C``);
-    2. adds ``N(0, (sigma C)^2)`` once, fresh at every step, as above;
-    3. divides by the expected number of *units*, ``q U`` (not of rows: the
-       sizes of the units are their owners' data, and ``q U`` is a constant
-       of the sampling; the release is an unbiased estimate of the mean
-       unit gradient, each unit's gradient being the sum over its rows).
-
-    ``epsilon()``, the budget and ``max_steps()`` are then per unit: the
-    Poisson-subsampled Gaussian over ``num_examples = U`` units (the
-    dataset's unit count; a ``num_examples`` that is not it is refused).
-    ``clipped_fraction`` and ``nonfinite_examples`` count units. With
-    ``physical_batch_size = P``, chunks keep units whole (a unit's gradient
-    must be summed before it is clipped), ``floor(P / k)`` units per chunk,
-    so ``k <= P`` is required. Correlated mechanisms take a
-    ``poisson_batches(..., unit_ids=..., cycle_length=b)`` dataset, whose
-    parts are sets of units, so each unit joins at most every ``b`` steps.
-    Under a ``tf.distribute`` strategy with several replicas, units are
-    kept whole within a replica: every replica all-gathers the batch's rows
-    and clips only its own units (``whole_units_on_replicas`` in
-    ``per_example_grads.dp.aggregator``, which states why the sensitivity
-    stays ``C``), so a unit whose rows the input pipeline split between
-    replicas is still clipped once, whole. Not available per unit: adaptive
-    clipping, sparse embedding noise and XLA (``compile`` defaults to
-    ``jit_compile=False``), each refused with an error.
-
-    **A budget that holds.** With ``budget=peg.dp.PrivacyBudget(epsilon=...,
-    delta=...)`` (or ``steps=...``), ``fit`` never takes a step that would
-    take the ledger past it: it stops before that step and warns, saying how
-    many steps were taken. The limit counts the ledger's steps, so a run
-    restored from a checkpoint stops at the same total as an uninterrupted
-    one. ``dp.max_steps()`` gives the limit (see ``per_example_grads.dp.budget``).
-    The step itself enforces it too: ``train_on_batch`` refuses the step that
-    would pass it, and in a custom loop over ``train_step`` (a
-    ``tf.function`` without XLA) that step raises
-    ``tf.errors.InvalidArgumentError`` before its release; a custom loop
-    compiled with XLA, which drops in-graph checks, is refused when traced.
-
-    ``compile``, ``fit``, ``evaluate``, ``predict``, callbacks and metrics work
-    as usual. Supported losses: one loss (a ``keras.losses.Loss`` with any
-    reduction, a loss function or name) whose per-example values the model
-    takes itself; multi-output loss lists/dicts and ``loss_weights`` are not
-    supported. ``sample_weight`` multiplies
-    each example's loss *before* clipping, so every example's contribution
-    stays bounded by the clip norm; a Poisson batch's mask is passed as
-    ``sample_weight`` (padded rows then contribute nothing). The reported
-    ``loss`` and metrics come from the forward pass that computed the
-    clipped gradients (training mode, before the update, as Keras's own
-    ``fit`` reports them; an engine that runs no such pass costs one more
-    inference-mode pass), weighted by
-    ``sample_weight`` (``compile`` makes ``metrics`` weighted ones), so
-    padding never counts; the loss includes the regularization penalty, as
-    Keras reports it. ``clipped_fraction`` (epoch running mean) and
-    ``step_clipped_fraction`` (this step's) are logged as well; they are
-    computed from the private gradient norms, so do not publish them without
-    accounting for them.
-
-    Saving: save the wrapped network, ``dp_model.model.save("m.keras")``, or
-    use ``save_weights`` / checkpoints / ``keras.callbacks.BackupAndRestore``
-    on the DPModel itself, right after construction or ``fit``. Those
-    include the privacy ledger (``self.aggregator``'s variables):
-    ``dp_steps`` (steps applied, which also indexes the noise of a seeded
-    run), the smallest noise multiplier and largest sampling probability any
-    of them used, and whether all were Poisson sampled. A
-    restarted run restores and keeps counting them, so ``epsilon()`` after a
-    restart equals that of an uninterrupted run with as many steps, and it can
-    only over-report (never under-report) if a restart changed ``sigma`` or
-    ``q``.
-
-    Under ``tf.distribute`` (build and compile the DPModel inside
-    ``strategy.scope()``): each replica clips the examples of its shard and
-    adds ``N(0, (sigma C)^2 / R)``; Keras's optimizer all-reduces the ``R``
-    shares (``P`` floats each) into one step with noise ``N(0, (sigma C)^2)``,
-    divided by ``expected_batch_size`` (default: ``q N``, or the rows of the
-    *global* batch). See ``per_example_grads._core.replicas``.
+    - **Sampling.** ``fit`` on a ``peg.dp.poisson_batches`` dataset is
+      accounted as Poisson sampling at its ``q``; arrays, other datasets,
+      ``train_on_batch`` and custom loops as fixed-size batches at ``q =
+      rows / N`` (a heuristic: the ledger records it, ``epsilon()`` warns).
+      A correlated or cyclic mechanism trains only through ``fit`` on
+      ``poisson_batches(..., cycle_length=mechanism.cycle_length)``, whose
+      partition the ledger records and every later dataset of the run keeps.
+    - **N from the data.** ``fit`` takes ``N`` from the data where it says,
+      and refuses a ``num_examples`` that disagrees.
+    - **One ledger per network.** After the first step, weights changed
+      outside this ``DPModel`` make ``fit`` and ``epsilon()`` raise
+      (``per_example_grads.keras.network_guard``); ``accept_current_weights``
+      declares a change made without private data.
+    - **The ledger travels with the weights**: ``save_weights``,
+      checkpoints, ``BackupAndRestore`` and the wrapped network's own files
+      (``per_example_grads.keras.network_ledger``). A file whose steps
+      another mechanism took is refused, naming both.
+    - **A budget at every front door** (``budget``): ``fit`` stops before the
+      step that would pass it, ``train_on_batch`` refuses it, a custom loop's
+      step fails before its release (traced with XLA: refused).
+    - **Parts that combine.** The pairings refused are the table of
+      ``per_example_grads.dp.composition``.
+    - **Per unit** (``privacy_unit="unit"``): sampling, clipping, the divisor
+      (``q U``), ``epsilon()`` and the budget are per unit; units stay whole
+      across physical chunks and replicas.
+    - Metrics: ``loss`` and ``metrics`` are weighted by ``sample_weight`` (a
+      Poisson batch's mask), from the pass that computed the clipped
+      gradients; ``clipped_fraction``, ``step_clipped_fraction`` and
+      ``nonfinite_examples`` come from private norms and are not accounted.
 
     Args:
       model: the Keras model to train privately.
@@ -207,8 +101,7 @@ class DPModel(keras.Model):
       expected_batch_size: ``q * N`` under Poisson sampling; default ``q N``
         of a ``poisson_batches`` dataset, else the batch's number of rows.
       num_examples: ``N``, for ``epsilon()``; default, and checked against:
-        the data ``fit`` is given (see "N comes from the data" above).
-        Needed only for data of unknown size.
+        the data ``fit`` is given. Needed only for data of unknown size.
       seed: None (OS entropy, for real use) or an int (reproducible noise,
         different at every step; see ``per_example_grads.dp.noise``).
       adaptive_clipping: ``peg.dp.AdaptiveClipping`` settings, or None.
@@ -221,11 +114,17 @@ class DPModel(keras.Model):
       mechanism: a ``peg.dp.NoiseMechanism`` (``GaussianNoise``, the
         default DP-SGD; ``BandMF``, ``BLT``), this DPModel's alone.
       privacy_unit: ``"example"`` (each row is protected) or ``"unit"``
-        (all the rows of one unit: see "User-level privacy" above).
+        (all the rows of one unit; ``docs/guides/user-level-privacy.md``).
       sparse_embeddings: a ``per_example_grads.dp.sparse_embeddings.SparseEmbeddings``: embedding tables
         get noise only on the rows a noisy count of the batch's lookups
         selects, as a sparse update, at the same epsilon
         (``per_example_grads.dp.sparse_embeddings``); None: dense noise.
+
+    Raises:
+      ValueError: a pairing of parts the composition table refuses, a
+        ``num_examples`` or ``expected_batch_size`` that disagrees with the
+        data, a network changed outside this ``DPModel`` or wrapped by
+        another, a restored ledger of another mechanism (each named).
 
     Examples:
       >>> import keras, numpy as np
