@@ -5,7 +5,7 @@ gradients over the training set before and after: the gradient noise scale
 (the batch size past which larger batches stop paying), the per-example norm
 distribution and the examples that pull hardest. Writes the report's figure.
 
-    python examples/diagnostics_during_training.py           # 10 epochs, about 20 s on a 2-core CPU
+    python examples/diagnostics_during_training.py           # 10 epochs: noise scale 44 -> 690, 6 s on 2 cores
     python examples/diagnostics_during_training.py --quick   # 1 epoch on 400 examples, for the tests
 """
 

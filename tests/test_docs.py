@@ -360,6 +360,20 @@ def test_every_page_is_in_the_sites_navigation_and_every_link_resolves():
         assert (ROOT / link).is_file(), link
 
 
+def test_the_cli_page_holds_every_commands_help_as_the_parser_prints_it(monkeypatch):
+    """docs/cli.md's "Every command and option" is each subcommand's --help at 100 columns: regenerate it if this fails."""
+    import argparse
+
+    from per_example_grads.apps import cli
+
+    monkeypatch.setenv("COLUMNS", "100")
+    page = (ROOT / "docs" / "cli.md").read_text()
+    (subcommands,) = [a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, parser in subcommands.choices.items():
+        want = f"### pegrad {name}\n\n```text\n{parser.format_help().rstrip()}\n```\n"
+        assert want in page, f"docs/cli.md: the help of `pegrad {name}` is missing or stale"
+
+
 def test_ci_runs_the_readme_test_command():
     """.ci/run ends with the README's test command, character for character (the README says it is what CI runs)."""
     text = README.read_text()

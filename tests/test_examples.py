@@ -58,3 +58,12 @@ def test_diagnostics_during_training(monkeypatch, tmp_path):
     result = _main("diagnostics_during_training")(["--quick"])
     assert all(r["noise_scale"] > 0 and len(r["hardest"]) == 3 for r in result.values())
     assert (tmp_path / "diagnostics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_parameter_server(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    result = _main("parameter_server")(["--quick"])
+    # The server's accountant, checked against dp-accounting's composition of the same 5 steps.
+    expected = peg.dp.compute_epsilon(1797, 0.02 * 1797, None, 1.1, 1e-5, steps=5)
+    assert result["steps"] == 5 and result["epsilon"] == pytest.approx(expected, rel=1e-12)
