@@ -303,3 +303,29 @@ def test_norms_run_in_a_window_of_units_and_fallback_units_one_at_a_time():
             assert not waits(name, order[i - 1]), name
     for later, earlier in zip(fallbacks[1:], fallbacks):
         assert waits(later, earlier), (later, earlier)
+
+
+def test_a_fallback_layer_with_dropout_inside_is_not_covered_in_training_mode():
+    """The layer-local fallback recomputes a layer per example: its Dropout would draw another mask than the forward pass."""
+
+    class Block(keras.layers.Layer):
+        def __init__(self, rate):
+            super().__init__()
+            self.drop = keras.layers.Dropout(rate)
+
+        def build(self, shape):
+            self.w = self.add_weight(shape=(shape[-1], 3))
+
+        def call(self, x, training=None):
+            return tf.tanh(self.drop(x, training=training) @ self.w)
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    x, y = np.ones((8, 4), "float32"), np.arange(8) % 3
+    model = keras.Sequential([keras.Input((4,)), Block(0.5)])
+    with pytest.raises(peg.EngineError, match=r"'dropout' \(Dropout\) inside it draws random values in training mode"):
+        peg.per_example_gradients(model, loss, x, y, method="layerwise", training=True)
+    with pytest.warns(peg.EngineFallbackWarning, match="used the 'vectorized' engine"):
+        peg.per_example_gradients(model, loss, x, y, training=True)
+    peg.per_example_gradients(model, loss, x, y, method="layerwise", training=False)  # no mask drawn
+    still = keras.Sequential([keras.Input((4,)), Block(0.0)])  # a rate of 0 draws nothing
+    peg.per_example_gradients(still, loss, x, y, method="layerwise", training=True)

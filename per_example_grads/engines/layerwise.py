@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from per_example_grads import rules as _builtin_rules  # noqa: F401  (registers the rules)
 from per_example_grads import transforms
+from per_example_grads._core import model_inspection
 from per_example_grads._core.batch import Batch, batch_size
 from per_example_grads._core.example_ops import WIDE, compute_dtype
 from per_example_grads._core.problem import Problem
@@ -66,11 +67,27 @@ def units_of(problem: Problem) -> list[Unit]:
 
 
 def why_not(problem: Problem) -> str | None:
-    """Why the layer-wise engine cannot cover ``problem``, or None."""
+    """Why the layer-wise engine cannot cover ``problem``, or None.
+
+    In training mode, a layer on the layer-local fallback with a random layer
+    inside (Dropout) cannot be covered: the fallback recomputes it one
+    example at a time, which would draw other random values than the forward
+    pass did, so its per-example gradients would belong to another step.
+    """
     try:
-        units_of(problem)
+        units = units_of(problem)
     except NotCoverable as err:
         return str(err)
+    if problem.training:
+        for unit in units:
+            random = model_inspection.random_layers(unit.layer) if isinstance(unit.rule, LocalRule) else []
+            if random:
+                return (
+                    f"the layer-local fallback recomputes {unit.layer.name!r} ({type(unit.layer).__name__}) one "
+                    f"example at a time, and {model_inspection.describe(random)} inside it draws random values in "
+                    "training mode, which the recomputation would draw anew (its per-example gradients would not "
+                    "be the forward pass's); use training=False, a rate of 0, or another engine (method='vectorized')"
+                )
     return None
 
 
