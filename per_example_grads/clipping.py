@@ -169,11 +169,7 @@ def clipped_sums_and_predictions(
     problem = make_problem(model, loss_fn, variables, training, allow_batch_coupling)
     clip = _clip_groups(problem.variables, l2_norm_clip)
     batch = make_batch(model, x, y, sample_weight)
-    units = None
-    if unit_ids is not None:
-        units = grouped.make_units(unit_ids, num_units, batch)
-    elif num_units is not None:
-        raise ValueError("num_units needs unit_ids.")
+    units = grouped.units_or_none(unit_ids, num_units, batch)
 
     def clipped_sums(batch):
         if units is None:

@@ -94,7 +94,7 @@ def per_example_gradients(
     selection.check_method(method)
     problem = make_problem(model, loss_fn, variables, training, allow_batch_coupling)
     batch = make_batch(model, x, y, sample_weight)
-    units = _units(unit_ids, num_units, batch)
+    units = grouped.units_or_none(unit_ids, num_units, batch)
     if units is not None:
         if sparse_embeddings:
             raise ValueError("sparse_embeddings=True cannot be combined with unit_ids (per-unit gradients are dense).")
@@ -176,7 +176,7 @@ def per_example_norms(
     batch = make_batch(model, x, y, kwargs.pop("sample_weight", None))
     if kwargs:
         raise TypeError(f"per_example_norms got unexpected arguments: {sorted(kwargs)}.")
-    units = _units(unit_ids, num_units, batch)
+    units = grouped.units_or_none(unit_ids, num_units, batch)
     if units is not None:
         return unless_empty(
             batch,
@@ -188,12 +188,3 @@ def per_example_norms(
     return unless_empty(
         batch, lambda batch: selection.run(method, problem, lambda e: e.norms(problem, batch, by_variable), batch)
     )
-
-
-def _units(unit_ids: Any, num_units: int | None, batch) -> "grouped.Units | None":
-    """``grouped.make_units`` for given ``unit_ids``; None without them (``num_units`` alone is refused)."""
-    if unit_ids is None:
-        if num_units is not None:
-            raise ValueError("num_units needs unit_ids.")
-        return None
-    return grouped.make_units(unit_ids, num_units, batch)

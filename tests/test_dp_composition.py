@@ -144,6 +144,14 @@ CASES = [
         "sparse_embeddings",
         "adaptive_clipping",
     ),
+    (
+        "DPAggregator",
+        lambda: peg.dp.DPAggregator(noise_multiplier=1.0, adaptive_clipping=peg.dp.AdaptiveClipping()).step(
+            _net(), LOSS, X[:4], Y[:4], unit_ids=np.array([0, 0, 1, 1])
+        ),
+        "privacy_unit='unit'",
+        "adaptive_clipping",
+    ),
     # clipping
     (
         "DPModel",

@@ -407,8 +407,10 @@ def test_bad_unit_ids_are_refused():
         call(unit_ids=IDS, num_units=4)
     with pytest.raises(ValueError, match="unit_ids must be >= 0"):
         call(unit_ids=IDS - 1)
-    with pytest.raises(ValueError, match="num_units needs unit_ids"):
-        call(num_units=3)
+    for entry in (call, peg.per_example_gradients, peg.dp.private_gradients):  # private_gradients ignored it
+        kwargs = dict(l2_norm_clip=1.0, noise_multiplier=1.0) if entry is peg.dp.private_gradients else {}
+        with pytest.raises(ValueError, match="num_units needs unit_ids"):
+            (entry(num_units=3) if entry is call else entry(model, sparse_ce, x, y, num_units=3, **kwargs))
     with pytest.raises(TypeError, match="num_units must be an int"):
         call(unit_ids=IDS, num_units=7.0)
     with pytest.raises(ValueError, match="sparse_embeddings=True cannot be combined with unit_ids"):

@@ -68,6 +68,7 @@ from per_example_grads.dp.accounting import adaptive_clipping_noise_multiplier
 from per_example_grads.dp.mechanisms import NoiseMechanism, check_mechanism, fingerprint, fingerprint_name
 from per_example_grads.dp.noise import NoiseSeed, gaussian_like, noise_source
 from per_example_grads.dp.sampling import real_rows, split_into_chunks
+from per_example_grads.engines import grouped
 from per_example_grads.engines.selection import check_method
 
 
@@ -217,6 +218,7 @@ def clipped_sum(
             physical_batch_size,
             rows_per_unit,
         )
+    grouped.units_or_none(None, num_units, batch)  # num_units without unit_ids is refused, not ignored
     args = dict(l2_norm_clip=l2_norm_clip, method=method, training=training, variables=variables)
     x, y, sample_weight = batch["x"], batch.get("y"), batch.get("sample_weight")
     rows = tf.shape(tf.nest.flatten(x)[0])[0]
@@ -448,6 +450,12 @@ class DPAggregator(keras.layers.Layer):
         batch's (``[B]``, each unit's rows consecutive, padding ``-1``;
         ``_unit_clipped_sum``), not with sparse embedding noise.
         """
+        if unit_ids is not None:
+            composition.check(
+                composition.Parts(
+                    "DPAggregator", units=True, adaptive=self.adaptive is not None, sparse=self.sparse is not None
+                )
+            )
         clipped = clipped_sum(
             model,
             loss_fn,

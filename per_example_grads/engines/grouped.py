@@ -61,6 +61,19 @@ class Units:
     count: Any
 
 
+def units_or_none(unit_ids: Any, num_units: int | None, batch: Batch) -> "Units | None":
+    """``make_units`` for given ``unit_ids``; None without them.
+
+    Raises:
+      ValueError: ``num_units`` without ``unit_ids`` (it would be ignored).
+    """
+    if unit_ids is None:
+        if num_units is not None:
+            raise ValueError("num_units needs unit_ids.")
+        return None
+    return make_units(unit_ids, num_units, batch)
+
+
 def make_units(unit_ids: Any, num_units: int | None, batch: Batch) -> Units:
     """Checks ``unit_ids`` against the batch and returns ``Units``.
 
