@@ -135,7 +135,7 @@ def test_unit_level_cyclic_sampling_keeps_each_units_part(physical_batch_size):
 
 
 def test_a_file_saved_before_the_partition_was_recorded_loads_and_refuses_cyclic_steps(tmp_path):
-    # Such a file is this one without the ledger's last two variables (the aggregator's vars/4 and 5)
+    # Such a file is this one without the ledger's last three variables (the aggregator's vars/4 to 6)
     # and without the copy of the ledger the network's files carry (network_ledger, newer still).
     for mechanism, cycle in ((peg.dp.BandMF(bands=2, num_steps=8), CYCLE), (peg.dp.GaussianNoise(), 1)):
         dp = _dp_model(mechanism)
@@ -145,7 +145,12 @@ def test_a_file_saved_before_the_partition_was_recorded_loads_and_refuses_cyclic
         dp.save_weights(path)
         with h5py.File(path, "a") as f:
             assert f["aggregator/vars/4"].shape == (5,) and f["aggregator/vars/5"].shape == (4,)
-            del f["aggregator/vars/4"], f["aggregator/vars/5"], f["layers/sequential/_dp_ledger"]
+            del (
+                f["aggregator/vars/4"],
+                f["aggregator/vars/5"],
+                f["aggregator/vars/6"],
+                f["layers/sequential/_dp_ledger"],
+            )
         old = _dp_model(type(mechanism)(**mechanism.get_config()))
         old.load_weights(path)
         assert int(old.dp_steps.numpy()) == 4 and not old.aggregator.partition.numpy().any()

@@ -311,7 +311,7 @@ def test_a_fallback_layer_with_dropout_inside_is_not_covered_in_training_mode():
     class Block(keras.layers.Layer):
         def __init__(self, rate):
             super().__init__()
-            self.drop = keras.layers.Dropout(rate)
+            self.drop = keras.layers.Dropout(rate, name="drop")
 
         def build(self, shape):
             self.w = self.add_weight(shape=(shape[-1], 3))
@@ -322,7 +322,7 @@ def test_a_fallback_layer_with_dropout_inside_is_not_covered_in_training_mode():
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     x, y = np.ones((8, 4), "float32"), np.arange(8) % 3
     model = keras.Sequential([keras.Input((4,)), Block(0.5)])
-    with pytest.raises(peg.EngineError, match=r"'dropout' \(Dropout\) inside it draws random values in training mode"):
+    with pytest.raises(peg.EngineError, match=r"'drop' \(Dropout\) inside it draws random values in training mode"):
         peg.per_example_gradients(model, loss, x, y, method="layerwise", training=True)
     with pytest.warns(peg.EngineFallbackWarning, match="used the 'vectorized' engine"):
         peg.per_example_gradients(model, loss, x, y, training=True)

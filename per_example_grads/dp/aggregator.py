@@ -63,7 +63,7 @@ from per_example_grads._core.example_ops import in_dtype
 from per_example_grads._core.xla_context import in_xla_context
 from per_example_grads.clipping import clipped_sums_and_predictions, dense_sums
 from per_example_grads.dp import adaptive as adaptive_clipping
-from per_example_grads.dp import composition
+from per_example_grads.dp import composition, ledger
 from per_example_grads.dp.accounting import adaptive_clipping_noise_multiplier
 from per_example_grads.dp.mechanisms import NoiseMechanism, check_mechanism, fingerprint, fingerprint_name
 from per_example_grads.dp.noise import NoiseSeed, gaussian_like, noise_source
@@ -309,6 +309,8 @@ class DPAggregator(keras.layers.Layer):
         next noise draw).
       min_noise_multiplier, max_sampling_probability: float64 ledger variables.
       poisson: int64 variable, 1 while every recorded step was Poisson sampled.
+      segments: float64 ``[SEGMENTS, 4]`` variable, the steps as segments of
+        identical releases (``per_example_grads.dp.ledger``).
       partition: int64 ``[5]`` variable, a cyclic run's partition
         (``PoissonSampling.partition``), recorded by the owner; zeros when
         none is recorded.
@@ -379,20 +381,24 @@ class DPAggregator(keras.layers.Layer):
         self.poisson = _ledger_variable(1, "int64", "poisson")
         self.partition = _ledger_variable(np.zeros(5, np.int64), "int64", "partition")
         self.mechanism_fingerprint = _ledger_variable(fingerprint(self.mechanism), "int64", "mechanism")
+        self.segments = _ledger_variable(ledger.empty(), "float64", "segments")
         self._noise = noise_source(seed)
         self.canaries = None  # a privacy audit's hook (see ``release``); not a weight, never saved
         self.sparse = None  # sparse embedding noise (see ``release``); set by the owner
         self.built = True
 
     def load_own_variables(self, store) -> None:
-        """Keras's; a file saved before the ledger had ``partition`` and ``mechanism_fingerprint`` loads without them.
+        """Keras's; a file saved before the ledger had its newer variables loads without them.
 
-        The partition is then not recorded, and the steps are taken for this
-        mechanism's (nothing recorded otherwise).
+        Before ``segments``: the run is accounted by its worst case (``ledger``).
+        Before ``partition`` and ``mechanism_fingerprint`` too: the partition
+        is not recorded, and the steps are taken for this mechanism's.
         """
         own = self._trainable_variables + self._non_trainable_variables
-        if own[-2:] == [self.partition, self.mechanism_fingerprint] and len(store.keys()) == len(own) - 2:
-            for i, v in enumerate(own[:-2]):
+        newer = [self.partition, self.mechanism_fingerprint, self.segments]
+        missing = len(own) - len(store.keys())
+        if own[-3:] == newer and missing in (1, 3):
+            for i, v in enumerate(own[:-missing]):
                 v.assign(store[f"{i}"])
             return
         super().load_own_variables(store)
@@ -642,6 +648,7 @@ class DPAggregator(keras.layers.Layer):
         self.max_sampling_probability.assign(tf.maximum(self.max_sampling_probability, in_dtype(q, tf.float64)))
         if not poisson:
             self.poisson.assign(0)
+        self.segments.assign(ledger.recorded(self.segments, self.noise_multiplier, in_dtype(q, tf.float64), poisson))
 
     def clipped_fraction(self, clipped: ClippedSum) -> tuple[tf.Tensor, tf.Tensor]:
         """``(clipped, counted)``: real examples over the clip norm, and real examples, over all replicas."""

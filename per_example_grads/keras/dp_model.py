@@ -15,7 +15,7 @@ from per_example_grads._core.arguments import check_choice, check_positive_int
 from per_example_grads._core.losses import as_per_example_loss
 from per_example_grads._core.xla_context import in_xla_context
 from per_example_grads.dp import adaptive as adaptive_clipping
-from per_example_grads.dp import composition, validation
+from per_example_grads.dp import composition, ledger, validation
 from per_example_grads.dp.accounting import PrivacyAccountant, check_run_delta
 from per_example_grads.dp.aggregator import DPAggregator, whole_units_on_replicas
 from per_example_grads.dp.budget import PrivacyBudget
@@ -756,25 +756,42 @@ class DPModel(keras.Model):
         (DP-SGD's own for ``GaussianNoise``; for ``BandMF`` ``ceil(dp_steps /
         b)`` steps, for ``BLT`` one Gaussian release); its ``steps`` are those.
 
-        It uses the smallest noise multiplier and the largest sampling
-        probability any recorded step used (exactly the run's own when they
-        never changed), so its epsilon never under-reports; when some step
-        was not Poisson sampled, the accountant is a ``sampling="shuffle"``
-        one, which warns that the number is a heuristic.
+        With a mechanism whose noise is independent across steps
+        (``GaussianNoise``, the default), its steps are the ledger's segments
+        (``per_example_grads.dp.ledger``), each run of steps at its own noise
+        multiplier and sampling probability, accounted as the mechanism
+        says and composed. Otherwise (a
+        correlated mechanism, or a ledger restored from a file older than
+        its segments) every step is taken at the smallest noise multiplier
+        and the largest sampling probability any recorded step used (exactly
+        the run's own when they never changed), so its epsilon never
+        under-reports. When some step was not Poisson sampled, the
+        accountant is a ``sampling="shuffle"`` one, which warns that the
+        number is a heuristic.
         """
         self._check_ledger_covers_network()
         steps = int(self.dp_steps.numpy())
+        sampling = "poisson" if int(self.aggregator.poisson.numpy()) else "shuffle"
+        segments = ledger.events(self.aggregator.segments.numpy(), steps) if steps else None
+        if segments and not self.mechanism.correlated and self.mechanism.cycle_length == 1:
+            # Each segment as the (stateless) mechanism accounts it, composed.
+            events = [
+                self.mechanism.accounted_as(s.noise_multiplier, s.sampling_probability, s.steps) for s in segments
+            ]
+            accounted = PrivacyAccountant(*events[0][:2], accountant=accountant, sampling=sampling)
+            for sigma, q, count in events:
+                accounted.step(count, noise_multiplier=sigma, sampling_probability=q)
+            return accounted
         q = float(self.dp_max_sampling_probability.numpy()) if steps else self.sampling_probability
         if q is None:
             raise ValueError(
                 "accounting needs num_examples and expected_batch_size given to DPModel, or a fit on poisson_batches."
             )
         sigma = float(self.dp_min_noise_multiplier.numpy()) if steps else self.noise_multiplier
-        sampling = "poisson" if int(self.aggregator.poisson.numpy()) else "shuffle"
         sigma, q, steps = self.mechanism.accounted_as(sigma, q, steps)  # an equivalent ledger: k steps at (sigma', q')
-        ledger = PrivacyAccountant(sigma, q, accountant=accountant, sampling=sampling)
-        ledger.step(steps)
-        return ledger
+        accounted = PrivacyAccountant(sigma, q, accountant=accountant, sampling=sampling)
+        accounted.step(steps)
+        return accounted
 
     def epsilon(self, delta: float, *, accountant: str = "pld") -> float:
         """ε spent so far: ``self.accountant(accountant=...).epsilon(delta)``.

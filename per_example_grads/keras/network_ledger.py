@@ -35,7 +35,15 @@ import keras
 import numpy as np
 
 ATTRIBUTE = "_dp_ledger"  # the network's attribute, and the file's group
-_CORE = ("steps", "min_noise_multiplier", "max_sampling_probability", "poisson", "partition", "mechanism_fingerprint")
+_CORE = (
+    "steps",
+    "min_noise_multiplier",
+    "max_sampling_probability",
+    "poisson",
+    "partition",
+    "mechanism_fingerprint",
+    "segments",
+)
 
 
 class NetworkLedger(keras.layers.Layer):

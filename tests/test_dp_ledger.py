@@ -1,0 +1,163 @@
+"""The ledger's segments (``per_example_grads.dp.ledger``): a run whose sampling or noise changed is accounted as it ran.
+
+Checked against dp_accounting's own composition of the same events, built
+here independently of the library; against the worst case the ledger gave
+before (every step at the smallest sigma and the largest q), which must stay
+the answer where segments cannot be trusted (a file older than them, a
+correlated mechanism); and across save, restore and a DPModel of another
+sigma.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import dp_accounting
+import h5py
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import per_example_grads as peg
+from per_example_grads.dp import ledger
+
+N = 64
+X = np.random.default_rng(0).normal(size=(N, 4)).astype("float32")
+Y = (np.arange(N) % 3).astype("int64")
+DELTA = 1e-5
+
+
+def _dp(sigma=1.0, **kw):
+    keras.utils.set_random_seed(0)
+    net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    dp = peg.keras.DPModel(net, noise_multiplier=sigma, seed=0, **kw)
+    dp.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return dp
+
+
+def _batches(q, seed=0):
+    return peg.dp.poisson_batches(X, Y, sampling_probability=q, seed=seed)
+
+
+def _exact(*segments):
+    """dp_accounting's PLD epsilon of the composition of ``(steps, sigma, q)`` Poisson-sampled Gaussian runs."""
+    event = dp_accounting.ComposedDpEvent(
+        [
+            dp_accounting.SelfComposedDpEvent(
+                dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
+            )
+            for steps, sigma, q in segments
+        ]
+    )
+    accountant = dp_accounting.pld.PLDAccountant()
+    accountant.compose(event)
+    return accountant.get_epsilon(DELTA)
+
+
+def _table(*rows):
+    return np.array(list(rows) + [[0, 0, 0, 0]] * (ledger.SEGMENTS - len(rows)), np.float64)
+
+
+def test_a_step_extends_the_last_segment_or_opens_the_next():
+    t = ledger.empty()
+    t = ledger.recorded(t, 1.0, 0.25, True)
+    t = ledger.recorded(t, 1.0, 0.25, True)
+    t = ledger.recorded(t, 1.0, 0.5, True)  # another q: a new segment
+    t = ledger.recorded(t, 1.0, 0.3, False)  # not Poisson: a new one
+    t = ledger.recorded(t, 1.0, 0.4, False)  # fixed-size batches keep the largest q
+    t = ledger.recorded(t, 2.0, 0.4, False)  # another sigma
+    np.testing.assert_array_equal(
+        t.numpy(), _table([2, 1.0, 0.25, 1], [1, 1.0, 0.5, 1], [2, 1.0, 0.4, 0], [1, 2.0, 0.4, 0])
+    )
+    assert ledger.events(t.numpy(), 6) == [
+        ledger.Segment(2, 1.0, 0.25, True),
+        ledger.Segment(1, 1.0, 0.5, True),
+        ledger.Segment(2, 1.0, 0.4, False),
+        ledger.Segment(1, 2.0, 0.4, False),
+    ]
+    assert ledger.events(t.numpy(), 7) is None  # a table that does not add up to the counter is not used
+
+
+def test_past_the_last_row_steps_merge_at_the_worst_case():
+    t = ledger.empty()
+    record = tf.function(ledger.recorded, jit_compile=True)  # as a DPModel step under XLA records it
+    for i in range(ledger.SEGMENTS + 3):
+        t = record(t, 1.0 + (i % 2), 0.1 * (1 + i % 3), i % 5 != 0)
+    events = ledger.events(t.numpy(), ledger.SEGMENTS + 3)
+    assert len(events) == ledger.SEGMENTS and events[-1].steps == 4
+    last = [(1.0 + (i % 2), 0.1 * (1 + i % 3), i % 5 != 0) for i in range(ledger.SEGMENTS - 1, ledger.SEGMENTS + 3)]
+    assert events[-1].noise_multiplier == min(s for s, _, _ in last)
+    assert events[-1].sampling_probability == pytest.approx(max(q for _, q, _ in last))
+    assert events[-1].poisson == all(p for _, _, p in last)
+
+
+def test_two_fits_at_different_q_are_accounted_as_two_segments():
+    # The ledger took all 12 steps at q = 0.5.
+    dp = _dp()
+    dp.fit(_batches(0.25), epochs=1, verbose=0)  # 4 steps
+    dp.fit(_batches(0.5, seed=1), epochs=4, verbose=0)  # 8 steps
+    assert int(dp.dp_steps.numpy()) == 12
+    expected = _exact((4, 1.0, 0.25), (8, 1.0, 0.5))
+    assert dp.epsilon(DELTA) == pytest.approx(expected, rel=1e-9)
+    assert expected < _exact((12, 1.0, 0.5))  # the worst case it replaces
+
+
+def test_train_on_batch_after_a_poisson_fit_is_its_own_segment():
+    dp = _dp()
+    dp.fit(_batches(0.25), epochs=1, verbose=0)
+    dp.train_on_batch(X[:8], Y[:8])  # a fixed-size batch at q = 8 / 64
+    with pytest.warns(UserWarning, match="not a proven bound"):
+        eps = dp.epsilon(DELTA)
+    assert eps == pytest.approx(_exact((4, 1.0, 0.25), (1, 1.0, 8 / N)), rel=1e-9)
+
+
+@pytest.mark.parametrize("how", ["save_weights", "network file"])
+def test_a_run_restored_into_a_dpmodel_of_another_sigma_composes_both(tmp_path, how):
+    first = _dp(sigma=1.0)
+    first.fit(_batches(0.25), epochs=2, verbose=0)  # 8 steps at sigma 1
+    path = str(tmp_path / ("run.weights.h5" if how == "save_weights" else "net.keras"))
+    (first.save_weights if how == "save_weights" else first.model.save)(path)
+    second = _dp(sigma=2.0)
+    second.load_weights(path)
+    second.fit(_batches(0.25, seed=1), epochs=1, verbose=0)  # 4 more at sigma 2
+    expected = _exact((8, 1.0, 0.25), (4, 2.0, 0.25))
+    assert second.epsilon(DELTA) == pytest.approx(expected, rel=1e-9)
+    assert expected < _exact((12, 1.0, 0.25))  # every step at the smallest sigma, as before
+
+
+def test_a_file_older_than_the_segments_is_accounted_by_its_worst_case(tmp_path):
+    dp = _dp()
+    dp.fit(_batches(0.25), epochs=1, verbose=0)
+    dp.fit(_batches(0.5, seed=1), epochs=4, verbose=0)
+    path = str(tmp_path / "old.weights.h5")
+    dp.save_weights(path)
+    with h5py.File(path, "a") as f:  # such a file: no segments, here or in the network's copy of the ledger
+        assert f["aggregator/vars/6"].shape == (ledger.SEGMENTS, 4)
+        del f["aggregator/vars/6"], f["layers/sequential/_dp_ledger/vars/segments"]
+    old = _dp()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and no network-ledger complaint: a file without the entry is older
+        old.load_weights(path)
+    assert int(old.dp_steps.numpy()) == 12
+    assert old.epsilon(DELTA) == pytest.approx(_exact((12, 1.0, 0.5)), rel=1e-9)
+
+
+def test_a_correlated_mechanism_is_still_accounted_as_one_run():
+    # Its noise spans segment boundaries: the segments must not split its accounting.
+    band = peg.dp.BandMF(bands=2, num_steps=16)
+    dp = _dp(mechanism=band)
+    dp.fit(peg.dp.poisson_batches(X, Y, sampling_probability=0.5, cycle_length=2, seed=0), epochs=2, verbose=0)
+    steps = int(dp.dp_steps.numpy())
+    expected = peg.dp.compute_epsilon(N, 16, None, 1.0, DELTA, steps=steps, mechanism=band)
+    assert dp.epsilon(DELTA) == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_segments_hold_sigma_and_q_exactly():
+    # Through float32 they would round (0.1 -> 0.10000000149), and epsilon with them.
+    dp = _dp(sigma=1.1)
+    dp.fit(peg.dp.poisson_batches(X, Y, sampling_probability=0.3, seed=0), epochs=1, verbose=0)
+    (segment,) = ledger.events(dp.aggregator.segments.numpy(), int(dp.dp_steps.numpy()))
+    assert (segment.noise_multiplier, segment.sampling_probability) == (1.1, 0.3)
+    expected = peg.dp.compute_epsilon(N, 0.3 * N, None, 1.1, DELTA, steps=segment.steps)
+    assert dp.epsilon(DELTA) == pytest.approx(expected, rel=1e-12)
