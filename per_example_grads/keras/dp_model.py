@@ -8,6 +8,7 @@ import warnings
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from per_example_grads._core import replicas
@@ -348,7 +349,8 @@ class DPModel(keras.Model):
         """
         self._check_ledger_covers_network()
         composition.check(self._unknown_sampling_parts("DPModel.train_on_batch"))
-        sampling = self._unknown_sampling(int(tf.nest.flatten(x)[0].shape[0]))
+        first = tf.nest.flatten(x)[0] if tf.nest.flatten(x) else None
+        sampling = self._unknown_sampling(int(np.shape(first)[0]) if np.ndim(first) else None)
         if sampling.traced_as() != self._fit_sampling.traced_as():
             self.train_function = None  # retrace: the step uses this sampling
         self._fit_sampling = sampling
