@@ -260,6 +260,22 @@ def test_a_custom_loop_over_train_step_stops_at_the_budget(budget):
         dp.epsilon(1e-3)
 
 
+def test_a_custom_loop_after_a_fit_is_limited_at_its_own_batches_rate():
+    # Its limit was computed at the last fit's q = 0.25; its batches of 32 are q = 0.5, and it overspent.
+    budget = PrivacyBudget(epsilon=6.0, delta=1e-3, accountant="rdp", rtol=1e-6)
+    dp = _dp(num_examples=64, budget=budget)
+    dp.optimizer.build(dp.model.trainable_variables)
+    dp.fit(peg.dp.poisson_batches(X, Y, sampling_probability=0.25, seed=0), epochs=1, verbose=0)
+    step = tf.function(dp.train_step)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="takes no step"):
+        for i in range(200):
+            step((X[32 * (i % 2) : 32 * (i % 2) + 32], Y[32 * (i % 2) : 32 * (i % 2) + 32]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # fixed-size batches: the heuristic
+        assert dp.epsilon(1e-3, accountant="rdp") <= 6.0
+    assert int(dp.dp_steps.numpy()) > 4  # the loop did take steps
+
+
 def test_a_custom_loop_stops_eagerly_too_and_after_a_fit():
     dp = _dp(expected_batch_size=16, num_examples=64, budget=PrivacyBudget(steps=5))
     _fit(dp, X, Y, batch_size=16, epochs=1)  # 4 steps: within the budget

@@ -564,15 +564,19 @@ class DPModel(keras.Model):
           ValueError: the sampling probability is not known yet (no
             ``num_examples``, or fixed-size batches of unknown size).
         """
+        return self._max_steps_for(self._fit_sampling)
+
+    def _max_steps_for(self, sampling: _FitSampling) -> int | None:
+        """``max_steps`` for steps taken with ``sampling`` (the last ``fit``'s, or a custom loop's)."""
         if self.budget is None:
             return None
         if self.budget.steps is not None:
             return int(self.budget.steps)
         steps = int(self.dp_steps.numpy())
         sigma = self.noise_multiplier
-        q = self._fit_sampling.sampling_probability
-        if q is None and self.num_examples is not None and self._fit_sampling.largest_batch is not None:
-            q = min(1.0, self._fit_sampling.largest_batch / self.num_examples)
+        q = sampling.sampling_probability
+        if q is None and self.num_examples is not None and sampling.largest_batch is not None:
+            q = min(1.0, sampling.largest_batch / self.num_examples)
         if q is None:
             q = self.sampling_probability
         if q is None:
@@ -611,12 +615,14 @@ class DPModel(keras.Model):
         self._step_limit.assign(min(limit, _NO_LIMIT))
         return limit
 
-    def _budget_check(self) -> list:
+    def _budget_check(self, sampling: _FitSampling) -> list:
         """The step's own budget check: an op that fails when the ledger has reached the limit, or none.
 
         ``fit`` and ``train_on_batch`` stop before the limit themselves and
         set it (``_set_step_limit``); a custom loop's trace computes it now,
-        from the ledger as it is. The check runs before the release, so a
+        from the ledger as it is and the traced batch (``q = global rows /
+        N``; with a batch size unknown when traced, ``expected_batch_size /
+        N``). The check runs before the release, so a
         step past the budget releases nothing and is not counted.
 
         Raises:
@@ -634,7 +640,7 @@ class DPModel(keras.Model):
                     "loop could take steps past it. Trace the loop without jit_compile, or use fit."
                 )
             with tf.init_scope():  # the ledger's numbers, read eagerly while the loop is traced
-                now = min(self.max_steps(), _NO_LIMIT)
+                now = min(self._max_steps_for(sampling), _NO_LIMIT)
             limit = tf.minimum(limit, now)
         return [
             tf.debugging.assert_less(
@@ -651,10 +657,11 @@ class DPModel(keras.Model):
     def train_step(self, data):
         composition.check(dataclasses.replace(self._parts, xla=in_xla_context()))
         sampling = self._fit_sampling
+        x, y, sample_weight, unit_ids = self._unpack(data)
         if not self._front_door:  # a custom loop's batches: their sampling is not known
             composition.check(self._unknown_sampling_parts("DPModel.train_step (a custom loop)"))
-            sampling = self._unknown_sampling()
-        x, y, sample_weight, unit_ids = self._unpack(data)
+            rows = tf.nest.flatten(x)[0].shape[0]  # static: the budget's q is the global batch's rows / N
+            sampling = self._unknown_sampling(None if rows is None else rows * replicas.num_replicas())
         if unit_ids is not None:  # several replicas: every unit clipped whole on one of them
             x, y, sample_weight, unit_ids = whole_units_on_replicas(x, y, sample_weight, unit_ids)
         loss_fn = as_per_example_loss(self.loss)
@@ -662,7 +669,7 @@ class DPModel(keras.Model):
         q = sampling.sampling_probability
         if q is None and self.num_examples is not None:
             q = tf.minimum(tf.cast(replicas.global_sum(rows), tf.float64) / self.num_examples, 1.0)
-        with tf.control_dependencies(self._budget_check()):
+        with tf.control_dependencies(self._budget_check(sampling)):
             step = self.aggregator.step(
                 self.model,
                 loss_fn,
