@@ -216,7 +216,12 @@ CASES = [
         "privacy_unit='unit'",
         "XLA (jit_compile=True)",
     ),
-    ("DPModel", _custom_loop_units_under_xla, "privacy_unit='unit'", "XLA (jit_compile=True)"),
+    (
+        "DPModel.train_step (a custom loop)",
+        _custom_loop_units_under_xla,
+        "privacy_unit='unit'",
+        "XLA (jit_compile=True)",
+    ),
     (
         "DPModel",
         lambda: _fit(_dp(_bag(), sparse_embeddings=SparseEmbeddings(), jit_compile=True), _rows(IDS)),

@@ -173,7 +173,6 @@ class DPModel(keras.Model):
             sparse=sparse_embeddings is not None,
         )
         composition.check(parts)  # before any part is built (a mechanism, once attached, is this run's)
-        self._parts = parts
         if budget is not None and not isinstance(budget, PrivacyBudget):
             raise TypeError(f"budget must be a peg.dp.PrivacyBudget or None; got {type(budget).__name__} {budget!r}.")
         self.budget = budget
@@ -192,6 +191,7 @@ class DPModel(keras.Model):
             training=True,
             mechanism=mechanism,
         )
+        self._parts = dataclasses.replace(parts, mechanism=self.aggregator.mechanism)
         validation.check_model(model, training=True)
         self.aggregator.attach(model.trainable_variables)
         if sparse_embeddings is not None:
@@ -405,7 +405,6 @@ class DPModel(keras.Model):
         composition.check(
             dataclasses.replace(
                 self._parts,
-                mechanism=self.mechanism,
                 sampling=sampling,
                 xla=bool(getattr(self, "jit_compile", False)),
                 replicas=self.distribute_strategy.num_replicas_in_sync,
@@ -605,7 +604,6 @@ class DPModel(keras.Model):
         return dataclasses.replace(
             self._parts,
             owner=owner,
-            mechanism=self.mechanism,
             sampling=composition.Sampling(poisson=False, units=self._parts.units),
         )
 
@@ -655,11 +653,12 @@ class DPModel(keras.Model):
     # never converts), also where a caller's own tf.function traces it.
     @tf.autograph.experimental.do_not_convert
     def train_step(self, data):
-        composition.check(dataclasses.replace(self._parts, xla=in_xla_context()))
+        custom = not self._front_door  # a custom loop's batches: their sampling is not known
+        parts = self._unknown_sampling_parts("DPModel.train_step (a custom loop)") if custom else self._parts
+        composition.check(dataclasses.replace(parts, xla=in_xla_context()))
         sampling = self._fit_sampling
         x, y, sample_weight, unit_ids = self._unpack(data)
-        if not self._front_door:  # a custom loop's batches: their sampling is not known
-            composition.check(self._unknown_sampling_parts("DPModel.train_step (a custom loop)"))
+        if custom:
             rows = tf.nest.flatten(x)[0].shape[0]  # static: the budget's q is the global batch's rows / N
             sampling = self._unknown_sampling(None if rows is None else rows * replicas.num_replicas())
         if unit_ids is not None:  # several replicas: every unit clipped whole on one of them
