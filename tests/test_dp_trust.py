@@ -11,6 +11,7 @@ import tensorflow as tf
 
 import per_example_grads as peg
 from helpers import CrashAtStep
+from per_example_grads.dp import ledger
 from per_example_grads.dp.budget import PrivacyBudget
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -298,6 +299,8 @@ def test_a_custom_loop_under_a_strategy_stops_at_the_budget():
     with pytest.raises(tf.errors.InvalidArgumentError, match="takes no step"):
         step(next(batches))
     assert int(dp.dp_steps.numpy()) == 2
+    # The segments add up under replicas too (one fixed-size segment of 2 steps at q = 16 / 64, the global batch).
+    assert ledger.events(dp.aggregator.segments.numpy(), 2) == [ledger.Segment(2, 1.0, 0.25, False)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         assert dp.epsilon(1e-3) > 0  # the guard took the loop's own steps for the DPModel's
