@@ -248,6 +248,12 @@ class _BufferedMechanism(NoiseMechanism):
         """The ``[P]`` noise from the ``[P]`` fresh draw, updating ``buffer`` (``[slots, P]``)."""
         raise NotImplementedError
 
+    def accounted_as(self, noise_multiplier, sampling_probability, steps):
+        """One Gaussian release of noise multiplier ``sigma / sensitivity(steps)``, no amplification claimed."""
+        if steps == 0:
+            return float(noise_multiplier), 1.0, 0
+        return float(noise_multiplier) / self.sensitivity(steps), 1.0, 1
+
     @property
     def state_floats(self) -> int:
         """Floats of state: ``slots x P``."""
@@ -397,11 +403,6 @@ class BLT(_BufferedMechanism):
         theta = tf.constant(self.theta[:, None], tf.float32)
         buffer.assign(theta * sums + x[None])
         return x
-
-    def accounted_as(self, noise_multiplier, sampling_probability, steps):
-        if steps == 0:
-            return float(noise_multiplier), 1.0, 0
-        return float(noise_multiplier) / self.sensitivity(steps), 1.0, 1
 
     def get_config(self) -> dict:
         return {
