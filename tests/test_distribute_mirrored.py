@@ -333,12 +333,15 @@ def test_embedding_model_sparse_sums_under_strategy_equal_one_device():
 
 
 @pytest.mark.slow
-def test_correlated_noise_under_strategy_is_c_inverse_of_the_summed_draws():
+@pytest.mark.parametrize(
+    "make", [lambda: peg.dp.BandMF(bands=3, num_steps=6), lambda: peg.dp.BISR(bands=3, num_steps=6, cycle_length=2)]
+)
+def test_correlated_noise_under_strategy_is_c_inverse_of_the_summed_draws(make):
     """Each replica correlates its own share; the all-reduced noise is C^{-1} of the all-reduced fresh draws."""
     from per_example_grads.dp.aggregator import ClippedSum, DPAggregator
 
     strategy = mirrored_strategy()
-    mechanism, n, size = peg.dp.BandMF(bands=3, num_steps=6), 6, 512
+    mechanism, n, size = make(), 6, 512
     with strategy.scope():
         aggregators = [
             DPAggregator(l2_norm_clip=1.0, noise_multiplier=1.0, seed=(3, 5), mechanism=m) for m in (None, mechanism)

@@ -265,7 +265,7 @@ CHECKS: dict[str, Callable] = {
     "docs/guides/sparse-embeddings.md: Sparse embedding noise #0": check_sparse_embeddings,
     "docs/design/engines.md: The layer-wise engine #0": check_layer_rule,
     "docs/guides/private-training.md: Private training with fit (DP-SGD) #0": check_dp_sgd,
-    "docs/guides/correlated-noise.md: Correlated noise (BandMF, BLT) #0": check_correlated_noise,
+    "docs/guides/correlated-noise.md: Correlated noise (BandMF, BLT, BISR) #0": check_correlated_noise,
     "docs/guides/auditing.md: Auditing the privacy #0": check_audit,
     "docs/guides/fine-tuning.md: Private fine-tuning of a KerasHub model #0": check_keras_hub,
     "docs/guides/fine-tuning.md: Private training of keras.applications models #0": check_keras_applications,

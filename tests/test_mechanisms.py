@@ -11,6 +11,7 @@ import tensorflow as tf
 import per_example_grads as peg
 from per_example_grads.dp.accounting import PrivacyAccountant, compute_epsilon
 from per_example_grads.dp.aggregator import ClippedSum, DPAggregator
+from per_example_grads.dp.bisr import inverse_square_root_band
 from tolerances import ACCOUNTING_SAME_RTOL, Z, rounding_rtol
 
 
@@ -37,6 +38,7 @@ def _aggregator(mechanism, size, seed=0, sigma=1.0):
 MECHANISMS = {
     "bandmf": lambda: peg.dp.BandMF(bands=4, num_steps=12),
     "blt": lambda: peg.dp.BLT(buffers=2, num_steps=12, cycle_length=3),
+    "bisr": lambda: peg.dp.BISR(bands=3, num_steps=12, cycle_length=3),
 }
 
 
@@ -317,14 +319,16 @@ def test_prefix_sum_error_is_that_of_the_explicit_matrices(name):
     from per_example_grads.dp.mechanisms import prefix_sum_error
 
     mechanism = peg.dp.GaussianNoise() if name == "dp_sgd" else MECHANISMS[name]()
-    n = 20  # past BLT's planned 12 steps: its C goes on with the same generating function
-    c = (
-        mechanism.coefficients
-        if name != "blt"
-        else peg.dp.mf_strategies.blt_coefficients(mechanism.theta, mechanism.omega, n)
-    )
+    n = 20  # past the planned 12 steps: BLT's and BISR's C go on with the same generating function
+    if name == "bisr":  # C^{-1} is the band itself
+        inverse = _toeplitz(inverse_square_root_band(mechanism.bands), n)
+    else:
+        c = mechanism.coefficients
+        if name == "blt":
+            c = peg.dp.mf_strategies.blt_coefficients(mechanism.theta, mechanism.omega, n)
+        inverse = np.linalg.inv(_toeplitz(c, n))
     a = np.tril(np.ones((n, n)))
-    want = np.linalg.norm(a @ np.linalg.inv(_toeplitz(c, n))) / np.sqrt(n)
+    want = np.linalg.norm(a @ inverse) / np.sqrt(n)
     assert prefix_sum_error(mechanism, n) == pytest.approx(want, rel=1e-10)
     if name == "dp_sgd":
         assert want == pytest.approx(np.sqrt((n + 1) / 2), rel=1e-12)

@@ -28,6 +28,7 @@ _EXPORTS = {
     "private_gradients": "per_example_grads.dp.private",
     "fix_model": "per_example_grads.dp.model_fixer",
     "RepeatedNoiseWarning": "per_example_grads.dp.noise",
+    "BISR": "per_example_grads.dp.bisr",
     "BLT": "per_example_grads.dp.mechanisms",
     "BandMF": "per_example_grads.dp.mechanisms",
     "GaussianNoise": "per_example_grads.dp.mechanisms",
@@ -67,6 +68,7 @@ if _TYPE_CHECKING:  # what static tools see; at run time __getattr__ does this
         DPAggregator,  # noqa: F401
     )
     from per_example_grads.dp.applied_steps import AppliedSteps  # noqa: F401
+    from per_example_grads.dp.bisr import BISR  # noqa: F401
     from per_example_grads.dp.budget import PrivacyBudget  # noqa: F401
     from per_example_grads.dp.mechanisms import BLT, BandMF, GaussianNoise, NoiseMechanism  # noqa: F401
     from per_example_grads.dp.model_fixer import fix_model  # noqa: F401

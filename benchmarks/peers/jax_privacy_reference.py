@@ -1,0 +1,99 @@
+"""Reference sensitivities and epsilons of correlated-noise strategies, computed by jax_privacy.
+
+Runs in jax_privacy's own virtualenv (never a dependency of per_example_grads;
+this script does not import it):
+
+    python3 -m venv /tmp/venv-jp && /tmp/venv-jp/bin/pip install jax-privacy==2.0.0
+    /tmp/venv-jp/bin/python benchmarks/peers/jax_privacy_reference.py > tests/data/jax_privacy_reference.json
+
+For every case of the grid below it writes, from jax_privacy's own functions
+(``matrix_factorization.toeplitz`` and ``buffered_toeplitz``):
+
+- ``bisr``: the banded inverse square root (Kalinin, McKenna, Upadhyay,
+  Lampert 2025, arXiv 2505.12128): ``C^{-1}`` keeps the first ``bands``
+  coefficients of ``(1 - z)^{1/2}`` (jax_privacy's
+  ``optimal_max_error_noising_coefs``, truncated), ``C`` is its inverse
+  (``inverse_coef``);
+- ``blt``: a buffered linear Toeplitz ``C`` of given decays and scales
+  (``BufferedToeplitz.build(...).toeplitz_coefs``);
+
+then the squared sensitivity of ``C`` for ``ceil(n / min_sep)``
+participations at least ``min_sep`` apart (``minsep_sensitivity_squared``),
+and the epsilon at ``delta`` of one Gaussian release, at noise multipliers
+of 2 and 8 times ``sqrt(ceil(n / min_sep))``, of noise multiplier
+``sigma / sensitivity`` by dp_accounting's PLD accountant: the accounting of a
+correlated mechanism without amplification. ``tests/test_dp_bisr.py`` and
+``tests/test_mechanisms.py`` compare this library's figures with these.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import dp_accounting
+import jax
+import numpy as np
+
+jax.config.update("jax_enable_x64", True)
+
+from jax_privacy.matrix_factorization import buffered_toeplitz, toeplitz  # noqa: E402
+
+DELTA = 1e-5
+NOISE_PER_PARTICIPATION = (2.0, 8.0)  # sigma = this x sqrt(max participations): epsilon of a few units
+BISR_GRID = [(n, bands, sep) for n in (16, 64, 256) for bands in (1, 2, 4, 8) for sep in (1, 4, 16) if sep <= n]
+BLT_GRID = [
+    (64, 4, (0.9, 0.5), (0.3, 0.1)),
+    (256, 16, (0.99, 0.8, 0.3), (0.05, 0.1, 0.2)),
+    (100, 1, (0.7,), (0.4,)),
+]
+
+
+def epsilon(noise_multiplier: float) -> float:
+    accountant = dp_accounting.pld.PLDAccountant(
+        dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=1e-4
+    )
+    accountant.compose(dp_accounting.GaussianDpEvent(noise_multiplier))
+    return float(accountant.get_epsilon(DELTA))
+
+
+def entry(coefs, n: int, sep: int) -> dict:
+    k = -(-n // sep)
+    s2 = float(toeplitz.minsep_sensitivity_squared(coefs, min_sep=sep, max_participations=k, n=n))
+    return {
+        "n": n,
+        "min_sep": sep,
+        "max_participations": k,
+        "sensitivity_squared": s2,
+        "epsilon": [
+            {"noise_multiplier": sigma, "epsilon": epsilon(sigma / np.sqrt(s2))}
+            for sigma in (m * np.sqrt(k) for m in NOISE_PER_PARTICIPATION)
+        ],
+    }
+
+
+def main() -> None:
+    import importlib.metadata as metadata
+
+    out = {
+        "generated_by": "benchmarks/peers/jax_privacy_reference.py",
+        "jax_privacy": metadata.version("jax-privacy"),
+        "dp_accounting": metadata.version("dp-accounting"),
+        "delta": DELTA,
+        "bisr": [],
+        "blt": [],
+    }
+    for n, bands, sep in BISR_GRID:
+        inverse = np.asarray(toeplitz.optimal_max_error_noising_coefs(n))[:bands]
+        coefs = toeplitz.inverse_coef(inverse, n)
+        out["bisr"].append({"bands": bands, **entry(coefs, n, sep)})
+    for n, sep, theta, omega in BLT_GRID:
+        blt = buffered_toeplitz.BufferedToeplitz.build(buf_decay=theta, output_scale=omega)
+        coefs = blt.toeplitz_coefs(n)
+        out["blt"].append({"theta": list(theta), "omega": list(omega), **entry(coefs, n, sep)})
+    json.dump(out, sys.stdout, indent=1)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main()
