@@ -161,3 +161,56 @@ def test_the_segments_hold_sigma_and_q_exactly():
     assert (segment.noise_multiplier, segment.sampling_probability) == (1.1, 0.3)
     expected = peg.dp.compute_epsilon(N, 0.3 * N, None, 1.1, DELTA, steps=segment.steps)
     assert dp.epsilon(DELTA) == pytest.approx(expected, rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The budget reads the segments too
+# ---------------------------------------------------------------------------------------------------------
+
+PROJECTED = {  # the ledger's rows, then further steps at (sigma, q, poisson)
+    "empty": ([], (1.0, 0.25, True)),
+    "same Poisson release": ([[2, 1.0, 0.25, 1]], (1.0, 0.25, True)),
+    "another q": ([[2, 1.0, 0.25, 1]], (1.0, 0.5, True)),
+    "fixed-size, same sigma, smaller q": ([[2, 1.0, 0.4, 0]], (1.0, 0.1, False)),
+    "fixed-size after Poisson": ([[2, 1.0, 0.25, 1]], (1.0, 0.1, False)),
+    "full table": ([[1, 1.0 + i, 0.25, 1] for i in range(ledger.SEGMENTS)], (0.5, 0.75, False)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PROJECTED))
+def test_the_projection_is_what_recording_the_steps_makes(case):
+    rows, (sigma, q, poisson) = PROJECTED[case]
+    table = _table(*rows)
+    taken = sum(int(r[0]) for r in rows)
+    for _ in range(3):
+        table = ledger.recorded(table, sigma, q, poisson)
+    *kept, growing = ledger.projection(ledger.events(_table(*rows), taken) or [], sigma, q, poisson)
+    assert ledger.events(table.numpy(), taken + 3) == [*kept, growing._replace(steps=growing.steps + 3)]
+
+
+@pytest.mark.slow
+def test_a_budget_counts_earlier_steps_at_their_own_sampling():
+    """A second fit at a smaller q runs until the composed epsilon, not the worst case, reaches the budget."""
+    budget = peg.dp.PrivacyBudget(epsilon=9.0, delta=DELTA)
+    dp = _dp(budget=budget)
+    dp.fit(peg.dp.poisson_batches(X, Y, sampling_probability=0.5, steps=4, seed=0), verbose=0)
+    with pytest.warns(UserWarning, match="stopped after DP step"):
+        dp.fit(peg.dp.poisson_batches(X, Y, sampling_probability=0.125, steps=200, seed=1), verbose=0)
+    steps = int(dp.dp_steps.numpy())
+    # Within the budget, and at most rtol (1%) short of the most steps it allows (dp_accounting, built here).
+    assert _exact((4, 1.0, 0.5), (steps - 4, 1.0, 0.125)) <= 9.0
+    assert _exact((4, 1.0, 0.5), (steps - 4 + max(1, int(0.01 * steps)) + 1, 1.0, 0.125)) > 9.0
+    assert dp.epsilon(DELTA) <= 9.0
+    # Every step at the worst case (q = 0.5) would have stopped the run far earlier.
+    assert budget.max_steps(noise_multiplier=1.0, sampling_probability=0.5) < steps - 30
+
+
+@pytest.mark.slow
+def test_a_budget_after_fixed_size_steps_counts_them_at_their_largest_q():
+    budget = peg.dp.PrivacyBudget(epsilon=9.0, delta=DELTA, accountant="rdp")
+    dp = _dp(budget=budget, num_examples=N)
+    for _ in range(3):
+        dp.train_on_batch(X[:16], Y[:16])  # fixed-size, q = 16 / 64
+    limit = dp._max_steps_for(dp._unknown_sampling(largest_batch=4))  # more fixed-size steps, q = 4 / 64
+    # The ledger merges them into the same row at the largest q (recorded): the limit is that row's.
+    assert limit == budget.max_steps(noise_multiplier=1.0, sampling_probability=16 / N)

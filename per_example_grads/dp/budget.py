@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, Sequence
 
 from per_example_grads._core.arguments import check_choice, check_count, check_delta, check_real
 from per_example_grads.dp.accounting import ACCOUNTANTS, MAX_STEPS, PrivacyAccountant
@@ -81,13 +81,28 @@ class PrivacyBudget:
         if not 0 < check_real("rtol", self.rtol) < 1:
             raise ValueError(f"rtol must be in (0, 1); got {self.rtol!r}.")
 
-    def max_steps(self, *, noise_multiplier: float, sampling_probability: float, mechanism: Any = None) -> int:
+    def max_steps(
+        self,
+        *,
+        noise_multiplier: float,
+        sampling_probability: float,
+        mechanism: Any = None,
+        taken: Sequence[tuple[int, float, float]] = (),
+    ) -> int:
         """The most steps this budget allows at ``(sigma, q)``: ``steps``, or the search above.
 
         The search counts Poisson-sampled steps; fixed-size batches are
         accounted with the same numbers (``sampling="shuffle"``, a heuristic).
         With a noise ``mechanism`` (``per_example_grads.dp.mechanisms``), steps
         are accounted as it says (``mechanism.accounted_as``).
+
+        ``taken``: steps a run has already taken, as ``(steps, sigma, q)``
+        runs in order (a ledger's segments, ``per_example_grads.dp.ledger``),
+        for a mechanism whose steps compose one by one (not a correlated
+        one). The answer is then the most steps in total: those, then more at
+        ``(sigma, q)``, each run accounted as the mechanism says and composed,
+        as ``DPModel.epsilon`` accounts them; it is ``sum(steps)`` when they
+        alone reach the budget.
         """
         if self.steps is not None:
             return int(self.steps)
@@ -103,6 +118,7 @@ class PrivacyBudget:
             self.accountant,
             float(self.rtol),
             mechanism,
+            tuple((int(n), float(s), float(r)) for n, s, r in taken),
         )
 
     def describe(self) -> str:
@@ -113,19 +129,23 @@ class PrivacyBudget:
 
 
 @functools.lru_cache(maxsize=64)
-def _max_steps(epsilon, delta, sigma, q, accountant, rtol, mechanism=None) -> int:
+def _max_steps(epsilon, delta, sigma, q, accountant, rtol, mechanism=None, taken=()) -> int:
+    done = sum(n for n, _, _ in taken)
     if sigma == 0:
-        return 0
+        return done
 
-    def within(name: str, steps: int) -> bool:
-        s, rate, count = (sigma, q, steps) if mechanism is None else mechanism.accounted_as(sigma, q, steps)
-        ledger = PrivacyAccountant(s, rate, accountant=name, sampling="poisson")
-        ledger.step(count)
+    def within(name: str, total: int) -> bool:
+        runs = [r for r in [*taken, (total - done, sigma, q)] if r[0]]
+        events = [(s, rate, n) if mechanism is None else mechanism.accounted_as(s, rate, n) for n, s, rate in runs]
+        ledger = PrivacyAccountant(*events[0][:2], accountant=name, sampling="poisson")
+        for s, rate, count in events:
+            ledger.step(count, noise_multiplier=s, sampling_probability=rate)
         return ledger.epsilon(delta) <= epsilon
 
-    if not within("rdp", 1) and (accountant == "rdp" or not within(accountant, 1)):
-        return 0
-    low = _largest("rdp", within, 1, rtol if accountant == "rdp" else 0.05)
+    first = done + 1
+    if not within("rdp", first) and (accountant == "rdp" or not within(accountant, first)):
+        return done
+    low = _largest("rdp", within, first, rtol if accountant == "rdp" else 0.05)
     if accountant == "rdp":
         return low
     return _largest(accountant, within, low, rtol)

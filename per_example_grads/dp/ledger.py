@@ -84,3 +84,34 @@ def events(table: np.ndarray, steps: int) -> list[Segment] | None:
     if sum(s.steps for s in rows) != steps:
         return None
     return rows
+
+
+def projection(
+    rows: list[Segment], noise_multiplier: float, sampling_probability: float, poisson: bool
+) -> list[Segment]:
+    """``rows`` as ``recorded`` will hold further steps at ``(sigma, q, poisson)``: the last row is the one that grows.
+
+    The first further step extends the last row when it is the same release
+    or the table is full, merged as ``recorded`` merges (smallest ``sigma``,
+    largest ``q``); otherwise it opens a row, here of 0 steps. Every later
+    step at the same ``(sigma, q, poisson)`` extends that row, so the run's
+    ledger after ``n`` more steps is the rows returned with ``n`` added to the
+    last one's steps (what a budget searches over).
+    """
+    sigma, q = float(noise_multiplier), float(sampling_probability)
+    if rows:
+        last = rows[-1]
+        same = (
+            last.noise_multiplier == sigma
+            and last.poisson == poisson
+            and (not poisson or last.sampling_probability == q)
+        )
+        if same or len(rows) >= SEGMENTS:
+            merged = Segment(
+                last.steps,
+                min(last.noise_multiplier, sigma),
+                max(last.sampling_probability, q),
+                last.poisson and poisson,
+            )
+            return [*rows[:-1], merged]
+    return [*rows, Segment(0, sigma, q, poisson)]

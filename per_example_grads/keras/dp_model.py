@@ -554,10 +554,13 @@ class DPModel(keras.Model):
     def max_steps(self) -> int | None:
         """The most DP steps ``budget`` allows this ledger, or None without a budget.
 
-        For an ``(epsilon, delta)`` budget: at the smallest noise multiplier
-        and the largest sampling probability this run has used or will use
-        (those ``epsilon()`` accounts), so the ledger's epsilon at that many
-        steps is within the budget.
+        For an ``(epsilon, delta)`` budget, the ledger's epsilon at that many
+        steps is within the budget, accounted as ``epsilon()`` accounts it:
+        the steps taken as the ledger's segments, then further steps at this
+        run's noise multiplier and sampling probability, composed; where
+        ``epsilon()`` takes the worst case (a correlated mechanism, a ledger
+        older than its segments), every step at the smallest noise multiplier
+        and the largest sampling probability used or to be used.
 
         Raises:
           ValueError: the sampling probability is not known yet (no
@@ -584,10 +587,30 @@ class DPModel(keras.Model):
                 "num_examples and expected_batch_size, or fit on peg.dp.poisson_batches or on arrays "
                 "with batch_size (a dataset's batches must then have a static size)."
             )
+        segments = self._composable_segments(steps)
+        if segments:  # the ledger as epsilon() will account it after more steps at this sampling's (sigma, q)
+            *kept, growing = ledger.projection(segments, sigma, q, sampling.poisson)
+            taken = [(g.steps, g.noise_multiplier, g.sampling_probability) for g in (*kept, growing)]
+            return self.budget.max_steps(
+                noise_multiplier=growing.noise_multiplier,
+                sampling_probability=growing.sampling_probability,
+                mechanism=self.mechanism,
+                taken=taken,
+            )
         if steps:
             sigma = min(sigma, float(self.dp_min_noise_multiplier.numpy()))
             q = max(q, float(self.dp_max_sampling_probability.numpy()))
         return self.budget.max_steps(noise_multiplier=sigma, sampling_probability=q, mechanism=self.mechanism)
+
+    def _composable_segments(self, steps: int) -> list[ledger.Segment] | None:
+        """The ledger's segments, where each is accounted on its own and composed; None where the worst case is.
+
+        That is a mechanism whose noise is independent across steps, and a
+        table that adds up to the ``steps`` taken (``per_example_grads.dp.ledger``).
+        """
+        if not steps or self.mechanism.correlated or self.mechanism.cycle_length != 1:
+            return None
+        return ledger.events(self.aggregator.segments.numpy(), steps)
 
     def _unknown_sampling(self, largest_batch: int | None = None) -> _FitSampling:
         """The sampling of batches this ``DPModel`` did not draw (``train_on_batch``, a custom loop): fixed-size."""
@@ -780,8 +803,8 @@ class DPModel(keras.Model):
         self._check_ledger_covers_network()
         steps = int(self.dp_steps.numpy())
         sampling = "poisson" if int(self.aggregator.poisson.numpy()) else "shuffle"
-        segments = ledger.events(self.aggregator.segments.numpy(), steps) if steps else None
-        if segments and not self.mechanism.correlated and self.mechanism.cycle_length == 1:
+        segments = self._composable_segments(steps)
+        if segments:
             # Each segment as the (stateless) mechanism accounts it, composed.
             events = [
                 self.mechanism.accounted_as(s.noise_multiplier, s.sampling_probability, s.steps) for s in segments
