@@ -533,3 +533,26 @@ def test_dp_model_keeps_a_cyclic_partition_under_a_strategy_across_fits():
         parts.append([set(batches[(p - start) % 2].tolist()) for p in range(2)])
     assert parts[0] == parts[1] and int(dp.dp_steps.numpy()) == 8
     assert sorted(parts[0][0] | parts[0][1]) == list(range(B))
+
+
+@pytest.mark.slow
+def test_dp_model_on_min_sep_batches_under_a_strategy_keeps_the_runs_key_across_fits():
+    """BISR on b-min-sep batches of odd M under 2 replicas: the second, unseeded dataset goes on with the run's key."""
+    strategy = mirrored_strategy()
+    model, _ = _twins(strategy)
+    x, y = _data()
+    with strategy.scope():
+        dp = peg.keras.DPModel(model, noise_multiplier=1.0, mechanism=peg.dp.BISR(bands=3, num_steps=8, cycle_length=2))
+        dp.compile(optimizer=keras.optimizers.SGD(0.1), loss=sparse_ce)
+    keys = []
+    for _ in range(2):
+        data = peg.dp.min_sep_batches(x, y, sampling_probability=0.5, min_separation=2, max_batch_size=B + 1, steps=4)
+        dp.fit(data, verbose=0)
+        keys.append(data.pegrad_sampling.key.numpy().tolist())
+    assert keys[0] == keys[1] and int(dp.dp_steps.numpy()) == 8
+    assert dp.epsilon(1e-5) == pytest.approx(
+        peg.dp.compute_epsilon(
+            B, 1, None, 1.0, 1e-5, steps=8, mechanism=peg.dp.BISR(bands=3, num_steps=8, cycle_length=2)
+        ),
+        rel=1e-12,
+    )

@@ -264,6 +264,12 @@ CASES = [
     ),
     (
         "DPModel",
+        lambda: _fit(_dp(), peg.dp.min_sep_batches(X, Y, sampling_probability=0.5, min_separation=2, seed=0)),
+        "the GaussianNoise mechanism (accounted with amplification by Poisson sampling)",
+        "b-min-sep sampling (a min_sep_batches dataset)",
+    ),
+    (
+        "DPModel",
         lambda: _fit(_dp(mechanism=_band()), _rows()),
         "the BandMF mechanism (accounted for cycle_length=2)",
         "a poisson_batches dataset of cycle_length=1",

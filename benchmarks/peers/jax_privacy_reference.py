@@ -17,7 +17,12 @@ For every case of the grid below it writes, from jax_privacy's own functions
 - ``blt``: a buffered linear Toeplitz ``C`` of given decays and scales
   (``BufferedToeplitz.build(...).toeplitz_coefs``);
 
-then the squared sensitivity of ``C`` for ``ceil(n / min_sep)``
+- ``min_sep``: the law of its ``BMinSepSampling`` (warm start), over
+  ``RUNS`` seeds: every example's number of participations in ``T`` steps
+  (mean and variance over examples and runs), and the smallest gap between
+  two participations of an example;
+
+then, for the strategies, the squared sensitivity of ``C`` for ``ceil(n / min_sep)``
 participations at least ``min_sep`` apart (``minsep_sensitivity_squared``),
 and the epsilon at ``delta`` of one Gaussian release, at noise multipliers
 of 2 and 8 times ``sqrt(ceil(n / min_sep))``, of noise multiplier
@@ -37,11 +42,14 @@ import numpy as np
 
 jax.config.update("jax_enable_x64", True)
 
+from jax_privacy import batch_selection  # noqa: E402
 from jax_privacy.matrix_factorization import buffered_toeplitz, toeplitz  # noqa: E402
 
 DELTA = 1e-5
 NOISE_PER_PARTICIPATION = (2.0, 8.0)  # sigma = this x sqrt(max participations): epsilon of a few units
 BISR_GRID = [(n, bands, sep) for n in (16, 64, 256) for bands in (1, 2, 4, 8) for sep in (1, 4, 16) if sep <= n]
+MIN_SEP_GRID = [(1000, 0.2, 4, 400), (500, 0.5, 8, 400), (300, 1.0, 5, 100)]  # (N, p, b, T)
+RUNS = 10
 BLT_GRID = [
     (64, 4, (0.9, 0.5), (0.3, 0.1)),
     (256, 16, (0.99, 0.8, 0.3), (0.05, 0.1, 0.2)),
@@ -72,6 +80,31 @@ def entry(coefs, n: int, sep: int) -> dict:
     }
 
 
+def min_sep_law(n: int, p: float, b: int, steps: int) -> dict:
+    counts, gaps = [], []
+    for run in range(RUNS):
+        sampler = batch_selection.BMinSepSampling(sampling_prob=p, iterations=steps, min_sep=b, warm_start=True)
+        last = np.full(n, -(10**9))
+        count = np.zeros(n, np.int64)
+        for t, batch in enumerate(sampler.batch_iterator(n, rng=run)):
+            batch = np.asarray(batch, np.int64)
+            gaps.extend((t - last[batch]).tolist())
+            last[batch] = t
+            count[batch] += 1
+        counts.append(count)
+    counts = np.concatenate(counts).astype(np.float64)
+    return {
+        "n": n,
+        "p": p,
+        "min_sep": b,
+        "steps": steps,
+        "runs": RUNS,
+        "count_mean": float(counts.mean()),
+        "count_variance": float(counts.var(ddof=1)),
+        "smallest_gap": int(min(gaps)),
+    }
+
+
 def main() -> None:
     import importlib.metadata as metadata
 
@@ -82,6 +115,7 @@ def main() -> None:
         "delta": DELTA,
         "bisr": [],
         "blt": [],
+        "min_sep": [min_sep_law(*case) for case in MIN_SEP_GRID],
     }
     for n, bands, sep in BISR_GRID:
         inverse = np.asarray(toeplitz.optimal_max_error_noising_coefs(n))[:bands]

@@ -34,6 +34,8 @@ _EXPORTS = {
     "GaussianNoise": "per_example_grads.dp.mechanisms",
     "NoiseMechanism": "per_example_grads.dp.mechanisms",
     "PrivacyBudget": "per_example_grads.dp.budget",
+    "MinSepSampling": "per_example_grads.dp.min_sep",
+    "min_sep_batches": "per_example_grads.dp.min_sep",
     "PhysicalChunk": "per_example_grads.dp.sampling",
     "PoissonSampling": "per_example_grads.dp.sampling",
     "default_max_batch_size": "per_example_grads.dp.sampling",
@@ -71,6 +73,7 @@ if _TYPE_CHECKING:  # what static tools see; at run time __getattr__ does this
     from per_example_grads.dp.bisr import BISR  # noqa: F401
     from per_example_grads.dp.budget import PrivacyBudget  # noqa: F401
     from per_example_grads.dp.mechanisms import BLT, BandMF, GaussianNoise, NoiseMechanism  # noqa: F401
+    from per_example_grads.dp.min_sep import MinSepSampling, min_sep_batches  # noqa: F401
     from per_example_grads.dp.model_fixer import fix_model  # noqa: F401
     from per_example_grads.dp.noise import RepeatedNoiseWarning  # noqa: F401
     from per_example_grads.dp.private import private_gradients  # noqa: F401

@@ -32,15 +32,18 @@ class Sampling:
     """What ``DPModel.fit`` knows of its data's sampling.
 
     Attributes:
-      poisson: the data is a ``poisson_batches`` dataset (else fixed-size
-        batches, or a dataset of unknown sampling).
-      cycle_length: its ``cycle_length`` (1 without a cycle, or not Poisson).
+      poisson: the data is a ``poisson_batches`` or ``min_sep_batches``
+        dataset (else fixed-size batches, or a dataset of unknown sampling).
+      cycle_length: its ``cycle_length`` (1 without a cycle, or not Poisson);
+        a ``min_sep_batches`` dataset's ``min_separation``.
+      scheme: ``"poisson"`` or ``"min_sep"`` (``PoissonSampling.scheme``).
       units: it samples units (``unit_ids``).
       rows_per_unit: its rows per unit, or None.
     """
 
     poisson: bool
     cycle_length: int = 1
+    scheme: str = "poisson"
     units: bool = False
     rows_per_unit: int | None = None
 
@@ -258,11 +261,32 @@ PAIRINGS: tuple[Pairing, ...] = (
         lambda p: f"Fit on peg.dp.poisson_batches(x, y, sampling_probability=q, cycle_length={p.cycle_length}).",
     ),
     Pairing(
+        lambda p: f"the {p.mechanism_name()} mechanism (accounted with amplification by Poisson sampling)",
+        _text("b-min-sep sampling (a min_sep_batches dataset)"),
+        lambda p: p.sampling is not None and p.sampling.scheme == "min_sep" and getattr(p.mechanism, "amplified", True),
+        _text(
+            "no accountant of this library bounds b-min-sep sampling's amplification (jax_privacy estimates it "
+            "by Monte Carlo), and its steps are not Poisson-sampled"
+        ),
+        lambda p: (
+            f"Use a mechanism accounted without amplification (peg.dp.BLT or peg.dp.BISR with "
+            f"cycle_length={p.sampling.cycle_length}), or fit on peg.dp.poisson_batches."
+        ),
+    ),
+    Pairing(
         lambda p: f"the {p.mechanism_name()} mechanism (accounted for cycle_length={p.cycle_length})",
-        lambda p: f"a poisson_batches dataset of cycle_length={p.sampling.cycle_length}",
+        lambda p: (
+            f"a min_sep_batches dataset of min_separation={p.sampling.cycle_length}"
+            if p.sampling.scheme == "min_sep"
+            else f"a poisson_batches dataset of cycle_length={p.sampling.cycle_length}"
+        ),
         lambda p: p.sampling is not None and p.sampling.poisson and p.sampling.cycle_length != p.cycle_length,
         _text("the accounting assumes the mechanism's cycle"),
-        lambda p: f"Resample with poisson_batches(..., cycle_length={p.cycle_length}).",
+        lambda p: (
+            f"Resample with min_sep_batches(..., min_separation={p.cycle_length})."
+            if p.sampling.scheme == "min_sep"
+            else f"Resample with poisson_batches(..., cycle_length={p.cycle_length})."
+        ),
     ),
     Pairing(
         _text("privacy_unit='example'"),

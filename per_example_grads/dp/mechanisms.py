@@ -77,10 +77,14 @@ class NoiseMechanism(keras.layers.Layer):
       cycle_length: the ``poisson_batches(cycle_length=...)`` sampling its
         accounting covers (1: ordinary Poisson sampling).
       correlated: whether the noise of a step depends on earlier draws.
+      amplified: whether ``accounted_as`` counts on amplification by Poisson
+        sampling (it then needs ``poisson_batches``; a mechanism accounted as
+        one release of its sensitivity, whatever the sampling, is not).
     """
 
     cycle_length: int = 1
     correlated: bool = False
+    amplified: bool = True
 
     def __init__(self, name: str | None = None):
         super().__init__(name=name)
@@ -156,6 +160,7 @@ class _BufferedMechanism(NoiseMechanism):
     """
 
     correlated = True
+    amplified = False  # accounted_as: one Gaussian release of its sensitivity
 
     def __init__(self, slots: int, cycle_length: int, name: str):
         super().__init__(name=name)
@@ -284,6 +289,8 @@ class BandMF(_BufferedMechanism):
       >>> m.accounted_as(1.0, 0.05, 10)   # 10 steps, cycle 4: 3 participations
       (1.0, 0.05, 3)
     """
+
+    amplified = True  # accounted_as: ceil(T / b) Poisson-sampled DP-SGD steps
 
     def __init__(self, bands: int, num_steps: int, *, cycle_length: int | None = None, name: str = "band_mf"):
         bands = check_positive_int("bands", bands)

@@ -156,6 +156,7 @@ class PoissonSampling:
     steps: int
     next_step: tf.Variable
     cycle_length: int = 1
+    scheme = "poisson"  # a sampler's name for the composition table (``per_example_grads.dp.min_sep``'s is "min_sep")
     privacy_unit: str = "example"
     num_rows: int | None = None
     rows_per_unit: int | None = None

@@ -399,6 +399,7 @@ class DPModel(keras.Model):
             sampling = composition.Sampling(
                 poisson=True,
                 cycle_length=source.cycle_length,
+                scheme=source.scheme,
                 units=source.privacy_unit == "unit",
                 rows_per_unit=source.rows_per_unit,
             )
