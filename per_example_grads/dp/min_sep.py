@@ -156,9 +156,9 @@ def min_sep_batches(
     Examples:
       >>> import numpy as np
       >>> ds = min_sep_batches(np.arange(12.0)[:, None], sampling_probability=1.0, min_separation=3, seed=0)
-      >>> rows = [set(np.flatnonzero(m.numpy())) for _, _, m in ds]   # each row's index in x
-      >>> len(rows), all(not (a & b) for a, b in zip(rows, rows[1:]))   # 3 steps; no row in two of any 3
-      (3, True)
+      >>> rows = [set(xb.numpy()[m.numpy() == 1, 0].astype(int)) for xb, _, m in ds]  # the examples of each step
+      >>> len(rows), sorted(set.union(*rows)) == list(range(12)), sum(map(len, rows))  # p = 1: each once in 3 steps
+      (3, True, 12)
     """
     p = check_sampling_probability(sampling_probability)
     b = check_positive_int("min_separation", min_separation)
