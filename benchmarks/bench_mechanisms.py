@@ -1,4 +1,4 @@
-"""Correlated noise (BandMF, BLT) against DP-SGD: test accuracy at equal epsilon, and what a step costs.
+"""Correlated noise (BandMF, BLT, BISR) against DP-SGD: test accuracy at equal epsilon, and what a step costs.
 
 Utility (``--utility``): the digits MLP of ``pegrad demo`` (64-64-10, tanh),
 trained with ``DPModel`` for ``--epochs`` epochs at expected batch 64 on the
@@ -9,8 +9,10 @@ clip 1, delta 1e-5, for each target epsilon and seed:
 
 - DP-SGD: Poisson sampling at ``q = 64 / N``;
 - BandMF(b): cyclic Poisson sampling over ``b`` parts at ``q = 64 b / N``;
-- BLT(d): cyclic over ``N / 64`` parts (one epoch a cycle), each part taken
-  whole (``q = 1``: BLT's accounting claims no amplification).
+- BLT(d), BISR(p): cyclic over ``N / 64`` parts (one epoch a cycle), each
+  part taken whole (``q = 1``: their accounting claims no amplification);
+- BISR(p) on b-min-sep batches (``min_sep_batches``) with ``b`` one epoch's
+  steps and ``p`` giving an expected batch of 64: the same epsilon.
 
 Each mechanism's noise multiplier is calibrated to the target epsilon with
 ``noise_multiplier_for_epsilon(..., mechanism=...)`` (PLD). Reported: test
@@ -46,15 +48,17 @@ BATCH = 64
 
 
 def _mechanisms(n: int, steps: int, steps_per_epoch: int):
-    """name -> (factory of a fresh mechanism or None, cycle_length, per-step expected batch)."""
+    """name -> (factory of a fresh mechanism or None, cycle_length, sampler: "poisson" or "min_sep")."""
+    e = steps_per_epoch
     return {
-        "DP-SGD": (lambda: None, 1),
-        "BandMF(b=4)": (lambda: peg.dp.BandMF(bands=4, num_steps=steps), 4),
-        f"BandMF(b={steps_per_epoch})": (
-            lambda: peg.dp.BandMF(bands=steps_per_epoch, num_steps=steps),
-            steps_per_epoch,
-        ),
-        "BLT(d=4)": (lambda: peg.dp.BLT(buffers=4, num_steps=steps, cycle_length=steps_per_epoch), steps_per_epoch),
+        "DP-SGD": (lambda: None, 1, "poisson"),
+        "BandMF(b=4)": (lambda: peg.dp.BandMF(bands=4, num_steps=steps), 4, "poisson"),
+        f"BandMF(b={e})": (lambda: peg.dp.BandMF(bands=e, num_steps=steps), e, "poisson"),
+        "BLT(d=4)": (lambda: peg.dp.BLT(buffers=4, num_steps=steps, cycle_length=e), e, "poisson"),
+        # p = one epoch's steps: the fewest bands at which its sensitivity x prefix-sum error is near its least
+        # here (19.7, as BLT(4)'s 19.2; p = 4: 27; DP-SGD without amplification: 66).
+        f"BISR(p={e})": (lambda: peg.dp.BISR(bands=e, num_steps=steps, cycle_length=e), e, "poisson"),
+        f"BISR(p={e}), {e}-min-sep": (lambda: peg.dp.BISR(bands=e, num_steps=steps, cycle_length=e), e, "min_sep"),
     }
 
 
@@ -71,11 +75,12 @@ def utility(epsilons, seeds, epochs, optimizer="adam") -> list[str]:
     steps = steps_per_epoch * epochs
     rows = ["| mechanism | " + " | ".join(f"eps = {e:g}" for e in epsilons) + " |", "|---|" + "---:|" * len(epsilons)]
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    for name, (make, cycle) in _mechanisms(n, steps, steps_per_epoch).items():
+    for name, (make, cycle, sampler) in _mechanisms(n, steps, steps_per_epoch).items():
         cells = []
         for eps in epsilons:
             mechanism = make()
-            batch = n / cycle if cycle == steps_per_epoch and name.startswith("BLT") else BATCH
+            unamplified = not getattr(mechanism, "amplified", True)
+            batch = n / cycle if unamplified and sampler == "poisson" else BATCH
             sigma = peg.dp.noise_multiplier_for_epsilon(eps, DELTA, n, batch, None, steps=steps, mechanism=mechanism)
             q = batch * cycle / n
             accuracies = []
@@ -89,14 +94,24 @@ def utility(epsilons, seeds, epochs, optimizer="adam") -> list[str]:
                     mechanism=mechanism,
                 )
                 dp.compile(optimizer=_optimizer(optimizer), loss=loss, metrics=["accuracy"])
-                data = peg.dp.poisson_batches(
-                    split.x_train,
-                    split.y_train,
-                    sampling_probability=min(q, 1.0),
-                    cycle_length=cycle,
-                    steps=steps,
-                    seed=seed,
-                )
+                if sampler == "min_sep":  # expected batch n / (b - 1 + 1 / p) = BATCH
+                    data = peg.dp.min_sep_batches(
+                        split.x_train,
+                        split.y_train,
+                        sampling_probability=1.0 / (n / BATCH - (cycle - 1)),
+                        min_separation=cycle,
+                        steps=steps,
+                        seed=seed,
+                    )
+                else:
+                    data = peg.dp.poisson_batches(
+                        split.x_train,
+                        split.y_train,
+                        sampling_probability=min(q, 1.0),
+                        cycle_length=cycle,
+                        steps=steps,
+                        seed=seed,
+                    )
                 dp.fit(data, epochs=1, verbose=0)
                 assert dp.epsilon(DELTA) <= eps * 1.001, (name, eps, dp.epsilon(DELTA))
                 accuracies.append(dp.evaluate(split.x_test, split.y_test, verbose=0, return_dict=True)["accuracy"])
@@ -112,8 +127,8 @@ def utility(epsilons, seeds, epochs, optimizer="adam") -> list[str]:
 
 def cost(models, steps, repeats) -> list[str]:
     rows = [
-        "| model | P | DP-SGD ms/step | BandMF(b=4) | BandMF(b=16) | BLT(d=4) | state floats (b=16 / d=4) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| model | P | DP-SGD ms/step | BandMF(b=4) | BandMF(b=16) | BLT(d=4) | BISR(p=4) | state floats (b=16 / d=4) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     for model_name in models:
@@ -124,6 +139,7 @@ def cost(models, steps, repeats) -> list[str]:
             ("BandMF(b=4)", lambda: peg.dp.BandMF(bands=4, num_steps=1000, cycle_length=16)),
             ("BandMF(b=16)", lambda: peg.dp.BandMF(bands=16, num_steps=1000)),
             ("BLT(d=4)", lambda: peg.dp.BLT(buffers=4, num_steps=1000, cycle_length=16)),
+            ("BISR(p=4)", lambda: peg.dp.BISR(bands=4, num_steps=1000, cycle_length=16)),
         ):
             net, x, y = zoo.build(model_name, 256)  # the same weights and data every time (seed 0)
             p = sum(int(np.prod(w.shape)) for w in net.trainable_weights)
@@ -144,7 +160,7 @@ def cost(models, steps, repeats) -> list[str]:
         base = timings["DP-SGD"]
         cells = [
             f"{timings[k] / base:.2f} ({timings[k]:.2f}, {timings[k] - base:+.2f} ms)"
-            for k in ("BandMF(b=4)", "BandMF(b=16)", "BLT(d=4)")
+            for k in ("BandMF(b=4)", "BandMF(b=16)", "BLT(d=4)", "BISR(p=4)")
         ]
         rows.append(
             f"| {model_name} | {p:,} | {base:.2f} | "
