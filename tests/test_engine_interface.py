@@ -86,12 +86,12 @@ def test_engine_error_is_the_one_refusal_type_and_a_value_error():
         )
 
 
-def test_the_unit_plan_is_worked_out_once_per_call(monkeypatch):
+def test_the_watch_plan_is_worked_out_once_per_call(monkeypatch):
     calls = []
-    original = capture_module.plan_units
+    original = capture_module.plan_watches
     from per_example_grads.engines import layerwise as engine
 
-    monkeypatch.setattr(engine, "plan_units", lambda *a: calls.append(1) or original(*a))
+    monkeypatch.setattr(engine, "plan_watches", lambda *a: calls.append(1) or original(*a))
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
     x, y = np.ones((5, 4), "float32"), np.arange(5) % 3
     peg.clipped_gradients(model, sparse_ce, x, y, l2_norm_clip=1.0)
@@ -161,15 +161,15 @@ def test_a_subclass_that_overrides_call_is_never_run_by_its_base_class_rule():
 
 
 def _outputs_plain_and_watched(model, x):
-    """``(plain, watched, units)``: the model's flat outputs unwatched and under capture, or None if not covered."""
+    """``(plain, watched, watches)``: the model's flat outputs unwatched and under capture, or None if not covered."""
     problem = make_problem(model, sparse_ce, None, False, False)
     if layerwise_engine.why_not(problem) is not None:
         return None
-    units = layerwise_engine.units_of(problem)
+    watches = layerwise_engine.watches_of(problem)
     plain = tf.nest.flatten(model(x))
-    with capturing(units):
+    with capturing(watches):
         watched = tf.nest.flatten(model(x))
-    return plain, watched, units
+    return plain, watched, watches
 
 
 def _assert_bit_for_bit(watched, plain):

@@ -106,7 +106,7 @@ def _child(names: list[str]) -> None:
         sparse_ce,
     )
     from per_example_grads.dp import validation
-    from per_example_grads.engines.capture import plan_units
+    from per_example_grads.engines.capture import plan_watches
     from per_example_grads.rules.local import LocalRule
     from tolerances import EPS32, GRADIENT_RTOL, norm_rtol, rounding_rtol, weighted_sum_rtol
 
@@ -116,9 +116,9 @@ def _child(names: list[str]) -> None:
         started = time.perf_counter()
         try:
             model, x, y = hub_zoo.build(name, B)
-            units = plan_units(model, model.trainable_variables)
-            result["rules"] = sorted({type(u.rule).__name__ for u in units})
-            result["fallback"] = sorted({type(u.layer).__name__ for u in units if isinstance(u.rule, LocalRule)})
+            watches = plan_watches(model, model.trainable_variables)
+            result["rules"] = sorted({type(u.rule).__name__ for u in watches})
+            result["fallback"] = sorted({type(u.layer).__name__ for u in watches if isinstance(u.rule, LocalRule)})
             result["check_model"] = sorted(
                 {(f.class_name, f.why) for f in validation.validate(model, training=False).fallback}
             )

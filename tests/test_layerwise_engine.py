@@ -85,9 +85,9 @@ def test_register_layer_rule_extension_point():
 
     peg.register_layer_rule(Shift, ShiftRule())
     model, x, y = sequential_case(rng, [Shift(), keras.layers.Dense(4, activation="tanh")], (B, 2, 5))
-    from per_example_grads.engines.capture import plan_units
+    from per_example_grads.engines.capture import plan_watches
 
-    assert any(isinstance(u.rule, ShiftRule) for u in plan_units(model, model.trainable_variables))
+    assert any(isinstance(u.rule, ShiftRule) for u in plan_watches(model, model.trainable_variables))
     rule_against_loop(model, x, y, norms=None)
     with pytest.raises(TypeError, match="LayerRule"):
         peg.register_layer_rule(Shift, object())
@@ -242,7 +242,7 @@ class _Scale(keras.layers.Layer):
 def test_a_layer_tracked_by_two_parents_is_counted_once_in_clipped_sums():
     """As KerasHub's CausalLM: the head calls the backbone's own layer again, so the outer model tracks it directly too.
 
-    Planned as two units, each call was recorded twice, and the clipped sum counted it twice.
+    Planned as two watches, each call was recorded twice, and the clipped sum counted it twice.
     """
     keras.utils.set_random_seed(0)
     inp = keras.Input((5,))
@@ -257,10 +257,10 @@ def test_a_layer_tracked_by_two_parents_is_counted_once_in_clipped_sums():
 def test_norms_run_in_a_window_of_units_and_fallback_units_one_at_a_time():
     """The control dependencies of ``per_variable_squared_norms``, read from the traced graph.
 
-    Last layer first, a unit's norms wait for those of the unit
-    ``CHAIN_WINDOW`` places before it, not for the one just before; a unit
+    Last layer first, a watch's norms wait for those of the watch
+    ``CHAIN_WINDOW`` places before it, not for the one just before; a watch
     whose norms build per-example gradients (``_Scale``: the layer-local
-    fallback) also waits for the previous such unit.
+    fallback) also waits for the previous such watch.
     """
     from per_example_grads.engines import layerwise
     from per_example_grads.rules.dense import DenseRule

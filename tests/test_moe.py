@@ -1,9 +1,9 @@
 """Mixture-of-experts blocks in the layer-wise engine, and layers called off the batch inside a layer that is not.
 
 In process (fast): a layer that runs Dense layers on its input flattened to
-``[B*T, D]`` rows is taken over by that layer, as one layer-local unit, and
+``[B*T, D]`` rows is taken over by that layer, as one layer-local watch, and
 matches the one-example loop; what may not stand in (the model itself, a
-layer whose inner unit is also called outside it, a layer with dropout in
+layer whose inner watch is also called outside it, a layer with dropout in
 training) does not; the experts' per-expert norm part against numpy, both of
 its forms and its float64 recomputation.
 
@@ -81,21 +81,21 @@ def _data(rng):
     return rng.normal(size=(B, T, 3)).astype("float32"), rng.integers(0, 3, B)
 
 
-def _captured_units(model, x, y, training=False):
+def _captured_watches(model, x, y, training=False):
     from per_example_grads._core.problem import make_problem
     from per_example_grads.engines import layerwise
 
     problem = make_problem(model, sparse_ce, None, training, False)
     captured = layerwise.capture(problem, {"x": tf.constant(x), "y": tf.constant(y)})
-    return {r.unit.layer.name: type(r.unit.rule).__name__ for r in captured.records}
+    return {r.watch.layer.name: type(r.watch.rule).__name__ for r in captured.records}
 
 
 @pytest.mark.slow
 def test_a_layer_whose_sublayers_see_flattened_rows_stands_in_for_them():
     model, rng = _rows_model(), np.random.default_rng(0)
     x, y = _data(rng)
-    # The Dense layers inside `rows` see [B*T, .]: `rows` itself is one layer-local unit.
-    assert _captured_units(model, x, y) == {"before": "DenseRule", "rows": "LocalRule", "head": "DenseRule"}
+    # The Dense layers inside `rows` see [B*T, .]: `rows` itself is one layer-local watch.
+    assert _captured_watches(model, x, y) == {"before": "DenseRule", "rows": "LocalRule", "head": "DenseRule"}
     with warnings.catch_warnings():
         warnings.simplefilter("error", peg.EngineFallbackWarning)  # auto keeps to the layer-wise engine
         expected = rule_against_loop(model, x, y, method="layerwise")
@@ -122,14 +122,14 @@ def test_no_stand_in_for_a_layer_whose_inner_unit_is_also_called_outside_it():
 
 
 def test_what_may_not_stand_in():
-    from per_example_grads.engines.capture import containers_of, plan_units
+    from per_example_grads.engines.capture import containers_of, plan_watches
 
     model = _rows_model(dropout=0.5)
-    units = plan_units(model, model.trainable_variables)
+    watches = plan_watches(model, model.trainable_variables)
     names = lambda layers: [l.name for l in layers]  # noqa: E731
-    assert names(containers_of(model, units)) == ["rows"]
+    assert names(containers_of(model, watches)) == ["rows"]
     # In training, a per-example recomputation of `rows` would draw other dropout masks.
-    assert containers_of(model, units, training=True) == []
+    assert containers_of(model, watches, training=True) == []
     x, y = _data(np.random.default_rng(2))
     with pytest.raises(peg.EngineError, match="not the batch"):
         peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise", training=True)
@@ -277,13 +277,13 @@ def _child_checks(family: str) -> None:
 
     def plan_and_outputs():
         problem = make_problem(model, sparse_ce, None, False, False)
-        units = layerwise.units_of(problem)
-        blocks = [u for u in units if isinstance(u.rule, moe.MoEBlockRule)]
+        watches = layerwise.watches_of(problem)
+        blocks = [u for u in watches if isinstance(u.rule, moe.MoEBlockRule)]
         assert blocks, "no MoE block took the MoE rule"
         captured = layerwise.capture(problem, {"x": tf.nest.map_structure(tf.constant, x), "y": tf.constant(y)})
-        assert all(any(r.unit is u for u in units) for r in captured.records), "a layer stood in for a unit"
+        assert all(any(r.watch is u for u in watches) for r in captured.records), "a layer stood in for a watch"
         plain = tf.nest.flatten(model(x))
-        with capturing(units):
+        with capturing(watches):
             watched = tf.nest.flatten(model(x))
         assert all(np.array_equal(a, b) for a, b in zip(plain, watched)), "capturing changed the model's outputs"
 

@@ -168,14 +168,14 @@ CONV_CLOSED_FORM = sorted(n for n in RULE_FAMILIES["conv"] if not n.endswith("_f
 
 @pytest.mark.parametrize("name", CONV_CLOSED_FORM)
 def test_closed_form_is_used_not_the_fallback(name):
-    from per_example_grads.engines.capture import plan_units
+    from per_example_grads.engines.capture import plan_watches
     from per_example_grads.rules import conv, conv_transpose
 
     model, _, _ = layer_case(name)
-    unit = plan_units(model, model.trainable_variables)[0]
+    watch = plan_watches(model, model.trainable_variables)[0]
     transposed = "transpose" in name
-    assert unit.rule is (conv_transpose.CONV_TRANSPOSE_RULE if transposed else conv.PATCHES_RULE)
-    assert unit.rule.unsupported(unit.layer) is None
+    assert watch.rule is (conv_transpose.CONV_TRANSPOSE_RULE if transposed else conv.PATCHES_RULE)
+    assert watch.rule.unsupported(watch.layer) is None
 
 
 def test_transposed_channels_first_is_declined():

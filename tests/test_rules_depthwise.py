@@ -45,15 +45,17 @@ def test_clipped_gradients_match_clipping_materialized(name, clip):
 
 @pytest.mark.parametrize("name", CLOSED_FORM)
 def test_closed_form_is_used_not_the_fallback(name):
-    from per_example_grads.engines.capture import plan_units
+    from per_example_grads.engines.capture import plan_watches
     from per_example_grads.rules import depthwise_conv as dc
 
     model, _, _ = layer_case(name)
-    unit = plan_units(model, model.trainable_variables)[0]
-    if isinstance(unit.layer, (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)):  # a grouped convolution
-        assert unit.layer.groups > 1 and unit.rule is dc.GROUPED_RULE
+    watch = plan_watches(model, model.trainable_variables)[0]
+    if isinstance(
+        watch.layer, (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
+    ):  # a grouped convolution
+        assert watch.layer.groups > 1 and watch.rule is dc.GROUPED_RULE
     else:
-        assert type(unit.rule) in (dc.DepthwiseConvRule, dc.SeparableConvRule)
+        assert type(watch.rule) in (dc.DepthwiseConvRule, dc.SeparableConvRule)
 
 
 def test_channels_first_is_declined():

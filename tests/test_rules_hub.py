@@ -18,7 +18,7 @@ import per_example_grads as peg
 from helpers import assert_clipped_sums_close, assert_norms_close, reference_norms, rule_against_loop, sparse_ce
 from model_zoo import RULE_FAMILIES, layer_case, layer_case_params, randomize_lora
 from per_example_grads.apps import zoo
-from per_example_grads.engines.capture import plan_units
+from per_example_grads.engines.capture import plan_watches
 from per_example_grads.rules.dense import DenseLoraRule
 from per_example_grads.rules.einsum_dense import EinsumDenseLoraRule
 from per_example_grads.rules.hub_layers import RMS_NORMALIZATIONS
@@ -51,7 +51,7 @@ def test_rule_matches_loop(name):
     model, x, y = layer_case(name)
     table = _reversible(model)
     assert rule_for(table) is REVERSIBLE_EMBEDDING_RULE
-    assert any(u.rule is REVERSIBLE_EMBEDDING_RULE for u in plan_units(model, model.trainable_variables))
+    assert any(u.rule is REVERSIBLE_EMBEDDING_RULE for u in plan_watches(model, model.trainable_variables))
     expected = rule_against_loop(model, x, y)
     # One global norm: the table's cross term is inside it as well.
     assert_clipped_sums_close(
@@ -81,7 +81,7 @@ def test_the_cross_term_matters_in_the_test_case():
     table = _reversible(model)
     problem = make_problem(model, sparse_ce, None, False, False)
     captured = engine.capture(problem, make_batch(model, x, y, None))
-    calls = [(r.saved, g) for r, g in zip(captured.records, captured.grads) if r.unit.layer is table]
+    calls = [(r.saved, g) for r, g in zip(captured.records, captured.grads) if r.watch.layer is table]
     assert [s[0] for s, _ in calls] == ["lookup", "reverse"]
     rule = REVERSIBLE_EMBEDDING_RULE
     together = rule.shared_squared_norms(table, calls)[0].numpy()
@@ -101,7 +101,9 @@ def test_keras_hub_class_and_lora_or_quantized_tables():
     table = _reversible(model)
     table.enable_lora(2)
     randomize_lora(model, np.random.default_rng(0))
-    assert isinstance({id(u.layer): u for u in plan_units(model, model.trainable_variables)}[id(table)].rule, LocalRule)
+    assert isinstance(
+        {id(u.layer): u for u in plan_watches(model, model.trainable_variables)}[id(table)].rule, LocalRule
+    )
     rule_against_loop(model, x, y)
     quantized = keras.layers.ReversibleEmbedding(10, 4)
     quantized.build()
@@ -121,20 +123,20 @@ def _zoo_case(name, lora_rank):
 @pytest.mark.parametrize("name", ["gpt2_lm", "gemma_lm", "llama_lm"])
 def test_keras_hub_language_models(name, lora_rank):
     model, x, y = _zoo_case(name, lora_rank)
-    plan = plan_units(model, model.trainable_variables)
-    units = {id(u.layer): u for u in plan}
-    # The CausalLM lists the backbone's token embedding among its own layers too: still one unit, called twice.
-    assert len(units) == len(plan)
+    plan = plan_watches(model, model.trainable_variables)
+    watches = {id(u.layer): u for u in plan}
+    # The CausalLM lists the backbone's token embedding among its own layers too: still one watch, called twice.
+    assert len(watches) == len(plan)
     table = model.backbone.token_embedding
     assert rule_for(table) is REVERSIBLE_EMBEDDING_RULE
     if lora_rank:  # enable_lora froze the table: nothing to watch there
-        assert id(table) not in units and not table.trainable_variables
+        assert id(table) not in watches and not table.trainable_variables
     else:
-        assert units[id(table)].rule is REVERSIBLE_EMBEDDING_RULE
+        assert watches[id(table)].rule is REVERSIBLE_EMBEDDING_RULE
     lora_layers = [l for l in model._flatten_layers() if getattr(l, "lora_enabled", False)]
     assert bool(lora_layers) == bool(lora_rank)
     for layer in lora_layers:
-        assert isinstance(units[id(layer)].rule, (DenseLoraRule, EinsumDenseLoraRule)), layer.name
+        assert isinstance(watches[id(layer)].rule, (DenseLoraRule, EinsumDenseLoraRule)), layer.name
     expected = rule_against_loop(model, x, y, norms="global")
     got = _clipped_sums_against_loop(model, x, y, expected, clip=0.5 * float(np.median(reference_norms(expected))))
     assert len(got) == len(model.trainable_variables)
@@ -167,9 +169,9 @@ def test_norms_and_clipped_sums_never_build_per_example_tables():
 @pytest.mark.slow
 def test_keras_hub_bert_classifier_with_lora():
     model, x, y = _zoo_case("bert_classifier", 4)
-    units = {id(u.layer): u for u in plan_units(model, model.trainable_variables)}
+    watches = {id(u.layer): u for u in plan_watches(model, model.trainable_variables)}
     lora_layers = [l for l in model._flatten_layers() if getattr(l, "lora_enabled", False)]
-    assert lora_layers and all(isinstance(units[id(l)].rule, EinsumDenseLoraRule) for l in lora_layers)
+    assert lora_layers and all(isinstance(watches[id(l)].rule, EinsumDenseLoraRule) for l in lora_layers)
     expected = rule_against_loop(model, x, y)
     _clipped_sums_against_loop(model, x, y, expected, clip=0.5 * float(np.median(reference_norms(expected))))
 
@@ -287,7 +289,7 @@ def test_deberta_relative_embedding_matches_the_loop():
         rule_for(rel) is hub_layers.RELATIVE_EMBEDDING_RULE
         and hub_layers.RELATIVE_EMBEDDING_RULE.unsupported(rel) is None
     )
-    assert any(u.rule is hub_layers.RELATIVE_EMBEDDING_RULE for u in plan_units(model, model.trainable_variables))
+    assert any(u.rule is hub_layers.RELATIVE_EMBEDDING_RULE for u in plan_watches(model, model.trainable_variables))
     y = np.array([0, 1, 2, 1])
     expected = rule_against_loop(model, x, y)
     _check_clipped(model, x, y, expected)
@@ -320,7 +322,7 @@ def test_vit_patch_embedding_matches_the_loop(options):
 
     layer = ViTPatchingAndEmbedding(image_size=(8, 8), patch_size=(4, 2), hidden_dim=ND, **options)
     model, x = _patch_model(layer)
-    assert any(u.rule is patch_embedding.PATCH_EMBEDDING_RULE for u in plan_units(model, model.trainable_variables))
+    assert any(u.rule is patch_embedding.PATCH_EMBEDDING_RULE for u in plan_watches(model, model.trainable_variables))
     y = np.array([0, 1, 2, 1])
     expected = rule_against_loop(model, x, y)
     _check_clipped(model, x, y, expected)
@@ -337,7 +339,7 @@ def test_deit_embeddings_match_the_loop(dropout_rate):
         image_size=(8, 8), patch_size=(4, 4), hidden_dim=ND, use_mask_token=True, dropout_rate=dropout_rate
     )
     model, x = _patch_model(layer)
-    assert any(u.rule is patch_embedding.DEIT_EMBEDDINGS_RULE for u in plan_units(model, model.trainable_variables))
+    assert any(u.rule is patch_embedding.DEIT_EMBEDDINGS_RULE for u in plan_watches(model, model.trainable_variables))
     y = np.array([0, 1, 2, 1])
     expected = rule_against_loop(model, x, y)
     mask_token = [v.path for v in model.trainable_variables].index(layer.mask_token.path)
@@ -373,8 +375,8 @@ def test_deit_embeddings_with_masked_patches_take_the_layer_local_rule():
     _randomize(layer, 9)
     r = np.random.default_rng(10)
     x = [r.normal(size=(NB, 8, 8, 3)).astype("float32"), r.integers(0, 2, size=(NB, 4)).astype(bool)]
-    units = [u for u in plan_units(model, model.trainable_variables) if u.layer is layer]
-    with capturing(units) as records:
+    watches = [u for u in plan_watches(model, model.trainable_variables) if u.layer is layer]
+    with capturing(watches) as records:
         model(x)
     assert records[0].saved[0] == "local"
     rule_against_loop(model, x, np.array([0, 1, 2, 1]))
@@ -415,8 +417,8 @@ def test_t5_attention_with_relative_bias_matches_the_loop():
     from per_example_grads.rules import t5_attention
 
     model, first, x = _t5_attention_model(np.random.default_rng(13))
-    units = {id(u.layer): u for u in plan_units(model, model.trainable_variables)}
-    assert units[id(first)].rule is t5_attention.T5_ATTENTION_RULE
+    watches = {id(u.layer): u for u in plan_watches(model, model.trainable_variables)}
+    assert watches[id(first)].rule is t5_attention.T5_ATTENTION_RULE
     y = np.array([0, 1, 2, 1])
     expected = rule_against_loop(model, x, y)
     table = [v.path for v in model.trainable_variables].index(first.relative_attention_bias.path)
@@ -425,17 +427,17 @@ def test_t5_attention_with_relative_bias_matches_the_loop():
 
 
 def test_t5_attention_outputs_are_the_layers_own_bit_for_bit():
-    from per_example_grads.engines.capture import Unit, capturing
+    from per_example_grads.engines.capture import Watch, capturing
     from per_example_grads.rules import t5_attention
 
     model, first, (h, m) = _t5_attention_model(np.random.default_rng(14))
     plain = first(h, mask=m)
-    with capturing([Unit(first, t5_attention.T5_ATTENTION_RULE)]) as records:
+    with capturing([Watch(first, t5_attention.T5_ATTENTION_RULE)]) as records:
         watched = first(h, mask=m)
     assert records[0].saved[0] == "closed"
     for a, b in zip(plain[:2], watched[:2]):
         assert a.shape == b.shape
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    with capturing([Unit(first, t5_attention.T5_ATTENTION_RULE)]) as records:
+    with capturing([Watch(first, t5_attention.T5_ATTENTION_RULE)]) as records:
         first(h)  # no mask: the bias would stay [1, heads, Tq, Tk], so the layer-local rule
     assert records[0].saved[0] == "local"

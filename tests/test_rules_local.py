@@ -53,8 +53,8 @@ def test_materialized_norms_are_kept_for_the_clipped_sum_only_when_no_larger(nam
     model, x, y = layer_case(name)
     problem = make_problem(model, sparse_ce, None, False, False)
     captured = engine.capture(problem, make_batch(model, x, y, None))
-    record, g = next((r, g) for r, g in zip(captured.records, captured.grads) if isinstance(r.unit.layer, layer_class))
-    rule, layer = record.unit.rule, record.unit.layer
+    record, g = next((r, g) for r, g in zip(captured.records, captured.grads) if isinstance(r.watch.layer, layer_class))
+    rule, layer = record.watch.rule, record.watch.layer
     cache = {}
     norms = rule.squared_norms(layer, record.saved, g, cache)
     assert ("per_example" in cache) == keeps
@@ -79,14 +79,14 @@ def test_materialized_norms_are_kept_for_the_clipped_sum_only_when_no_larger(nam
 
 @pytest.mark.slow
 def test_prelu_needs_no_rule_of_its_own_the_fallback_is_the_same_rule_and_result(monkeypatch):
-    from per_example_grads.engines.capture import plan_units
+    from per_example_grads.engines.capture import plan_watches
     from per_example_grads.rules import rule as rule_module
     from per_example_grads.rules.local import LOCAL_RULE
 
     model, x, y = layer_case("prelu")
     prelu = next(l for l in model.layers if isinstance(l, keras.layers.PReLU))
     assert rule_module.rule_for(prelu) is None  # nothing registered: the plan's fallback takes it
-    assert next(u.rule for u in plan_units(model, model.trainable_variables) if u.layer is prelu) is LOCAL_RULE
+    assert next(u.rule for u in plan_watches(model, model.trainable_variables) if u.layer is prelu) is LOCAL_RULE
     import per_example_grads as peg
 
     def results():

@@ -7,7 +7,7 @@ import pytest
 from helpers import clipped_against_loop, rule_against_loop
 from model_zoo import LAYER_B as B
 from model_zoo import RULE_FAMILIES, layer_case, layer_case_params, randomize_lora
-from per_example_grads.engines.capture import plan_units
+from per_example_grads.engines.capture import plan_watches
 from per_example_grads.rules.dense import DenseLoraRule
 from per_example_grads.rules.einsum_dense import EinsumDenseLoraRule
 from per_example_grads.rules.local import LocalRule
@@ -18,18 +18,18 @@ def _lora_layers(model):
 
 
 def _rules_by_layer(model):
-    return {id(u.layer): u for u in plan_units(model, model.trainable_variables)}
+    return {id(u.layer): u for u in plan_watches(model, model.trainable_variables)}
 
 
 @pytest.mark.parametrize("name", layer_case_params(sorted(RULE_FAMILIES["lora"])))
 def test_rule_matches_loop(name):
     model, x, y = layer_case(name)
-    units = _rules_by_layer(model)
+    watches = _rules_by_layer(model)
     for layer in _lora_layers(model):
-        unit = units[id(layer)]
-        assert isinstance(unit.rule, (DenseLoraRule, EinsumDenseLoraRule)), (layer.name, type(unit.rule))
+        watch = watches[id(layer)]
+        assert isinstance(watch.rule, (DenseLoraRule, EinsumDenseLoraRule)), (layer.name, type(watch.rule))
         # The rule's variables are the layer's trainable ones: the factors (and a trainable bias), never the frozen kernel.
-        assert {id(v) for v in unit.variables} == {id(v) for v in layer.trainable_variables}
+        assert {id(v) for v in watch.variables} == {id(v) for v in layer.trainable_variables}
     rule_against_loop(model, x, y)
 
 
@@ -44,8 +44,8 @@ def test_clipped_gradients_match_loop(name, clip):
 @pytest.mark.parametrize("name", ["embedding_lora_fallback", "einsum_dense_lora_contracted_last_axis_fallback"])
 def test_lora_without_a_closed_form_falls_back_exactly(name):
     model, x, y = layer_case(name)
-    units = _rules_by_layer(model)
-    assert all(isinstance(units[id(l)].rule, LocalRule) for l in _lora_layers(model))
+    watches = _rules_by_layer(model)
+    assert all(isinstance(watches[id(l)].rule, LocalRule) for l in _lora_layers(model))
     rule_against_loop(model, x, y)
 
 
@@ -82,8 +82,10 @@ def test_float64_model():
     einsum.enable_lora(3, lora_alpha=1)
     randomize_lora(model, r)
     x, y = r.normal(size=(B, 3, 6)), r.integers(0, 3, B).astype("int32")
-    units = _rules_by_layer(model)
-    assert isinstance(units[id(dense)].rule, DenseLoraRule) and isinstance(units[id(einsum)].rule, EinsumDenseLoraRule)
+    watches = _rules_by_layer(model)
+    assert isinstance(watches[id(dense)].rule, DenseLoraRule) and isinstance(
+        watches[id(einsum)].rule, EinsumDenseLoraRule
+    )
     rule_against_loop(model, x, y)
 
 

@@ -43,11 +43,11 @@ def test_clipped_gradients_match_clipping_materialized(name, clip):
 
 
 def test_layer_norm_uses_its_closed_form_unless_over_the_batch_axis():
-    from per_example_grads.engines.capture import plan_units
+    from per_example_grads.engines.capture import plan_watches
     from per_example_grads.rules.normalization import LayerNormRule
 
     model, _, _ = layer_case("layer_norm_two_axes_rank4")
-    assert [type(u.rule) for u in plan_units(model, model.trainable_variables)][0] is LayerNormRule
+    assert [type(u.rule) for u in plan_watches(model, model.trainable_variables)][0] is LayerNormRule
     over_batch = keras.layers.LayerNormalization(axis=[0, 1])
     assert LayerNormRule().unsupported(over_batch) is not None
 
@@ -70,12 +70,12 @@ def test_batch_and_group_norm_clipped_gradients(name, clip):
 
 @pytest.mark.parametrize("name", ["batch_norm_inference", "batch_norm_inference_conv_stats"])
 def test_batch_norm_inference_uses_its_closed_form(name):
-    from per_example_grads.engines.capture import capturing, plan_units
+    from per_example_grads.engines.capture import capturing, plan_watches
     from per_example_grads.rules.normalization import BatchNormRule
 
     model, x, _ = layer_case(name)
-    units = plan_units(model, model.trainable_variables)
-    bn = [u for u in units if isinstance(u.layer, keras.layers.BatchNormalization)]
+    watches = plan_watches(model, model.trainable_variables)
+    bn = [u for u in watches if isinstance(u.layer, keras.layers.BatchNormalization)]
     assert [type(u.rule) for u in bn] == [BatchNormRule]
     with capturing(bn) as records:
         model(x, training=False)
@@ -119,11 +119,13 @@ def test_frozen_batch_norm_in_training_mode_is_the_inference_closed_form():
 def test_batch_norm_in_training_mode_keeps_the_layer_local_rule():
     """A trainable BatchNormalization called with training=True (allowed only with allow_batch_coupling=True)
     goes to the layer-local VJP, as before this rule; so does a training flag that is a tensor."""
-    from per_example_grads.engines.capture import capturing, plan_units
+    from per_example_grads.engines.capture import capturing, plan_watches
 
     model, x, _ = _frozen_bn_model()
     bn = [
-        u for u in plan_units(model, model.trainable_variables) if isinstance(u.layer, keras.layers.BatchNormalization)
+        u
+        for u in plan_watches(model, model.trainable_variables)
+        if isinstance(u.layer, keras.layers.BatchNormalization)
     ]
     for training in (True, tf.constant(False)):
         with capturing(bn) as records:
@@ -136,12 +138,12 @@ def test_batch_norm_in_training_mode_keeps_the_layer_local_rule():
     "name", ["group_norm", "group_norm_rank4_eps", "group_norm_axis1_no_center", "group_norm_one_group_no_scale"]
 )
 def test_group_norm_uses_its_closed_form(name):
-    from per_example_grads.engines.capture import plan_units
+    from per_example_grads.engines.capture import plan_watches
     from per_example_grads.rules.normalization import GroupNormRule
 
     model, _, _ = layer_case(name)
-    units = plan_units(model, model.trainable_variables)
-    assert [type(u.rule) for u in units if isinstance(u.layer, keras.layers.GroupNormalization)] == [GroupNormRule]
+    watches = plan_watches(model, model.trainable_variables)
+    assert [type(u.rule) for u in watches if isinstance(u.layer, keras.layers.GroupNormalization)] == [GroupNormRule]
 
 
 @pytest.mark.parametrize("name", ["batch_norm_inference_conv_stats", "group_norm_rank4_eps"])
@@ -204,7 +206,7 @@ def test_layer_and_rms_norm_outputs_are_the_layers_own_bit_for_bit(layer_class, 
     differs from Keras's ``x * (inv gamma) + (beta - mean inv gamma)`` by
     rounding.)
     """
-    from per_example_grads.engines.capture import Unit, capturing
+    from per_example_grads.engines.capture import Watch, capturing
     from per_example_grads.rules.rule import rule_for
 
     layer = layer_class(dtype=policy, **settings)
@@ -215,7 +217,7 @@ def test_layer_and_rms_norm_outputs_are_the_layers_own_bit_for_bit(layer_class, 
     x = tf.cast(tf.random.stateless_normal(shape, [5, 6]) * 3 + 1, layer.compute_dtype)
 
     def forward(x):  # the rule in the layer's place, as the engine runs it (inside Layer.__call__: autocast)
-        with capturing([Unit(layer, rule)]):
+        with capturing([Watch(layer, rule)]):
             return layer(x)
 
     spec = [tf.TensorSpec([None, *shape[1:]], x.dtype)]
@@ -245,13 +247,15 @@ def _rms_model(r, norm, x_shape):
     ids=str,
 )
 def test_keras_rms_normalization_matches_the_loop(settings, x_shape):
-    from per_example_grads.engines.capture import plan_units
+    from per_example_grads.engines.capture import plan_watches
     from per_example_grads.rules.normalization import KerasRMSNormRule
 
     r = np.random.default_rng(11)
     norm = keras.layers.RMSNormalization(**settings)
     model, x, y = _rms_model(r, norm, x_shape)
-    assert [type(u.rule) for u in plan_units(model, model.trainable_variables) if u.layer is norm] == [KerasRMSNormRule]
+    assert [type(u.rule) for u in plan_watches(model, model.trainable_variables) if u.layer is norm] == [
+        KerasRMSNormRule
+    ]
     expected = rule_against_loop(model, x, y)
     assert np.abs(expected[2]).max() > 0
     norms = reference_norms(expected)

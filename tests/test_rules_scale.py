@@ -18,10 +18,10 @@ def test_clipped_gradients_match_clipping_materialized(name, clip):
 
 
 def test_layer_scale_uses_its_closed_form():
-    from per_example_grads.engines.capture import plan_units
+    from per_example_grads.engines.capture import plan_watches
 
     model, _, _ = layer_case("layer_scale_rank4")
-    assert [type(u.rule).__name__ for u in plan_units(model, model.trainable_variables)] == [
+    assert [type(u.rule).__name__ for u in plan_watches(model, model.trainable_variables)] == [
         "DenseRule",
         "LayerScaleRule",
         "DenseRule",

@@ -33,7 +33,7 @@ class Problem:
       batch_coupling: whether a layer mixes examples in this mode (batch
         statistics, accepted with ``allow_batch_coupling``).
       cache: what engines work out once per call (the layer-wise engine's
-        unit plan), keyed by name.
+        watch plan), keyed by name.
     """
 
     model: Any

@@ -7,12 +7,12 @@ Functional, subclassed, or a layer called inside another layer's ``call``) and
 restores it afterwards. That lookup is the one Keras behaviour this module
 relies on; the capturing tests of ``tests/test_engine_interface.py`` fail loudly if it changes.
 
-A unit must be called on tensors whose leading axis is the batch. One that is
+A watched layer must be called on tensors whose leading axis is the batch. One that is
 not (a mixture-of-experts block flattens ``[B, T, D]`` to ``[B*T, D]`` before
 its router) is handed, for that call, to the nearest enclosing layer that is
-(``containers_of``, ``capturing``): that layer becomes a unit of its own with
+(``containers_of``, ``capturing``): that layer becomes a watch of its own with
 the layer-local fallback, the exact per-example VJP of its call, in place of
-every unit called inside it. Only where no layer below the model sees the
+every watched layer called inside it. Only where no layer below the model sees the
 batch is the model refused (``check_batch_axis``).
 """
 
@@ -31,7 +31,7 @@ from per_example_grads.rules.local import LOCAL_RULE  # the fallback rule
 from per_example_grads.rules.rule import LayerRule, rule_for
 
 # Layers that call their sublayers inside a loop or on a reshaped batch: they
-# are treated as one unit (layer-local fallback) instead of being descended.
+# are treated as one watch (layer-local fallback) instead of being descended.
 OPAQUE_LAYERS: tuple[type, ...] = (
     keras.layers.RNN,
     keras.layers.Bidirectional,
@@ -44,8 +44,11 @@ class NotCoverable(ValueError):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Unit:
-    """A layer the engine watches, with the rule that explains its gradients."""
+class Watch:
+    """A layer the engine watches, with the rule that explains its gradients.
+
+    (Not a privacy unit, the group of rows ``engines.grouped`` clips whole.)
+    """
 
     layer: keras.layers.Layer
     rule: LayerRule
@@ -57,24 +60,24 @@ class Unit:
 
 @dataclasses.dataclass
 class Record:
-    """One call of a unit: what the rule saved, where it tapped the output, and its per-call cache.
+    """One call of a watch: what the rule saved, where it tapped the output, and its per-call cache.
 
     ``cache`` is what the rule's ``squared_norms`` leaves for its
     ``weighted_sum`` on this call (``LayerRule.squared_norms``).
     """
 
-    unit: Unit
+    watch: Watch
     saved: Any
     taps: list
     cache: dict = dataclasses.field(default_factory=dict)
 
 
 def _role(layer, model) -> tuple[str, LayerRule | None]:
-    """How the plan treats ``layer``: ``("unit", rule)``, ``("local", None)`` (the fallback), ``("root", None)``
+    """How the plan treats ``layer``: ``("watch", rule)``, ``("local", None)`` (the fallback), ``("root", None)``
     (the model itself, which owns no variables outside its layers) or ``("descend", None)``."""
     rule = rule_for(layer)
     if rule is not None and rule.unsupported(layer) is None:
-        return "unit", rule
+        return "watch", rule
     if isinstance(layer, OPAQUE_LAYERS) or model_inspection.own_variables(layer) or rule is not None:
         # A registered rule that declines this instance (grouped conv,
         # LoRA...) also falls back to the exact layer-local VJP.
@@ -82,71 +85,71 @@ def _role(layer, model) -> tuple[str, LayerRule | None]:
     return "descend", None
 
 
-def plan_units(model: Any, variables) -> list[Unit]:
-    """The units whose rules together cover ``variables``.
+def plan_watches(model: Any, variables) -> list[Watch]:
+    """The watches whose rules together cover ``variables``.
 
     Descends from ``model`` through layers without own variables; a layer with
-    a registered rule becomes a unit, and so does (through the layer-local
-    fallback rule) any other layer that owns variables or is opaque. Units
+    a registered rule becomes a watch, and so does (through the layer-local
+    fallback rule) any other layer that owns variables or is opaque. Watches
     with none of ``variables`` are left out.
 
     Raises:
       NotCoverable: if ``model`` is not a Keras layer, owns variables itself, or
-        some requested variable belongs to no unit.
+        some requested variable belongs to no watch.
     """
     if not isinstance(model, keras.layers.Layer):
         raise NotCoverable("the model is not a Keras layer or model")
     if model_inspection.own_variables(model) and rule_for(model) is None:
         raise NotCoverable(f"'{model.name}' owns variables itself (add_weight on the model), outside any layer")
-    units: list[Unit] = []
+    watches: list[Watch] = []
     seen: set[int] = set()
 
     def visit(layer):
         # A layer tracked by two parents (KerasHub's CausalLM and its backbone
-        # both hold the token embedding) is one unit: two would record each
+        # both hold the token embedding) is one watch: two would record each
         # call twice, and the clipped sum would count it twice.
         if id(layer) in seen:
             return
         seen.add(id(layer))
         role, rule = _role(layer, model)
-        if role == "unit":
-            units.append(Unit(layer, rule))
+        if role == "watch":
+            watches.append(Watch(layer, rule))
         elif role == "local":
-            units.append(Unit(layer, LOCAL_RULE))
+            watches.append(Watch(layer, LOCAL_RULE))
         elif role == "descend":
             for sub in model_inspection.direct_sublayers(layer):
                 if sub.weights:
                     visit(sub)
 
     visit(model)
-    covered = {id(v) for u in units for v in u.variables}
+    covered = {id(v) for u in watches for v in u.variables}
     missing = [v for v in variables if id(v) not in covered]
     if missing:
         raise NotCoverable(
             f"{len(missing)} requested variable(s) belong to no watched layer "
             f"(first: {getattr(missing[0], 'path', missing[0].name)})"
         )
-    # A unit none of whose variables is requested (a frozen table next to LoRA
+    # A watch none of whose variables is requested (a frozen table next to LoRA
     # layers) needs no watching: its rule's work would be thrown away.
     requested = {id(v) for v in variables}
-    return [u for u in units if any(id(v) in requested for v in u.variables)]
+    return [u for u in watches if any(id(v) in requested for v in u.variables)]
 
 
-def containers_of(model: Any, units: list[Unit], training: bool = False) -> list[keras.layers.Layer]:
-    """The layers ``plan_units`` descends through below ``model``: those that may take over an off-batch unit.
+def containers_of(model: Any, watches: list[Watch], training: bool = False) -> list[keras.layers.Layer]:
+    """The layers ``plan_watches`` descends through below ``model``: those that may take over an off-batch watched layer.
 
-    Each one can stand in, as one layer-local unit, for the units called
+    Each one can stand in, as one layer-local watch, for the watched layers called
     inside it (``capturing``). Left out: the model itself (standing in for
     it would be a whole-model engine, not this one) and, in training mode,
     layers with active random layers inside (a per-example recomputation
     would draw other dropout masks than the forward pass did).
     """
-    unit_layers = {id(u.layer) for u in units}
+    watched_layers = {id(u.layer) for u in watches}
     found: list = []
     seen: set[int] = set()
 
     def visit(layer):
-        if id(layer) in seen or id(layer) in unit_layers:
+        if id(layer) in seen or id(layer) in watched_layers:
             return
         seen.add(id(layer))
         if _role(layer, model)[0] != "descend":
@@ -163,35 +166,35 @@ def containers_of(model: Any, units: list[Unit], training: bool = False) -> list
 
 
 @contextlib.contextmanager
-def capturing(units: list[Unit], containers: list = (), batch_size: Any = None) -> Iterator[list[Record]]:
-    """Within the block, every call of a unit's layer appends a ``Record``.
+def capturing(watches: list[Watch], containers: list = (), batch_size: Any = None) -> Iterator[list[Record]]:
+    """Within the block, every call of a watch's layer appends a ``Record``.
 
     With ``containers`` (``containers_of``), a container whose call made a
     record with a leading axis that is not the batch (``off_batch``: decided
     from static shapes, as ``check_batch_axis`` decides) while its own
     inputs and outputs may lead with it replaces every record made during that call with one of its own:
     the layer-local fallback's (``LOCAL_RULE``: its call's arguments, taps at
-    its outputs). Its unit, one per layer, is new (``Record.unit`` names it)
+    its outputs). Its watch, one per layer, is new (``Record.watch`` names it)
     and covers the layer's trainable variables, so it takes over only calls
-    whose units' variables it holds. An off-batch record no container could
+    whose watches' variables it holds. An off-batch record no container could
     take is left for ``check_batch_axis`` to refuse.
     """
     records: list[Record] = []
     static_b = batch_size if isinstance(batch_size, int) else None
-    taken: dict[int, Unit] = {}
+    taken: dict[int, Watch] = {}
     # A generator: each wrapper reads layer.call after the replacements before it are in place.
     watched = itertools.chain(
-        ((unit.layer, _watched_call(unit, unit.layer.call, records)) for unit in units),
+        ((watch.layer, _watched_call(watch, watch.layer.call, records)) for watch in watches),
         ((layer, _container_call(layer, layer.call, records, static_b, taken)) for layer in containers),
     )
     with model_inspection.replaced_calls(watched):
         yield records
 
 
-def _watched_call(unit: Unit, original, records: list[Record]):
+def _watched_call(watch: Watch, original, records: list[Record]):
     def call(*args, **kwargs):
-        outputs, saved, taps = unit.rule.forward(unit.layer, original, args, kwargs)
-        records.append(Record(unit, saved, list(taps)))
+        outputs, saved, taps = watch.rule.forward(watch.layer, original, args, kwargs)
+        records.append(Record(watch, saved, list(taps)))
         return outputs
 
     return call
@@ -207,16 +210,16 @@ def _container_call(layer, original, records: list[Record], static_b: int | None
         if not any(off_batch(batch_led(r), static_b) is not None for r in inner):
             return outputs
         own = {id(v) for v in layer.trainable_variables}
-        if not all(id(v) in own for r in inner for v in r.unit.variables):
-            return outputs  # a unit called here that the layer does not hold: not its to take
+        if not all(id(v) in own for r in inner for v in r.watch.variables):
+            return outputs  # a watched layer called here that the layer does not hold: not its to take
         # Hand the computed outputs to the fallback's forward, which taps them as it taps any layer's.
         outputs, saved, taps = LOCAL_RULE.forward(layer, lambda *a, **k: outputs, args, kwargs)
         leaves = [t for t in tf.nest.flatten((args, kwargs)) if isinstance(t, tf.Tensor) and t.shape.rank]
         if off_batch(leaves + list(taps), static_b) is not None or not taps:
             return outputs  # the layer itself is not split along the batch either: an enclosing one may be
-        unit = taken.setdefault(id(layer), Unit(layer, LOCAL_RULE))
+        watch = taken.setdefault(id(layer), Watch(layer, LOCAL_RULE))
         del records[start:]
-        records.append(Record(unit, saved, list(taps)))
+        records.append(Record(watch, saved, list(taps)))
         return outputs
 
     return call
@@ -231,7 +234,7 @@ def batch_led(record: Record) -> list:
     itself) defines ``batch_led(saved, taps)``, the tensors its mapping
     rests on (there, the block's ``[B, T, D]`` input).
     """
-    own = getattr(record.unit.rule, "batch_led", None)
+    own = getattr(record.watch.rule, "batch_led", None)
     return list(own(record.saved, record.taps)) if own is not None else list(record.taps)
 
 
@@ -277,13 +280,13 @@ def check_batch_axis(records: list[Record], batch_size) -> None:
         lead = off_batch(led, static_b)
         if lead is not None:
             raise NotCoverable(
-                f"layer '{r.unit.layer.name}' was called on a tensor whose leading axis "
+                f"layer '{r.watch.layer.name}' was called on a tensor whose leading axis "
                 f"({lead}) is not the batch, and no layer enclosing it below the model is"
             )
         for t in led:
             if static_b is None or not t.shape.rank or t.shape[0] != static_b:  # static_b itself: nothing to check
                 checked.append(t)
-                names.append(r.unit.layer.name)
+                names.append(r.watch.layer.name)
     if not checked:
         return
     # One assertion for every tap (one per tap made each tap's check cost more graph nodes than its rule's

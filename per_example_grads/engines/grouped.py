@@ -1,7 +1,7 @@
 """Grouped capabilities of the engines: per-unit gradients, norms and clipped sums.
 
-A *unit* (a privacy unit: a user, an author, any group of rows; not the
-layer-wise engine's layer units of ``capture``) is given by ``ids`` ``[B]``,
+A *unit* (a privacy unit: a user, an author, any group of rows; not a
+layer the layer-wise engine watches, a ``capture.Watch``) is given by ``ids`` ``[B]``,
 the unit of each row, in ``[0, U)``. Unit ``u``'s gradient is the sum of its
 rows' (weighted) per-example gradients, ``G_u = sum_{n: ids[n] = u} g_n``;
 its norm ``||G_u||``; and the clipped sum ``sum_u c_u G_u`` with
@@ -194,20 +194,20 @@ def _squared_norms(problem: Problem, captured, units: Units, keep: bool = False)
     kept: dict[int, tf.Tensor] = {}
     done: list = []
     materialized: list = []
-    for unit, calls in reversed(list(captured.by_unit().items())):
+    for watch, calls in reversed(list(captured.by_watch().items())):
         if not calls:
             continue
-        materializes = not grouped_rules.has_grouped_form(unit.rule)
+        materializes = not grouped_rules.has_grouped_form(watch.rule)
         waits_for = done[-layerwise.CHAIN_WINDOW] if len(done) >= layerwise.CHAIN_WINDOW else []
         with tf.control_dependencies(list(waits_for) + (materialized if materializes else [])):
             parts = grouped_rules.grouped_parts(
-                unit.rule, unit.layer, [(record.saved, g) for record, g in calls], units.ids, units.count, keep
+                watch.rule, watch.layer, [(record.saved, g) for record, g in calls], units.ids, units.count, keep
             )
         norms = parts.norms
         done.append(norms)
         if materializes:
             materialized = list(norms)
-        for k, (v, n) in enumerate(zip(unit.variables, norms)):
+        for k, (v, n) in enumerate(zip(watch.variables, norms)):
             found[id(v)] = n
             if parts.kept is not None:
                 kept[id(v)] = parts.kept[k]
@@ -246,13 +246,13 @@ def _weighted_sums(problem: Problem, captured, weights_for, kept: dict) -> list:
     """``layerwise.weighted_sums`` over the layers none of whose variables were kept (``None`` for the kept ones)."""
     requested = {id(v) for v in problem.variables}
     sums: dict[int, Any] = {}
-    for unit, calls in captured.by_unit().items():
-        wanted = [v for v in unit.variables if id(v) in requested and id(v) not in kept]
+    for watch, calls in captured.by_watch().items():
+        wanted = [v for v in watch.variables if id(v) in requested and id(v) not in kept]
         distinct = {id(weights_for(v)): weights_for(v) for v in wanted}
         for w in distinct.values():
             for record, g in calls:
-                outputs = unit.rule.weighted_sum(unit.layer, record.saved, g, w, record.cache)
-                for v, s in zip(unit.variables, outputs):
+                outputs = watch.rule.weighted_sum(watch.layer, record.saved, g, w, record.cache)
+                for v, s in zip(watch.variables, outputs):
                     if id(v) in requested and id(v) not in kept and weights_for(v) is w:
                         sums[id(v)] = s if id(v) not in sums else layerwise.add_sums(sums[id(v)], s)
     return [

@@ -1,6 +1,6 @@
 """The layer-wise engine: one forward pass, one backward pass, rules per layer.
 
-``capture`` runs the model once with every unit's ``call`` watched, then takes
+``capture`` runs the model once with every watched layer's ``call`` watched, then takes
 one gradient of the summed (weighted) loss with respect to all taps. The rest
 of this module turns the captured ``(saved, g)`` pairs into per-example
 gradients, per-example squared norms, or weighted sums over examples.
@@ -23,11 +23,11 @@ from per_example_grads.engines.base import ENGINES, ClipGroups, Engine
 from per_example_grads.engines.capture import (
     NotCoverable,
     Record,
-    Unit,
+    Watch,
     capturing,
     check_batch_axis,
     containers_of,
-    plan_units,
+    plan_watches,
 )
 from per_example_grads.engines.moments import GradientFeatures, assemble, factored_moments, materialized_moments
 from per_example_grads.errors import EngineError
@@ -40,27 +40,27 @@ from per_example_grads.rules.rule import LayerRule
 class Captured:
     """What one forward+backward pass left: records and the gradient at each tap."""
 
-    units: list[Unit]
+    watches: list[Watch]
     records: list[Record]
     grads: list[list[tf.Tensor]]  # grads[r][j]: loss gradient at records[r].taps[j]
     batch_size: tf.Tensor | int
     predictions: Any = None  # the model's outputs in the forward pass
 
-    def by_unit(self) -> dict[Unit, list[tuple[Record, list]]]:
-        out: dict[Unit, list] = {u: [] for u in self.units}
+    def by_watch(self) -> dict[Watch, list[tuple[Record, list]]]:
+        out: dict[Watch, list] = {u: [] for u in self.watches}
         for r, g in zip(self.records, self.grads):
-            out[r.unit].append((r, g))
+            out[r.watch].append((r, g))
         return out
 
 
-def units_of(problem: Problem) -> list[Unit]:
-    """The unit plan of ``problem`` (raises ``NotCoverable``), worked out once per call."""
-    if "layerwise_units" not in problem.cache:
+def watches_of(problem: Problem) -> list[Watch]:
+    """The watch plan of ``problem`` (raises ``NotCoverable``), worked out once per call."""
+    if "layerwise_watches" not in problem.cache:
         try:
-            problem.cache["layerwise_units"] = plan_units(problem.model, problem.variables)
+            problem.cache["layerwise_watches"] = plan_watches(problem.model, problem.variables)
         except NotCoverable as err:
-            problem.cache["layerwise_units"] = err
-    plan = problem.cache["layerwise_units"]
+            problem.cache["layerwise_watches"] = err
+    plan = problem.cache["layerwise_watches"]
     if isinstance(plan, NotCoverable):
         raise plan
     return plan
@@ -75,15 +75,15 @@ def why_not(problem: Problem) -> str | None:
     pass did, so its per-example gradients would belong to another step.
     """
     try:
-        units = units_of(problem)
+        watches = watches_of(problem)
     except NotCoverable as err:
         return str(err)
     if problem.training:
-        for unit in units:
-            random = model_inspection.random_layers(unit.layer) if isinstance(unit.rule, LocalRule) else []
+        for watch in watches:
+            random = model_inspection.random_layers(watch.layer) if isinstance(watch.rule, LocalRule) else []
             if random:
                 return (
-                    f"the layer-local fallback recomputes {unit.layer.name!r} ({type(unit.layer).__name__}) one "
+                    f"the layer-local fallback recomputes {watch.layer.name!r} ({type(watch.layer).__name__}) one "
                     f"example at a time, and {model_inspection.describe(random)} inside it draws random values in "
                     "training mode, which the recomputation would draw anew (its per-example gradients would not "
                     "be the forward pass's); use training=False, a rate of 0, or another engine (method='vectorized')"
@@ -108,30 +108,30 @@ def use_layerwise(method: str, problem: Problem) -> bool:
 
 
 def containers(problem: Problem) -> list:
-    """The layers that may stand in for units called off the batch inside them (``capture.containers_of``), once per call."""
+    """The layers that may stand in for watched layers called off the batch inside them (``capture.containers_of``), once per call."""
     if "layerwise_containers" not in problem.cache:
-        problem.cache["layerwise_containers"] = containers_of(problem.model, units_of(problem), problem.training)
+        problem.cache["layerwise_containers"] = containers_of(problem.model, watches_of(problem), problem.training)
     return problem.cache["layerwise_containers"]
 
 
 def capture(problem: Problem, batch: Batch) -> Captured:
-    """One forward and one backward pass with every unit watched.
+    """One forward and one backward pass with every watched layer watched.
 
-    A unit called on something whose leading axis is not the batch is
+    A watched layer called on something whose leading axis is not the batch is
     replaced, for that call, by the nearest enclosing layer that is, as a
-    layer-local unit (``capture.capturing``); such units join the plan's
-    (``Captured.units``), each where the first unit it replaced stood.
+    layer-local watch (``capture.capturing``); such watches join the plan's
+    (``Captured.watches``), each where the first watch it replaced stood.
 
     Raises:
-      NotCoverable: a unit is called off the batch and no enclosing layer
+      NotCoverable: a watched layer is called off the batch and no enclosing layer
         below the model can take it (``check_batch_axis``), or a layer that
-        took over holds variables that units called outside it also
+        took over holds variables that watched layers called outside it also
         compute.
     """
-    units = units_of(problem)
+    watches = watches_of(problem)
     b = batch_size(batch)
     with tf.GradientTape(persistent=False) as tape:
-        with capturing(units, containers(problem), b) as records:
+        with capturing(watches, containers(problem), b) as records:
             predictions, losses = problem.predictions_and_losses(batch)
         total = tf.reduce_sum(tf.cast(losses, tf.float32))
         for r in records:  # watched so gradients reach them through frozen layers too
@@ -144,22 +144,22 @@ def capture(problem: Problem, batch: Batch) -> Captured:
         grads.append([tf.zeros_like(t) if g is None else g for g, t in zip(flat_grads[i : i + n], r.taps)])
         i += n
     check_batch_axis(records, b)
-    return Captured(_with_stand_ins(units, records), records, grads, b, predictions)
+    return Captured(_with_stand_ins(watches, records), records, grads, b, predictions)
 
 
-def _with_stand_ins(units: list[Unit], records: list[Record]) -> list[Unit]:
-    """``units`` and the layers that stood in for some of them (``capture``), each before the first it replaced.
+def _with_stand_ins(watches: list[Watch], records: list[Record]) -> list[Watch]:
+    """``watches`` and the layers that stood in for some of them (``capture``), each before the first it replaced.
 
     Raises ``NotCoverable`` when a stand-in's variables are also those of a
-    unit that kept records (a layer shared between its inside and outside):
+    watch that kept records (a layer shared between its inside and outside):
     the two would compute the same variable's gradients separately.
     """
-    plan = {id(u) for u in units}
-    stand_ins = [u for u in dict.fromkeys(r.unit for r in records) if id(u) not in plan]
+    plan = {id(u) for u in watches}
+    stand_ins = [u for u in dict.fromkeys(r.watch for r in records) if id(u) not in plan]
     if not stand_ins:
-        return units
-    recorded = {id(r.unit) for r in records}
-    kept = [u for u in units if id(u) in recorded]
+        return watches
+    recorded = {id(r.watch) for r in records}
+    kept = [u for u in watches if id(u) in recorded]
     for s in stand_ins:
         held = {id(v) for v in s.variables}
         clash = [u for u in kept + [o for o in stand_ins if o is not s] if any(id(v) in held for v in u.variables)]
@@ -169,8 +169,8 @@ def _with_stand_ins(units: list[Unit], records: list[Record]) -> list[Unit]:
                 f"'{clash[0].layer.name}', whose variables it holds, is also called outside it"
             )
     held_by = {id(v): s for s in stand_ins for v in s.variables}
-    out: list[Unit] = []
-    for u in units:
+    out: list[Watch] = []
+    for u in watches:
         s = next((held_by[id(v)] for v in u.variables if id(v) in held_by), None)
         if s is not None and s not in out:
             out.append(s)
@@ -179,15 +179,15 @@ def _with_stand_ins(units: list[Unit], records: list[Record]) -> list[Unit]:
     return out
 
 
-def unit_per_example(unit: Unit, calls: list, sparse: bool = False) -> list:
-    """``[B, *var.shape]`` per variable of ``unit``, summed over its calls.
+def watch_per_example(watch: Watch, calls: list, sparse: bool = False) -> list:
+    """``[B, *var.shape]`` per variable of ``watch``, summed over its calls.
 
     A rule's ``PerExampleSlices`` (an embedding table's rows) is made dense
     unless ``sparse``.
     """
     total = None
     for record, g in calls:
-        pe = unit.rule.per_example(unit.layer, record.saved, g)
+        pe = watch.rule.per_example(watch.layer, record.saved, g)
         if not sparse:
             pe = [tf.convert_to_tensor(t) if isinstance(t, PerExampleSlices) else t for t in pe]
         total = pe if total is None else [add_per_example(a, b) for a, b in zip(total, pe)]
@@ -201,7 +201,7 @@ def add_per_example(a, b):
     return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
 
 
-CHAIN_WINDOW = 3  # how many units' norms may run at once (per_variable_squared_norms)
+CHAIN_WINDOW = 3  # how many watches' norms may run at once (per_variable_squared_norms)
 
 
 def per_variable_squared_norms(problem: Problem, captured: Captured, for_sums: bool = False) -> list[tf.Tensor]:
@@ -212,13 +212,13 @@ def per_variable_squared_norms(problem: Problem, captured: Captured, for_sums: b
     (``LayerRule.squared_norms``), float32 ones cast. ``norms_of`` turns them
     into norms.
 
-    Units are processed last layer first, the order in which the backward
+    Watches are processed last layer first, the order in which the backward
     pass produces their gradients, so the norms of the last layers overlap
     with the backward pass of the first. Control dependencies bound how many
-    run at once: a unit's norms wait for those of the unit ``CHAIN_WINDOW``
-    places before it, and a unit whose norms build its per-example gradients
+    run at once: a watch's norms wait for those of the watch ``CHAIN_WINDOW``
+    places before it, and a watch whose norms build its per-example gradients
     (the rules' defaults: the layer-local fallback) also for the previous
-    such unit, so at most one of those tensors exists at a time. Too small a
+    such watch, so at most one of those tensors exists at a time. Too small a
     window lets the norms lag behind the backward pass and hold its
     tensors; none lets the layer-local fallback's tensors pile up (peak
     memory of each choice: ``benchmarks/RESULTS.md``).
@@ -228,26 +228,26 @@ def per_variable_squared_norms(problem: Problem, captured: Captured, for_sums: b
         ``cache`` to leave what the sum can reuse.
     """
     found: dict[int, tf.Tensor] = {}
-    done: list = []  # each unit's norms, in processing order
-    materialized: list = []  # the last unit's norms that built per-example gradients
-    for unit, calls in reversed(list(captured.by_unit().items())):
+    done: list = []  # each watch's norms, in processing order
+    materialized: list = []  # the last watch's norms that built per-example gradients
+    for watch, calls in reversed(list(captured.by_watch().items())):
         if not calls:
             continue
         shared = len(calls) > 1
-        materializes = _default(unit.rule, "shared_squared_norms" if shared else "squared_norms")
+        materializes = _default(watch.rule, "shared_squared_norms" if shared else "squared_norms")
         waits_for = done[-CHAIN_WINDOW] if len(done) >= CHAIN_WINDOW else []
         with tf.control_dependencies(list(waits_for) + (materialized if materializes else [])):
             if not shared:
                 record, g = calls[0]
-                norms = unit.rule.squared_norms(unit.layer, record.saved, g, record.cache if for_sums else None)
+                norms = watch.rule.squared_norms(watch.layer, record.saved, g, record.cache if for_sums else None)
             else:
                 # A shared layer's norm has cross terms between its calls: the rule's
                 # closed form, or by default its per-example gradient (this layer only).
-                norms = unit.rule.shared_squared_norms(unit.layer, [(record.saved, g) for record, g in calls])
+                norms = watch.rule.shared_squared_norms(watch.layer, [(record.saved, g) for record, g in calls])
         done.append(norms)
         if materializes:
             materialized = list(norms)
-        for v, n in zip(unit.variables, norms):
+        for v, n in zip(watch.variables, norms):
             found[id(v)] = tf.cast(n, WIDE)
     return [found[id(v)] if id(v) in found else tf.zeros([captured.batch_size], WIDE) for v in problem.variables]
 
@@ -285,26 +285,26 @@ def weighted_sums(problem: Problem, captured: Captured, weights_for, rule_sum=No
     Args:
       weights_for: ``variable -> [B]`` weights (the same tensor object for
         variables clipped together; each distinct one costs one rule call).
-      rule_sum: ``(unit, record, g, w) -> the rule's sums`` for one call, in
+      rule_sum: ``(watch, record, g, w) -> the rule's sums`` for one call, in
         place of its ``weighted_sum`` on the record's tensors and cache.
     """
     rule_sum = rule_sum or _rule_sum
     requested = {id(v) for v in problem.variables}
     sums: dict[int, tf.Tensor] = {}
-    for unit, calls in captured.by_unit().items():
-        wanted = [v for v in unit.variables if id(v) in requested]
+    for watch, calls in captured.by_watch().items():
+        wanted = [v for v in watch.variables if id(v) in requested]
         distinct = {id(weights_for(v)): weights_for(v) for v in wanted}
         for w in distinct.values():
             for record, g in calls:
-                outputs = rule_sum(unit, record, g, w)
-                for v, s in zip(unit.variables, outputs):
+                outputs = rule_sum(watch, record, g, w)
+                for v, s in zip(watch.variables, outputs):
                     if id(v) in requested and weights_for(v) is w:
                         sums[id(v)] = s if id(v) not in sums else add_sums(sums[id(v)], s)
     return [sums[id(v)] if id(v) in sums else tf.zeros(v.shape, v.dtype) for v in problem.variables]
 
 
-def _rule_sum(unit: Unit, record: Record, g: list, w: tf.Tensor) -> list:
-    return unit.rule.weighted_sum(unit.layer, record.saved, g, w, record.cache)
+def _rule_sum(watch: Watch, record: Record, g: list, w: tf.Tensor) -> list:
+    return watch.rule.weighted_sum(watch.layer, record.saved, g, w, record.cache)
 
 
 def add_sums(a, b):
@@ -321,9 +321,9 @@ def per_example_gradients(problem: Problem, batch: Batch, sparse: bool = False) 
     """
     captured = capture(problem, batch)
     found: dict[int, tf.Tensor] = {}
-    for unit, calls in captured.by_unit().items():
+    for watch, calls in captured.by_watch().items():
         if calls:
-            for v, t in zip(unit.variables, unit_per_example(unit, calls, sparse)):
+            for v, t in zip(watch.variables, watch_per_example(watch, calls, sparse)):
                 found[id(v)] = t
     b = captured.batch_size
     return [
@@ -385,7 +385,7 @@ def _cleanable(problem: Problem, captured: Captured, batch: Batch) -> bool:
         return False
     depends: dict = {}
     for record, grads in zip(captured.records, captured.grads):
-        if getattr(record.unit.rule, "batch_led", None) is not None:
+        if getattr(record.watch.rule, "batch_led", None) is not None:
             return False
         if any(not _leads_with(g, b) for g in grads):
             return False
@@ -481,31 +481,31 @@ def _finite_sums(problem: Problem, captured: Captured, norms: list, weights_for)
     chosen.choose()
     graph = tf.compat.v1.get_default_graph()
     # The variables whose sums some record given a finite example's rows adds to.
-    given = {id(v) for r in captured.records if not r.cache for v in r.unit.variables}
+    given = {id(v) for r in captured.records if not r.cache for v in r.watch.variables}
     again: dict = {}  # id(record) -> its own _Choice of (saved, tap gradients): its cached sum read them
 
-    def rule_sum(unit, record, g, w):
-        rule, key = unit.rule, id(record)
+    def rule_sum(watch, record, g, w):
+        rule, key = watch.rule, id(record)
         if key in zeroable:
             cache = chosen.of(record.cache)
             if key not in again:
                 start = len(graph.get_operations())
-                out = rule.weighted_sum(unit.layer, record.saved, g, w, cache)
+                out = rule.weighted_sum(watch.layer, record.saved, g, w, cache)
                 if not _reads(graph, start, [record.saved, g]):
                     return out
                 again[key] = _Choice(every, finite, b).zero(g).give(record.saved).choose()
-                given.update(id(v) for v in unit.variables)
-            return rule.weighted_sum(unit.layer, again[key].of(record.saved), again[key].of(g), w, cache)
+                given.update(id(v) for v in watch.variables)
+            return rule.weighted_sum(watch.layer, again[key].of(record.saved), again[key].of(g), w, cache)
         if not record.cache:
-            return rule.weighted_sum(unit.layer, chosen.of(record.saved), chosen.of(g), w)
-        given.update(id(v) for v in unit.variables)
-        first = rule.weighted_sum(unit.layer, record.saved, g, w, record.cache)
+            return rule.weighted_sum(watch.layer, chosen.of(record.saved), chosen.of(g), w)
+        given.update(id(v) for v in watch.variables)
+        first = rule.weighted_sum(watch.layer, record.saved, g, w, record.cache)
 
         def without_cache():
             rows = _RowReplacement(finite, b)
             saved = tf.nest.map_structure(rows.given, record.saved, expand_composites=True)
             return tf.nest.flatten(
-                rule.weighted_sum(unit.layer, saved, [rows.zeroed(t) for t in g], w), expand_composites=True
+                rule.weighted_sum(watch.layer, saved, [rows.zeroed(t) for t in g], w), expand_composites=True
             )
 
         flat = tf.nest.flatten(first, expand_composites=True)
@@ -628,7 +628,7 @@ def _zeroable_cache(record: Record, b) -> bool:
     floating per-example tensor leading with ``B``: a rule's sum from such a
     cache is linear in each example's rows (``sum_n w_n K_n``).
     """
-    if not record.cache or not type(record.unit.rule).squared_norms.__module__.startswith(_RULES):
+    if not record.cache or not type(record.watch.rule).squared_norms.__module__.startswith(_RULES):
         return False
     return all(t is None or (_floating(t) and _leads_with(t, b)) for t in tf.nest.flatten(record.cache))
 
@@ -652,36 +652,36 @@ def layerwise(problem: Problem, batch: Batch) -> list:
     return per_example_gradients(problem, batch)
 
 
-def _outer_factors(unit: Unit, calls: list) -> list | None:
-    """The rule's ``(A, G)`` per variable of a unit called once, or None (``LayerRule.outer_factors``)."""
+def _outer_factors(watch: Watch, calls: list) -> list | None:
+    """The rule's ``(A, G)`` per variable of a watched layer called once, or None (``LayerRule.outer_factors``)."""
     if len(calls) != 1:
         return None
     record, g = calls[0]
-    return unit.rule.outer_factors(unit.layer, record.saved, g)
+    return watch.rule.outer_factors(watch.layer, record.saved, g)
 
 
 def moments(problem: Problem, batch: Batch, reference: list) -> dict:
-    """``Engine.moments`` from one capture: outer factors where the rule gives them, else that one unit's per-example gradients.
+    """``Engine.moments`` from one capture: outer factors where the rule gives them, else that one watch's per-example gradients.
 
-    Units are chained by control dependencies, so one unit's
+    Watches are chained by control dependencies, so one watch's
     ``[B, *var.shape]`` tensors exist at a time.
     """
     refs = {id(v): r for v, r in zip(problem.variables, reference)}
     captured = capture(problem, batch)
     found: dict[int, tuple] = {}
     previous: list = []
-    for unit, calls in captured.by_unit().items():
+    for watch, calls in captured.by_watch().items():
         if not calls:
             continue
         with tf.control_dependencies(previous):
-            factors = _outer_factors(unit, calls)
+            factors = _outer_factors(watch, calls)
             part = {}
             if factors is not None:
-                for v, (a, g) in zip(unit.variables, factors):
+                for v, (a, g) in zip(watch.variables, factors):
                     if id(v) in refs:
                         part[id(v)] = factored_moments(a, g, refs[id(v)])
             else:
-                for v, pe in zip(unit.variables, unit_per_example(unit, calls)):
+                for v, pe in zip(watch.variables, watch_per_example(watch, calls)):
                     if id(v) in refs:
                         part[id(v)] = materialized_moments(pe, refs[id(v)])
         found.update(part)
@@ -690,19 +690,19 @@ def moments(problem: Problem, batch: Batch, reference: list) -> dict:
 
 
 def features(problem: Problem, batch: Batch) -> GradientFeatures:
-    """``Engine.features``: the outer factors of every reached unit when all have them, else materialized gradients."""
+    """``Engine.features``: the outer factors of every reached watch when all have them, else materialized gradients."""
     captured = capture(problem, batch)
     wanted = {id(v) for v in problem.variables}
     factors = []
-    for unit, calls in captured.by_unit().items():
-        if not calls or not any(id(v) in wanted for v in unit.variables):
+    for watch, calls in captured.by_watch().items():
+        if not calls or not any(id(v) in wanted for v in watch.variables):
             continue  # not requested, or the loss does not reach it (zero gradients)
-        unit_factors = _outer_factors(unit, calls)
-        if unit_factors is None:
+        watch_factors = _outer_factors(watch, calls)
+        if watch_factors is None:
             return GradientFeatures.of(per_example_gradients(problem, batch))
         factors += [
             (None if a is None else tf.cast(a, tf.float64), tf.cast(g, tf.float64))
-            for v, (a, g) in zip(unit.variables, unit_factors)
+            for v, (a, g) in zip(watch.variables, watch_factors)
             if id(v) in wanted
         ]
     return GradientFeatures(factors=factors)
@@ -714,8 +714,8 @@ def sparse_per_example_gradients(problem: Problem, batch: Batch) -> list:
 
 
 def slow_layers(problem: Problem) -> list:
-    """The layers of the unit plan on the layer-local rule (one VJP per example): exact, slower than a closed form."""
-    return [u.layer for u in units_of(problem) if isinstance(u.rule, LocalRule)]
+    """The layers of the watch plan on the layer-local rule (one VJP per example): exact, slower than a closed form."""
+    return [u.layer for u in watches_of(problem) if isinstance(u.rule, LocalRule)]
 
 
 @dataclasses.dataclass(frozen=True)

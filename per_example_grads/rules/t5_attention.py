@@ -3,7 +3,7 @@
 Registered by full class name, so importing this module never imports
 ``keras_hub``. Only the first attention layer of a T5 stack owns a variable
 of its own, the bias table ``R`` ``[buckets, heads]``, and without this rule
-that made it one layer-local unit (one VJP of the whole attention per
+that made it one layer-local watch (one VJP of the whole attention per
 example). Its call, on queries ``h`` ``[B, Tq, D]`` with a mask, is
 
     z_q = h W_q,   z_k = s W_k,   z_v = s W_v           (s = h, or the encoder states)
@@ -27,7 +27,7 @@ through the later layers that reuse it), example n's gradients are
 The model computes what it computes without the engine, bit for bit. The
 layers that own no bias (they reuse the first one's, or have none) get the
 projectors' forms alone: registering the class makes every instance one
-unit. Calls that compute the bias without a mask (the bias would stay ``[1,
+watched layer. Calls that compute the bias without a mask (the bias would stay ``[1,
 ...]`` in the output), with a ``cache`` (generation), or a layer with LoRA
 or quantized projectors use the exact layer-local fallback.
 """
