@@ -217,3 +217,55 @@ def test_physical_chunks_give_the_same_run():
     per_step = clipped_sum_rtol(p, source.max_batch_size) * source.max_batch_size * 0.5 / source.expected_batch_size
     for a, b in zip(whole.model.get_weights(), chunked.model.get_weights()):
         np.testing.assert_allclose(a, b, rtol=0, atol=8 * (per_step + 2 * EPS32 * np.abs(a).max()))
+
+
+_PROCESS = """
+import sys
+import keras
+import numpy as np
+import per_example_grads as peg
+
+x = np.arange(32, dtype="float32")[:, None].repeat(3, axis=1)  # row i is recognisable by its first input
+y = np.zeros((32, 2), "float32")
+keras.utils.set_random_seed(0)
+net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+dp = peg.keras.DPModel(net, noise_multiplier=1.0, mechanism=peg.dp.BISR(bands=3, num_steps=8, cycle_length=4))
+dp.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+if sys.argv[2] == "load":
+    dp.load_weights(sys.argv[1])
+ds = peg.dp.min_sep_batches(x, y, sampling_probability=0.5, min_separation=4, steps=4)  # seed=None
+dp.fit(ds, epochs=1, verbose=0)
+dp.save_weights(sys.argv[1])
+ds.pegrad_sampling.next_step.assign(int(dp.dp_steps.numpy()) - 4)  # the steps this process trained on, again
+print("ROWS", [sorted(xb.numpy()[m.numpy() == 1, 0].astype(int).tolist()) for xb, _, m in ds])
+print("KEY", ds.pegrad_sampling.partition.tolist())
+"""
+
+
+@pytest.mark.slow
+def test_a_new_process_with_an_unseeded_dataset_continues_the_runs_batches(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    path = str(tmp_path / "run.weights.h5")
+
+    def run(mode):
+        done = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(_PROCESS), path, mode], capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith(("ROWS", "KEY")))
+        return json.loads(lines["ROWS"]), json.loads(lines["KEY"])
+
+    first_rows, first_key = run("new")
+    later_rows, later_key = run("load")
+    assert later_key == first_key  # the second process took the run's key from the ledger
+    # Its steps 4..7 are the run's: what that key gives from step 4 here, and no example within 4 steps of its last.
+    x = np.arange(32, dtype="float32")[:, None].repeat(3, axis=1)
+    ds = peg.dp.min_sep_batches(x, np.zeros((32, 2), "float32"), sampling_probability=0.5, min_separation=4, steps=4)
+    ds.pegrad_sampling.take_partition(np.array(first_key))
+    ds.pegrad_sampling.next_step.assign(4)
+    assert [r.tolist() for r in map(np.sort, _rows(ds))] == later_rows
+    _, gaps = _participations([np.array(r, np.int64) for r in first_rows + later_rows], 32)
+    assert min(gaps) >= 4
