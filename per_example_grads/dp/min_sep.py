@@ -41,21 +41,20 @@ rows is refused.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 from per_example_grads._core.arguments import check_positive_int, check_sampling_probability
-from per_example_grads._core.batch import _check_leading_dims, _to_tensors
 from per_example_grads.dp.sampling import (
     DEFAULT_OVERFLOW_PROBABILITY,
     PoissonSampling,
     _padded_batch,
     _rows_digest,
-    _sampling_key,
+    _steps_and_key,
     default_max_batch_size,
+    sampled_inputs,
 )
 
 # Folded into the key for the warm start's draw, so that it shares no key with a step's.
@@ -169,25 +168,18 @@ def min_sep_batches(
         )
     if not isinstance(warm_start, bool):
         raise TypeError(f"warm_start must be a bool; got {warm_start!r}.")
-    inputs = {"x": _to_tensors("x", x)}
-    if y is not None:
-        inputs["y"] = _to_tensors("y", y)
-    _check_leading_dims(inputs)
-    n = tf.nest.flatten(inputs["x"])[0].shape[0]
-    if n is None or n == 0:
-        raise ValueError(f"x must hold at least one example (leading dimension N >= 1); got N={n}.")
+    inputs, n = sampled_inputs(x, y)
     if b > n:
         raise ValueError(f"min_separation ({b}) must be at most the number of examples N={n}.")
     rate = p / (1.0 + (b - 1) * p)
-    steps = check_positive_int("steps", max(1, int(math.floor(1.0 / rate + 0.5))) if steps is None else steps)
+    # One pass is one epoch in expectation, 1 / r steps: Poisson sampling's default at the rate r.
+    steps, key = _steps_and_key(steps, 1, rate, seed, first_step)
     m = check_positive_int(
         "max_batch_size",
         default_max_batch_size(n, rate if warm_start else p) if max_batch_size is None else max_batch_size,
     )
-    if isinstance(first_step, bool) or not isinstance(first_step, (int, np.integer)) or first_step < 0:
-        raise ValueError(f"first_step must be a non-negative integer; got {first_step!r}.")
     with tf.init_scope():
-        key = tf.Variable(_sampling_key(seed), trainable=False, name="min_sep_key")
+        key = tf.Variable(key, trainable=False, name="min_sep_key")
         next_step = tf.Variable(int(first_step), dtype=tf.int64, trainable=False, name="next_step")
     sampling = MinSepSampling(
         p, n, m, steps, next_step, b, rows_digest=_rows_digest(inputs), key=key, warm_start=warm_start

@@ -325,6 +325,21 @@ def _cyclic_parts(n: int, cycle: int, partition_key: np.ndarray) -> tf.Tensor:
     return tf.random.stateless_uniform([n], seed=partition_key, minval=0, maxval=cycle, dtype=tf.int64)
 
 
+def sampled_inputs(x: Any, y: Any) -> tuple[dict, int]:
+    """``({"x": x[, "y": y]}, N)``: a sampler's rows as tensors, every leaf ``[N, ...]`` with one ``N >= 1``.
+
+    Raises ``TypeError`` / ``ValueError`` naming ``x`` or ``y``.
+    """
+    inputs = {"x": _to_tensors("x", x)}
+    if y is not None:
+        inputs["y"] = _to_tensors("y", y)
+    _check_leading_dims(inputs)
+    n = tf.nest.flatten(inputs["x"])[0].shape[0]
+    if n is None or n == 0:
+        raise ValueError(f"x must hold at least one example (leading dimension N >= 1); got N={n}.")
+    return inputs, n
+
+
 def _steps_and_key(steps: int | None, cycle: int, q: float, seed: int | None, first_step: Any) -> tuple[int, tf.Tensor]:
     """``(steps, key)`` of a Poisson sampler: ``steps`` checked (default one pass, ``round(cycle / q)``), the seed's key.
 
@@ -553,14 +568,7 @@ def poisson_batches(
     if unit_ids is None and rows_per_unit is not None:
         raise ValueError(f"rows_per_unit={rows_per_unit!r} needs unit_ids: without them every row is its own unit.")
     q = check_sampling_probability(sampling_probability)
-    xs = _to_tensors("x", x)
-    inputs = {"x": xs}
-    if y is not None:
-        inputs["y"] = _to_tensors("y", y)
-    _check_leading_dims(inputs)
-    n = tf.nest.flatten(xs)[0].shape[0]
-    if n is None or n == 0:
-        raise ValueError(f"x must hold at least one example (leading dimension N >= 1); got N={n}.")
+    inputs, n = sampled_inputs(x, y)
     cycle = check_positive_int("cycle_length", cycle_length)
     if unit_ids is not None:
         return _unit_batches(
