@@ -265,3 +265,16 @@ def mirrored_strategy():
     if not _MIRRORED:
         _MIRRORED.append(tf.distribute.MirroredStrategy([d.name for d in devices[:2]]))
     return _MIRRORED[0]
+
+
+def run_in_new_process(script: str, *args: str) -> str:
+    """The stdout of ``script`` (dedented) run by a fresh Python with ``args``; its stderr's tail if it fails."""
+    import subprocess
+    import sys
+    import textwrap
+
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *args], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import per_example_grads as peg
+from helpers import run_in_new_process
 from per_example_grads.dp.accounting import compute_epsilon
 from tolerances import ACCOUNTING_SAME_RTOL, EPS32, Z, clipped_sum_rtol
 
@@ -244,18 +245,11 @@ print("KEY", ds.pegrad_sampling.partition.tolist())
 
 @pytest.mark.slow
 def test_a_new_process_with_an_unseeded_dataset_continues_the_runs_batches(tmp_path):
-    import subprocess
-    import sys
-    import textwrap
-
     path = str(tmp_path / "run.weights.h5")
 
     def run(mode):
-        done = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(_PROCESS), path, mode], capture_output=True, text=True, timeout=300
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith(("ROWS", "KEY")))
+        out = run_in_new_process(_PROCESS, path, mode)
+        lines = dict(line.split(" ", 1) for line in out.splitlines() if line.startswith(("ROWS", "KEY")))
         return json.loads(lines["ROWS"]), json.loads(lines["KEY"])
 
     first_rows, first_key = run("new")

@@ -8,10 +8,6 @@ batches: at ``q = 1`` step ``t`` holds exactly part ``t mod b``.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-
 import h5py
 import keras
 import numpy as np
@@ -19,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 import per_example_grads as peg
-from helpers import CrashAtStep
+from helpers import CrashAtStep, run_in_new_process
 
 N, CYCLE = 12, 2
 X = np.arange(N, dtype="float32")[:, None] * np.ones((1, 3), "float32")  # row i holds i
@@ -188,11 +184,7 @@ def test_a_new_process_with_an_unseeded_dataset_keeps_the_partition(tmp_path):
     path = str(tmp_path / "run.weights.h5")
 
     def run(mode):
-        done = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(_PROCESS), path, mode], capture_output=True, text=True, timeout=300
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        parts = [line for line in done.stdout.splitlines() if line.startswith("PARTS")]
+        parts = [line for line in run_in_new_process(_PROCESS, path, mode).splitlines() if line.startswith("PARTS")]
         return parts[0]
 
     first = run("new")
