@@ -78,7 +78,7 @@ def test_noised_average_noises_every_embedding_row_at_the_divided_scale():
 
     (test_noise_statistics_and_seeding divides by 1: it cannot see the noise left undivided.)
     """
-    from per_example_grads.dp.aggregator import noised_average
+    from per_example_grads.dp.privatizers import noised_average
 
     rows = tf.constant([[1.0, -2.0], [3.0, 4.0], [5.0, 6.0]])
     sliced = tf.IndexedSlices(rows, tf.constant([7, 2, 7], tf.int64), tf.constant([6000, 2], tf.int64))

@@ -4,15 +4,17 @@ Every DP path takes its steps through this module, in two phases:
 
 1. the *contribution*: ``clipped_sum`` (the sum of the clipped per-example
    gradients of one batch, with their norms);
-2. the *release*: ``noised_average`` (the noise, drawn once, and the
-   divisor), plus ``add_regularization``.
+2. the *release*: a privatizer (``per_example_grads.dp.privatizers``: the
+   noise, drawn once, and the divisor; sparse embedding noise, adaptive
+   clipping and an audit's canaries are privatizers too), plus
+   ``add_regularization``.
 
-``DPAggregator.step`` is both phases on one batch, with the step counter,
-the ledger, adaptive clipping and an audit's canaries (``DPModel``);
+``DPAggregator.step`` is both phases on one batch, with the step counter
+and the ledger (``DPModel``);
 ``GradientAccumulator`` (DP mode) adds the contributions of its
 micro-batches and calls ``DPAggregator.release`` once per logical batch;
 ``private_gradients``, one-shot and stateless, calls ``clipped_sum``,
-``batch_divisor``, ``noised_average`` and ``add_regularization``
+``batch_divisor``, ``privatizers.noised_average`` and ``add_regularization``
 themselves. So all three compute:
 
     g_tilde_t = ( sum_{i in batch} clip_C(g_i) + N(0, (sigma C)^2 I) ) / D  (+ grad R)
@@ -61,12 +63,12 @@ from per_example_grads._core.arguments import check_dp_arguments, check_positive
 from per_example_grads._core.batch import make_batch
 from per_example_grads._core.example_ops import in_dtype
 from per_example_grads._core.xla_context import in_xla_context
-from per_example_grads.clipping import clipped_sums_and_predictions, dense_sums
+from per_example_grads.clipping import clipped_sums_and_predictions
 from per_example_grads.dp import adaptive as adaptive_clipping
-from per_example_grads.dp import composition, ledger
+from per_example_grads.dp import composition, ledger, privatizers
 from per_example_grads.dp.accounting import adaptive_clipping_noise_multiplier
 from per_example_grads.dp.mechanisms import NoiseMechanism, check_mechanism, fingerprint, fingerprint_name
-from per_example_grads.dp.noise import NoiseSeed, gaussian_like, noise_source
+from per_example_grads.dp.noise import NoiseSeed, noise_source
 from per_example_grads.dp.sampling import real_rows, split_into_chunks
 from per_example_grads.engines import grouped
 from per_example_grads.engines.selection import check_method
@@ -104,24 +106,6 @@ class ClippedSum:
 
 
 @tf.autograph.experimental.do_not_convert
-def noised_average(
-    sums: Sequence, stddev, divisor, seed: NoiseSeed = None, *, step=None, mechanism: NoiseMechanism | None = None
-) -> list[tf.Tensor]:
-    """``(sums[k] + x[k]) / divisor`` for every k: the noise is added once.
-
-    ``x = mechanism.correlate(z, step)`` for this step's fresh draw ``z ~
-    N(0, stddev^2)`` (``x = z`` without a mechanism). Inside
-    ``strategy.run`` the draw's std is ``stddev / sqrt(R)`` on each of the
-    ``R`` replicas, so the sum of the replicas' results has it once.
-    """
-    sums = dense_sums(sums)  # the noise is dense: every row of an embedding table gets some
-    noise = gaussian_like(sums, replicas.noise_share(stddev), seed, step=step)
-    if mechanism is not None:
-        noise = mechanism.correlate(noise, step)
-    divisors = {s.dtype: tf.cast(divisor, s.dtype) for s in sums}  # one cast (or constant) per dtype
-    return [(s + n) / divisors[s.dtype] for s, n in zip(sums, noise)]
-
-
 @dataclasses.dataclass
 class DPStep:
     """What ``DPAggregator.step`` did: the release and what the training loop reports of it.
@@ -317,14 +301,14 @@ class DPAggregator(keras.layers.Layer):
       mechanism_fingerprint: int64 ``[4]`` variable, the ``fingerprint`` of
         the mechanism that took the ledger's steps (``check_ledger``).
       canaries: None, or a privacy audit's gradient canaries
-        (``peg.dp.audit.GradientCanaries``, set by its ``attach``): the one
-        hook of this class, read by ``release`` only. None (the default) leaves
-        every release exactly as without it.
+        (``peg.dp.audit.GradientCanaries``, set by its ``attach``), which
+        ``privatizer`` wraps around the noise (``privatizers.CanaryInsertion``).
+        None (the default) leaves every release exactly as without it.
       sparse: None, or the ``SparseSelection`` of sparse embedding noise
         (``per_example_grads.dp.sparse_embeddings``, set by the owner from its
         ``sparse_embeddings``): ``clipped_sum`` then also counts the rows each
-        example looks up, and ``release`` updates only the selected rows of
-        those tables. None (the default) leaves every step as without it.
+        example looks up, and ``privatizer`` is ``privatizers.SparseNoise``.
+        None (the default) leaves every step as without it.
     """
 
     def __init__(
@@ -530,6 +514,24 @@ class DPAggregator(keras.layers.Layer):
             return self.expected_batch_size
         return batch_divisor(rows)
 
+    @property
+    def privatizer(self) -> privatizers.Privatizer:
+        """How a step is released: the mechanism's noise (or ``sparse``), inside ``canaries``, inside adaptive clipping.
+
+        Composed from this aggregator's parts at each release
+        (``privatizers.compose``), so that an audit's canaries, attached and
+        detached between steps, are in the releases they were attached for.
+        """
+        return privatizers.compose(
+            mechanism=self.mechanism,
+            noise_multiplier=self._gradient_noise_multiplier,
+            noise=self._noise,
+            sparse=self.sparse,
+            canaries=self.canaries,
+            adaptive=self.adaptive,
+            clip_norm=self.l2_norm_clip,
+        )
+
     @tf.autograph.experimental.do_not_convert
     def release(
         self,
@@ -542,23 +544,17 @@ class DPAggregator(keras.layers.Layer):
     ) -> list[tf.Tensor]:
         """The noisy average of ``clipped`` (plus ``regularization``), counted as one step.
 
-        Draws the noise of step ``t = steps``, moves an adaptive clip norm,
-        and records the step in the ledger before returning, so a crash
-        between this and the optimizer's update can only over-count.
-
-        With ``canaries`` set (a privacy audit, ``peg.dp.audit``), the
-        canaries that join step ``t`` (each included in the audit's run with
-        probability 1/2, then sampled like an example at ``sampling_probability``)
-        add their clipped gradients, of norm ``total_clip(C)`` each, to the
-        clipped sum before the noise; then ``canaries.observe`` reads the
-        release. The noise, divisor, ledger and mechanism are unchanged.
+        ``privatizer`` releases the sums with the noise of step ``t =
+        steps`` (and moves an adaptive clip norm); the step is recorded in
+        the ledger before returning, so a crash between this and the
+        optimizer's update can only over-count.
 
         Args:
           clipped: the batch's ``ClippedSum``, or only its sums (one
             ``[*var.shape]`` per variable, ``sum_i clip_C(g_i)`` at this
             aggregator's clip norm: a ``GradientAccumulator``'s, added over
-            micro-batches). Adaptive clipping needs the norms, hence a
-            ``ClippedSum``.
+            micro-batches). Adaptive clipping and sparse embedding noise
+            need a ``ClippedSum``.
           sampling_probability: ``q`` this step was sampled with (None: 1,
             the worst case).
           poisson: whether the batch was Poisson sampled.
@@ -566,77 +562,16 @@ class DPAggregator(keras.layers.Layer):
             (``add_regularization``).
 
         Raises:
-          ValueError: adaptive clipping given the sums alone.
+          ValueError: adaptive clipping or sparse embedding noise given the sums alone.
         """
         given = clipped if isinstance(clipped, ClippedSum) else None
-        if given is None and self.adaptive is not None:
-            raise ValueError(
-                "adaptive clipping moves its clip norm from the batch's norms: release needs the "
-                "ClippedSum of clipped_sum, not the sums alone."
-            )
-        clipped_sums = given.sums if given is not None else list(clipped)
-        step = tf.convert_to_tensor(self.steps)
-        clip = self.clip()
-        sums = clipped_sums
-        if self.canaries is not None:  # an audit: canaries' clipped gradients (norm C each) join the sum
-            sums = self.canaries.insert(
-                sums, step=step, l2_norm_clip=total_clip(clip), sampling_probability=sampling_probability
-            )
-        if self.sparse is not None:
-            grads = self._sparse_release(given, sums, clip, divisor, step)
-        else:
-            grads = noised_average(
-                sums,
-                self._gradient_noise_multiplier * total_clip(clip),
-                divisor,
-                self._noise,
-                step=step,
-                mechanism=self.mechanism,
-            )
-        if self.canaries is not None:  # and what the release shows of them, for their scores
-            self.canaries.observe(grads, clipped_sums, divisor, step=step)
-        grads = add_regularization(grads, regularization)
-        if self.adaptive is not None:
-            self.l2_norm_clip.assign(
-                adaptive_clipping.updated_clip(
-                    self.adaptive,
-                    clip,
-                    given.norms,
-                    given.real,
-                    divisor,
-                    _count_source(self._noise),
-                    step=step,
-                )
-            )
+        sums = given.sums if given is not None else list(clipped)
+        context = privatizers.ReleaseContext(
+            given, self.clip(), divisor, tf.convert_to_tensor(self.steps), sampling_probability
+        )
+        grads = add_regularization(self.privatizer.release(sums, context), regularization)
         self.record_step(sampling_probability, poisson)
         return grads
-
-    def _sparse_release(self, clipped: ClippedSum | None, sums, clip, divisor, step) -> list:
-        """The step with sparse embedding noise: selected rows of the covered tables, dense noise elsewhere.
-
-        The split of the noise and why epsilon is DP-SGD's are stated in
-        ``per_example_grads.dp.sparse_embeddings``.
-        """
-        if clipped is None or clipped.selection is None:
-            raise ValueError(
-                "sparse embedding noise needs the rows each example looked up, which DPAggregator.clipped_sum "
-                "counts (in a DPModel step or a GradientAccumulator(sparse_embeddings=...)): release got bare sums."
-            )
-        if self.canaries is not None:  # attached by hand (audit() refuses the pairing up front)
-            composition.check(composition.Parts("DPAggregator", sparse=True, audit="gradient"))
-        sparse = self.sparse
-        selected = sparse.selected_rows(*clipped.selection, self._noise, step)
-        rows = sparse.release(sums, selected, total_clip(clip), divisor, self._noise, step)
-        others = [i for i in range(len(sums)) if i not in rows]
-        dense = noised_average(
-            [sums[i] for i in others],
-            sparse.gradient_noise_multiplier * total_clip(clip),
-            divisor,
-            self._noise,
-            step=step,
-        )
-        grads = dict(zip(others, dense)) | rows
-        return [grads[i] for i in range(len(sums))]
 
     def record_step(self, sampling_probability=None, poisson: bool = True) -> None:
         """Adds one step to the counter and the ledger."""
@@ -889,13 +824,6 @@ def _whole_unit_chunks(model, loss_fn, data, dense, count, args, p, k):
     sums, norms, predictions = _chunked(model, loss_fn, laid, dict(args, num_units=m), m * k)
     predictions = tf.nest.map_structure(lambda t: tf.gather(t, slot), predictions)
     return sums, norms, predictions
-
-
-def _count_source(source):
-    """An independent stream for adaptive clipping's count: the same generator, or the key folded with a tag."""
-    if isinstance(source, tf.random.Generator):
-        return source
-    return tf.random.experimental.stateless_fold_in(source, 0x636F756E74)
 
 
 def _bucketed_real_rows(real: tf.Tensor) -> tf.Tensor:

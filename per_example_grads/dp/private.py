@@ -28,11 +28,11 @@ from per_example_grads.dp.aggregator import (
     add_regularization,
     batch_divisor,
     clipped_sum,
-    noised_average,
     regularization_gradients,
     whole_units_on_replicas,
 )
 from per_example_grads.dp.noise import NoiseSeed, RepeatedNoiseWarning, stateless_key
+from per_example_grads.dp.privatizers import noised_average
 
 
 @tf.autograph.experimental.do_not_convert

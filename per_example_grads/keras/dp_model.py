@@ -784,9 +784,10 @@ class DPModel(keras.Model):
     def accountant(self, *, accountant: str = "pld") -> PrivacyAccountant:
         """A ``PrivacyAccountant`` holding the saved ledger: ``dp_steps`` sampled steps.
 
-        The ledger is the equivalent one ``mechanism.accounted_as`` gives
-        (DP-SGD's own for ``GaussianNoise``; for ``BandMF`` ``ceil(dp_steps /
-        b)`` steps, for ``BLT`` one Gaussian release); its ``steps`` are those.
+        The ledger is the equivalent one the aggregator's privatizer gives
+        (``per_example_grads.dp.privatizers``, as its mechanism says: DP-SGD's
+        own for ``GaussianNoise``; for ``BandMF`` ``ceil(dp_steps / b)``
+        steps, for ``BLT`` one Gaussian release); its ``steps`` are those.
 
         With a mechanism whose noise is independent across steps
         (``GaussianNoise``, the default), its steps are the ledger's segments
@@ -807,9 +808,8 @@ class DPModel(keras.Model):
         segments = self._composable_segments(steps)
         if segments:
             # Each segment as the (stateless) mechanism accounts it, composed.
-            events = [
-                self.mechanism.accounted_as(s.noise_multiplier, s.sampling_probability, s.steps) for s in segments
-            ]
+            privatizer = self.aggregator.privatizer
+            events = [privatizer.accounted_as(s.noise_multiplier, s.sampling_probability, s.steps) for s in segments]
             accounted = PrivacyAccountant(*events[0][:2], accountant=accountant, sampling=sampling)
             for sigma, q, count in events:
                 accounted.step(count, noise_multiplier=sigma, sampling_probability=q)
@@ -820,7 +820,9 @@ class DPModel(keras.Model):
                 "accounting needs num_examples and expected_batch_size given to DPModel, or a fit on poisson_batches."
             )
         sigma = float(self.dp_min_noise_multiplier.numpy()) if steps else self.noise_multiplier
-        sigma, q, steps = self.mechanism.accounted_as(sigma, q, steps)  # an equivalent ledger: k steps at (sigma', q')
+        sigma, q, steps = self.aggregator.privatizer.accounted_as(
+            sigma, q, steps
+        )  # equivalent: k steps at (sigma', q')
         accounted = PrivacyAccountant(sigma, q, accountant=accountant, sampling=sampling)
         accounted.step(steps)
         return accounted

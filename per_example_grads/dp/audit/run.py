@@ -305,11 +305,11 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 def _claim(dp_model: Any, sampling_probability: float, steps: int, delta: float) -> float:
-    """The accountant's epsilon of ``steps`` steps of ``dp_model``'s mechanism at its noise multiplier and ``q``."""
+    """The accountant's epsilon of ``steps`` releases of ``dp_model``'s privatizer at its noise multiplier and ``q``."""
     from per_example_grads.dp.accounting import PrivacyAccountant
 
     dp_model._check_ledger_covers_network()
-    sigma, q, k = dp_model.mechanism.accounted_as(dp_model.noise_multiplier, sampling_probability, steps)
+    sigma, q, k = dp_model.aggregator.privatizer.accounted_as(dp_model.noise_multiplier, sampling_probability, steps)
     ledger = PrivacyAccountant(sigma, q)
     ledger.step(k)
     return float(ledger.epsilon(delta))
