@@ -379,10 +379,12 @@ def audit(
       ValueError: ``dp_model`` is not compiled or is a unit-level one, or an argument is out of range
         (``delta``, ``significance``, ``sampling_probability``, ``steps``).
     """
+    from per_example_grads.dp.aggregator import DPAggregator
     from per_example_grads.dp.sampling import poisson_batches
-    from per_example_grads.keras import DPModel
 
-    if not isinstance(dp_model, DPModel):
+    # A DPModel is what trains through a DPAggregator with fit; read so, without importing the keras
+    # package (which builds on this one).
+    if not (isinstance(getattr(dp_model, "aggregator", None), DPAggregator) and hasattr(dp_model, "_parts")):
         raise TypeError(f"dp_model must be a peg.keras.DPModel; got {type(dp_model).__name__}.")
     if not isinstance(canaries, (GradientCanaries, InputCanaries)):
         raise TypeError(
