@@ -136,3 +136,75 @@ def test_export_import_round_trip_and_errors(tmp_path):
         peg.import_gradients(bad, clone.trainable_variables)
     with pytest.raises(ValueError, match="unknown variables"):
         peg.import_gradients({**arrays, "other/kernel": arrays[first]}, clone.trainable_variables)
+
+
+# -- epsilon of an accumulator's releases ----------------------------------
+
+
+def _dp_accumulator(model, **kw):
+    return peg.GradientAccumulator(
+        model, sparse_ce, l2_norm_clip=1.0, noise_multiplier=1.2, expected_batch_size=6, seed=0, **kw
+    )
+
+
+def _releases(acc, x, y, count):
+    for _ in range(count):
+        acc.accumulate(x[:4], y[:4])
+        acc.accumulate(x[4:6], y[4:6])
+        acc.result()
+        acc.reset()
+
+
+def _dp_accounting_epsilon(parts, delta):
+    """dp_accounting's PLD epsilon of ``[(steps, sigma, q)]`` composed (an independent reference)."""
+    import dp_accounting
+
+    events = [
+        dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
+        )
+        for steps, sigma, q in parts
+    ]
+    accountant = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    return accountant.compose(dp_accounting.ComposedDpEvent(events)).get_epsilon(delta)
+
+
+def test_epsilon_of_releases_without_sampling_counts_every_example_in_every_step():
+    model, x, y = _case()
+    acc = _dp_accumulator(model)
+    assert acc.epsilon(1e-5) == 0.0
+    _releases(acc, x, y, 3)
+    eps = acc.epsilon(1e-5)
+    assert eps == peg.dp.compute_epsilon(12, 12, None, 1.2, 1e-5, steps=3, sampling_probability=1.0)
+    # dp_accounting at a finer discretization: the PLD's pessimistic rounding moves epsilon by under 1 %.
+    np.testing.assert_allclose(eps, _dp_accounting_epsilon([(3, 1.2, 1.0)], 1e-5), rtol=1e-2)
+
+
+def test_epsilon_with_a_sampling_probability_survives_a_checkpoint_and_composes_with_another(tmp_path):
+    model, x, y = _case()
+    acc = _dp_accumulator(model, sampling_probability=0.25)
+    _releases(acc, x, y, 4)
+    assert acc.epsilon(1e-5) == peg.dp.compute_epsilon(24, 6, None, 1.2, 1e-5, steps=4, sampling_probability=0.25)
+    path = tf.train.Checkpoint(acc=acc).write(str(tmp_path / "acc"))
+
+    again = _dp_accumulator(model, sampling_probability=0.5)  # a restart, now sampling at another rate
+    tf.train.Checkpoint(acc=again).read(path).assert_consumed()
+    assert again.epsilon(1e-5) == acc.epsilon(1e-5)  # the restored ledger, not a new run
+    _releases(again, x, y, 2)
+    assert int(again.steps.numpy()) == 6
+    eps = again.epsilon(1e-5)
+    np.testing.assert_allclose(eps, _dp_accounting_epsilon([(4, 1.2, 0.25), (2, 1.2, 0.5)], 1e-5), rtol=1e-2)
+    assert eps > acc.epsilon(1e-5)
+
+
+def test_epsilon_is_refused_in_plain_mode_and_for_a_mechanism_whose_sampling_it_cannot_see():
+    model, x, y = _case()
+    with pytest.raises(ValueError, match="plain mode .* not private"):
+        peg.GradientAccumulator(model, sparse_ce).epsilon(1e-5)
+    banded = _dp_accumulator(model, mechanism=peg.dp.BandMF(bands=2, num_steps=4, cycle_length=2))
+    with pytest.raises(ValueError, match=r"cannot account BandMF's releases: .* peg\.dp\.compute_epsilon"):
+        banded.epsilon(1e-5)
+    with pytest.raises(ValueError, match="sampling_probability only applies in DP mode"):
+        peg.GradientAccumulator(model, sparse_ce, sampling_probability=0.1)
+    with pytest.raises(ValueError, match="sampling_probability"):
+        _dp_accumulator(model, sampling_probability=1.5)

@@ -49,10 +49,11 @@ from typing import Any, Sequence
 import tensorflow as tf
 
 from per_example_grads._core import replicas
-from per_example_grads._core.arguments import check_choice
+from per_example_grads._core.arguments import check_choice, check_sampling_probability
 from per_example_grads._core.batch import batch_size, make_batch, unless_empty
 from per_example_grads._core.problem import make_problem
 from per_example_grads.dp import composition
+from per_example_grads.dp.accounting import PrivacyAccountant
 from per_example_grads.dp.aggregator import ClippedSum, DPAggregator, add_regularization, regularization_gradients
 from per_example_grads.dp.applied_steps import AppliedSteps
 from per_example_grads.dp.noise import NoiseSeed
@@ -79,7 +80,14 @@ class GradientAccumulator(tf.Module):
         ``result()`` adds the noise of the next step of its sequence; sample
         the logical batches as its accounting needs (``poisson_batches(...,
         cycle_length=mechanism.cycle_length)``) and account them with
-        ``compute_epsilon(..., mechanism=...)``.
+        ``compute_epsilon(..., mechanism=...)`` (``epsilon()`` refuses: the
+        accumulator cannot see that sampling).
+      sampling_probability: DP mode: ``q``, the rate at which each logical
+        batch was Poisson sampled (``peg.dp.poisson_batches``), recorded in
+        the ledger with every release for ``epsilon()``. None (the default)
+        claims no sampling: each release is accounted as if every example
+        took part (``q = 1``), which holds however the batches were drawn,
+        provided no example appears twice in one logical batch.
 
       privacy_unit: ``"example"``, or ``"unit"`` (DP mode only): user-level
         DP, each ``accumulate`` given the micro-batch's ``unit_ids`` (``[b]``
@@ -143,6 +151,7 @@ class GradientAccumulator(tf.Module):
         mechanism: Any = None,
         privacy_unit: str = "example",
         sparse_embeddings: SparseEmbeddings | None = None,
+        sampling_probability: float | None = None,
     ):
         super().__init__(name="gradient_accumulator")
         check_choice("privacy_unit", privacy_unit, ("example", "unit"))
@@ -186,12 +195,16 @@ class GradientAccumulator(tf.Module):
                 self.aggregator.sparse = sparse_embeddings.bind(
                     model, self.variables_, noise_multiplier=self.aggregator.noise_multiplier
                 )
+            self.sampling_probability = (
+                None if sampling_probability is None else check_sampling_probability(sampling_probability)
+            )
         else:
             dp_only = dict(
                 noise_multiplier=noise_multiplier,
                 expected_batch_size=expected_batch_size,
                 seed=seed,
                 mechanism=mechanism,
+                sampling_probability=sampling_probability,
             )
             given = [name for name, value in dp_only.items() if value is not None] + (
                 ["method"] if method != "auto" else []
@@ -324,7 +337,12 @@ class GradientAccumulator(tf.Module):
                 given = ClippedSum(
                     sums, none, none, selection=(tf.identity(self.sparse_keys), tf.identity(self.sparse_counts))
                 )
-            return self.aggregator.release(given, self.aggregator.expected_batch_size, regularization=regularization)
+            return self.aggregator.release(
+                given,
+                self.aggregator.expected_batch_size,
+                sampling_probability=self.sampling_probability,
+                regularization=regularization,
+            )
         count = replicas.global_sum(tf.identity(self.count.value()))
         mean = [tf.math.divide_no_nan(s, tf.cast(count, s.dtype)) for s in sums]
         return add_regularization(mean, regularization)
@@ -351,6 +369,39 @@ class GradientAccumulator(tf.Module):
     @property
     def steps(self) -> tf.Variable:
         return self.aggregator.steps if self.private else self.applied.count
+
+    def accountant(self, *, accountant: str = "pld") -> PrivacyAccountant:
+        """A ``PrivacyAccountant`` holding the ledger of the releases so far (``DPAggregator.accountant``).
+
+        Each release is accounted at ``sampling_probability`` (1 without
+        it), composed over the ledger's segments, so an accumulator restored
+        from a checkpoint, or given another ``sampling_probability`` when it
+        is made again, accounts the run as a whole.
+
+        Raises:
+          ValueError: plain mode (nothing is private), or a mechanism other
+            than ``GaussianNoise``, whose accounting assumes a sampling the
+            accumulator cannot see.
+        """
+        if not self.private:
+            raise ValueError(
+                "this GradientAccumulator is in plain mode (no l2_norm_clip): its results are not private."
+            )
+        mechanism = self.aggregator.mechanism
+        if mechanism.correlated or mechanism.cycle_length != 1:
+            raise ValueError(
+                f"a GradientAccumulator cannot account {type(mechanism).__name__}'s releases: that accounting "
+                f"assumes each example joins at most one step in every {mechanism.cycle_length} (cyclic Poisson "
+                "sampling), which the accumulator cannot see. Account the run with "
+                "peg.dp.compute_epsilon(..., steps=int(accumulator.steps.numpy()), mechanism=...) for the "
+                "sampling you used."
+            )
+        return self.aggregator.accountant(accountant=accountant, sampling_probability=self.sampling_probability or 1.0)
+
+    def epsilon(self, delta: float, *, accountant: str = "pld") -> float:
+        """ε of the releases so far: ``self.accountant(accountant=...).epsilon(delta)`` (0 before the first)."""
+        accounted = self.accountant(accountant=accountant)
+        return 0.0 if accounted.steps == 0 else float(accounted.epsilon(delta))
 
     def reset(self) -> None:
         """Zeros the sums and the count (not ``steps``)."""

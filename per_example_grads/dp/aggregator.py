@@ -66,7 +66,7 @@ from per_example_grads._core.xla_context import in_xla_context
 from per_example_grads.clipping import clipped_sums_and_predictions
 from per_example_grads.dp import adaptive as adaptive_clipping
 from per_example_grads.dp import composition, ledger, privatizers
-from per_example_grads.dp.accounting import adaptive_clipping_noise_multiplier
+from per_example_grads.dp.accounting import PrivacyAccountant, adaptive_clipping_noise_multiplier
 from per_example_grads.dp.mechanisms import NoiseMechanism, check_mechanism, fingerprint, fingerprint_name
 from per_example_grads.dp.noise import NoiseSeed, noise_source
 from per_example_grads.dp.sampling import real_rows, split_into_chunks
@@ -584,6 +584,60 @@ class DPAggregator(keras.layers.Layer):
         if not poisson:
             self.poisson.assign(0)
         self.segments.assign(ledger.recorded(self.segments, self.noise_multiplier, in_dtype(q, tf.float64), poisson))
+
+    # -- the ledger, accounted ---------------------------------------------
+
+    def composable_segments(self) -> list[ledger.Segment] | None:
+        """The ledger's segments, where each is accounted on its own and composed; None where the worst case is.
+
+        That is a mechanism whose noise is independent across steps, and a
+        table that adds up to the ``steps`` taken (``per_example_grads.dp.ledger``).
+        """
+        steps = int(self.steps.numpy())
+        if not steps or self.mechanism.correlated or self.mechanism.cycle_length != 1:
+            return None
+        return ledger.events(self.segments.numpy(), steps)
+
+    def accountant(self, *, accountant: str = "pld", sampling_probability: float | None = None) -> PrivacyAccountant:
+        """A ``PrivacyAccountant`` holding the ledger: ``steps`` releases, as ``privatizer`` accounts them.
+
+        With a mechanism whose noise is independent across steps
+        (``GaussianNoise``, the default), the steps are the ledger's segments
+        (``per_example_grads.dp.ledger``), each run of steps at its own noise
+        multiplier and sampling probability, accounted as the privatizer
+        says and composed. Otherwise (a correlated mechanism, or a ledger
+        restored from a file older than its segments) every step is taken at
+        the smallest noise multiplier and the largest sampling probability
+        any recorded step used (exactly the run's own when they never
+        changed), so its epsilon never under-reports; the privatizer turns
+        them into the equivalent ledger (for ``BandMF`` ``ceil(steps / b)``
+        steps, for ``BLT`` one Gaussian release). When some step was not
+        Poisson sampled, the accountant is a ``sampling="shuffle"`` one,
+        which warns that the number is a heuristic.
+
+        Args:
+          accountant: ``"pld"`` or ``"rdp"``.
+          sampling_probability: ``q`` of the steps to come; read only before
+            the first step, which it is then required for.
+        """
+        steps = int(self.steps.numpy())
+        sampling = "poisson" if int(self.poisson.numpy()) else "shuffle"
+        privatizer = self.privatizer
+        segments = self.composable_segments()
+        if segments:
+            events = [privatizer.accounted_as(s.noise_multiplier, s.sampling_probability, s.steps) for s in segments]
+            accounted = PrivacyAccountant(*events[0][:2], accountant=accountant, sampling=sampling)
+            for sigma, q, count in events:
+                accounted.step(count, noise_multiplier=sigma, sampling_probability=q)
+            return accounted
+        q = float(self.max_sampling_probability.numpy()) if steps else sampling_probability
+        if q is None:
+            raise ValueError("accounting before the first step needs the sampling probability of the steps to come.")
+        sigma = float(self.min_noise_multiplier.numpy()) if steps else self.noise_multiplier
+        sigma, q, steps = privatizer.accounted_as(sigma, q, steps)  # equivalent: k steps at (sigma', q')
+        accounted = PrivacyAccountant(sigma, q, accountant=accountant, sampling=sampling)
+        accounted.step(steps)
+        return accounted
 
     def clipped_fraction(self, clipped: ClippedSum) -> tuple[tf.Tensor, tf.Tensor]:
         """``(clipped, counted)``: real examples over the clip norm, and real examples, over all replicas."""

@@ -588,7 +588,7 @@ class DPModel(keras.Model):
                 "num_examples and expected_batch_size, or fit on peg.dp.poisson_batches or on arrays "
                 "with batch_size (a dataset's batches must then have a static size)."
             )
-        segments = self._composable_segments(steps)
+        segments = self.aggregator.composable_segments()
         if segments:  # the ledger as epsilon() will account it after more steps at this sampling's (sigma, q)
             *kept, growing = ledger.projection(segments, sigma, q, sampling.poisson)
             taken = [(g.steps, g.noise_multiplier, g.sampling_probability) for g in (*kept, growing)]
@@ -602,16 +602,6 @@ class DPModel(keras.Model):
             sigma = min(sigma, float(self.dp_min_noise_multiplier.numpy()))
             q = max(q, float(self.dp_max_sampling_probability.numpy()))
         return self.budget.max_steps(noise_multiplier=sigma, sampling_probability=q, mechanism=self.mechanism)
-
-    def _composable_segments(self, steps: int) -> list[ledger.Segment] | None:
-        """The ledger's segments, where each is accounted on its own and composed; None where the worst case is.
-
-        That is a mechanism whose noise is independent across steps, and a
-        table that adds up to the ``steps`` taken (``per_example_grads.dp.ledger``).
-        """
-        if not steps or self.mechanism.correlated or self.mechanism.cycle_length != 1:
-            return None
-        return ledger.events(self.aggregator.segments.numpy(), steps)
 
     def _unknown_sampling(self, largest_batch: int | None = None) -> _FitSampling:
         """The sampling of batches this ``DPModel`` did not draw (``train_on_batch``, a custom loop): fixed-size."""
@@ -782,50 +772,21 @@ class DPModel(keras.Model):
         return min(1.0, float(self.expected_batch_size) * self.mechanism.cycle_length / self.num_examples)
 
     def accountant(self, *, accountant: str = "pld") -> PrivacyAccountant:
-        """A ``PrivacyAccountant`` holding the saved ledger: ``dp_steps`` sampled steps.
+        """A ``PrivacyAccountant`` holding the saved ledger (``DPAggregator.accountant``): ``dp_steps`` steps.
 
-        The ledger is the equivalent one the aggregator's privatizer gives
-        (``per_example_grads.dp.privatizers``, as its mechanism says: DP-SGD's
-        own for ``GaussianNoise``; for ``BandMF`` ``ceil(dp_steps / b)``
-        steps, for ``BLT`` one Gaussian release); its ``steps`` are those.
+        Before the first step, its sampling probability is this run's
+        (``sampling_probability``).
 
-        With a mechanism whose noise is independent across steps
-        (``GaussianNoise``, the default), its steps are the ledger's segments
-        (``per_example_grads.dp.ledger``), each run of steps at its own noise
-        multiplier and sampling probability, accounted as the mechanism
-        says and composed. Otherwise (a
-        correlated mechanism, or a ledger restored from a file older than
-        its segments) every step is taken at the smallest noise multiplier
-        and the largest sampling probability any recorded step used (exactly
-        the run's own when they never changed), so its epsilon never
-        under-reports. When some step was not Poisson sampled, the
-        accountant is a ``sampling="shuffle"`` one, which warns that the
-        number is a heuristic.
+        Raises:
+          ValueError: no step yet and no ``num_examples`` and
+            ``expected_batch_size``; the network changed outside this DPModel.
         """
         self._check_ledger_covers_network()
-        steps = int(self.dp_steps.numpy())
-        sampling = "poisson" if int(self.aggregator.poisson.numpy()) else "shuffle"
-        segments = self._composable_segments(steps)
-        if segments:
-            # Each segment as the (stateless) mechanism accounts it, composed.
-            privatizer = self.aggregator.privatizer
-            events = [privatizer.accounted_as(s.noise_multiplier, s.sampling_probability, s.steps) for s in segments]
-            accounted = PrivacyAccountant(*events[0][:2], accountant=accountant, sampling=sampling)
-            for sigma, q, count in events:
-                accounted.step(count, noise_multiplier=sigma, sampling_probability=q)
-            return accounted
-        q = float(self.dp_max_sampling_probability.numpy()) if steps else self.sampling_probability
-        if q is None:
+        if int(self.dp_steps.numpy()) == 0 and self.sampling_probability is None:
             raise ValueError(
                 "accounting needs num_examples and expected_batch_size given to DPModel, or a fit on poisson_batches."
             )
-        sigma = float(self.dp_min_noise_multiplier.numpy()) if steps else self.noise_multiplier
-        sigma, q, steps = self.aggregator.privatizer.accounted_as(
-            sigma, q, steps
-        )  # equivalent: k steps at (sigma', q')
-        accounted = PrivacyAccountant(sigma, q, accountant=accountant, sampling=sampling)
-        accounted.step(steps)
-        return accounted
+        return self.aggregator.accountant(accountant=accountant, sampling_probability=self.sampling_probability)
 
     def epsilon(self, delta: float, *, accountant: str = "pld") -> float:
         """ε spent so far: ``self.accountant(accountant=...).epsilon(delta)``.
