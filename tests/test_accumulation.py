@@ -176,6 +176,12 @@ def test_epsilon_of_releases_without_sampling_counts_every_example_in_every_step
     _releases(acc, x, y, 3)
     eps = acc.epsilon(1e-5)
     assert eps == peg.dp.compute_epsilon(12, 12, None, 1.2, 1e-5, steps=3, sampling_probability=1.0)
+    units = _dp_accumulator(model, privacy_unit="unit")  # per unit: each unit in every release
+    for _ in range(3):
+        units.accumulate(x[:6], y[:6], unit_ids=np.arange(6) // 2)
+        units.result()
+        units.reset()
+    assert units.epsilon(1e-5) == eps
     # dp_accounting at a finer discretization: the PLD's pessimistic rounding moves epsilon by under 1 %.
     np.testing.assert_allclose(eps, _dp_accounting_epsilon([(3, 1.2, 1.0)], 1e-5), rtol=1e-2)
 

@@ -178,6 +178,7 @@ def test_accumulator_under_strategy_equals_one_device():
         return strategy.run(replica)
 
     mean, clipped = _local(strategy, results())[0]
+    assert private.accountant().steps == 1  # one release in the ledger, not one per replica
     ref = reference_gradients(single, sparse_ce, x, y)
     assert_clipped_sums_close(
         [m.numpy() for m in mean], ref, np.ones(B), divisor=B, rtol=weighted_sum_rtol(B, GRADIENT_RTOL)

@@ -408,6 +408,7 @@ def test_accumulated_release_over_micro_batches_equals_the_one_batch_release(tmp
             start += n
         results.append(acc.result())
         assert int(acc.steps.numpy()) == 1  # one release: the ledger, hence epsilon, is the one-batch one's
+        assert acc.epsilon(1e-5) == peg.dp.compute_epsilon(B, B, None, 0.5, 1e-5, steps=1)  # DP-SGD's at sigma
         models.append(model)
     one, many = results
     assert isinstance(one[0], tf.IndexedSlices) and isinstance(many[0], tf.IndexedSlices)
