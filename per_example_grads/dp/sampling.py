@@ -383,9 +383,8 @@ def _step_batches(sample, steps: int, sampling: PoissonSampling) -> tf.data.Data
     advances by ``steps``): how far a prefetching iterator ran ahead cannot
     change the next pass. They are then produced one by one, so a pass of
     billions of steps (a tiny ``q``) is never held whole. No function here
-    is AutoGraph-converted (none has Python control flow on tensors):
-    converting them was most of a first ``poisson_batches`` call in a
-    process (``benchmarks/RESULTS.md``, first step).
+    is AutoGraph-converted: none has Python control flow on tensors, so
+    converting them would only add to the first call's time in a process.
     """
     unconverted = tf.autograph.experimental.do_not_convert
     next_step = sampling.next_step
