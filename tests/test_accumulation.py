@@ -1,5 +1,7 @@
 """Gradient accumulation (plain and DP) and the compute/apply split."""
 
+import math
+
 import keras
 import numpy as np
 import pytest
@@ -214,3 +216,57 @@ def test_epsilon_is_refused_in_plain_mode_and_for_a_mechanism_whose_sampling_it_
         peg.GradientAccumulator(model, sparse_ce, sampling_probability=0.1)
     with pytest.raises(ValueError, match="sampling_probability"):
         _dp_accumulator(model, sampling_probability=1.5)
+
+
+# -- a privacy budget on an accumulator's releases ---------------------------
+
+
+def test_budget_in_steps_stops_releases_in_eager_and_traced_code_and_across_a_restore(tmp_path):
+    model, x, y = _case()
+    acc = _dp_accumulator(model, budget=peg.dp.PrivacyBudget(steps=3))
+    assert acc.max_steps() == 3
+    _releases(acc, x, y, 2)
+    path = tf.train.Checkpoint(acc=acc).write(str(tmp_path / "acc"))
+
+    again = _dp_accumulator(model, budget=peg.dp.PrivacyBudget(steps=3))
+    tf.train.Checkpoint(acc=again).read(path).assert_consumed()
+
+    @tf.function
+    def release(a, b):
+        again.accumulate(a, b)
+        return again.result()
+
+    release(x[:6], y[:6])  # the third release of the run
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"budget \(3 steps\) allows no more releases"):
+        release(x[:6], y[:6])
+    assert int(again.steps.numpy()) == 3  # the refused release is not counted
+    again.reset()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="allows no more releases"):
+        again.result()  # eagerly too
+
+
+def test_budget_in_epsilon_is_spent_exactly_to_its_last_allowed_release():
+    model, x, y = _case()
+    budget = peg.dp.PrivacyBudget(epsilon=6.0, delta=1e-5)
+    acc = _dp_accumulator(model, sampling_probability=0.5, budget=budget)
+    limit = acc.max_steps()
+    assert limit == budget.max_steps(noise_multiplier=1.2, sampling_probability=0.5) and limit >= 2
+    _releases(acc, x, y, limit)
+    assert acc.epsilon(1e-5) <= 6.0
+    with pytest.raises(tf.errors.InvalidArgumentError, match="allows no more releases"):
+        _releases(acc, x, y, 1)
+    # The limit is the largest within the target, to the budget's rtol (1 %): a few releases more go past it.
+    past = math.ceil(limit * 1.01) + 1
+    assert peg.dp.compute_epsilon(24, 12, None, 1.2, 1e-5, steps=past, sampling_probability=0.5) > 6.0
+
+
+def test_budget_refused_where_the_accumulator_cannot_count_what_releases_spend():
+    model, _, _ = _case()
+    with pytest.raises(ValueError, match=r"GradientAccumulator: budget cannot be combined with a correlated mechanism"):
+        _dp_accumulator(
+            model, mechanism=peg.dp.BandMF(bands=2, num_steps=4, cycle_length=2), budget=peg.dp.PrivacyBudget(steps=2)
+        )
+    with pytest.raises(ValueError, match="budget only applies in DP mode"):
+        peg.GradientAccumulator(model, sparse_ce, budget=peg.dp.PrivacyBudget(steps=2))
+    with pytest.raises(TypeError, match="budget must be a peg.dp.PrivacyBudget"):
+        _dp_accumulator(model, budget=3)

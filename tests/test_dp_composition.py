@@ -152,6 +152,12 @@ CASES = [
         "privacy_unit='unit'",
         "adaptive_clipping",
     ),
+    (
+        "GradientAccumulator",
+        lambda: _acc(**_private(mechanism=_band(), budget=peg.dp.PrivacyBudget(steps=2))),
+        "budget",
+        "a correlated mechanism (BandMF)",
+    ),
     # clipping
     (
         "DPModel",

@@ -52,10 +52,12 @@ from per_example_grads._core import replicas
 from per_example_grads._core.arguments import check_choice, check_sampling_probability
 from per_example_grads._core.batch import batch_size, make_batch, unless_empty
 from per_example_grads._core.problem import make_problem
+from per_example_grads._core.xla_context import in_xla_context
 from per_example_grads.dp import composition
 from per_example_grads.dp.accounting import PrivacyAccountant
 from per_example_grads.dp.aggregator import ClippedSum, DPAggregator, add_regularization, regularization_gradients
 from per_example_grads.dp.applied_steps import AppliedSteps
+from per_example_grads.dp.budget import PrivacyBudget
 from per_example_grads.dp.noise import NoiseSeed
 from per_example_grads.dp.sparse_embeddings import SparseEmbeddings, check_sparse_embeddings
 from per_example_grads.engines.selection import check_method
@@ -88,6 +90,10 @@ class GradientAccumulator(tf.Module):
         claims no sampling: each release is accounted as if every example
         took part (``q = 1``), which holds however the batches were drawn,
         provided no example appears twice in one logical batch.
+      budget: DP mode: a ``peg.dp.PrivacyBudget``; ``result()`` (hence
+        ``apply``) then releases nothing past ``max_steps()``, counted from
+        the ledger (a restored one included), and fails with
+        ``tf.errors.InvalidArgumentError`` naming the budget instead.
 
       privacy_unit: ``"example"``, or ``"unit"`` (DP mode only): user-level
         DP, each ``accumulate`` given the micro-batch's ``unit_ids`` (``[b]``
@@ -152,6 +158,7 @@ class GradientAccumulator(tf.Module):
         privacy_unit: str = "example",
         sparse_embeddings: SparseEmbeddings | None = None,
         sampling_probability: float | None = None,
+        budget: PrivacyBudget | None = None,
     ):
         super().__init__(name="gradient_accumulator")
         check_choice("privacy_unit", privacy_unit, ("example", "unit"))
@@ -165,9 +172,13 @@ class GradientAccumulator(tf.Module):
                 per_layer=composition.per_layer(l2_norm_clip),
                 units=privacy_unit == "unit",
                 sparse=sparse_embeddings is not None,
+                budget=budget is not None,
                 replicas=tf.distribute.get_strategy().num_replicas_in_sync,
             )
         )
+        if budget is not None and not isinstance(budget, PrivacyBudget):
+            raise TypeError(f"budget must be a peg.dp.PrivacyBudget or None; got {type(budget).__name__} {budget!r}.")
+        self.budget = budget
         self._problem = make_problem(model, loss_fn, variables, training, False)
         self._model, self._loss_fn = model, loss_fn
         self.private = l2_norm_clip is not None
@@ -205,6 +216,7 @@ class GradientAccumulator(tf.Module):
                 seed=seed,
                 mechanism=mechanism,
                 sampling_probability=sampling_probability,
+                budget=budget,
             )
             given = [name for name, value in dp_only.items() if value is not None] + (
                 ["method"] if method != "auto" else []
@@ -337,12 +349,13 @@ class GradientAccumulator(tf.Module):
                 given = ClippedSum(
                     sums, none, none, selection=(tf.identity(self.sparse_keys), tf.identity(self.sparse_counts))
                 )
-            return self.aggregator.release(
-                given,
-                self.aggregator.expected_batch_size,
-                sampling_probability=self.sampling_probability,
-                regularization=regularization,
-            )
+            with tf.control_dependencies(self._budget_check()):
+                return self.aggregator.release(
+                    given,
+                    self.aggregator.expected_batch_size,
+                    sampling_probability=self.sampling_probability,
+                    regularization=regularization,
+                )
         count = replicas.global_sum(tf.identity(self.count.value()))
         mean = [tf.math.divide_no_nan(s, tf.cast(count, s.dtype)) for s in sums]
         return add_regularization(mean, regularization)
@@ -369,6 +382,40 @@ class GradientAccumulator(tf.Module):
     @property
     def steps(self) -> tf.Variable:
         return self.aggregator.steps if self.private else self.applied.count
+
+    def max_steps(self) -> int | None:
+        """The most releases ``budget`` allows, counted with those in the ledger; None without a budget."""
+        if self.budget is None:
+            return None
+        return self.aggregator.max_steps(self.budget, self.sampling_probability or 1.0)
+
+    def _budget_check(self) -> list:
+        """An op that fails, before the release, when the ledger has reached ``max_steps()``; none without a budget.
+
+        Computed when traced (a ``tf.function`` holds the limit it traced
+        with; the limit counts all steps, so it stays right as the ledger grows).
+
+        Raises:
+          ValueError: a step compiled with XLA, which drops in-graph checks.
+        """
+        if self.budget is None:
+            return []
+        if in_xla_context():
+            raise ValueError(
+                f"GradientAccumulator.result was traced with XLA (jit_compile=True): XLA drops the check of "
+                f"the privacy budget ({self.budget.describe()}), so releases could go past it. Trace without "
+                "jit_compile."
+            )
+        with tf.init_scope():  # the ledger's numbers, read eagerly while a tf.function is traced
+            limit = min(self.max_steps(), 2**62)
+        return [
+            tf.debugging.assert_less(
+                self.aggregator.steps,
+                tf.constant(limit, tf.int64),
+                message=f"GradientAccumulator.result releases nothing: the privacy budget "
+                f"({self.budget.describe()}) allows no more releases than the ledger (steps) has taken",
+            )
+        ]
 
     def accountant(self, *, accountant: str = "pld") -> PrivacyAccountant:
         """A ``PrivacyAccountant`` holding the ledger of the releases so far (``DPAggregator.accountant``).

@@ -67,6 +67,7 @@ from per_example_grads.clipping import clipped_sums_and_predictions
 from per_example_grads.dp import adaptive as adaptive_clipping
 from per_example_grads.dp import composition, ledger, privatizers
 from per_example_grads.dp.accounting import PrivacyAccountant, adaptive_clipping_noise_multiplier
+from per_example_grads.dp.budget import PrivacyBudget
 from per_example_grads.dp.mechanisms import NoiseMechanism, check_mechanism, fingerprint, fingerprint_name
 from per_example_grads.dp.noise import NoiseSeed, noise_source
 from per_example_grads.dp.sampling import real_rows, split_into_chunks
@@ -638,6 +639,34 @@ class DPAggregator(keras.layers.Layer):
         accounted = PrivacyAccountant(sigma, q, accountant=accountant, sampling=sampling)
         accounted.step(steps)
         return accounted
+
+    def max_steps(self, budget: PrivacyBudget, sampling_probability: float, poisson: bool = True) -> int:
+        """The most steps ``budget`` allows this ledger, the next ones sampled at ``sampling_probability``.
+
+        Accounted as ``accountant`` accounts the ledger: the steps taken as
+        its segments, then further steps at this aggregator's noise
+        multiplier and ``q``, composed; where the worst case is taken (a
+        correlated mechanism, a ledger older than its segments), every step
+        at the smallest noise multiplier and the largest sampling
+        probability used or to be used.
+        """
+        if budget.steps is not None:
+            return int(budget.steps)
+        sigma, q = self.noise_multiplier, float(sampling_probability)
+        segments = self.composable_segments()
+        if segments:  # the ledger as accountant() will account it after more steps at (sigma, q)
+            *kept, growing = ledger.projection(segments, sigma, q, poisson)
+            taken = [(g.steps, g.noise_multiplier, g.sampling_probability) for g in (*kept, growing)]
+            return budget.max_steps(
+                noise_multiplier=growing.noise_multiplier,
+                sampling_probability=growing.sampling_probability,
+                mechanism=self.mechanism,
+                taken=taken,
+            )
+        if int(self.steps.numpy()):
+            sigma = min(sigma, float(self.min_noise_multiplier.numpy()))
+            q = max(q, float(self.max_sampling_probability.numpy()))
+        return budget.max_steps(noise_multiplier=sigma, sampling_probability=q, mechanism=self.mechanism)
 
     def clipped_fraction(self, clipped: ClippedSum) -> tuple[tf.Tensor, tf.Tensor]:
         """``(clipped, counted)``: real examples over the clip norm, and real examples, over all replicas."""

@@ -16,8 +16,9 @@ always a ``T`` whose epsilon is at most the target with the chosen
 accountant; it may be a few steps short of the largest (at most ``rtol``).
 
 ``DPModel(..., budget=PrivacyBudget(...))`` never takes a step past
-``max_steps``: its ledger counts every step taken, restored runs included, so
-a run restored from a checkpoint stops at the same total.
+``max_steps``, nor ``GradientAccumulator(..., budget=...)`` a release: the
+ledger counts every step taken, restored runs included, so a run restored
+from a checkpoint stops at the same total.
 
 This module imports no TensorFlow.
 """

@@ -61,6 +61,7 @@ class Parts:
       units: per-unit clipping (``privacy_unit="unit"``).
       chunks: ``physical_batch_size``, or None.
       sparse: sparse embedding noise.
+      budget: a ``PrivacyBudget`` is given.
       audit: an audit's canaries: ``"gradient"`` (they join the release),
         ``"input"`` (examples in the data), or None.
       replicas: replicas in sync.
@@ -76,6 +77,7 @@ class Parts:
     units: bool = False
     chunks: int | None = None
     sparse: bool = False
+    budget: bool = False
     audit: str | None = None
     replicas: int = 1
     xla: bool = False
@@ -226,6 +228,16 @@ PAIRINGS: tuple[Pairing, ...] = (
         lambda p: p.sparse and p.xla,
         _text("the number of selected rows varies from step to step"),
         _text("Compile with jit_compile=False."),
+    ),
+    Pairing(
+        _text("budget"),
+        _CORRELATED,
+        lambda p: p.budget and (p.correlated or p.cycle_length > 1) and p.owner == "GradientAccumulator",
+        lambda p: (
+            f"{p.mechanism_name()}'s accounting assumes each example joins at most one step in every "
+            f"{p.cycle_length}, which the accumulator cannot see, so it cannot count what its releases spend"
+        ),
+        _text("Use DPModel(budget=...) on poisson_batches(..., cycle_length=...), or stop by steps yourself."),
     ),
     # -- audit ----------------------------------------------------------------------------
     Pairing(

@@ -16,7 +16,7 @@ from per_example_grads._core.arguments import check_choice, check_positive_int
 from per_example_grads._core.losses import as_per_example_loss
 from per_example_grads._core.xla_context import in_xla_context
 from per_example_grads.dp import adaptive as adaptive_clipping
-from per_example_grads.dp import composition, ledger, validation
+from per_example_grads.dp import composition, validation
 from per_example_grads.dp.accounting import PrivacyAccountant, check_run_delta
 from per_example_grads.dp.aggregator import DPAggregator, whole_units_on_replicas
 from per_example_grads.dp.budget import PrivacyBudget
@@ -575,8 +575,6 @@ class DPModel(keras.Model):
             return None
         if self.budget.steps is not None:
             return int(self.budget.steps)
-        steps = int(self.dp_steps.numpy())
-        sigma = self.noise_multiplier
         q = sampling.sampling_probability
         if q is None and self.num_examples is not None and sampling.largest_batch is not None:
             q = min(1.0, sampling.largest_batch / self.num_examples)
@@ -588,20 +586,7 @@ class DPModel(keras.Model):
                 "num_examples and expected_batch_size, or fit on peg.dp.poisson_batches or on arrays "
                 "with batch_size (a dataset's batches must then have a static size)."
             )
-        segments = self.aggregator.composable_segments()
-        if segments:  # the ledger as epsilon() will account it after more steps at this sampling's (sigma, q)
-            *kept, growing = ledger.projection(segments, sigma, q, sampling.poisson)
-            taken = [(g.steps, g.noise_multiplier, g.sampling_probability) for g in (*kept, growing)]
-            return self.budget.max_steps(
-                noise_multiplier=growing.noise_multiplier,
-                sampling_probability=growing.sampling_probability,
-                mechanism=self.mechanism,
-                taken=taken,
-            )
-        if steps:
-            sigma = min(sigma, float(self.dp_min_noise_multiplier.numpy()))
-            q = max(q, float(self.dp_max_sampling_probability.numpy()))
-        return self.budget.max_steps(noise_multiplier=sigma, sampling_probability=q, mechanism=self.mechanism)
+        return self.aggregator.max_steps(self.budget, q, sampling.poisson)
 
     def _unknown_sampling(self, largest_batch: int | None = None) -> _FitSampling:
         """The sampling of batches this ``DPModel`` did not draw (``train_on_batch``, a custom loop): fixed-size."""
