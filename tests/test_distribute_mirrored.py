@@ -222,6 +222,40 @@ def test_accumulator_apply_under_strategy_counts_one_step():
     )
 
 
+def test_accumulator_budget_under_strategy_stops_every_replica_at_the_ledgers_limit():
+    strategy = mirrored_strategy()
+    model, _ = _twins(strategy)
+    x, y = _data()
+    with strategy.scope():
+        acc = peg.GradientAccumulator(
+            model,
+            sparse_ce,
+            l2_norm_clip=0.5,
+            noise_multiplier=1.0,
+            expected_batch_size=B,
+            budget=peg.dp.PrivacyBudget(steps=1),
+        )
+        opt = keras.optimizers.SGD(0.1)
+        opt.build(model.trainable_variables)
+    a, b = _distributed_batch(strategy, x, y)
+
+    @tf.function
+    def step(a, b):
+        def replica(a, b):
+            acc.accumulate(a, b)
+            acc.apply(opt)
+
+        strategy.run(replica, args=(a, b))
+
+    step(a, b)
+    before = model.get_weights()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="allows no more releases"):
+        step(a, b)
+    assert int(acc.steps.numpy()) == 1
+    for w, v in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(w, v)  # no replica applied a second release
+
+
 def _fit(model, x, y, **dp_args):
     dp = peg.keras.DPModel(model, **dp_args)
     dp.compile(optimizer=keras.optimizers.SGD(0.2), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
