@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from per_example_grads._core import replicas
@@ -392,8 +393,11 @@ class GradientAccumulator(tf.Module):
     def _budget_check(self) -> list:
         """An op that fails, before the release, when the ledger has reached ``max_steps()``; none without a budget.
 
-        Computed when traced (a ``tf.function`` holds the limit it traced
-        with; the limit counts all steps, so it stays right as the ledger grows).
+        The limit counts all steps, so it stays right as the ledger grows
+        by releases like the next: a ``tf.function`` holds the one it traced
+        with, and eager releases reuse it until the ledger's history changes
+        otherwise (a restore), instead of searching the budget again at
+        every release.
 
         Raises:
           ValueError: a step compiled with XLA, which drops in-graph checks.
@@ -407,7 +411,12 @@ class GradientAccumulator(tf.Module):
                 "jit_compile."
             )
         with tf.init_scope():  # the ledger's numbers, read eagerly while a tf.function is traced
-            limit = min(self.max_steps(), 2**62)
+            history = self.aggregator.segments.numpy().copy()
+            history[np.flatnonzero(history[:, 0])[-1:], 0] = 0  # all but the steps of the segment that grows
+            key = (history.tobytes(), self.aggregator.min_noise_multiplier.numpy().item())
+            if getattr(self, "_limit", (None,))[0] != key:
+                self._limit = (key, min(self.max_steps(), 2**62))
+            limit = self._limit[1]
         return [
             tf.debugging.assert_less(
                 self.aggregator.steps,
