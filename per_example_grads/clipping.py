@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from per_example_grads import transforms
 from per_example_grads._core.arguments import check_clip
-from per_example_grads._core.batch import batch_size, make_batch, unless_empty
+from per_example_grads._core.batch import batch_size, branch_zeros, make_batch, unless_empty
 from per_example_grads._core.problem import make_problem
 from per_example_grads.engines import grouped, layerwise, selection
 from per_example_grads.engines.base import ClipGroups
@@ -266,25 +266,23 @@ def _without_nonfinite_examples(clipped_sums, batch, sums, norms, variables, uni
         again, _ = clipped_sums(cleaned)
         return tf.nest.flatten(again, expand_composites=True)
 
-    def zeros():
+    some = tf.reduce_any(finite)
+
+    def zeros():  # run only where no example is finite (``some`` False): ``branch_zeros``
         return tf.nest.flatten(
             [
-                tf.IndexedSlices(tf.zeros_like(s.values), s.indices, s.dense_shape)
+                tf.IndexedSlices(branch_zeros(tf.shape(s.values), s.values.dtype, some), s.indices, s.dense_shape)
                 if isinstance(s, tf.IndexedSlices)
-                else tf.zeros(v.shape, s.dtype)
+                else branch_zeros(v.shape, s.dtype, some)
                 for v, s in zip(variables, sums)
             ],
             expand_composites=True,
         )
 
     if tf.executing_eagerly():
-        out = recomputed() if bool(tf.reduce_any(finite)) else zeros()
+        out = recomputed() if bool(some) else zeros()
     else:
-        out = tf.cond(
-            all_finite,
-            lambda: flat,
-            lambda: tf.cond(tf.reduce_any(finite), recomputed, zeros),
-        )
+        out = tf.cond(all_finite, lambda: flat, lambda: tf.cond(some, recomputed, zeros))
     return _static_dense_shapes(tf.nest.pack_sequence_as(sums, out, expand_composites=True), variables)
 
 

@@ -113,15 +113,35 @@ def unless_empty(batch: Batch, compute: Callable[[Batch], Any], nonempty: bool =
     return tf.cond(b > 0, examples, no_examples)
 
 
+def branch_zeros(shape, dtype, off: tf.Tensor) -> tf.Tensor:
+    """Zeros of ``shape`` and ``dtype`` for a ``tf.cond`` branch that runs only where the scalar ``off`` is 0 (or False).
+
+    ``tf.zeros`` (or ``tf.zeros_like``) of a static shape is a ``Fill`` of
+    constants, which Grappler's constant folding turns into a ``Const`` node:
+    its kernel holds a full-size tensor for as long as the function lives,
+    even in a branch that never runs. For a clipped sum's fallback branch,
+    whose zeros have every variable's shape, that was one more float32 copy
+    of the model's parameters. Filled with ``off``, a value known only at
+    run time and 0 wherever the branch runs, the same zeros are made only
+    when the branch runs.
+    """
+    return tf.fill(shape, tf.cast(off, dtype))
+
+
 def _no_examples(results: Any, b: tf.Tensor | int) -> Any:
-    """``results`` for no examples: zeros, with ``b`` (0 when run) for every unknown dimension."""
+    """``results`` for no examples: zeros, with ``b`` (0 when run) for every unknown dimension.
+
+    The zeros are filled with ``b`` (``branch_zeros``): a sum's zeros of its
+    variable's static shape would otherwise be held for as long as the function lives.
+    """
 
     def zeros(t):
         if not isinstance(t, tf.Tensor):
             return t
         if t.shape.rank is None:
             raise ValueError(f"unless_empty needs results of known rank; got a {t.dtype.name} tensor of unknown shape.")
-        return tf.zeros(tf.stack([b if d is None else d for d in t.shape.as_list()]) if t.shape.rank else [], t.dtype)
+        shape = tf.stack([b if d is None else d for d in t.shape.as_list()]) if t.shape.rank else []
+        return branch_zeros(shape, t.dtype, b)
 
     def leaf(value):
         if isinstance(value, tf.IndexedSlices):

@@ -16,7 +16,7 @@ import tensorflow as tf
 from per_example_grads import rules as _builtin_rules  # noqa: F401  (registers the rules)
 from per_example_grads import transforms
 from per_example_grads._core import model_inspection
-from per_example_grads._core.batch import Batch, batch_size
+from per_example_grads._core.batch import Batch, batch_size, branch_zeros
 from per_example_grads._core.example_ops import WIDE, compute_dtype
 from per_example_grads._core.problem import Problem
 from per_example_grads.engines.base import ENGINES, ClipGroups, Engine
@@ -516,17 +516,19 @@ def _finite_sums(problem: Problem, captured: Captured, norms: list, weights_for)
     if at:
         picked = [sums[i] for i in at]
         flat = tf.nest.flatten(picked, expand_composites=True)
-        zeros = lambda: tf.nest.flatten([_zeroed_sum(s) for s in picked], expand_composites=True)  # noqa: E731
-        out = tf.cond(tf.reduce_any(finite), lambda: flat, zeros)
+        some = tf.reduce_any(finite)
+        zeros = lambda: tf.nest.flatten([_zeroed_sum(s, some) for s in picked], expand_composites=True)  # noqa: E731
+        out = tf.cond(some, lambda: flat, zeros)
         for i, s in zip(at, tf.nest.pack_sequence_as(picked, out, expand_composites=True)):
             sums[i] = s
     return sums
 
 
-def _zeroed_sum(s):
+def _zeroed_sum(s, off: tf.Tensor):
+    """Zeros like the sum ``s`` (a ``tf.IndexedSlices``' values), in a branch run only where ``off`` is False (``branch_zeros``)."""
     if isinstance(s, tf.IndexedSlices):
-        return tf.IndexedSlices(tf.zeros_like(s.values), s.indices, s.dense_shape)
-    return tf.zeros_like(s)
+        return tf.IndexedSlices(branch_zeros(tf.shape(s.values), s.values.dtype, off), s.indices, s.dense_shape)
+    return branch_zeros(tf.shape(s), s.dtype, off)
 
 
 class _Choice:
