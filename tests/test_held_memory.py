@@ -1,0 +1,51 @@
+"""A clipped sum's function holds no tensor the size of the model's parameters between calls (issue #53).
+
+Zeros of a variable's static shape in a ``tf.cond`` branch (the sums when no
+example is finite, the results of an empty batch) became ``Const`` nodes
+under Grappler's constant folding, each holding a full-size tensor for as
+long as the function lived, although the branch never ran: one more float32
+copy of the parameters (``_core.batch.branch_zeros``). TensorFlow's CPU
+allocator counts what a call leaves allocated only as a BFC allocator, chosen
+before TensorFlow starts, so the calls run in a new process.
+"""
+
+import json
+
+from helpers import run_in_new_process
+
+_PROCESS = """
+import json, os
+os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import numpy as np
+import keras
+import tensorflow as tf
+import per_example_grads as peg
+
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(1024), keras.layers.Dense(1024), keras.layers.Dense(10)])
+loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+x = np.random.default_rng(0).normal(size=(8, 512)).astype("float32")
+y = np.arange(8) % 10
+clipped = lambda x, y, **kw: peg.clipped_gradients(model, loss, x, y, l2_norm_clip=1.0, **kw)
+dynamic = [tf.TensorSpec([None, 512]), tf.TensorSpec([None], tf.int64)]
+calls = {
+    "static_b": tf.function(clipped),
+    "dynamic_b": tf.function(clipped, input_signature=dynamic),
+    "units": tf.function(lambda x, y: clipped(x, y, unit_ids=np.arange(8) % 3, num_units=3)),
+}
+held = {}
+for name, fn in calls.items():
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    sums = fn(x, y)
+    del sums
+    held[name] = tf.config.experimental.get_memory_info("CPU:0")["current"] - before
+params = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
+print(json.dumps({"held": held, "params": params}))
+"""
+
+
+def test_a_clipped_sum_holds_no_copy_of_the_parameters_after_its_call():
+    out = json.loads(run_in_new_process(_PROCESS).strip().splitlines()[-1])
+    for name, held in out["held"].items():
+        assert held < out["params"] / 8, f"{name}: {held} bytes held after the call, parameters {out['params']}"
