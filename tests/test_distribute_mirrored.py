@@ -189,15 +189,11 @@ def test_accumulator_under_strategy_equals_one_device():
         plain.accumulate(x, y)  # cross-replica code: each replica must add its own shard
 
 
-def test_accumulator_apply_under_strategy_counts_one_step():
-    strategy = mirrored_strategy()
-    model, single = _twins(strategy)
-    x, y = _data()
+def _accumulate_and_apply(strategy, acc, model):
+    """A traced step in which every replica accumulates its shard of ``(a, b)`` into ``acc`` and applies it (SGD 0.1)."""
     with strategy.scope():
-        acc = peg.GradientAccumulator(model, sparse_ce)
         opt = keras.optimizers.SGD(0.1)
         opt.build(model.trainable_variables)
-    a, b = _distributed_batch(strategy, x, y)
 
     @tf.function
     def step(a, b):
@@ -207,7 +203,17 @@ def test_accumulator_apply_under_strategy_counts_one_step():
 
         strategy.run(replica, args=(a, b))
 
-    step(a, b)
+    return step
+
+
+def test_accumulator_apply_under_strategy_counts_one_step():
+    strategy = mirrored_strategy()
+    model, single = _twins(strategy)
+    x, y = _data()
+    with strategy.scope():
+        acc = peg.GradientAccumulator(model, sparse_ce)
+    step = _accumulate_and_apply(strategy, acc, model)
+    step(*_distributed_batch(strategy, x, y))
     assert int(acc.steps.numpy()) == 1 and float(acc.count.read_value()) == 0.0
     # One step of 0.1 times the mean gradient: a weighted sum over B examples, and the step's rounding (EPS32 |w|).
     before = single.get_weights()
@@ -235,22 +241,12 @@ def test_accumulator_budget_under_strategy_stops_every_replica_at_the_ledgers_li
             expected_batch_size=B,
             budget=peg.dp.PrivacyBudget(steps=1),
         )
-        opt = keras.optimizers.SGD(0.1)
-        opt.build(model.trainable_variables)
-    a, b = _distributed_batch(strategy, x, y)
-
-    @tf.function
-    def step(a, b):
-        def replica(a, b):
-            acc.accumulate(a, b)
-            acc.apply(opt)
-
-        strategy.run(replica, args=(a, b))
-
-    step(a, b)
+    step = _accumulate_and_apply(strategy, acc, model)
+    batch = _distributed_batch(strategy, x, y)
+    step(*batch)
     before = model.get_weights()
     with pytest.raises(tf.errors.InvalidArgumentError, match="allows no more releases"):
-        step(a, b)
+        step(*batch)
     assert int(acc.steps.numpy()) == 1
     for w, v in zip(before, model.get_weights()):
         np.testing.assert_array_equal(w, v)  # no replica applied a second release
