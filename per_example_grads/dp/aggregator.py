@@ -106,7 +106,6 @@ class ClippedSum:
         return tf.reduce_sum(tf.cast(~tf.math.is_finite(self.norms), tf.float32) * self.real)
 
 
-@tf.autograph.experimental.do_not_convert
 @dataclasses.dataclass
 class DPStep:
     """What ``DPAggregator.step`` did: the release and what the training loop reports of it.

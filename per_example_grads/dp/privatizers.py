@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from per_example_grads.dp.sparse_embeddings import SparseSelection
 
 
+@tf.autograph.experimental.do_not_convert
 def noised_average(
     sums: Sequence, stddev, divisor, seed: NoiseSeed = None, *, step=None, mechanism: NoiseMechanism | None = None
 ) -> list[tf.Tensor]:
