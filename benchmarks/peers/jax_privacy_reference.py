@@ -28,7 +28,7 @@ and the epsilon at ``delta`` of one Gaussian release, at noise multipliers
 of 2 and 8 times ``sqrt(ceil(n / min_sep))``, of noise multiplier
 ``sigma / sensitivity`` by dp_accounting's PLD accountant: the accounting of a
 correlated mechanism without amplification. ``tests/test_dp_bisr.py`` and
-``tests/test_mechanisms.py`` compare this library's figures with these.
+``tests/test_dp_mechanisms.py`` compare this library's figures with these.
 """
 
 from __future__ import annotations

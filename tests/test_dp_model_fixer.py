@@ -1,7 +1,7 @@
 """peg.dp.fix_model: BatchNormalization replaced (or frozen) so that examples do not mix, weights kept.
 
 Every ``keras.applications`` builder (its smallest size variant) is fixed and checked in one child
-process (``python tests/test_fix_model.py --applications``: sixteen models'
+process (``python tests/test_dp_model_fixer.py --applications``: sixteen models'
 graphs are built twice, which must not pile up in pytest's process); a few
 representative ones are also trained-through here: their fixed versions run,
 keep the weights, and their clipped gradients equal the one-example loop's.
