@@ -1,0 +1,250 @@
+"""Time and memory of one DP step at a real model's size: GPT-2 base (and BERT base), KerasHub classes, random weights.
+
+    python benchmarks/bench_scale.py --cells 8x128 --quantities batch,norms,clipped --json scale.json
+    python benchmarks/bench_scale.py --cells 8x128 --quantities batch,clipped --dynamic-batch
+    python benchmarks/bench_scale.py --cells 2x512 --quantities batch,norms,clipped
+    python benchmarks/bench_scale.py --model bert --cells 8x128 --quantities batch,clipped
+    PYTHONPATH=/path/to/another/checkout python benchmarks/bench_scale.py ...   # that library instead
+
+Cells are ``BxT`` (batch size x sequence length). Each (cell, quantity)
+runs in its own fresh process, with TensorFlow's BFC CPU allocator
+(``TF_CPU_ALLOCATOR_USE_BFC=true``, set for the child: the allocator keeps
+byte statistics only then). The model is built by the shared zoo
+(``per_example_grads.apps.zoo``, nothing downloaded; its position table is
+``T`` long, not GPT-2's 1024). Quantities:
+
+  batch       ``tape.gradient`` of the mean loss: the plain batch gradient
+  norms       ``peg.per_example_norms`` (``method="auto"``)
+  clipped     ``peg.clipped_gradients(l2_norm_clip=1.0)`` (``method="auto"``)
+  plain_step  the Keras model's own ``train_on_batch`` (SGD, ``jit_compile=False``)
+  dp_step     ``train_on_batch`` of ``peg.keras.DPModel(model, l2_norm_clip=1.0,
+              noise_multiplier=1.0, num_examples=1000, expected_batch_size=B)``, same compile
+
+The first three are ``tf.function``s of ``(x, y)``; with ``--dynamic-batch``
+they are traced with an ``input_signature`` whose batch dimension is unknown
+(the Keras steps trace as Keras does). Reported per quantity:
+
+  first s   the first call: trace, optimization, run
+  median s  median of the later calls (at least 3)
+  kept MiB  TensorFlow's allocated bytes after the first call (its result
+            freed) minus before it: what the traced function holds
+  peak MiB  ``bench_layerwise.peak_allocated_mib``: median over 3 calls of the
+            peak allocated bytes above those held before the call
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+_BASE = dict(num_layers=12, hidden_dim=768, intermediate_dim=3072)
+MODELS = {  # name -> (zoo model, its settings besides seq_len)
+    "gpt2": ("gpt2_lm", {**_BASE, "vocabulary_size": 50257}),
+    "bert": ("bert_classifier", {**_BASE, "vocabulary_size": 30522}),
+}
+QUANTITIES = ("batch", "norms", "clipped", "plain_step", "dp_step")
+_MIB = 2**20
+
+
+def _allocated() -> int:
+    import tensorflow as tf
+
+    return tf.config.experimental.get_memory_info("CPU:0")["current"]
+
+
+def _functions(model, x, y, dynamic: bool) -> dict:
+    """``{name: tf.function(x, y)}`` for batch / norms / clipped; with ``dynamic``, traced for any batch size."""
+    import keras
+    import tensorflow as tf
+
+    import per_example_grads as peg
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    variables = model.trainable_variables
+
+    def batch(x, y):
+        with tf.GradientTape() as tape:
+            mean = tf.reduce_mean(loss(y, model(x, training=False)))
+        return tape.gradient(mean, variables)
+
+    fns = {
+        "batch": batch,
+        "norms": lambda x, y: peg.per_example_norms(model, loss, x, y),
+        "clipped": lambda x, y: peg.clipped_gradients(model, loss, x, y, l2_norm_clip=1.0),
+    }
+    if not dynamic:
+        return {q: tf.function(f) for q, f in fns.items()}
+    spec = lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype)
+    signature = [tf.nest.map_structure(spec, x), tf.nest.map_structure(spec, y)]
+    return {q: tf.function(f, input_signature=signature) for q, f in fns.items()}
+
+
+def _keras_step(model, q: str, b: int):
+    """``(x, y) -> logs`` for one ``train_on_batch`` of the model (``plain_step``) or of its DPModel (``dp_step``)."""
+    import keras
+
+    import per_example_grads as peg
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    net = model
+    if q == "dp_step":
+        net = peg.keras.DPModel(
+            model, l2_norm_clip=1.0, noise_multiplier=1.0, num_examples=1000, expected_batch_size=b, seed=0
+        )
+    # The plain model through keras.Model.compile itself: KerasHub's CausalLM.compile would add its accuracy metric
+    compile_ = net.compile if q == "dp_step" else lambda **kw: keras.Model.compile(net, **kw)
+    compile_(optimizer=keras.optimizers.SGD(0.01), loss=loss, jit_compile=False)
+    return lambda x, y: net.train_on_batch(x, y, return_dict=True)
+
+
+def run_cell(model_name: str, b: int, t: int, q: str, dynamic: bool, repeats: int) -> dict:
+    """One quantity at one cell, in this process: the row's numbers (module docstring)."""
+    import warnings
+
+    import numpy as np
+    import tensorflow as tf
+    from bench_layerwise import peak_allocated_mib, wait_for
+
+    import per_example_grads as peg
+    from per_example_grads.apps import zoo
+
+    name, config = MODELS[model_name]
+    model, x, y = zoo.build(name, b, **config, seq_len=t)
+    x = tf.nest.map_structure(tf.convert_to_tensor, x)
+    y = tf.convert_to_tensor(y)
+    params = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.trainable_variables)
+    fn = _keras_step(model, q, b) if q.endswith("_step") else _functions(model, x, y, dynamic)[q]
+
+    times = []
+
+    def timed(x, y):  # waits for the result and frees it (a Keras step's logs are Python floats already)
+        start = time.perf_counter()
+        out = fn(x, y)
+        if not q.endswith("_step"):
+            wait_for(out)
+        del out
+        times.append(time.perf_counter() - start)
+        return []
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", peg.EngineFallbackWarning)
+        before = _allocated()
+        timed(x, y)
+        kept = _allocated() - before
+        first = times.pop()
+        peak = peak_allocated_mib(timed, x, y)  # 4 calls: a warm-up and 3 measured
+        while len(times) < repeats:
+            wait_for(timed(x, y))
+    fallbacks = sorted({str(w.message)[:80] for w in caught if issubclass(w.category, peg.EngineFallbackWarning)})
+    return {
+        "model": model_name,
+        "b": b,
+        "t": t,
+        "quantity": q,
+        "dynamic_batch": dynamic,
+        "library": os.path.dirname(os.path.dirname(os.path.abspath(peg.__file__))),
+        "params_mib": params / _MIB,
+        "first_s": first,
+        "median_s": statistics.median(times),
+        "later_calls": len(times),
+        "kept_mib": kept / _MIB,
+        "peak_mib": peak,
+        "fell_back": "; ".join(fallbacks) or "none",
+    }
+
+
+def _worker(model_name: str, b: int, t: int, q: str, dynamic: bool, repeats: int, timeout: float) -> dict:
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true")
+    cell = f"{model_name},{b},{t},{q},{int(dynamic)},{repeats}"
+    try:
+        out = subprocess.run(
+            [sys.executable, __file__, "--cell", cell], capture_output=True, text=True, timeout=timeout, env=env
+        )
+    except subprocess.TimeoutExpired:
+        return {"model": model_name, "b": b, "t": t, "quantity": q, "dynamic_batch": dynamic, "error": "timed out"}
+    if out.returncode:
+        error = out.stderr.strip().splitlines()[-1:] or ["no output"]
+        print(out.stderr[-3000:], file=sys.stderr)
+        return {"model": model_name, "b": b, "t": t, "quantity": q, "dynamic_batch": dynamic, "error": error[0][:200]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _row(r: dict) -> str:
+    cell = f"{r['model']} B={r['b']} T={r['t']}" + (" B unknown" if r["dynamic_batch"] else "")
+    if "error" in r:
+        return f"| {cell} | {r['quantity']} | {r['error']} | | | | | |"
+    return (
+        f"| {cell} | {r['quantity']} | {r['params_mib']:.0f} | {r['kept_mib']:.1f} | {r['peak_mib']:.0f} | "
+        f"{r['first_s']:.1f} | {r['median_s']:.2f} | {r['fell_back']} |"
+    )
+
+
+def _plot(rows: list, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if "error" not in r]
+    labels = [f"B={r['b']} T={r['t']}{' B?' if r['dynamic_batch'] else ''}\n{r['quantity']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(rows)), 4))
+    at = range(len(rows))
+    ax.bar([i - 0.2 for i in at], [r["peak_mib"] for r in rows], 0.4, label="peak MiB")
+    ax.bar([i + 0.2 for i in at], [r["kept_mib"] for r in rows], 0.4, label="kept MiB")
+    ax.set_xticks(list(at), labels, fontsize=7)
+    ax.set_ylabel("MiB (TensorFlow allocator)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="gpt2", choices=list(MODELS))
+    p.add_argument("--cells", default="8x128", help="comma list of BxT")
+    p.add_argument("--quantities", default="batch,norms,clipped", help=f"comma list from {','.join(QUANTITIES)}")
+    p.add_argument("--dynamic-batch", action="store_true", help="trace batch/norms/clipped for an unknown batch size")
+    p.add_argument("--repeats", type=int, default=3, help="later calls timed, at least 3")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per (cell, quantity) process")
+    p.add_argument("--json")
+    p.add_argument("--png")
+    p.add_argument("--cell", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.cell:
+        model_name, b, t, q, dynamic, repeats = args.cell.split(",")
+        print(json.dumps(run_cell(model_name, int(b), int(t), q, bool(int(dynamic)), int(repeats))))
+        return 0
+    quantities = args.quantities.split(",")
+    unknown = [q for q in quantities if q not in QUANTITIES]
+    if unknown:
+        p.error(f"unknown quantities {unknown}; choose from {list(QUANTITIES)}")
+    cells = [tuple(int(n) for n in c.split("x")) for c in args.cells.split(",")]
+    import per_example_grads as peg
+
+    print(f"command: python benchmarks/bench_scale.py {' '.join(argv if argv is not None else sys.argv[1:])}")
+    print(f"library: {peg.__file__}; {os.cpu_count()} CPUs; {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC\n")
+    print("| cell | quantity | params MiB | kept MiB | peak MiB | first call s | median s | auto fell back |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    rows = []
+    for b, t in cells:
+        for q in quantities:
+            rows.append(_worker(args.model, b, t, q, args.dynamic_batch, max(3, args.repeats), args.timeout))
+            print(_row(rows[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.png:
+        _plot(rows, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
