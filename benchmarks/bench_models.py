@@ -57,8 +57,8 @@ PRESETS = {
 QUANTITIES = ("batch_grad", "clipped", "norms")
 
 
-def quantities(model, x):
-    """``{name: tf.function(x, y)}`` for ``QUANTITIES``, batch dimension unknown."""
+def quantities(model, x, trace=None):
+    """``{name: trace(f)}`` for ``QUANTITIES``; ``trace`` default ``tf.function(f, reduce_retracing=True)``."""
     import keras
     import tensorflow as tf
 
@@ -77,7 +77,8 @@ def quantities(model, x):
         "clipped": lambda x, y: peg.clipped_gradients(model, loss, x, y, l2_norm_clip=1.0),
         "norms": lambda x, y: peg.per_example_norms(model, loss, x, y),
     }
-    return {q: tf.function(f, reduce_retracing=True) for q, f in fns.items()}
+    trace = trace or (lambda f: tf.function(f, reduce_retracing=True))
+    return {q: trace(f) for q, f in fns.items()}
 
 
 def _setup(preset: str, b: int):

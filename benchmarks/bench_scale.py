@@ -61,30 +61,17 @@ def _allocated() -> int:
 
 
 def _functions(model, x, y, dynamic: bool) -> dict:
-    """``{name: tf.function(x, y)}`` for batch / norms / clipped; with ``dynamic``, traced for any batch size."""
-    import keras
+    """``bench_models.quantities`` traced once each; with ``dynamic``, for any batch size."""
     import tensorflow as tf
+    from bench_models import quantities
 
-    import per_example_grads as peg
-
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-    variables = model.trainable_variables
-
-    def batch(x, y):
-        with tf.GradientTape() as tape:
-            mean = tf.reduce_mean(loss(y, model(x, training=False)))
-        return tape.gradient(mean, variables)
-
-    fns = {
-        "batch": batch,
-        "norms": lambda x, y: peg.per_example_norms(model, loss, x, y),
-        "clipped": lambda x, y: peg.clipped_gradients(model, loss, x, y, l2_norm_clip=1.0),
-    }
-    if not dynamic:
-        return {q: tf.function(f) for q, f in fns.items()}
-    spec = lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype)
-    signature = [tf.nest.map_structure(spec, x), tf.nest.map_structure(spec, y)]
-    return {q: tf.function(f, input_signature=signature) for q, f in fns.items()}
+    trace = tf.function
+    if dynamic:
+        spec = lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype)  # noqa: E731
+        signature = [tf.nest.map_structure(spec, x), tf.nest.map_structure(spec, y)]
+        trace = lambda f: tf.function(f, input_signature=signature)  # noqa: E731
+    fns = quantities(model, x, trace)
+    return {"batch": fns["batch_grad"], "norms": fns["norms"], "clipped": fns["clipped"]}
 
 
 def _keras_step(model, q: str, b: int):
