@@ -441,3 +441,37 @@ def test_a_repeated_dataset_is_refused_not_counted_twice():
     ds = tf.data.Dataset.from_tensor_slices((np.ones((10, 2), "float32"), np.arange(10))).repeat(2)
     with pytest.raises(ValueError, match=r"repeats its elements \(Dataset.repeat\).*larger N"):
         poisson_batches_from_dataset(ds, sampling_probability=0.5)
+
+
+# -- the sampler classes: what each declares to the composition table ------------------------
+
+
+def test_poisson_sampling_declares_its_scheme_cycle_and_units():
+    from per_example_grads.dp.composition import Sampling
+
+    x = np.arange(24, dtype="float32")[:, None]
+    plain = poisson_batches(x, None, sampling_probability=0.25, seed=0).pegrad_sampling
+    assert plain.declared() == Sampling(poisson=True, cycle_length=1, scheme="poisson")
+    cyclic = poisson_batches(x, None, sampling_probability=0.5, seed=0, cycle_length=2).pegrad_sampling
+    assert cyclic.declared() == Sampling(poisson=True, cycle_length=2, scheme="poisson")
+    units = poisson_batches(x, None, sampling_probability=0.5, seed=0, unit_ids=np.arange(24) // 3)
+    declared = units.pegrad_sampling.declared()
+    assert (declared.poisson, declared.units, declared.rows_per_unit) == (True, True, 3)
+
+
+def test_fixed_size_sampling_is_accounted_at_its_largest_batch_and_refused_by_correlated_noise():
+    from per_example_grads.dp import composition
+    from per_example_grads.dp.mechanisms import BandMF
+    from per_example_grads.dp.sampling import FixedSizeSampling
+
+    sampler = FixedSizeSampling(largest_batch=32)
+    assert not sampler.poisson and sampler.sampling_probability is None  # q is per step: its rows / N
+    assert sampler.largest_sampling_probability(256) == 32 / 256
+    assert sampler.largest_sampling_probability(16) == 1.0
+    assert sampler.largest_sampling_probability(None) is None
+    assert FixedSizeSampling().largest_sampling_probability(256) is None
+    assert sampler.declared(units=True) == composition.Sampling(poisson=False, units=True)
+    parts = composition.Parts("DPModel", mechanism=BandMF(bands=2, num_steps=8), sampling=sampler.declared())
+    with pytest.raises(ValueError, match="BandMF"):
+        composition.check(parts)
+    composition.check(composition.Parts("DPModel", sampling=sampler.declared()))  # DP-SGD takes it, with a warning

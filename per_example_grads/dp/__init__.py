@@ -36,6 +36,7 @@ _EXPORTS = {
     "PrivacyBudget": "per_example_grads.dp.budget",
     "MinSepSampling": "per_example_grads.dp.min_sep",
     "min_sep_batches": "per_example_grads.dp.min_sep",
+    "FixedSizeSampling": "per_example_grads.dp.sampling",
     "PhysicalChunk": "per_example_grads.dp.sampling",
     "PoissonSampling": "per_example_grads.dp.sampling",
     "default_max_batch_size": "per_example_grads.dp.sampling",
@@ -78,6 +79,7 @@ if _TYPE_CHECKING:  # what static tools see; at run time __getattr__ does this
     from per_example_grads.dp.noise import RepeatedNoiseWarning  # noqa: F401
     from per_example_grads.dp.private import private_gradients  # noqa: F401
     from per_example_grads.dp.sampling import (
+        FixedSizeSampling,  # noqa: F401
         PhysicalChunk,  # noqa: F401
         PoissonSampling,  # noqa: F401
         default_max_batch_size,  # noqa: F401

@@ -74,9 +74,11 @@ import tensorflow as tf
 from per_example_grads._core.arguments import check_positive_int, check_sampling_probability
 from per_example_grads._core.batch import _check_leading_dims, _to_tensors
 from per_example_grads._core.datasets import repeats
+from per_example_grads.dp import composition
 from per_example_grads.dp.noise import hashed_key
 
 __all__ = [
+    "FixedSizeSampling",
     "PhysicalChunk",
     "PoissonSampling",
     "default_max_batch_size",
@@ -157,6 +159,7 @@ class PoissonSampling:
     next_step: tf.Variable
     cycle_length: int = 1
     scheme = "poisson"  # a sampler's name for the composition table (``per_example_grads.dp.min_sep``'s is "min_sep")
+    poisson = True
     privacy_unit: str = "example"
     num_rows: int | None = None
     rows_per_unit: int | None = None
@@ -180,6 +183,16 @@ class PoissonSampling:
             return None
         return np.concatenate([[self.cycle_length], self.partition_key, self.rows_digest]).astype(np.int64)
 
+    def declared(self) -> composition.Sampling:
+        """What ``composition`` checks of this sampling: Poisson, its scheme, cycle and units."""
+        return composition.Sampling(
+            poisson=True,
+            cycle_length=self.cycle_length,
+            scheme=self.scheme,
+            units=self.privacy_unit == "unit",
+            rows_per_unit=self.rows_per_unit,
+        )
+
     def take_partition(self, partition: np.ndarray) -> None:
         """Makes this dataset's partition ``partition`` (a run's, as ``partition`` gave it), if it holds the same rows.
 
@@ -201,6 +214,49 @@ class PoissonSampling:
             )
         self.partition_key = partition[1:3].copy()
         self.parts.assign(_cyclic_parts(int(self.parts.shape[0]), self.cycle_length, self.partition_key))
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedSizeSampling:
+    """Batches of a fixed number of rows that this package did not draw: the sampling of everything but its samplers.
+
+    Arrays given to ``fit`` with ``batch_size``, a ``tf.data`` dataset not
+    made by ``poisson_batches`` (typically ``shuffle(...).batch(B)``),
+    ``train_on_batch`` and a custom loop over ``train_step``. How their rows
+    were chosen is unknown; each step is accounted *as if* it were Poisson
+    sampled at ``q = rows / N`` (a batch's rows, the largest known one
+    before the step), the widespread heuristic for shuffled batches. It is
+    an approximation, not a bound: the true epsilon of fixed-size shuffled
+    batches can be larger (Chua et al., "How Private are DP-SGD
+    Implementations?", ICML 2024). The ledger records such steps as not
+    Poisson sampled, and every epsilon of a run that has one warns
+    (``accounting.SHUFFLE_WARNING``). A correlated or cyclic mechanism,
+    whose accounting needs each example's participations, refuses them
+    (``composition``).
+
+    Attributes:
+      largest_batch: the most rows a step takes, where known before the step
+        (a static batch size); None otherwise.
+      rows_per_unit: unit-level batches: the most rows one unit brings (the
+        last Poisson fit's), or None.
+    """
+
+    largest_batch: int | None = None
+    rows_per_unit: int | None = None
+    scheme = "fixed_size"
+    poisson = False
+    sampling_probability = None  # per step: the batch's rows / N (class docstring)
+    expected_batch_size = None  # the divisor is the aggregator's (the rows of each batch without one)
+
+    def largest_sampling_probability(self, num_examples: int | None) -> float | None:
+        """``min(1, largest_batch / N)``, the largest ``q`` a step can be accounted at; None where either is unknown."""
+        if num_examples is None or self.largest_batch is None:
+            return None
+        return min(1.0, self.largest_batch / num_examples)
+
+    def declared(self, units: bool = False) -> composition.Sampling:
+        """What ``composition`` checks of this sampling: not Poisson (``units``: the batches carry unit ids)."""
+        return composition.Sampling(poisson=False, units=units)
 
 
 # --------------------------------------------------------------------------

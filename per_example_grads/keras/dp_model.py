@@ -21,7 +21,7 @@ from per_example_grads.dp.accounting import PrivacyAccountant, check_run_delta
 from per_example_grads.dp.aggregator import DPAggregator, whole_units_on_replicas
 from per_example_grads.dp.budget import PrivacyBudget
 from per_example_grads.dp.mechanisms import NoiseMechanism
-from per_example_grads.dp.sampling import PoissonSampling
+from per_example_grads.dp.sampling import FixedSizeSampling, PoissonSampling
 from per_example_grads.dp.sparse_embeddings import SparseEmbeddings, check_sparse_embeddings
 from per_example_grads.keras import network_guard, network_ledger
 from per_example_grads.keras.training_data import rows_of_fit_data
@@ -31,18 +31,20 @@ _NO_LIMIT = 2**62  # the step limit without a budget: more steps than any run ta
 
 @dataclasses.dataclass(frozen=True)
 class _FitSampling:
-    """How the batches of one ``fit`` call were sampled, as the step and the ledger need it."""
+    """The sampler of one ``fit`` call's batches (or of batches no ``fit`` drew), and the step's divisor."""
 
-    poisson: bool
-    sampling_probability: float | None  # None: per step, rows / num_examples (fixed-size batches)
-    divisor: float | None  # None: the aggregator's (expected_batch_size, else the rows of each batch)
-    source: PoissonSampling | None = None
-    largest_batch: int | None = None  # fixed-size batches: the most rows a step takes, when known
-    rows_per_unit: int | None = None  # unit-level sampling: the most rows a unit brings
+    sampler: PoissonSampling | FixedSizeSampling
+    divisor: float | None = None  # None: the aggregator's (expected_batch_size, else the rows of each batch)
+
+    @property
+    def source(self) -> PoissonSampling | None:
+        """The ``poisson_batches`` (or ``min_sep_batches``) dataset's sampling, which ``fit`` resumes; else None."""
+        return self.sampler if self.sampler.poisson else None
 
     def traced_as(self) -> tuple:
         """What the traced train step depends on (the dataset object itself is not)."""
-        return self.poisson, self.sampling_probability, self.divisor, self.rows_per_unit
+        s = self.sampler
+        return s.poisson, s.sampling_probability, self.divisor, s.rows_per_unit
 
 
 class DPModel(keras.Model):
@@ -202,7 +204,7 @@ class DPModel(keras.Model):
         self.num_examples = None if num_examples is None else check_positive_int("num_examples", num_examples)
         self._clipped_fraction = keras.metrics.Mean(name="clipped_fraction")
         self._nonfinite = keras.metrics.Sum(name="nonfinite_examples")
-        self._fit_sampling = _FitSampling(poisson=False, sampling_probability=None, divisor=None)
+        self._fit_sampling = _FitSampling(FixedSizeSampling())
         self._warned_fixed_batches = False
         network_guard.claim(model, self, lambda other: int(other.dp_steps.numpy()))
         network_ledger.attach(model, self)
@@ -394,19 +396,10 @@ class DPModel(keras.Model):
 
     def _sampling_of(self, x, batch_size, validation_split: float) -> _FitSampling:
         source = getattr(x, "pegrad_sampling", None) if isinstance(x, tf.data.Dataset) else None
-        sampling = composition.Sampling(poisson=False)
-        if source is not None:
-            sampling = composition.Sampling(
-                poisson=True,
-                cycle_length=source.cycle_length,
-                scheme=source.scheme,
-                units=source.privacy_unit == "unit",
-                rows_per_unit=source.rows_per_unit,
-            )
         composition.check(
             dataclasses.replace(
                 self._parts,
-                sampling=sampling,
+                sampling=FixedSizeSampling().declared() if source is None else source.declared(),
                 xla=bool(getattr(self, "jit_compile", False)),
                 replicas=self.distribute_strategy.num_replicas_in_sync,
             )
@@ -432,9 +425,7 @@ class DPModel(keras.Model):
                     UserWarning,
                     stacklevel=3,
                 )
-            return _FitSampling(
-                poisson=False, sampling_probability=None, divisor=None, largest_batch=rows.largest_batch
-            )
+            return _FitSampling(FixedSizeSampling(rows.largest_batch))
         self._check_num_examples(source.num_examples, "the poisson_batches dataset samples from")
         if source.partition is not None:
             self._keep_partition(source)
@@ -449,9 +440,7 @@ class DPModel(keras.Model):
                 f"expected_batch_size={expected:g} (or leave it out) or resample at that q."
             )
         divisor = self.expected_batch_size if self.expected_batch_size is not None else expected
-        return _FitSampling(
-            poisson=True, sampling_probability=q, divisor=divisor, source=source, rows_per_unit=source.rows_per_unit
-        )
+        return _FitSampling(source, divisor)
 
     def _check_num_units(self, source: PoissonSampling) -> None:
         """Refuses a ``num_examples`` other than the number of units a unit-level dataset samples."""
@@ -575,9 +564,8 @@ class DPModel(keras.Model):
             return None
         if self.budget.steps is not None:
             return int(self.budget.steps)
-        q = sampling.sampling_probability
-        if q is None and self.num_examples is not None and sampling.largest_batch is not None:
-            q = min(1.0, sampling.largest_batch / self.num_examples)
+        sampler = sampling.sampler
+        q = sampler.sampling_probability if sampler.poisson else sampler.largest_sampling_probability(self.num_examples)
         if q is None:
             q = self.sampling_probability
         if q is None:
@@ -586,24 +574,18 @@ class DPModel(keras.Model):
                 "num_examples and expected_batch_size, or fit on peg.dp.poisson_batches or on arrays "
                 "with batch_size (a dataset's batches must then have a static size)."
             )
-        return self.aggregator.max_steps(self.budget, q, sampling.poisson)
+        return self.aggregator.max_steps(self.budget, q, sampler.poisson)
 
     def _unknown_sampling(self, largest_batch: int | None = None) -> _FitSampling:
         """The sampling of batches this ``DPModel`` did not draw (``train_on_batch``, a custom loop): fixed-size."""
-        return _FitSampling(
-            poisson=False,
-            sampling_probability=None,
-            divisor=None,
-            largest_batch=largest_batch,
-            rows_per_unit=self._fit_sampling.rows_per_unit,
-        )
+        return _FitSampling(FixedSizeSampling(largest_batch, self._fit_sampling.sampler.rows_per_unit))
 
     def _unknown_sampling_parts(self, owner: str) -> composition.Parts:
         """``Parts`` of a step on such batches (their unit ids, if any, are checked by ``_unpack``)."""
         return dataclasses.replace(
             self._parts,
             owner=owner,
-            sampling=composition.Sampling(poisson=False, units=self._parts.units),
+            sampling=FixedSizeSampling().declared(units=self._parts.units),
         )
 
     def _set_step_limit(self) -> int:
@@ -664,7 +646,8 @@ class DPModel(keras.Model):
             x, y, sample_weight, unit_ids = whole_units_on_replicas(x, y, sample_weight, unit_ids)
         loss_fn = as_per_example_loss(self.loss)
         rows = tf.shape(tf.nest.flatten(x)[0])[0]
-        q = sampling.sampling_probability
+        sampler = sampling.sampler
+        q = sampler.sampling_probability
         if q is None and self.num_examples is not None:
             q = tf.minimum(tf.cast(replicas.global_sum(rows), tf.float64) / self.num_examples, 1.0)
         with tf.control_dependencies(self._budget_check(sampling)):
@@ -676,9 +659,9 @@ class DPModel(keras.Model):
                 sample_weight,
                 divisor=sampling.divisor,
                 sampling_probability=q,
-                poisson=sampling.poisson,
+                poisson=sampler.poisson,
                 unit_ids=unit_ids,
-                rows_per_unit=sampling.rows_per_unit,
+                rows_per_unit=sampler.rows_per_unit,
             )
         clipped = step.clipped
         step_clipped_fraction = step.clipped_fraction
