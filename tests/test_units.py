@@ -20,6 +20,8 @@ then normed and clipped in numpy. Tolerances (``tests/tolerances.py``):
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -392,6 +394,59 @@ def test_a_unit_with_a_nonfinite_gradient_is_left_out():
     scale = max(float(np.max(np.abs(tf.convert_to_tensor(s)))) for s in want)
     for a, b in zip(got, want):
         np.testing.assert_allclose(tf.convert_to_tensor(a), tf.convert_to_tensor(b), rtol=rtol, atol=rtol * scale)
+
+
+HUGE = 1e20  # float32 squares overflow beyond about 1.8e19; the gradients themselves stay finite
+
+
+def _huge_unit_case(sequence: bool):
+    """A Dense network whose unit 3 (8 rows) has inputs scaled by ``HUGE``: its gradient is finite, its square is not.
+
+    ``sequence``: inputs ``[B, 4, 6]``, so the Dense layers' grouped form is the Gram form over the unit's rows
+    and positions.
+    """
+    rng = np.random.default_rng(3)
+    shape = (B, 4, 6) if sequence else (B, 6)
+    layers = [keras.layers.Dense(8), keras.layers.Dense(3)]
+    if sequence:
+        layers.insert(1, keras.layers.GlobalAveragePooling1D())
+    model = keras.Sequential([keras.Input(shape[1:]), *layers])
+    x = rng.normal(size=shape).astype("float32")
+    x[IDS == 3] *= HUGE
+    y = np.argmin(model(x).numpy(), axis=-1).astype("int32")  # each row's least likely class: gradients of ~1
+    reference = _reference(model, sparse_ce, x, y, IDS, NUM_UNITS)
+    assert all(np.isfinite(u).all() for u in reference[1]), "the reference unit gradients must be finite"
+    norms = np.sqrt(sum(np.sum(u.reshape(NUM_UNITS, -1) ** 2, axis=1) for u in reference[1]))
+    assert norms[3] ** 2 > np.finfo(np.float32).max, "float32 squared norms would not overflow"
+    return model, x, y, reference
+
+
+@pytest.mark.parametrize("sequence", [False, True], ids=["rows", "positions"])
+@pytest.mark.parametrize("method", ["layerwise", "vectorized"])
+def test_a_unit_with_a_huge_finite_gradient_is_clipped_not_left_out(method, sequence):
+    # Before: the layer-wise Gram forms gave the unit a NaN norm, both engines' clipped sums dropped it and warned
+    # that its gradient was non-finite (issue #51).
+    model, x, y, reference = _huge_unit_case(sequence)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "non-finite gradient" warning: none is
+        _check(
+            model,
+            sparse_ce,
+            x,
+            y,
+            IDS,
+            NUM_UNITS,
+            clip=0.05,
+            method=method,
+            positions=4 if sequence else 1,
+            reference=reference,
+        )
+
+
+@pytest.mark.slow
+def test_a_unit_with_a_huge_finite_gradient_under_xla():
+    model, x, y, reference = _huge_unit_case(sequence=True)
+    _check(model, sparse_ce, x, y, IDS, NUM_UNITS, clip=0.05, positions=4, reference=reference, jit_compile=True)
 
 
 def test_bad_unit_ids_are_refused():

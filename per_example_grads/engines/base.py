@@ -64,23 +64,39 @@ class ClipGroups:
     groups: list
     clips: list
 
-    def factors(self, squared: list) -> tuple[list, list]:
-        """Per group, ``[B]`` norms from per-variable squared norms, and clip factors ``C / max(n, C)``."""
-        norms = [tf.sqrt(tf.add_n([squared[i] for i in idx])) for idx in self.groups]
-        return norms, [transforms.clip_factors(n, c) for n, c in zip(norms, self.clips)]
-
     def clip_and_sum(self, grads: list) -> tuple[list, list]:
         """``(sums, norms)`` of materialized gradients ``[N, *var.shape]`` per variable (``N`` examples or units).
 
         ``sums[k] = sum_n c_ng grads[k][n]`` for variable ``k`` of group ``g``,
         ``norms`` the ``[N]`` norms per group, ``c_ng`` from ``factors``.
         """
-        norms, factors = self.factors([tf.square(n) for n in transforms.per_variable_norms(grads)])
+        squared = [tf.square(n) for n in transforms.per_variable_norms(grads)]
+        norms = [
+            _rescaled(tf.sqrt(tf.add_n([squared[i] for i in idx])), [grads[i] for i in idx]) for idx in self.groups
+        ]
+        factors = [transforms.clip_factors(n, c) for n, c in zip(norms, self.clips)]
         sums = [None] * len(grads)
         for idx, f in zip(self.groups, factors):
             for i in idx:
                 sums[i] = weighted_example_sum(f, grads[i])
         return sums, norms
+
+
+def _rescaled(norms: tf.Tensor, grads: list) -> tf.Tensor:
+    """``[N]`` ``norms`` of ``grads``, with those that are not finite taken again by ``transforms.global_norms``.
+
+    Squares overflow float32 for gradient entries beyond about 1.8e19, and
+    so does the norm's sum of squares, though the gradient and its norm are
+    finite; ``global_norms`` scales by the largest entry first. It runs only
+    for a batch with such a norm (a ``tf.cond``); a NaN or Inf gradient's
+    norm stays non-finite, and its clip factor 0 (``transforms.clip_factors``).
+    """
+    finite = tf.math.is_finite(norms)
+
+    def rescaled():
+        return tf.where(finite, norms, tf.cast(transforms.global_norms(grads), norms.dtype))
+
+    return tf.cond(tf.reduce_all(finite), lambda: norms, rescaled)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,11 +58,12 @@ every example's) or the exact fallback; ``num_units`` must then be given (a
 Python int), not inferred (``engines.grouped.make_units`` refuses it).
 
 They are computed in the rules' compute dtype (float32, or float64 for
-float64 layers) and returned as float64; unlike the example-level forms the
-Gram forms have no float64 recomputation for float32 overflow (the fallback,
-per-unit kernels and tables do, as ``example_ops.widened``) (a unit whose squared
-norm overflows gets an infinite norm, and the clipped sum leaves it out,
-with a warning). Squared norms that rounding drives below zero (a Gram form
+float64 layers) and returned as float64. Where a form's float32 products
+overflow for a unit whose gradient is finite (entries beyond about 1.8e19),
+that layer's norms are recomputed by the exact fallback, which squares in
+float64 (``example_ops.widened``), in a ``tf.cond`` taken only for such a
+batch (``grouped_parts``); a unit whose gradient is NaN or Inf keeps a
+non-finite norm, and the clipped sum leaves it out. Squared norms that rounding drives below zero (a Gram form
 over rows whose gradients cancel) are returned as 0.
 
 The forms live in this module (and ``grouped_conv.py``), registered per rule class, rather than
@@ -165,12 +166,32 @@ def grouped_parts(
       keep: a clipped sum follows: the form may keep ``G_u`` for it.
     """
     form = GROUPED.get(type(rule))
-    parts = (
-        form(rule, layer, calls, ids, count, keep)
-        if form is not None
-        else fallback_parts(rule, layer, calls, ids, count, keep)
-    )
-    return UnitParts([tf.cast(n, WIDE) for n in parts.norms], parts.kept if keep else None)
+    if form is None:
+        parts = fallback_parts(rule, layer, calls, ids, count, keep)
+        return UnitParts([tf.cast(n, WIDE) for n in parts.norms], parts.kept if keep else None)
+    parts = form(rule, layer, calls, ids, count, keep)
+    norms = [tf.cast(n, WIDE) for n in parts.norms]
+    if any(n.dtype != WIDE for n in parts.norms):  # float32 products may overflow where the gradients do not
+        norms = _overflow_recomputed(norms, lambda: fallback_parts(rule, layer, calls, ids, count, False).norms)
+    return UnitParts(norms, parts.kept if keep else None)
+
+
+def _overflow_recomputed(norms: list, exact: Callable[[], list]) -> list:
+    """``norms`` (float64 ``[count]`` per variable), with each unit whose norms are not all finite given ``exact()``'s.
+
+    A form's float32 products overflow (or give ``inf - inf``) for a unit
+    whose gradient entries pass about 1.8e19, although its gradient is
+    finite; ``exact`` is the fallback, which squares in float64 where float32
+    would overflow (``widened``). It runs only for a batch with such a unit
+    (a ``tf.cond``): a unit whose gradient is itself NaN or Inf stays
+    non-finite, and the clipped sum leaves it out.
+    """
+    finite = tf.reduce_all(tf.stack([tf.math.is_finite(n) for n in norms]), axis=0)
+
+    def recomputed():
+        return [tf.where(finite, n, tf.cast(e, WIDE)) for n, e in zip(norms, exact())]
+
+    return tf.cond(tf.reduce_all(finite), lambda: norms, recomputed)
 
 
 def grouped_squared_norms(
