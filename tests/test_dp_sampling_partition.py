@@ -178,3 +178,24 @@ def test_an_equal_split_breaks_the_accounted_delta():
     # The negative control: the same pair and claim with an equal split (what poisson_batches did
     # before) is 9.8x over the accounted delta (z's gradient -1: another example changes part).
     assert _exact_delta(_law_equal_split, 1.0, _accounted_epsilon(1.0)) > 5 * TARGET_DELTA
+
+
+def _unit_parts(u: int, b: int, seed: int) -> np.ndarray:
+    """Every unit's part in a ``q = 1`` cyclic unit-level dataset of ``u`` units of 2 rows (row value: its unit)."""
+    units = np.repeat(np.arange(u), 2)
+    x = units.astype("float32")[:, None]
+    ds = peg.dp.poisson_batches(x, unit_ids=units + 100, sampling_probability=1.0, cycle_length=b, seed=seed)
+    part = np.full(u, -1)
+    for t, element in enumerate(ds.take(b)):
+        xb, mask = element[0].numpy(), element[2].numpy()
+        part[xb[mask == 1, 0].astype(int)] = t
+    assert np.all(part >= 0)
+    return part
+
+
+def test_adding_a_unit_moves_no_other_unit_to_another_part():
+    # Unit-level cyclic sampling shared the equal split's flaw (#51); the same coupling, over units.
+    u, b = 7, 3
+    for seed in range(12):
+        np.testing.assert_array_equal(_unit_parts(u + 1, b, seed)[:u], _unit_parts(u, b, seed))
+    assert len({tuple(np.bincount(_unit_parts(12, 2, s), minlength=2)) for s in range(8)}) > 1  # not an equal split
