@@ -470,7 +470,7 @@ def test_fixed_size_sampling_is_accounted_at_its_largest_batch_and_refused_by_co
     assert sampler.largest_sampling_probability(16) == 1.0
     assert sampler.largest_sampling_probability(None) is None
     assert FixedSizeSampling().largest_sampling_probability(256) is None
-    assert sampler.declared(units=True) == composition.Sampling(poisson=False, units=True)
+    assert sampler.declared(units=True) == composition.Sampling(poisson=False, scheme="fixed_size", units=True)
     parts = composition.Parts("DPModel", mechanism=BandMF(bands=2, num_steps=8), sampling=sampler.declared())
     with pytest.raises(ValueError, match="BandMF"):
         composition.check(parts)

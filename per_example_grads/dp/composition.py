@@ -36,7 +36,7 @@ class Sampling:
         dataset (else fixed-size batches, or a dataset of unknown sampling).
       cycle_length: its ``cycle_length`` (1 without a cycle, or not Poisson);
         a ``min_sep_batches`` dataset's ``min_separation``.
-      scheme: ``"poisson"`` or ``"min_sep"`` (``PoissonSampling.scheme``).
+      scheme: ``"poisson"``, ``"min_sep"`` or ``"fixed_size"`` (the sampler's ``scheme``).
       units: it samples units (``unit_ids``).
       rows_per_unit: its rows per unit, or None.
     """

@@ -246,7 +246,6 @@ class FixedSizeSampling:
     scheme = "fixed_size"
     poisson = False
     sampling_probability = None  # per step: the batch's rows / N (class docstring)
-    expected_batch_size = None  # the divisor is the aggregator's (the rows of each batch without one)
 
     def largest_sampling_probability(self, num_examples: int | None) -> float | None:
         """``min(1, largest_batch / N)``, the largest ``q`` a step can be accounted at; None where either is unknown."""
@@ -256,7 +255,7 @@ class FixedSizeSampling:
 
     def declared(self, units: bool = False) -> composition.Sampling:
         """What ``composition`` checks of this sampling: not Poisson (``units``: the batches carry unit ids)."""
-        return composition.Sampling(poisson=False, units=units)
+        return composition.Sampling(poisson=False, scheme=self.scheme, units=units)
 
 
 # --------------------------------------------------------------------------

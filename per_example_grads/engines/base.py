@@ -68,7 +68,8 @@ class ClipGroups:
         """``(sums, norms)`` of materialized gradients ``[N, *var.shape]`` per variable (``N`` examples or units).
 
         ``sums[k] = sum_n c_ng grads[k][n]`` for variable ``k`` of group ``g``,
-        ``norms`` the ``[N]`` norms per group, ``c_ng`` from ``factors``.
+        ``norms`` the ``[N]`` norms per group, ``c_ng = C_g / max(n_ng, C_g)``
+        (``transforms.clip_factors``).
         """
         squared = [tf.square(n) for n in transforms.per_variable_norms(grads)]
         norms = [
