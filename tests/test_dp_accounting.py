@@ -146,6 +146,58 @@ def test_accountant_composes_mixed_segments_like_dp_accounting():
     assert "steps=20" in repr(acc) and "other_releases=3" in repr(acc)
 
 
+def test_recorded_events_are_composed_as_dp_accounting_composes_them():
+    # A sampled Gaussian event is DP-SGD steps, recorded as step() records them; any other event is composed whole,
+    # in order, and saved with the state by its dp_accounting class and fields.
+    gaussian = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(1.5)), 12
+    )
+    laplace = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(0.02, dp_accounting.LaplaceDpEvent(3.0)), 4
+    )
+    by_steps = PrivacyAccountant(1.5, 0.01)
+    by_steps.step(12)
+    by_event = PrivacyAccountant(1.5, 0.01)
+    by_event.record_event(gaussian)
+    assert by_event.steps == 12 and by_event.get_state() == by_steps.get_state()
+    assert by_event.epsilon(1e-5) == by_steps.epsilon(1e-5)
+
+    by_event.record_event(dp_accounting.ComposedDpEvent([laplace, dp_accounting.NoOpDpEvent()]))
+    by_event.step(3)
+    assert by_event.steps == 15  # the Laplace releases are no DP-SGD steps
+    reference = dp_accounting.ComposedDpEvent(
+        [
+            gaussian,
+            laplace,
+            dp_accounting.SelfComposedDpEvent(
+                dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(1.5)), 3
+            ),
+        ]
+    )
+    expected = PLDAccountant(neighboring_relation=ADD_REMOVE).compose(reference).get_epsilon(1e-5)
+    assert by_event.epsilon(1e-5) == pytest.approx(expected, rel=ACCOUNTING_COMPOSED_RTOL)
+    restored = PrivacyAccountant.from_state(json.loads(json.dumps(by_event.get_state())))
+    assert restored.epsilon(1e-5) == by_event.epsilon(1e-5) and restored.steps == 15
+
+    state = by_event.get_state()
+    state["segments"][1]["event"]["module_name"] = "os"  # only dp_accounting's own classes are read back
+    with pytest.raises(ValueError, match=r"state\['segments'\]\[1\]\['event'\] is not a dp_accounting event"):
+        PrivacyAccountant.from_state(state)
+    with pytest.raises(TypeError, match="event must be a dp_accounting.DpEvent"):
+        by_event.record_event((1.5, 0.01, 12))
+
+
+def test_an_event_the_accountant_cannot_account_is_refused_naming_it():
+    accountant = PrivacyAccountant(1.0, 0.1)
+    accountant.record_event(dp_accounting.ZCDpEvent(0.5))  # RDP accounts zCDP; PLD does not
+    with pytest.raises(ValueError, match="'pld' accountant of dp_accounting cannot account .*ZCDpEvent"):
+        accountant.epsilon(1e-5)
+    rdp = PrivacyAccountant(1.0, 0.1, accountant="rdp")
+    rdp.record_event(dp_accounting.ZCDpEvent(0.5))
+    expected = RdpAccountant(neighboring_relation=ADD_REMOVE).compose(dp_accounting.ZCDpEvent(0.5)).get_epsilon(1e-5)
+    assert rdp.epsilon(1e-5) == pytest.approx(expected, rel=ACCOUNTING_SAME_RTOL)
+
+
 def test_state_round_trip_through_json_keeps_epsilon_and_continues():
     acc = PrivacyAccountant(1.1, 0.02, accountant="rdp", extra_noise_multipliers=[8.0])
     acc.step(30)

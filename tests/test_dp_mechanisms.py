@@ -3,6 +3,7 @@ the sampling it needs, and its accounting, each against an independent NumPy or 
 
 import warnings
 
+import dp_accounting
 import keras
 import numpy as np
 import pytest
@@ -364,6 +365,43 @@ def test_a_mechanism_of_ones_own_is_accounted_as_it_says():
     )
 
 
+class _HalfNoiseAsZCDP(_HalfNoise):
+    """Half DP-SGD's noise, stating its event instead of a triple: each step rho-zCDP, rho = 1 / (2 (sigma / 2)^2).
+
+    True without sampling (the Gaussian mechanism's zCDP; it forgoes amplification), and no Poisson-sampled Gaussian
+    step: the accountant composes the event as it is.
+    """
+
+    accounted_as = peg.dp.NoiseMechanism.accounted_as  # not stated: dp_event is
+
+    def dp_event(self, noise_multiplier, sampling_probability, steps):
+        return dp_accounting.SelfComposedDpEvent(dp_accounting.ZCDpEvent(2.0 / noise_multiplier**2), steps)
+
+
+def test_a_mechanism_that_states_its_dp_event_is_accounted_by_it():
+    # The reference: dp_accounting's RDP of the Gaussian mechanism at the noise it adds, without sampling (the
+    # same Renyi curve, alpha / (2 (sigma / 2)^2), as the stated zCDP).
+    x, y = _data()
+    budget = peg.dp.PrivacyBudget(epsilon=60.0, delta=1e-5, accountant="rdp")
+    dp = _dp_model(_HalfNoiseAsZCDP(), budget=budget)
+    dp.fit(peg.dp.poisson_batches(x, y, sampling_probability=0.5, steps=4, seed=0), epochs=1, verbose=0)
+    dp.fit(peg.dp.poisson_batches(x, y, sampling_probability=0.25, steps=2, seed=1), epochs=1, verbose=0)
+
+    def rdp_epsilon(steps):
+        event = dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(0.5), steps)
+        accountant = dp_accounting.rdp.RdpAccountant()
+        return accountant.compose(event).get_epsilon(1e-5)
+
+    assert dp.epsilon(1e-5, accountant="rdp") == pytest.approx(rdp_epsilon(6), rel=ACCOUNTING_SAME_RTOL)
+    assert rdp_epsilon(dp.max_steps()) <= 60.0 < rdp_epsilon(dp.max_steps() + 1)
+    mechanism = _HalfNoiseAsZCDP()
+    assert compute_epsilon(24, 12, None, 1.0, 1e-5, steps=6, mechanism=mechanism, accountant="rdp") == pytest.approx(
+        rdp_epsilon(6), rel=ACCOUNTING_SAME_RTOL
+    )
+    with pytest.raises(ValueError, match="'pld' accountant of dp_accounting cannot account"):  # zCDP: RDP only
+        dp.epsilon(1e-5)
+
+
 def test_a_mechanism_that_states_no_accounting_is_refused():
     class Silent(peg.dp.NoiseMechanism):
         def correlate(self, fresh, step):
@@ -376,7 +414,9 @@ def test_a_mechanism_that_states_no_accounting_is_refused():
             noise_multiplier=1.0, sampling_probability=0.5, mechanism=Silent()
         ),
     ):
-        with pytest.raises(TypeError, match="Silent does not say how its steps are accounted: implement accounted_as"):
+        with pytest.raises(
+            TypeError, match="Silent does not say how its steps are accounted: implement accounted_as.* or dp_event"
+        ):
             make()
     with pytest.raises(TypeError, match="mechanism must be a peg.dp.NoiseMechanism .* got str 'BandMF'"):
         compute_epsilon(24, 12, None, 1.0, 1e-5, steps=6, mechanism="BandMF")

@@ -2,6 +2,7 @@
 
 import itertools
 
+import dp_accounting
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -9,6 +10,7 @@ import tensorflow as tf
 import per_example_grads as peg
 from helpers import mlp, sparse_ce
 from per_example_grads.dp import audit, privatizers
+from per_example_grads.dp.accounting import sampled_gaussian_event
 from per_example_grads.dp.aggregator import ClippedSum
 from per_example_grads.dp.noise import noise_source
 from per_example_grads.dp.sparse_embeddings import SparseEmbeddings
@@ -81,12 +83,15 @@ def test_every_wrapper_is_accounted_as_the_noise_it_wraps(mechanism):
         privatizers.CanaryInsertion(dense, audit.GradientCanaries(2)), _adaptive(), tf.Variable(0.7), noise_source(0)
     )
     for sigma, q, steps in ((1.3, 0.25, 7), (4.0, 1.0, 16), (2.0, 0.5, 0)):
-        assert wrapped.accounted_as(sigma, q, steps) == mechanism.accounted_as(sigma, q, steps)
+        assert wrapped.dp_event(sigma, q, steps) == mechanism.dp_event(sigma, q, steps)
+        assert mechanism.dp_event(sigma, q, steps) == sampled_gaussian_event(*mechanism.accounted_as(sigma, q, steps))
 
 
 def test_sparse_noise_is_accounted_as_dp_sgd():
     sparse = privatizers.SparseNoise(_bag_selection(), peg.dp.GaussianNoise(), noise_source(0))
-    assert sparse.accounted_as(1.3, 0.25, 7) == (1.3, 0.25, 7)
+    assert sparse.dp_event(1.3, 0.25, 7) == dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(0.25, dp_accounting.GaussianDpEvent(1.3)), 7
+    )
 
 
 def _context(clipped=None, clip=1.0, divisor=4.0, step=0, q=None):

@@ -108,6 +108,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import numbers
 import warnings
@@ -151,6 +152,7 @@ _COARSE_INTERVAL = 1e-3  # noise_multiplier_for_epsilon's first search
 _STATE_VERSION = 1
 _STEP = "step"  # a DP-SGD step: counts towards ``PrivacyAccountant.steps``
 _RELEASE = "release"  # any other Gaussian release (``compose_gaussian``)
+_EVENT = "event"  # any other ``dp_accounting`` event (``record_event``), composed as it is
 
 SHUFFLE_WARNING = (
     "sampling='shuffle': epsilon is computed as if every batch were Poisson-"
@@ -166,40 +168,109 @@ SHUFFLE_WARNING = (
 # --------------------------------------------------------------------------
 
 
+def sampled_gaussian_event(noise_multiplier: float, sampling_probability: float, count: int) -> dp_accounting.DpEvent:
+    """``count`` Gaussian mechanisms of ``noise_multiplier``, each on a Poisson sample at ``sampling_probability``.
+
+    ``SelfComposed(PoissonSampled(q, Gaussian(sigma)), count)``, without the
+    sampling at ``q = 1`` (the whole dataset): the event of ``count`` DP-SGD
+    steps, and what a ``NoiseMechanism``'s ``accounted_as`` triple stands for.
+    """
+    gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
+    if sampling_probability != 1.0:
+        gaussian = dp_accounting.PoissonSampledDpEvent(sampling_probability, gaussian)
+    return dp_accounting.SelfComposedDpEvent(gaussian, count)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Segment:
-    """``count`` identical releases: Gaussian mechanisms on one Poisson sample.
+    """``count`` identical releases: Gaussian mechanisms on one Poisson sample, or another ``dp_accounting`` event.
 
     ``noise_multipliers`` are the mechanisms run on the same sample in one
     release (the gradient's first, then e.g. adaptive clipping's count);
     ``sampling_probability == 1`` means the whole dataset, no sampling.
+    Kind ``_EVENT``: ``event`` is the release, and those two are unused.
     """
 
     kind: str
     noise_multipliers: tuple[float, ...]
     sampling_probability: float
     count: int
+    event: dp_accounting.DpEvent | None = None
 
     def same_release(self, other: "_Segment") -> bool:
-        return (self.kind, self.noise_multipliers, self.sampling_probability) == (
+        return (self.kind, self.noise_multipliers, self.sampling_probability, self.event) == (
             other.kind,
             other.noise_multipliers,
             other.sampling_probability,
+            other.event,
         )
 
     def dp_event(self) -> dp_accounting.DpEvent:
-        gaussian = dp_accounting.GaussianDpEvent(_combined_noise_multiplier(self.noise_multipliers))
-        if self.sampling_probability != 1.0:
-            gaussian = dp_accounting.PoissonSampledDpEvent(self.sampling_probability, gaussian)
-        return dp_accounting.SelfComposedDpEvent(gaussian, self.count)
+        if self.kind == _EVENT:
+            return dp_accounting.SelfComposedDpEvent(self.event, self.count)
+        return sampled_gaussian_event(
+            _combined_noise_multiplier(self.noise_multipliers), self.sampling_probability, self.count
+        )
 
     def to_dict(self) -> dict[str, Any]:
+        if self.kind == _EVENT:
+            return {"kind": self.kind, "event": _event_to_dict(self.event), "count": self.count}
         return {
             "kind": self.kind,
             "noise_multipliers": list(self.noise_multipliers),
             "sampling_probability": self.sampling_probability,
             "count": self.count,
         }
+
+
+def segments_of(event: dp_accounting.DpEvent, count: int = 1) -> list[_Segment]:
+    """``count`` times ``event`` as ledger segments: DP-SGD steps where it is one, else the event as it is.
+
+    ``SelfComposed`` counts multiply, ``Composed`` events are taken part by
+    part, and ``Gaussian`` or ``PoissonSampled(q, Gaussian)`` are steps (the
+    same segments ``PrivacyAccountant.step`` records, hence the same epsilon,
+    cost estimate and RDP fallback); anything else is kept whole.
+    """
+    if isinstance(event, dp_accounting.SelfComposedDpEvent):
+        return segments_of(event.event, count * check_count("a SelfComposedDpEvent's count", event.count, MAX_STEPS))
+    if isinstance(event, dp_accounting.ComposedDpEvent):
+        return [s for part in event.events for s in segments_of(part, count)]
+    q, inner = 1.0, event
+    if isinstance(event, dp_accounting.PoissonSampledDpEvent):
+        q, inner = check_sampling_probability(event.sampling_probability), event.event
+    if isinstance(inner, dp_accounting.GaussianDpEvent):
+        return [_Segment(_STEP, (check_noise_multiplier(inner.noise_multiplier),), q, count)] if count else []
+    if isinstance(event, (dp_accounting.NoOpDpEvent,)) or not count:
+        return []
+    return [_Segment(_EVENT, (), 1.0, count, event)]
+
+
+def _event_to_dict(event: dp_accounting.DpEvent) -> dict[str, Any]:
+    """A ``dp_accounting`` event as JSON-able data (``DpEvent.to_named_tuple``, its tuples as dicts and lists)."""
+
+    def plain(v: Any) -> Any:
+        if hasattr(v, "_asdict"):
+            return {k: plain(x) for k, x in v._asdict().items()}
+        return [plain(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+    return plain(event.to_named_tuple())
+
+
+def _event_from_dict(data: Any, where: str) -> dp_accounting.DpEvent:
+    """The event ``_event_to_dict`` described; only ``dp_accounting``'s own event classes are read."""
+    module = data.get("module_name") if isinstance(data, Mapping) else None
+    cls = None
+    if isinstance(module, str) and (module == "dp_accounting" or module.startswith("dp_accounting.")):
+        cls = getattr(importlib.import_module(module), str(data.get("class_name")), None)
+    if not (isinstance(cls, type) and issubclass(cls, dp_accounting.DpEvent)):
+        raise ValueError(f"{where} is not a dp_accounting event from get_state(): {data!r:.200}.")
+
+    def value(v: Any) -> Any:
+        if isinstance(v, Mapping) and "class_name" in v:
+            return _event_from_dict(v, where)
+        return [value(x) for x in v] if isinstance(v, list) else v
+
+    return cls(**{k: value(v) for k, v in data.items() if k not in ("module_name", "class_name")})
 
 
 class PrivacyAccountant:
@@ -331,6 +402,22 @@ class PrivacyAccountant:
         q = check_sampling_probability(sampling_probability)
         self._record(_Segment(_RELEASE, (sigma,), q, check_count("count", count, MAX_STEPS)))
 
+    def record_event(self, event: dp_accounting.DpEvent) -> None:
+        """Records ``event``, any ``dp_accounting`` event, as one more part of the run's composition.
+
+        What ``segments_of`` reads as DP-SGD steps (``SelfComposed`` of
+        ``PoissonSampled(q, Gaussian(sigma))``) counts towards ``steps`` and is
+        accounted exactly as ``step()`` would record it; any other event is
+        composed as it is. Its PLD cost is not estimated ("Bounded cost"
+        covers the Gaussian segments only), and ``get_state`` saves it by its
+        ``dp_accounting`` class and fields. ``extra_noise_multipliers`` apply
+        to ``step()`` only: an event is recorded as given.
+        """
+        if not isinstance(event, dp_accounting.DpEvent):
+            raise TypeError(f"event must be a dp_accounting.DpEvent; got {type(event).__name__} {event!r:.100}.")
+        for segment in segments_of(event):
+            self._record(segment)
+
     def _record(self, segment: _Segment) -> None:
         if segment.count == 0:
             return
@@ -393,8 +480,13 @@ class PrivacyAccountant:
             raise ValueError(f"state is missing the key {e.args[0]!r}.") from None
         for i, seg in enumerate(_as_list("state['segments']", segments)):
             where = f"state['segments'][{i}]"
+            if isinstance(seg, Mapping) and seg.get("kind") == _EVENT:
+                count = check_count(f"{where}['count']", seg.get("count"), MAX_STEPS)
+                event = _event_from_dict(seg.get("event"), f"{where}['event']")
+                accountant._record(_Segment(_EVENT, (), 1.0, count, event))
+                continue
             try:
-                kind = check_choice(f"{where}['kind']", seg["kind"], (_STEP, _RELEASE))
+                kind = check_choice(f"{where}['kind']", seg["kind"], (_STEP, _RELEASE, _EVENT))
                 sigmas = tuple(
                     check_noise_multiplier(s, f"{where}['noise_multipliers']")
                     for s in _as_list(f"{where}['noise_multipliers']", seg["noise_multipliers"])
@@ -511,11 +603,10 @@ def compute_epsilon(
     sampling (it may be fractional). With a ``mechanism``
     (``per_example_grads.dp.mechanisms``: ``BandMF``, ``BLT``), the run uses
     its cyclic Poisson sampling (``cycle_length = b``; ``q = b * batch_size
-    / N``, the part's rate) and is accounted as the mechanism says: ``k``
-    Poisson-sampled Gaussian steps ``(q', sigma')`` from
-    ``mechanism.accounted_as(sigma, q, T)`` (for ``BandMF``,
-    ``ceil(T / b)`` DP-SGD steps at ``q``; for ``BLT``, one Gaussian
-    mechanism of noise multiplier ``sigma / sensitivity``). ``sampling="shuffle"`` returns the same
+    / N``, the part's rate) and is accounted as the mechanism says, its
+    ``mechanism.dp_event(sigma, q, T)`` (for ``BandMF``, ``ceil(T / b)``
+    DP-SGD steps at ``q``; for ``BLT``, one Gaussian mechanism of noise
+    multiplier ``sigma / sensitivity``). ``sampling="shuffle"`` returns the same
     number, which is only a heuristic for shuffled fixed-size batches, and
     warns (see the module docstring). ``delta >= 1 / num_examples`` warns: a
     mechanism that publishes one random example in full already meets it;
@@ -555,12 +646,7 @@ def _cycle_of(mechanism: Any) -> int:
 def _run_segments(sigma: float, q: float, steps: int, mechanism: Any = None) -> list[_Segment]:
     """The ledger of ``steps`` steps at ``(sigma, q)`` with ``mechanism`` (None: DP-SGD), as ``_Segment`` s."""
     if mechanism is not None:
-        sigma, q, steps = mechanism.accounted_as(sigma, q, steps)
-        sigma, q, steps = (
-            check_noise_multiplier(sigma),
-            check_sampling_probability(q),
-            check_count("steps", steps, MAX_STEPS),
-        )
+        return segments_of(mechanism.dp_event(sigma, q, steps)) if steps else []
     return [_Segment(_STEP, (sigma,), q, steps)] if steps else []
 
 
@@ -625,7 +711,8 @@ def noise_multiplier_for_epsilon(
         return _run_segments(sigma, q, steps, mechanism)
 
     def event(sigma: float) -> dp_accounting.DpEvent:
-        return segments(sigma)[0].dp_event()
+        parts = segments(sigma)
+        return parts[0].dp_event() if len(parts) == 1 else _composed_event(parts)
 
     def rdp_within(sigma: float) -> bool:
         return _accountant_epsilon(_make_accountant("rdp"), event(sigma), delta) <= target
@@ -876,7 +963,15 @@ def _accountant_epsilon(
     accountant: dp_accounting.PrivacyAccountant, event: dp_accounting.DpEvent, delta: float
 ) -> float:
     with quiet_accounting():
-        return float(accountant.compose(event).get_epsilon(delta))
+        try:
+            accountant.compose(event)
+        except dp_accounting.UnsupportedEventError as e:
+            name = "pld" if isinstance(accountant, pld.PLDAccountant) else "rdp"
+            raise ValueError(
+                f"the {name!r} accountant of dp_accounting cannot account this run's events ({e}); a mechanism's "
+                "dp_event must be one that accountant supports: try the other accountant (accountant='pld' or 'rdp')."
+            ) from None
+        return float(accountant.get_epsilon(delta))
 
 
 def _epsilon(accountant: str, segments: list[_Segment], delta: float) -> float:
@@ -907,14 +1002,21 @@ def _epsilon(accountant: str, segments: list[_Segment], delta: float) -> float:
 
 
 def _cost(segments: list[_Segment], interval: float) -> pld_cost.Cost:
-    """``pld_cost.estimate`` of ``segments``, each as one sampled Gaussian of its combined noise multiplier."""
-    releases = [(_combined_noise_multiplier(s.noise_multipliers), s.sampling_probability, s.count) for s in segments]
+    """``pld_cost.estimate`` of ``segments``, each as one sampled Gaussian of its combined noise multiplier.
+
+    Other events (``record_event``) are not estimated: their cost is theirs to bound.
+    """
+    releases = [
+        (_combined_noise_multiplier(s.noise_multipliers), s.sampling_probability, s.count)
+        for s in segments
+        if s.kind != _EVENT
+    ]
     return pld_cost.estimate(releases, interval)
 
 
 def _describe(segments: list[_Segment]) -> str:
     """``"steps=1000000000, noise_multiplier=1.1, q=0.004267"``, or a count of segments, for messages."""
-    if len(segments) == 1:
+    if len(segments) == 1 and segments[0].kind != _EVENT:
         (s,) = segments
         sigma = _combined_noise_multiplier(s.noise_multipliers)
         what = "steps" if s.kind == _STEP else "releases"

@@ -622,21 +622,21 @@ class DPAggregator(keras.layers.Layer):
         """
         steps = int(self.steps.numpy())
         sampling = "poisson" if int(self.poisson.numpy()) else "shuffle"
-        privatizer = self.privatizer
         segments = self.composable_segments()
-        if segments:
-            events = [privatizer.accounted_as(s.noise_multiplier, s.sampling_probability, s.steps) for s in segments]
-            accounted = PrivacyAccountant(*events[0][:2], accountant=accountant, sampling=sampling)
-            for sigma, q, count in events:
-                accounted.step(count, noise_multiplier=sigma, sampling_probability=q)
-            return accounted
-        q = float(self.max_sampling_probability.numpy()) if steps else sampling_probability
-        if q is None:
-            raise ValueError("accounting before the first step needs the sampling probability of the steps to come.")
-        sigma = float(self.min_noise_multiplier.numpy()) if steps else self.noise_multiplier
-        sigma, q, steps = privatizer.accounted_as(sigma, q, steps)  # equivalent: k steps at (sigma', q')
-        accounted = PrivacyAccountant(sigma, q, accountant=accountant, sampling=sampling)
-        accounted.step(steps)
+        if not segments:
+            q = float(self.max_sampling_probability.numpy()) if steps else sampling_probability
+            if q is None:
+                raise ValueError(
+                    "accounting before the first step needs the sampling probability of the steps to come."
+                )
+            sigma = float(self.min_noise_multiplier.numpy()) if steps else self.noise_multiplier
+            segments = [ledger.Segment(steps, sigma, q, sampling == "poisson")]
+        last = segments[-1]
+        accounted = PrivacyAccountant(
+            last.noise_multiplier, last.sampling_probability, accountant=accountant, sampling=sampling
+        )
+        for s in segments:
+            accounted.record_event(self.privatizer.dp_event(s.noise_multiplier, s.sampling_probability, s.steps))
         return accounted
 
     def max_steps(self, budget: PrivacyBudget, sampling_probability: float, poisson: bool = True) -> int:

@@ -95,7 +95,7 @@ class PrivacyBudget:
         The search counts Poisson-sampled steps; fixed-size batches are
         accounted with the same numbers (``sampling="shuffle"``, a heuristic).
         With a noise ``mechanism`` (``per_example_grads.dp.mechanisms``), steps
-        are accounted as it says (``mechanism.accounted_as``).
+        are accounted as it says (``mechanism.dp_event``).
 
         ``taken``: steps a run has already taken, as ``(steps, sigma, q)``
         runs in order (a ledger's segments, ``per_example_grads.dp.ledger``),
@@ -136,11 +136,12 @@ def _max_steps(epsilon, delta, sigma, q, accountant, rtol, mechanism=None, taken
         return done
 
     def within(name: str, total: int) -> bool:
-        runs = [r for r in [*taken, (total - done, sigma, q)] if r[0]]
-        events = [(s, rate, n) if mechanism is None else mechanism.accounted_as(s, rate, n) for n, s, rate in runs]
-        ledger = PrivacyAccountant(*events[0][:2], accountant=name, sampling="poisson")
-        for s, rate, count in events:
-            ledger.step(count, noise_multiplier=s, sampling_probability=rate)
+        ledger = PrivacyAccountant(sigma, q, accountant=name, sampling="poisson")
+        for n, s, rate in [*taken, (total - done, sigma, q)]:
+            if mechanism is None:
+                ledger.step(n, noise_multiplier=s, sampling_probability=rate)
+            elif n:
+                ledger.record_event(mechanism.dp_event(s, rate, n))
         return ledger.epsilon(delta) <= epsilon
 
     first = done + 1

@@ -47,7 +47,9 @@ when read or saved) for its share ``z_t / sqrt(R)`` of the draw: the
 recursion is linear, so the shares' sum is exactly the single-process noise.
 
 A mechanism of your own: subclass ``NoiseMechanism`` and implement
-``correlate`` (and ``build_state`` if it keeps state) and ``accounted_as``.
+``correlate`` (and ``build_state`` if it keeps state), and its accounting:
+``accounted_as`` where its steps are as private as some Poisson-sampled
+Gaussian steps, or else ``dp_event``, any ``dp_accounting`` event.
 """
 
 from __future__ import annotations
@@ -56,11 +58,13 @@ import hashlib
 import json
 from typing import Sequence
 
+import dp_accounting
 import keras
 import numpy as np
 import tensorflow as tf
 
 from per_example_grads._core.arguments import check_positive_int
+from per_example_grads.dp.accounting import sampled_gaussian_event
 
 
 def _strategies():
@@ -116,6 +120,16 @@ class NoiseMechanism(keras.layers.Layer):
         sampled (``poisson_batches``'s ``q``); ``q' = 1`` means no sampling.
         """
         raise NotImplementedError
+
+    def dp_event(self, noise_multiplier: float, sampling_probability: float, steps: int) -> dp_accounting.DpEvent:
+        """The ``dp_accounting`` event of ``steps`` steps at ``(sigma, q)``: what every epsilon of a run composes.
+
+        By default ``accounted_as``'s ``k`` Poisson-sampled Gaussian steps
+        (``accounting.sampled_gaussian_event``). A mechanism whose releases are
+        no such steps overrides this instead, with any event ``dp_accounting``
+        accounts (its PLD cost is then not estimated first).
+        """
+        return sampled_gaussian_event(*self.accounted_as(noise_multiplier, sampling_probability, steps))
 
     @property
     def coefficients(self) -> np.ndarray:
@@ -425,9 +439,9 @@ class BLT(_BufferedMechanism):
 def check_mechanism(mechanism) -> NoiseMechanism:
     """``mechanism``, or a ``GaussianNoise`` for None; a ``TypeError`` naming it otherwise.
 
-    Every ``epsilon`` of a run with ``mechanism`` is its ``accounted_as``: a
-    subclass that does not state its accounting is refused, never taken
-    for DP-SGD.
+    Every ``epsilon`` of a run with ``mechanism`` composes its ``dp_event``
+    (by default from ``accounted_as``): a subclass that states neither is
+    refused, never taken for DP-SGD.
     """
     if mechanism is None:
         return GaussianNoise()
@@ -436,11 +450,13 @@ def check_mechanism(mechanism) -> NoiseMechanism:
             "mechanism must be a peg.dp.NoiseMechanism (GaussianNoise, BandMF, BLT) or None; got "
             f"{type(mechanism).__name__} {mechanism!r}."
         )
-    if type(mechanism).accounted_as is NoiseMechanism.accounted_as:
+    kind = type(mechanism)
+    if kind.accounted_as is NoiseMechanism.accounted_as and kind.dp_event is NoiseMechanism.dp_event:
         raise TypeError(
-            f"the mechanism {type(mechanism).__name__} does not say how its steps are accounted: implement "
+            f"the mechanism {kind.__name__} does not say how its steps are accounted: implement "
             "accounted_as(noise_multiplier, sampling_probability, steps), returning the (sigma', q', k) of the "
-            "Poisson-sampled Gaussian steps it is as private as. Without it no epsilon could be computed."
+            "Poisson-sampled Gaussian steps it is as private as, or dp_event(noise_multiplier, "
+            "sampling_probability, steps), returning its dp_accounting event. Without one no epsilon could be computed."
         )
     return mechanism
 

@@ -7,9 +7,10 @@ knows beside them (``ReleaseContext``), and returns what the optimizer sees,
     release(S) = (S + x_t) / D,
 
 with the noise ``x_t`` of step ``t`` added once. It also states what its
-releases cost: ``accounted_as(sigma, q, T)`` is the ``(sigma', q', k)`` of
-the ``k`` Poisson-sampled Gaussian steps that ``T`` of its steps are as
-private as (the accountant's input, ``per_example_grads.dp.accounting``).
+releases cost: ``dp_event(sigma, q, T)`` is the ``dp_accounting`` event of
+``T`` of its releases at noise multiplier ``sigma``, each on a Poisson
+sample at ``q`` (what the ledger's accountant composes,
+``per_example_grads.dp.accounting``).
 
 The parts, each one concept (``DPAggregator.privatizer`` composes them):
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Sequence
 
+import dp_accounting
 import tensorflow as tf
 
 from per_example_grads._core import replicas
@@ -97,10 +99,8 @@ class Privatizer:
         """``(sums + x_t) / D``: one ``[*var.shape]`` tensor (or ``tf.IndexedSlices``) per variable."""
         raise NotImplementedError
 
-    def accounted_as(
-        self, noise_multiplier: float, sampling_probability: float, steps: int
-    ) -> tuple[float, float, int]:
-        """``(sigma', q', k)``: ``steps`` releases are as private as ``k`` Poisson-sampled Gaussian steps."""
+    def dp_event(self, noise_multiplier: float, sampling_probability: float, steps: int) -> dp_accounting.DpEvent:
+        """The ``dp_accounting`` event of ``steps`` releases at ``(sigma, q)``."""
         raise NotImplementedError
 
 
@@ -127,8 +127,8 @@ class DenseNoise(Privatizer):
             mechanism=self.mechanism,
         )
 
-    def accounted_as(self, noise_multiplier, sampling_probability, steps):
-        return self.mechanism.accounted_as(noise_multiplier, sampling_probability, steps)
+    def dp_event(self, noise_multiplier, sampling_probability, steps):
+        return self.mechanism.dp_event(noise_multiplier, sampling_probability, steps)
 
 
 class SparseNoise(Privatizer):
@@ -169,8 +169,8 @@ class SparseNoise(Privatizer):
         grads = dict(zip(others, dense)) | rows
         return [grads[i] for i in range(len(sums))]
 
-    def accounted_as(self, noise_multiplier, sampling_probability, steps):
-        return self.mechanism.accounted_as(noise_multiplier, sampling_probability, steps)
+    def dp_event(self, noise_multiplier, sampling_probability, steps):
+        return self.mechanism.dp_event(noise_multiplier, sampling_probability, steps)
 
 
 class CanaryInsertion(Privatizer):
@@ -198,8 +198,8 @@ class CanaryInsertion(Privatizer):
         self.canaries.observe(grads, sums, context.divisor, step=context.step)
         return grads
 
-    def accounted_as(self, noise_multiplier, sampling_probability, steps):
-        return self.inner.accounted_as(noise_multiplier, sampling_probability, steps)
+    def dp_event(self, noise_multiplier, sampling_probability, steps):
+        return self.inner.dp_event(noise_multiplier, sampling_probability, steps)
 
 
 class ClipUpdate(Privatizer):
@@ -241,8 +241,8 @@ class ClipUpdate(Privatizer):
         )
         return grads
 
-    def accounted_as(self, noise_multiplier, sampling_probability, steps):
-        return self.inner.accounted_as(noise_multiplier, sampling_probability, steps)
+    def dp_event(self, noise_multiplier, sampling_probability, steps):
+        return self.inner.dp_event(noise_multiplier, sampling_probability, steps)
 
 
 def compose(

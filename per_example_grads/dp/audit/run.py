@@ -309,9 +309,8 @@ def _claim(dp_model: Any, sampling_probability: float, steps: int, delta: float)
     from per_example_grads.dp.accounting import PrivacyAccountant
 
     dp_model._check_ledger_covers_network()
-    sigma, q, k = dp_model.aggregator.privatizer.accounted_as(dp_model.noise_multiplier, sampling_probability, steps)
-    ledger = PrivacyAccountant(sigma, q)
-    ledger.step(k)
+    ledger = PrivacyAccountant(dp_model.noise_multiplier, sampling_probability)
+    ledger.record_event(dp_model.aggregator.privatizer.dp_event(dp_model.noise_multiplier, sampling_probability, steps))
     return float(ledger.epsilon(delta))
 
 
