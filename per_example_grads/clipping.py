@@ -27,8 +27,8 @@ from per_example_grads import transforms
 from per_example_grads._core.arguments import check_clip
 from per_example_grads._core.batch import batch_size, branch_zeros, make_batch, unless_empty
 from per_example_grads._core.problem import make_problem
-from per_example_grads.engines import grouped, layerwise, selection
-from per_example_grads.engines.base import ClipGroups
+from per_example_grads.engines import grouped, selection
+from per_example_grads.engines.base import ClipGroups, FiniteSums
 
 ClipNorm = float | Mapping[str, float] | Sequence[float]
 
@@ -194,11 +194,10 @@ def clipped_sums_and_predictions(
             return traced(batch)
 
     def without_nonfinite(batch):  # run only for B > 0
-        problem.cache.pop(layerwise.EXCLUDES_NONFINITE, None)
         sums, norms, predictions = clipped_sums(batch)
+        left_out = isinstance(sums, FiniteSums)
         sums = _static_dense_shapes(sums, problem.variables)
-        if units is None and problem.cache.get(layerwise.EXCLUDES_NONFINITE):
-            # The layer-wise engine left such examples out itself: no second pass to trace.
+        if left_out:  # the engine left such examples out itself: no second pass to trace
             return _without_nonfinite_examples(None, batch, sums, norms, problem.variables), norms, predictions
         recompute = lambda batch: clipped_sums(batch)[:2]
         return _without_nonfinite_examples(recompute, batch, sums, norms, problem.variables, units), norms, predictions
@@ -229,8 +228,8 @@ def _without_nonfinite_examples(clipped_sums, batch, sums, norms, variables, uni
     batch. The recomputation runs only for batches that have such an
     example; the count is ``sum(~finite_examples(norms))`` (real rows only).
 
-    ``clipped_sums`` None: the engine already left such examples out
-    (``engines.layerwise.EXCLUDES_NONFINITE``); only the warning is given.
+    ``clipped_sums`` None: the engine already left such examples out (it
+    returned ``engines.base.FiniteSums``); only the warning is given.
 
     With ``units`` (``engines.grouped.Units``) the norms are per unit, and
     every row of a unit with a non-finite norm is replaced so: that unit

@@ -52,6 +52,18 @@ from per_example_grads.engines.moments import GradientFeatures, moments_of
 EngineFn = Callable[[Problem, Batch], list]
 
 
+class FiniteSums(list):
+    """Clipped sums that already leave out every example (or unit) whose norm is not finite.
+
+    An engine's ``clipped_sums`` returns its sums as this where it left such
+    examples out itself, in the same pass (the layer-wise engine,
+    ``layerwise.clipped_sums``), and as a plain list otherwise;
+    ``per_example_grads.clipping`` leaves them out of a plain list by
+    recomputing the batch, and of these only warns. Where the guarantee is
+    stated: ``clipping._without_nonfinite_examples``.
+    """
+
+
 @dataclasses.dataclass(frozen=True)
 class ClipGroups:
     """Which variables are clipped together, and to what.

@@ -19,7 +19,7 @@ from per_example_grads._core import model_inspection
 from per_example_grads._core.batch import Batch, batch_size, branch_zeros
 from per_example_grads._core.example_ops import WIDE, compute_dtype
 from per_example_grads._core.problem import Problem
-from per_example_grads.engines.base import ENGINES, ClipGroups, Engine
+from per_example_grads.engines.base import ENGINES, ClipGroups, Engine, FiniteSums
 from per_example_grads.engines.capture import (
     NotCoverable,
     Record,
@@ -351,18 +351,9 @@ def clipped_sums(problem: Problem, batch: Batch, clip: ClipGroups) -> tuple[list
     factors = [transforms.clip_factors(n, c) for n, c in zip(norms, clip.clips)]
     group_of = {id(problem.variables[i]): g for g, idx in enumerate(clip.groups) for i in idx}
     weights_for = lambda v: factors[group_of[id(v)]]  # noqa: E731
-    excludes = not tf.executing_eagerly() and _cleanable(problem, captured, batch)
-    problem.cache[EXCLUDES_NONFINITE] = excludes
-    if excludes:
-        sums = _finite_sums(problem, captured, norms, weights_for)
-    else:
-        sums = weighted_sums(problem, captured, weights_for)
-    return sums, norms, captured.predictions
-
-
-# Set in ``Problem.cache`` by ``clipped_sums`` (True or False, each time it traces): whether the sums it
-# returned already leave out every example whose norm is non-finite (``_finite_sums``).
-EXCLUDES_NONFINITE = "layerwise_sums_exclude_nonfinite"
+    if not tf.executing_eagerly() and _cleanable(problem, captured, batch):
+        return FiniteSums(_finite_sums(problem, captured, norms, weights_for)), norms, captured.predictions
+    return weighted_sums(problem, captured, weights_for), norms, captured.predictions
 
 
 def _cleanable(problem: Problem, captured: Captured, batch: Batch) -> bool:
