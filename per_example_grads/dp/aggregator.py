@@ -631,9 +631,9 @@ class DPAggregator(keras.layers.Layer):
                 )
             sigma = float(self.min_noise_multiplier.numpy()) if steps else self.noise_multiplier
             segments = [ledger.Segment(steps, sigma, q, sampling == "poisson")]
-        last = segments[-1]
+        first = segments[0]  # the accountant's defaults for step(): the run's first noise multiplier and q
         accounted = PrivacyAccountant(
-            last.noise_multiplier, last.sampling_probability, accountant=accountant, sampling=sampling
+            first.noise_multiplier, first.sampling_probability, accountant=accountant, sampling=sampling
         )
         for s in segments:
             accounted.record_event(self.privatizer.dp_event(s.noise_multiplier, s.sampling_probability, s.steps))
