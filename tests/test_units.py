@@ -472,6 +472,23 @@ def test_bad_unit_ids_are_refused():
         peg.per_example_gradients(model, sparse_ce, x, y, unit_ids=IDS, sparse_embeddings=True)
 
 
+def test_unit_ids_of_another_length_are_refused_when_the_batch_size_is_known_only_when_run():
+    # The same check as the DP front doors' (engines.grouped.checked_unit_ids); before, this path had none.
+    model, x, y = _shared_model()
+    specs = [
+        [tf.TensorSpec([None, *t.shape[1:]], t.dtype) for t in map(tf.constant, x)],
+        tf.TensorSpec([None], tf.int32),
+    ]
+    norms = tf.function(
+        lambda x_, y_, ids: peg.per_example_norms(model, sparse_ce, x_, y_, unit_ids=ids, num_units=NUM_UNITS),
+        input_signature=[*specs, tf.TensorSpec([None], tf.int32)],
+        autograph=False,
+    )
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"unit_ids must have shape \[B\]"):
+        norms(x, y, IDS[:-1])
+    assert norms(x, y, IDS).shape == (NUM_UNITS,)
+
+
 def test_per_unit_gradients_and_mean():
     model, x, y = _small_model()
     _, units, scale = _reference(model, sparse_ce, x, y, IDS, NUM_UNITS)

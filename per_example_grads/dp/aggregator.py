@@ -790,19 +790,7 @@ def _unit_clipped_sum(
     data = {"x": x} | ({} if y is None else {"y": y})
     data["sample_weight"] = tf.ones([rows]) if sample_weight is None else sample_weight
     real = tf.cast(tf.not_equal(data["sample_weight"], 0), tf.float32)
-    ids = tf.convert_to_tensor(unit_ids)
-    if not ids.dtype.is_integer:
-        raise TypeError(f"unit_ids must be integers, shape [B]; got dtype {ids.dtype.name}.")
-    static = tf.nest.flatten(x)[0].shape[0]
-    if ids.shape.rank != 1 or (static is not None and ids.shape[0] is not None and ids.shape[0] != static):
-        raise ValueError(f"unit_ids must have shape [B] with B = {static}, the rows of x; got shape {ids.shape}.")
-    if static is None or ids.shape[0] is None:  # known only when run
-        check = tf.debugging.assert_equal(
-            tf.size(ids), rows, message="unit_ids must have shape [B], one unit id per row of x"
-        )
-        with tf.control_dependencies([check]):
-            ids = tf.identity(ids)
-    data["ids"] = tf.cast(ids, tf.int64)
+    data["ids"] = tf.cast(grouped.checked_unit_ids(unit_ids, x), tf.int64)
     keep = None if in_xla_context() else _bucketed_real_rows(real)
     if keep is not None:
         data = tf.nest.map_structure(lambda t: tf.gather(t, keep), data)
@@ -850,11 +838,9 @@ def whole_units_on_replicas(x, y, sample_weight, unit_ids) -> tuple:
     the one-device ``sum_u clip_C(G_u)``, and removing a unit changes that
     sum by at most ``C``; each replica's noise share stays ``N(0, (sigma
     C)^2 / R)``. Outside a multi-replica ``strategy.run``, the arguments as
-    they are. Raises ``TypeError`` for ``unit_ids`` that are not integers.
+    they are. ``unit_ids`` are checked (``grouped.checked_unit_ids``) either way.
     """
-    ids = tf.convert_to_tensor(unit_ids)
-    if not ids.dtype.is_integer:  # checked before the cast below, which would merge 1.2 and 1.7 silently
-        raise TypeError(f"unit_ids must be integers, shape [B]; got dtype {ids.dtype.name}.")
+    ids = grouped.checked_unit_ids(unit_ids, x)  # before the cast below, which would merge 1.2 and 1.7 silently
     r = replicas.num_replicas()
     if r == 1:
         return x, y, sample_weight, unit_ids

@@ -36,7 +36,7 @@ import numpy as np
 import tensorflow as tf
 
 from per_example_grads import transforms
-from per_example_grads._core.batch import Batch, batch_size
+from per_example_grads._core.batch import Batch
 from per_example_grads._core.example_ops import WIDE
 from per_example_grads._core.problem import Problem
 from per_example_grads._core.xla_context import in_xla_context
@@ -59,6 +59,35 @@ class Units:
 
     ids: tf.Tensor
     count: Any
+
+
+def checked_unit_ids(unit_ids: Any, x: Any) -> tf.Tensor:
+    """``unit_ids`` as a ``[B]`` integer tensor, checked against the ``B`` rows of ``x``: every front door's check.
+
+    Refused: ragged or sparse ids, or ids that are not integers (before any
+    cast, which would merge ``1.2`` and ``1.7``), with ``TypeError``; ids
+    whose shape is not ``[B]``, with ``ValueError`` where both sizes are
+    known when traced, and else, inside a graph, when run
+    (``tf.errors.InvalidArgumentError``). The values are each caller's to
+    check: ``make_units`` wants ``[0, num_units)``, a DP batch also has
+    padding rows of id ``-1``.
+    """
+    if isinstance(unit_ids, (tf.RaggedTensor, tf.SparseTensor)):
+        raise TypeError("unit_ids must be one dense [B] integer tensor or array.")
+    ids = tf.convert_to_tensor(np.asarray(unit_ids) if isinstance(unit_ids, (list, tuple)) else unit_ids)
+    if not ids.dtype.is_integer:
+        raise TypeError(f"unit_ids must be integers, shape [B]; got dtype {ids.dtype.name}.")
+    first = tf.nest.flatten(x)[0]
+    static = first.shape[0]
+    if ids.shape.rank != 1 or (static is not None and ids.shape[0] is not None and ids.shape[0] != static):
+        raise ValueError(f"unit_ids must have shape [B] with B = {static}, the rows of x; got shape {ids.shape}.")
+    if static is None or ids.shape[0] is None:  # known only when run
+        check = tf.debugging.assert_equal(
+            tf.size(ids), tf.shape(first)[0], message="unit_ids must have shape [B], one unit id per row of x"
+        )
+        with tf.control_dependencies([check]):
+            ids = tf.identity(ids)
+    return ids
 
 
 def units_or_none(unit_ids: Any, num_units: int | None, batch: Batch) -> "Units | None":
@@ -84,7 +113,7 @@ def make_units(unit_ids: Any, num_units: int | None, batch: Batch) -> Units:
 
     Raises:
       TypeError: ``unit_ids`` is not integers, or ``num_units`` not an int.
-      ValueError: ``unit_ids`` is not ``[B]``, ``num_units`` is negative or
+      ValueError: ``unit_ids`` is not ``[B]`` (``checked_unit_ids``), ``num_units`` is negative or
         None under XLA (``jit_compile``, which needs static shapes), or
         (eagerly; inside a graph, when run: ``tf.errors.InvalidArgumentError``)
         an id is outside ``[0, num_units)``.
@@ -93,17 +122,7 @@ def make_units(unit_ids: Any, num_units: int | None, batch: Batch) -> Units:
         raise TypeError(f"num_units must be an int or None; got {type(num_units).__name__}.")
     if num_units is not None and num_units < 0:
         raise ValueError(f"num_units must be >= 0; got {num_units}.")
-    if isinstance(unit_ids, (tf.RaggedTensor, tf.SparseTensor)):
-        raise TypeError("unit_ids must be one dense [B] integer tensor or array.")
-    ids = tf.convert_to_tensor(np.asarray(unit_ids) if isinstance(unit_ids, (list, tuple)) else unit_ids)
-    if not ids.dtype.is_integer:
-        raise TypeError(f"unit_ids must be integers, shape [B]; got dtype {ids.dtype.name}.")
-    b = batch_size(batch)
-    if ids.shape.rank != 1:
-        raise ValueError(f"unit_ids must have shape [B] (B = {b}); got shape {ids.shape}.")
-    if isinstance(b, int) and ids.shape[0] is not None and ids.shape[0] != b:
-        raise ValueError(f"unit_ids must have shape [B] with B = {b}, the batch size of x; got shape {ids.shape}.")
-    ids = tf.cast(ids, tf.int32)
+    ids = tf.cast(checked_unit_ids(unit_ids, batch["x"]), tf.int32)
     if tf.executing_eagerly():
         values = ids.numpy()
         if values.size and values.min() < 0:
