@@ -24,6 +24,8 @@ from per_example_grads.dp import (
     noise_multiplier_for_epsilon,
 )
 from per_example_grads.dp.accounting import dp_sgd_schedule
+from per_example_grads.dp.bisr import BISR
+from per_example_grads.dp.mechanisms import BLT, BandMF
 from per_example_grads.keras import EpsilonCallback
 from tolerances import ACCOUNTING_COMPOSED_RTOL, ACCOUNTING_SAME_RTOL, FLOAT64_CLOSED_FORM_RTOL, PRINTED_RTOL
 
@@ -479,6 +481,37 @@ def test_cli_target_epsilon_prints_the_noise_needed(capsys):
     assert _number("epsilon", out) <= 2.0
 
 
+@pytest.mark.slow  # builds the mechanisms (Keras layers)
+@pytest.mark.parametrize(
+    "options, make",
+    [
+        (["--mechanism", "bandmf", "--bands", "4"], lambda t: BandMF(4, t)),
+        (["--mechanism", "bandmf", "--bands", "2", "--cycle-length", "5"], lambda t: BandMF(2, t, cycle_length=5)),
+        (["--mechanism", "blt", "--buffers", "2", "--cycle-length", "4"], lambda t: BLT(2, t, cycle_length=4)),
+        (["--mechanism", "bisr", "--bands", "3"], lambda t: BISR(3, t, cycle_length=3)),
+    ],
+    ids=["bandmf", "bandmf_cycle", "blt", "bisr"],
+)
+def test_cli_plans_a_correlated_noise_run_as_compute_epsilon_accounts_it(capsys, options, make):
+    # pegrad epsilon took DP-SGD only; a run planned with BandMF, BLT or BISR had to be accounted in Python (#54).
+    common = ["epsilon", "--num-examples", "2000", "--batch-size", "50", "--steps", "48", "--delta", "1e-5"]
+    assert cli.main([*common, "--noise-multiplier", "3", "--accountant", "rdp", *options]) == 0
+    out = capsys.readouterr().out
+    mechanism = make(48)
+    cycle = mechanism.cycle_length
+    expected = compute_epsilon(2000, 50, None, 3.0, 1e-5, steps=48, mechanism=mechanism, accountant="rdp")
+    assert _number("epsilon", out) == pytest.approx(expected, rel=PRINTED_RTOL)
+    assert _number("sampling probability q", out) == pytest.approx(cycle * 50 / 2000, rel=PRINTED_RTOL)
+    assert f"mechanism = {type(mechanism).__name__}(" in out and f"cycle_length={cycle}" in out
+
+    assert cli.main([*common, "--target-epsilon", "8", "--accountant", "rdp", *options]) == 0
+    sigma = _number("noise multiplier", capsys.readouterr().out)
+    epsilon = lambda s: compute_epsilon(  # noqa: E731
+        2000, 50, None, s, 1e-5, steps=48, mechanism=make(48), accountant="rdp"
+    )
+    assert epsilon(sigma) <= 8.0 < epsilon(0.99 * sigma)
+
+
 def test_cli_shuffle_prints_the_warning(capsys):
     argv = [
         "epsilon",
@@ -513,6 +546,11 @@ def test_cli_shuffle_prints_the_warning(capsys):
             ["--noise-multiplier", "1", "--batch-size", "5000"],
             r"--batch-size \(5000\) must be <= --num-examples \(1000\)",
         ),
+        (["--noise-multiplier", "1", "--bands", "4"], "--bands needs --mechanism bandmf or bisr"),
+        (["--noise-multiplier", "1", "--mechanism", "bandmf"], "--mechanism bandmf needs --bands"),
+        (["--noise-multiplier", "1", "--mechanism", "blt", "--buffers", "2"], "--mechanism blt needs --cycle-length"),
+        (["--noise-multiplier", "1", "--mechanism", "bandmf", "--bands", "2", "--buffers", "2"], "--buffers needs"),
+        (["--noise-multiplier", "1", "--cycle-length", "2"], "--cycle-length needs --mechanism bandmf or blt or bisr"),
     ],
 )
 def test_cli_errors(capsys, extra, message):

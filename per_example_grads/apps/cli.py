@@ -9,6 +9,7 @@ one, write that pair and list the first in ``_SUBCOMMANDS``.
     pegrad epsilon --num-examples N --batch-size B (--epochs E | --steps T)
                    (--noise-multiplier S | --target-epsilon EPS) --delta D
                    [--accountant pld|rdp] [--sampling poisson|shuffle]
+                   [--mechanism dp-sgd|bandmf|blt|bisr] [--bands K] [--buffers D] [--cycle-length b]
     pegrad diagnose [MODEL.keras DATA.npz] [--out DIR] [--fast] [--batch-size B]
     pegrad audit [--out DIR] [--fast] [--canaries gradient|input] [--num-canaries M]
                  [--target-epsilon E] [--epochs N] [--full-batch] [--significance A] [--seed S]
@@ -48,7 +49,7 @@ import argparse
 import contextlib
 import os
 import sys
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from per_example_grads.apps.tables import InputError, OutputError, check_output_folder, first_line
 
@@ -259,7 +260,57 @@ def _add_epsilon_parser(subparsers: "argparse._SubParsersAction") -> None:
         help="how batches are drawn; 'shuffle' is accounted as Poisson, a "
         "heuristic without a proven bound (default: %(default)s)",
     )
+    p.add_argument(
+        "--mechanism",
+        choices=tuple(_MECHANISMS),
+        default="dp-sgd",
+        help="the noise: DP-SGD's independent noise, or correlated noise (peg.dp.BandMF, BLT, BISR), each "
+        "accounted as DPModel accounts it, on cyclic Poisson batches (default: %(default)s)",
+    )
+    p.add_argument("--bands", type=_positive_int, metavar="K", help="bandmf, bisr: bands of the mechanism")
+    p.add_argument("--buffers", type=_positive_int, metavar="D", help="blt: buffers of the mechanism")
+    p.add_argument(
+        "--cycle-length",
+        type=_positive_int,
+        metavar="b",
+        help="correlated noise: poisson_batches(cycle_length=b), the least steps between an example's turns "
+        "(q = b B / N); default --bands for bandmf and bisr, required for blt",
+    )
     p.set_defaults(run=_run_epsilon, parser=p)
+
+
+# --mechanism: the options it takes, and the peg.dp class it names
+_MECHANISMS = {"dp-sgd": (), "bandmf": ("bands",), "blt": ("buffers", "cycle_length"), "bisr": ("bands",)}
+
+
+def _mechanism_of(args: argparse.Namespace, steps: int) -> Any:
+    """The ``peg.dp`` mechanism ``--mechanism`` names for a run of ``steps`` steps, or None for DP-SGD."""
+    if args.mechanism == "dp-sgd":
+        return None
+    from per_example_grads.dp.bisr import BISR  # TensorFlow and Keras: only where a mechanism is named
+    from per_example_grads.dp.mechanisms import BLT, BandMF
+
+    cycle = args.cycle_length
+    if args.mechanism == "bandmf":
+        return BandMF(args.bands, steps, cycle_length=cycle)
+    if args.mechanism == "bisr":
+        return BISR(args.bands, steps, cycle_length=args.bands if cycle is None else cycle)
+    return BLT(args.buffers, steps, cycle_length=cycle)
+
+
+def _check_mechanism_options(args: argparse.Namespace) -> int:
+    """The cycle ``--mechanism`` samples with (1 for DP-SGD); a usage error for options it lacks or does not take."""
+    needed = _MECHANISMS[args.mechanism]
+    for name in ("bands", "buffers", "cycle_length"):
+        flag = "--" + name.replace("_", "-")
+        takers = [m for m, options in _MECHANISMS.items() if name in options or (name == "cycle_length" and options)]
+        if getattr(args, name) is not None and args.mechanism not in takers:
+            args.parser.error(f"{flag} needs --mechanism {' or '.join(takers)}")
+        if name in needed and getattr(args, name) is None:
+            args.parser.error(f"--mechanism {args.mechanism} needs {flag}")
+    if args.mechanism == "dp-sgd":
+        return 1
+    return args.cycle_length if args.cycle_length is not None else args.bands
 
 
 def _run_epsilon(args: argparse.Namespace) -> int:
@@ -268,7 +319,8 @@ def _run_epsilon(args: argparse.Namespace) -> int:
 
     if args.batch_size > args.num_examples:
         args.parser.error(f"--batch-size ({args.batch_size:g}) must be <= --num-examples ({args.num_examples})")
-    from per_example_grads.dp import accounting  # dp_accounting only: no TensorFlow
+    cycle = _check_mechanism_options(args)
+    from per_example_grads.dp import accounting  # dp_accounting only: no TensorFlow (unless a mechanism is named)
 
     run = dict(
         num_examples=args.num_examples,
@@ -280,7 +332,10 @@ def _run_epsilon(args: argparse.Namespace) -> int:
     )
     # What the accounting refuses, or cannot represent, is these inputs' fault.
     try:
-        q, steps = accounting.dp_sgd_schedule(args.num_examples, args.batch_size, args.epochs, args.steps, None)
+        q, steps = accounting.dp_sgd_schedule(
+            args.num_examples, args.batch_size, args.epochs, args.steps, None, cycle_length=cycle
+        )
+        run["mechanism"] = mechanism = _mechanism_of(args, steps)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if args.target_epsilon is None:
@@ -304,16 +359,26 @@ def _run_epsilon(args: argparse.Namespace) -> int:
     answered = "rdp" if fell_back else args.accountant
 
     length = f"{args.epochs:g} epochs" if args.steps is None else "given"
-    print(
-        f"sampling probability q = {q:.6g} (batch size {args.batch_size:g} / {args.num_examples} examples, {args.sampling} sampling)"
-    )
+    if cycle > 1:
+        sampling = f"cycle {cycle} x batch size {args.batch_size:g} / {args.num_examples} examples, cyclic {args.sampling} sampling"
+    else:
+        sampling = f"batch size {args.batch_size:g} / {args.num_examples} examples, {args.sampling} sampling"
+    print(f"sampling probability q = {q:.6g} ({sampling})")
     print(f"steps = {steps} ({length})")
+    if mechanism is not None:
+        print(f"mechanism = {_describe_mechanism(mechanism)}")
     if args.target_epsilon is not None:
         print(
             f"noise multiplier = {sigma:.6g} for epsilon <= {args.target_epsilon:g} at delta = {args.delta:g} ({args.accountant} accountant)"
         )
     print(f"epsilon = {epsilon:.6g} at delta = {args.delta:g} with noise multiplier {sigma:g} ({answered} accountant)")
     return 0
+
+
+def _describe_mechanism(mechanism: Any) -> str:
+    """``"BandMF(bands=4, num_steps=600, cycle_length=4)"``: the class and its configuration."""
+    config = {k: v for k, v in mechanism.get_config().items() if k not in ("name", "theta", "omega")}
+    return f"{type(mechanism).__name__}({', '.join(f'{k}={v}' for k, v in config.items())})"
 
 
 def _positive_float(text: str) -> float:
