@@ -299,10 +299,17 @@ def test_canaries_refuse_what_they_cannot_audit():
     canaries.detach()
     units = peg.keras.DPModel(
         keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]), noise_multiplier=1.0, privacy_unit="unit"
-    )  # was refused for the unit ids audit() cannot give
+    )
     units.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ValueError, match="audit: a privacy audit cannot be combined with privacy_unit='unit'"):
-        audit.audit(units, np.zeros((4, 2)), np.zeros(4), canaries=canaries, sampling_probability=1.0, delta=DELTA)
+    x4, y4 = np.zeros((4, 2)), np.zeros(4)
+    with pytest.raises(ValueError, match=r"privacy_unit='unit': give audit\(\.\.\., unit_ids=\.\.\.\)"):
+        audit.audit(units, x4, y4, canaries=canaries, sampling_probability=1.0, delta=DELTA)
+    inputs = audit.InputCanaries(np.ones((2, 2), "float32"), np.zeros(2, "float32"))
+    with pytest.raises(ValueError, match="audit: input canaries cannot be combined with privacy_unit='unit'"):
+        audit.audit(units, x4, y4, canaries=inputs, sampling_probability=1.0, delta=DELTA, unit_ids=np.arange(4))
+    examples = _regression_dp_model(2, 1, 1.0)
+    with pytest.raises(ValueError, match="unit_ids needs a DPModel\\(privacy_unit='unit'\\)"):
+        audit.audit(examples, x4, y4, canaries=canaries, sampling_probability=1.0, delta=DELTA, unit_ids=np.arange(4))
     with pytest.raises(TypeError, match="must be a peg.keras.DPModel"):
         audit.audit(
             keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]),
@@ -511,6 +518,39 @@ def test_a_trained_model_is_audited_against_the_epsilon_of_its_audited_steps(mon
     # What it was compared with before: the whole run's epsilon, above the one valid bound here (so "no
     # violation"; the Gaussian-DP bound does not count at q < 1).
     assert not report.gaussian_dp_exact and report.epsilon_one_run < dp_model.epsilon(DELTA)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("noise", ["claimed", "off"])
+def test_a_unit_level_model_is_audited_per_unit(noise, monkeypatch):
+    """Units of 3 rows: each canary is one unit's clipped contribution, the claim the per-unit epsilon (#54).
+
+    With the claimed noise no bound exceeds the claim; with none (the ledger still says sigma = 1) the
+    one-run bound is far above it. Before, a unit-level model could not be audited at all.
+    """
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(240, 44)).astype("float32"), rng.normal(size=(240, 48)).astype("float32")
+    unit_ids = np.repeat(np.arange(80), 3)
+    dp_model = _regression_dp_model(44, 48, 1.0, privacy_unit="unit")
+    if noise == "off":
+        monkeypatch.setattr(dp_model.aggregator, "_gradient_noise_multiplier", 0.0)
+    report = audit.audit(
+        dp_model,
+        x,
+        y,
+        canaries=audit.GradientCanaries(2000, seed=7),
+        sampling_probability=0.05,
+        steps=20,
+        delta=DELTA,
+        unit_ids=unit_ids,
+    )
+    assert report.steps == 20 == int(dp_model.dp_steps.numpy())
+    assert dp_model.num_examples == 80  # accounted per unit
+    assert report.epsilon_accountant == pytest.approx(_claim(None, 1.0, 0.05, 20), rel=ACCOUNTING_COMPOSED_RTOL)
+    if noise == "claimed":
+        assert not report.violated and report.epsilon_one_run <= report.epsilon_accountant
+    else:
+        assert report.violated and report.epsilon_one_run > 1.5 * report.epsilon_accountant
 
 
 @pytest.mark.slow

@@ -238,14 +238,8 @@ CASES = [
     # audit
     (
         "audit",
-        lambda: _audit(_dp(privacy_unit="unit"), GradientCanaries(4, seed=0)),
-        "a privacy audit",
-        "privacy_unit='unit'",
-    ),
-    (
-        "audit",
         lambda: _audit(_dp(privacy_unit="unit"), InputCanaries(X[:4], Y[:4], seed=0)),
-        "a privacy audit",
+        "input canaries",
         "privacy_unit='unit'",
     ),
     (

@@ -241,11 +241,14 @@ PAIRINGS: tuple[Pairing, ...] = (
     ),
     # -- audit ----------------------------------------------------------------------------
     Pairing(
-        _text("a privacy audit"),
+        _text("input canaries"),
         _UNITS,
-        lambda p: p.audit is not None and p.units,
-        _text("its canaries are single examples, while the model's epsilon is per unit, which they do not measure"),
-        _text("Audit a DPModel with privacy_unit='example' (the same network and noise), or audit by hand."),
+        lambda p: p.audit == "input" and p.units,
+        _text("they are single rows of the data, while the model's epsilon is per unit, which they do not measure"),
+        _text(
+            "Audit it with gradient canaries (each one unit's clipped contribution) and unit_ids, or audit a "
+            "DPModel with privacy_unit='example'."
+        ),
     ),
     Pairing(
         _text("gradient canaries"),

@@ -336,6 +336,7 @@ def audit(
     title: str | None = None,
     verbose: int = 0,
     callbacks: list | None = None,
+    unit_ids: Any = None,
 ) -> AuditReport:
     """Trains ``dp_model`` on ``(x, y)`` with ``canaries`` through ``fit``, and bounds its epsilon from below.
 
@@ -354,6 +355,11 @@ def audit(
     Audit a run made for the audit, not the model you release: the canaries
     are part of its training.
 
+    A ``DPModel(privacy_unit="unit")`` is audited at the level it claims:
+    the batches sample units (``poisson_batches(..., unit_ids=unit_ids)``),
+    each gradient canary is one unit's clipped contribution (norm ``C``,
+    sampled as a unit is, at ``q``), and the claim is the per-unit epsilon.
+
     Args:
       dp_model: a compiled ``peg.keras.DPModel``. Leave its
         ``num_examples`` and ``expected_batch_size`` out (taken from the
@@ -369,13 +375,16 @@ def audit(
       png: where to write ``report.figure()``, or None.
       title: the model and data in words, for the report (default the model's name).
       verbose, callbacks: passed to ``fit``.
+      unit_ids: ``[N]`` the unit of every row of ``x``, for (and only for) a
+        ``privacy_unit="unit"`` model (gradient canaries).
 
     Returns:
       An ``AuditReport``.
 
     Raises:
       TypeError: ``dp_model`` is not a ``DPModel`` or ``canaries`` not canaries.
-      ValueError: ``dp_model`` is not compiled or is a unit-level one, or an argument is out of range
+      ValueError: ``dp_model`` is not compiled; ``unit_ids`` missing for a unit-level model or given for
+        an example-level one; input canaries for a unit-level model; or an argument is out of range
         (``delta``, ``significance``, ``sampling_probability``, ``steps``).
     """
     from per_example_grads.dp.aggregator import DPAggregator
@@ -399,6 +408,13 @@ def audit(
     )
     if getattr(dp_model, "optimizer", None) is None or getattr(dp_model, "loss", None) is None:
         raise ValueError("compile dp_model (optimizer and loss) before auditing it.")
+    if dp_model._parts.units and unit_ids is None:
+        raise ValueError(
+            "dp_model has privacy_unit='unit': give audit(..., unit_ids=...), the unit of every row of x, so that "
+            "its batches sample units and its canaries are audited as units."
+        )
+    if not dp_model._parts.units and unit_ids is not None:
+        raise ValueError("unit_ids needs a DPModel(privacy_unit='unit'); this one protects single examples.")
     delta = statistics._probability("delta", delta, closed_low=False)
     significance = statistics.check_significance(significance)
     cycle = dp_model.mechanism.cycle_length
@@ -420,7 +436,13 @@ def audit(
         data.pegrad_sampling = sampling  # the same Poisson sampling, which fit reads
     else:
         data = poisson_batches(
-            x, y, sampling_probability=sampling_probability, steps=steps, seed=batch_seed, cycle_length=cycle
+            x,
+            y,
+            sampling_probability=sampling_probability,
+            steps=steps,
+            seed=batch_seed,
+            cycle_length=cycle,
+            unit_ids=unit_ids,
         )
         sampling = data.pegrad_sampling
     before = int(dp_model.dp_steps.numpy())
