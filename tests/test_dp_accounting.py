@@ -13,6 +13,7 @@ import dp_accounting
 import keras
 import numpy as np
 import pytest
+import scipy.stats
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
@@ -23,7 +24,7 @@ from per_example_grads.dp import (
     compute_epsilon,
     noise_multiplier_for_epsilon,
 )
-from per_example_grads.dp.accounting import dp_sgd_schedule
+from per_example_grads.dp.accounting import dp_sgd_schedule, user_level_event
 from per_example_grads.dp.bisr import BISR
 from per_example_grads.dp.mechanisms import BLT, BandMF
 from per_example_grads.keras import EpsilonCallback
@@ -198,6 +199,61 @@ def test_an_event_the_accountant_cannot_account_is_refused_naming_it():
     rdp.record_event(dp_accounting.ZCDpEvent(0.5))
     expected = RdpAccountant(neighboring_relation=ADD_REMOVE).compose(dp_accounting.ZCDpEvent(0.5)).get_epsilon(1e-5)
     assert rdp.epsilon(1e-5) == pytest.approx(expected, rel=ACCOUNTING_SAME_RTOL)
+
+
+# dp_accounting's PLD (its value discretization, 1e-4 in the privacy loss) against scipy's quadrature of the
+# hockey-stick divergence: both about 1e-9 relative here; 1e-6 leaves room for either, and none for a wrong mixture.
+USER_LEVEL_RTOL = 1e-6
+# Building a mixture's PLD takes seconds (1.4 s for one row at sigma = 2, 6.8 s at sigma = 1 on the CI's CPUs):
+# these tests use sigma = 2 and at most 3 rows.
+USER_SIGMA = 2.0
+
+
+def test_a_user_of_k_rows_is_the_mixture_of_gaussians_whose_exact_delta_dp_accounting_gives():
+    # One step, a user of 3 rows each sampled at q: with the user the release is sum_j P(J = j) N(j, sigma^2) for
+    # J ~ Binomial(3, q), without it N(0, sigma^2) (units of C); delta is the larger hockey-stick divergence,
+    # integrated here on a grid of 1e-4 (trapezoids: error O(h^2) at the kink, below 1e-8 relative).
+    q, k = 0.01, 3  # the mixture's PLD takes longer to build as q grows (3.5 s here, 17 s at q = 0.3)
+    x = np.linspace(-12 * USER_SIGMA, k + 12 * USER_SIGMA, 700_001)
+    weights = [math.comb(k, j) * q**j * (1 - q) ** (k - j) for j in range(k + 1)]
+    with_user = sum(w * scipy.stats.norm.pdf(x, j, USER_SIGMA) for j, w in enumerate(weights))
+    without = scipy.stats.norm.pdf(x, 0.0, USER_SIGMA)
+    accountant = PLDAccountant(neighboring_relation=ADD_REMOVE).compose(user_level_event(USER_SIGMA, q, k, 1))
+    for epsilon in (0.01, 0.03, 0.05):
+        exact = max(
+            np.trapezoid(np.maximum(0.0, with_user - math.exp(epsilon) * without), x),
+            np.trapezoid(np.maximum(0.0, without - math.exp(epsilon) * with_user), x),
+        )
+        assert exact > 1e-4  # a delta the grid resolves
+        assert accountant.get_delta(epsilon) == pytest.approx(exact, rel=USER_LEVEL_RTOL), epsilon
+
+
+def test_per_user_epsilon_of_one_row_is_dp_sgds_and_grows_with_the_rows():
+    run = dict(num_examples=60_000, batch_size=600, epochs=None, noise_multiplier=USER_SIGMA, delta=1e-6, steps=20)
+    per_user = [compute_epsilon(**run, rows_per_user=k) for k in (1, 2)]
+    assert per_user[0] == pytest.approx(compute_epsilon(**run), rel=USER_LEVEL_RTOL)
+    assert per_user[0] < per_user[1]
+    with pytest.raises(ValueError, match="rows_per_user accounts DP-SGD's independent noise only .* not a BandMF"):
+        compute_epsilon(**run, rows_per_user=2, mechanism=BandMF(2, 20))
+    with pytest.raises(ValueError, match="'rdp' accountant of dp_accounting cannot account .*MixtureOfGaussians"):
+        compute_epsilon(**run, rows_per_user=2, accountant="rdp")
+    with pytest.raises(ValueError, match="rows_per_user must be a positive integer"):
+        compute_epsilon(**run, rows_per_user=0)
+
+
+def test_cli_prints_the_per_user_epsilon(capsys):
+    argv = ["epsilon", "--num-examples", "60000", "--batch-size", "600", "--steps", "20", "--delta", "1e-6"]
+    assert cli.main([*argv, "--noise-multiplier", str(USER_SIGMA), "--rows-per-user", "2"]) == 0
+    out = capsys.readouterr().out
+    want = compute_epsilon(60_000, 600, None, USER_SIGMA, 1e-6, steps=20, rows_per_user=2)
+    assert _number("epsilon", out) == pytest.approx(want, rel=PRINTED_RTOL) and "per user of at most 2 rows" in out
+    for extra, message in (
+        (["--target-epsilon", "2", "--rows-per-user", "3"], "--rows-per-user takes --noise-multiplier"),
+        (["--noise-multiplier", "1", "--rows-per-user", "3", "--mechanism", "bandmf", "--bands", "2"], "dp-sgd"),
+    ):
+        with pytest.raises(SystemExit):
+            cli.main([*argv, *extra])
+        assert message in capsys.readouterr().err
 
 
 def test_state_round_trip_through_json_keeps_epsilon_and_continues():

@@ -235,6 +235,31 @@ CASES = [
         "XLA (jit_compile=True)",
     ),
     ("the DP step", _sparse_step_under_xla, "sparse_embeddings", "XLA (jit_compile=True)"),
+    # per-user accounting of example-level sampling
+    (
+        "DPModel.epsilon",
+        lambda: _dp(privacy_unit="unit").epsilon(1e-5, rows_per_user=2),
+        "rows_per_user",
+        "privacy_unit='unit'",
+    ),
+    (
+        "DPModel.epsilon",
+        lambda: _dp(mechanism=_band()).epsilon(1e-5, rows_per_user=2),
+        "rows_per_user",
+        "a correlated mechanism (BandMF)",
+    ),
+    (
+        "DPModel.epsilon",
+        lambda: _dp(adaptive_clipping=peg.dp.AdaptiveClipping()).epsilon(1e-5, rows_per_user=2),
+        "rows_per_user",
+        "adaptive_clipping",
+    ),
+    (
+        "DPModel.epsilon",
+        lambda: _dp(_bag(), sparse_embeddings=SparseEmbeddings()).epsilon(1e-5, rows_per_user=2),
+        "rows_per_user",
+        "sparse_embeddings",
+    ),
     # audit
     (
         "audit",

@@ -511,3 +511,48 @@ def test_unit_ids_of_another_length_are_refused_when_shapes_are_known_only_when_
     x, y = _xy(3)
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"unit_ids must have shape \[B\]"):
         step(x, y, np.array([0, 1]))
+
+
+# -- example-level sampling, accounted per user (accounting.user_level_event) ------------------------------
+
+
+@pytest.mark.slow  # three mixture-of-Gaussians PLDs (seconds each)
+def test_an_example_level_run_is_accounted_per_user_across_fits_and_a_restore(tmp_path):
+    # Rows sampled and clipped one by one; users of at most 2 rows. The reference: dp_accounting's PLD of the
+    # two fits' mixtures, built here from scipy's binomial law, composed.
+    import dp_accounting
+    import keras
+    from dp_accounting.dp_event import MixtureOfGaussiansDpEvent
+    from dp_accounting.pld import PLDAccountant
+    from scipy import stats
+
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(200, 4)).astype("float32"), rng.integers(0, 3, 200).astype("int64")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def dp_model():
+        keras.utils.set_random_seed(0)
+        net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        dp = peg.keras.DPModel(net, l2_norm_clip=1.0, noise_multiplier=2.0, seed=0)
+        dp.compile(optimizer="sgd", loss=loss)
+        return dp
+
+    dp = dp_model()
+    dp.fit(poisson_batches(x, y, sampling_probability=0.02, steps=3, seed=0), verbose=0)
+    dp.save_weights(tmp_path / "run.weights.h5")
+    restored = dp_model()  # a new process's DPModel, continuing the run at another q
+    restored.load_weights(tmp_path / "run.weights.h5")
+    restored.fit(poisson_batches(x, y, sampling_probability=0.01, steps=2, seed=1), verbose=0)
+
+    def mixture(q, steps):
+        law = stats.binom.pmf(np.arange(3), 2, q)
+        return dp_accounting.SelfComposedDpEvent(MixtureOfGaussiansDpEvent(2.0, [0.0, 1.0, 2.0], list(law)), steps)
+
+    relation = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+    both = dp_accounting.ComposedDpEvent([mixture(0.02, 3), mixture(0.01, 2)])
+    expected = PLDAccountant(neighboring_relation=relation).compose(both).get_epsilon(1e-5)
+    per_user = restored.epsilon(1e-5, rows_per_user=2)
+    assert per_user == pytest.approx(expected, rel=1e-9)  # the binomial's weights rounded apart
+    assert per_user > restored.epsilon(1e-5)  # two rows of one user cost more than one row
+    with pytest.raises(ValueError, match="rows_per_user must be a positive integer"):
+        restored.epsilon(1e-5, rows_per_user=0)

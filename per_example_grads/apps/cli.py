@@ -10,6 +10,7 @@ one, write that pair and list the first in ``_SUBCOMMANDS``.
                    (--noise-multiplier S | --target-epsilon EPS) --delta D
                    [--accountant pld|rdp] [--sampling poisson|shuffle]
                    [--mechanism dp-sgd|bandmf|blt|bisr] [--bands K] [--buffers D] [--cycle-length b]
+                   [--rows-per-user K]
     pegrad diagnose [MODEL.keras DATA.npz] [--out DIR] [--fast] [--batch-size B]
     pegrad audit [--out DIR] [--fast] [--canaries gradient|input] [--num-canaries M]
                  [--target-epsilon E] [--epochs N] [--full-batch] [--significance A] [--seed S]
@@ -276,6 +277,13 @@ def _add_epsilon_parser(subparsers: "argparse._SubParsersAction") -> None:
         help="correlated noise: poisson_batches(cycle_length=b), the least steps between an example's turns "
         "(q = b B / N); default --bands for bandmf and bisr, required for blt",
     )
+    p.add_argument(
+        "--rows-per-user",
+        type=_positive_int,
+        metavar="K",
+        help="dp-sgd: print epsilon per user instead, for rows sampled and clipped one by one on data where no "
+        "user has more than K rows (a mixture of Gaussians, pld only; with --noise-multiplier)",
+    )
     p.set_defaults(run=_run_epsilon, parser=p)
 
 
@@ -320,6 +328,11 @@ def _run_epsilon(args: argparse.Namespace) -> int:
     if args.batch_size > args.num_examples:
         args.parser.error(f"--batch-size ({args.batch_size:g}) must be <= --num-examples ({args.num_examples})")
     cycle = _check_mechanism_options(args)
+    if args.rows_per_user is not None:
+        if args.mechanism != "dp-sgd":
+            args.parser.error("--rows-per-user needs --mechanism dp-sgd (independent noise)")
+        if args.target_epsilon is not None:
+            args.parser.error("--rows-per-user takes --noise-multiplier: per-user calibration is not offered")
     from per_example_grads.dp import accounting  # dp_accounting only: no TensorFlow (unless a mechanism is named)
 
     run = dict(
@@ -336,6 +349,8 @@ def _run_epsilon(args: argparse.Namespace) -> int:
             args.num_examples, args.batch_size, args.epochs, args.steps, None, cycle_length=cycle
         )
         run["mechanism"] = mechanism = _mechanism_of(args, steps)
+        if args.rows_per_user is not None:
+            run["rows_per_user"] = args.rows_per_user
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if args.target_epsilon is None:
@@ -371,7 +386,10 @@ def _run_epsilon(args: argparse.Namespace) -> int:
         print(
             f"noise multiplier = {sigma:.6g} for epsilon <= {args.target_epsilon:g} at delta = {args.delta:g} ({args.accountant} accountant)"
         )
-    print(f"epsilon = {epsilon:.6g} at delta = {args.delta:g} with noise multiplier {sigma:g} ({answered} accountant)")
+    per = "" if args.rows_per_user is None else f" per user of at most {args.rows_per_user} rows"
+    print(
+        f"epsilon = {epsilon:.6g}{per} at delta = {args.delta:g} with noise multiplier {sigma:g} ({answered} accountant)"
+    )
     return 0
 
 

@@ -181,6 +181,36 @@ def sampled_gaussian_event(noise_multiplier: float, sampling_probability: float,
     return dp_accounting.SelfComposedDpEvent(gaussian, count)
 
 
+def user_level_event(
+    noise_multiplier: float, sampling_probability: float, rows_per_user: int, count: int
+) -> dp_accounting.DpEvent:
+    """``count`` DP-SGD steps of example-level sampling, as private as they are for one user of ``rows_per_user`` rows.
+
+    Every row joins a step independently with probability ``q`` and is
+    clipped to ``C``; the noise is ``N(0, (sigma C)^2 I)``. A user of ``k``
+    rows moves a step's clipped sum by the sum of its ``J ~ Binomial(k, q)``
+    sampled rows, a vector of norm at most ``J C``. So, in units of ``C``,
+    removing the user is dominated by the mixture-of-Gaussians mechanism
+    ``N(0, sigma^2)`` against ``sum_j P(J = j) N(j, sigma^2)``, the event
+    ``MixtureOfGaussiansDpEvent(sigma, [0 .. k], Binomial(k, q))`` that
+    dp_accounting's PLD accountant composes (Choquette-Choo, Ganesh, Steinke
+    and Thakurta, arXiv 2310.15526, mixture-of-Gaussians mechanisms; Charles
+    et al., arXiv 2407.07737, example-level sampling with user-level
+    accounting). A user with fewer rows has a stochastically smaller ``J``,
+    hence a smaller privacy loss: ``k`` is the cap on rows per user that the
+    data must respect. ``k = 1`` is the Poisson-sampled Gaussian: DP-SGD's
+    example-level event.
+    """
+    from dp_accounting.dp_event import MixtureOfGaussiansDpEvent  # not exported at dp_accounting's top level
+
+    k = check_positive_int("rows_per_user", rows_per_user)
+    q = check_sampling_probability(sampling_probability)
+    shifts = [float(j) for j in range(k + 1)]
+    probabilities = [math.comb(k, j) * q**j * (1.0 - q) ** (k - j) for j in range(k + 1)]
+    event = MixtureOfGaussiansDpEvent(check_noise_multiplier(noise_multiplier), shifts, probabilities)
+    return dp_accounting.SelfComposedDpEvent(event, count)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Segment:
     """``count`` identical releases: Gaussian mechanisms on one Poisson sample, or another ``dp_accounting`` event.
@@ -591,6 +621,7 @@ def compute_epsilon(
     steps: int | None = None,
     sampling_probability: float | None = None,
     mechanism: Any = None,
+    rows_per_user: int | None = None,
 ) -> float:
     """The epsilon of DP-SGD run for ``epochs`` epochs (or ``steps`` steps).
 
@@ -614,6 +645,11 @@ def compute_epsilon(
     cost bounds, the RDP accountant answers and a ``UserWarning`` says so
     (see "Bounded cost" in the module docstring).
 
+    With ``rows_per_user=k`` the epsilon is per user, for a run that samples
+    and clips rows (``num_examples`` and ``batch_size`` count rows) on data
+    where no user has more than ``k`` rows (``user_level_event``; DP-SGD
+    only, and the PLD accountant: the RDP one has no such event).
+
     Raises:
       ValueError: both ``epochs`` and ``steps``; a ``sampling_probability``
         that disagrees with ``batch_size / num_examples``; more than
@@ -631,6 +667,16 @@ def compute_epsilon(
     accountant = check_choice("accountant", accountant, ACCOUNTANTS)
     if check_choice("sampling", sampling, SAMPLINGS) == "shuffle":
         warnings.warn(SHUFFLE_WARNING, UserWarning, stacklevel=2)
+    if rows_per_user is not None:
+        if mechanism is not None:
+            raise ValueError(
+                "rows_per_user accounts DP-SGD's independent noise only (a mixture of Gaussians per step), "
+                f"not a {type(mechanism).__name__}: leave mechanism out, or rows_per_user."
+            )
+        if not steps:
+            return 0.0
+        segments = segments_of(user_level_event(sigma, q, rows_per_user, steps))
+        return _epsilon(accountant, segments, delta)
     return _epsilon(accountant, _run_segments(sigma, q, steps, mechanism), delta)
 
 
@@ -968,8 +1014,8 @@ def _accountant_epsilon(
         except dp_accounting.UnsupportedEventError as e:
             name = "pld" if isinstance(accountant, pld.PLDAccountant) else "rdp"
             raise ValueError(
-                f"the {name!r} accountant of dp_accounting cannot account this run's events ({e}); a mechanism's "
-                "dp_event must be one that accountant supports: try the other accountant (accountant='pld' or 'rdp')."
+                f"the {name!r} accountant of dp_accounting cannot account this run's events ({e}): choose the "
+                "accountant that supports them (accountant='pld' or 'rdp')."
             ) from None
         return float(accountant.get_epsilon(delta))
 

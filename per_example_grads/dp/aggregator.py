@@ -66,7 +66,7 @@ from per_example_grads._core.xla_context import in_xla_context
 from per_example_grads.clipping import clipped_sums_and_predictions
 from per_example_grads.dp import adaptive as adaptive_clipping
 from per_example_grads.dp import composition, ledger, privatizers
-from per_example_grads.dp.accounting import PrivacyAccountant, adaptive_clipping_noise_multiplier
+from per_example_grads.dp.accounting import PrivacyAccountant, adaptive_clipping_noise_multiplier, user_level_event
 from per_example_grads.dp.budget import PrivacyBudget
 from per_example_grads.dp.mechanisms import NoiseMechanism, check_mechanism, fingerprint, fingerprint_name
 from per_example_grads.dp.noise import NoiseSeed, noise_source
@@ -598,7 +598,9 @@ class DPAggregator(keras.layers.Layer):
             return None
         return ledger.events(self.segments.numpy(), steps)
 
-    def accountant(self, *, accountant: str = "pld", sampling_probability: float | None = None) -> PrivacyAccountant:
+    def accountant(
+        self, *, accountant: str = "pld", sampling_probability: float | None = None, rows_per_user: int | None = None
+    ) -> PrivacyAccountant:
         """A ``PrivacyAccountant`` holding the ledger: ``steps`` releases, as ``privatizer`` accounts them.
 
         With a mechanism whose noise is independent across steps
@@ -619,6 +621,9 @@ class DPAggregator(keras.layers.Layer):
           accountant: ``"pld"`` or ``"rdp"``.
           sampling_probability: ``q`` of the steps to come; read only before
             the first step, which it is then required for.
+          rows_per_user: account each segment per user of at most this many
+            rows instead (``accounting.user_level_event``); the pairings it
+            needs (DP-SGD's noise, per-example clipping) are checked by the owner.
         """
         steps = int(self.steps.numpy())
         sampling = "poisson" if int(self.poisson.numpy()) else "shuffle"
@@ -636,7 +641,11 @@ class DPAggregator(keras.layers.Layer):
             first.noise_multiplier, first.sampling_probability, accountant=accountant, sampling=sampling
         )
         for s in segments:
-            accounted.record_event(self.privatizer.dp_event(s.noise_multiplier, s.sampling_probability, s.steps))
+            if rows_per_user is None:
+                event = self.privatizer.dp_event(s.noise_multiplier, s.sampling_probability, s.steps)
+            else:
+                event = user_level_event(s.noise_multiplier, s.sampling_probability, rows_per_user, s.steps)
+            accounted.record_event(event)
         return accounted
 
     def max_steps(self, budget: PrivacyBudget, sampling_probability: float, poisson: bool = True) -> int:

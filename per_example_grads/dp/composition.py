@@ -67,6 +67,8 @@ class Parts:
       replicas: replicas in sync.
       xla: the step is compiled with XLA.
       sampling: the data's ``Sampling``, where it is known (``fit``).
+      user_rows: per-user accounting of example-level sampling was asked for,
+        with at most this many rows per user (``epsilon(rows_per_user=...)``).
     """
 
     owner: str
@@ -82,6 +84,7 @@ class Parts:
     replicas: int = 1
     xla: bool = False
     sampling: Sampling | None = None
+    user_rows: int | None = None
 
     @property
     def correlated(self) -> bool:
@@ -238,6 +241,35 @@ PAIRINGS: tuple[Pairing, ...] = (
             f"{p.cycle_length}, which the accumulator cannot see, so it cannot count what its releases spend"
         ),
         _text("Use DPModel(budget=...) on poisson_batches(..., cycle_length=...), or stop by steps yourself."),
+    ),
+    # -- per-user accounting of example-level sampling (accounting.user_level_event) -------------
+    Pairing(
+        _text("rows_per_user"),
+        _UNITS,
+        lambda p: p.user_rows is not None and p.units,
+        _text("the run clips and samples units already, and its epsilon() is per unit"),
+        _text("Leave rows_per_user out."),
+    ),
+    Pairing(
+        _text("rows_per_user"),
+        _CORRELATED,
+        lambda p: p.user_rows is not None and (p.correlated or p.cycle_length > 1),
+        _text("the per-user mixture of Gaussians accounts independent noise on Poisson-sampled rows"),
+        _text("Account a GaussianNoise (DP-SGD) run per user, or train with privacy_unit='unit'."),
+    ),
+    Pairing(
+        _text("rows_per_user"),
+        _text("adaptive_clipping"),
+        lambda p: p.user_rows is not None and p.adaptive,
+        _text("the noisy clipped count moves by up to a user's rows, which its split of the noise does not cover"),
+        _text("Give a fixed l2_norm_clip."),
+    ),
+    Pairing(
+        _text("rows_per_user"),
+        _text("sparse_embeddings"),
+        lambda p: p.user_rows is not None and p.sparse,
+        _text("its noisy lookup counts bound one example's contribution, not one user's"),
+        _text("Leave sparse_embeddings out, or train with privacy_unit='unit'."),
     ),
     # -- audit ----------------------------------------------------------------------------
     Pairing(

@@ -739,25 +739,33 @@ class DPModel(keras.Model):
             return None
         return min(1.0, float(self.expected_batch_size) * self.mechanism.cycle_length / self.num_examples)
 
-    def accountant(self, *, accountant: str = "pld") -> PrivacyAccountant:
+    def accountant(self, *, accountant: str = "pld", rows_per_user: int | None = None) -> PrivacyAccountant:
         """A ``PrivacyAccountant`` holding the saved ledger (``DPAggregator.accountant``): ``dp_steps`` steps.
 
         Before the first step, its sampling probability is this run's
-        (``sampling_probability``).
+        (``sampling_probability``). With ``rows_per_user=k`` (an
+        example-level run of DP-SGD), the steps are accounted per user of at
+        most ``k`` rows (``accounting.user_level_event``): the epsilon of a
+        user, where the data holds no more than ``k`` rows of anyone.
 
         Raises:
           ValueError: no step yet and no ``num_examples`` and
             ``expected_batch_size``; the network changed outside this DPModel.
         """
         self._check_ledger_covers_network()
+        self._check_rows_per_user(rows_per_user)
         if int(self.dp_steps.numpy()) == 0 and self.sampling_probability is None:
             raise ValueError(
                 "accounting needs num_examples and expected_batch_size given to DPModel, or a fit on poisson_batches."
             )
-        return self.aggregator.accountant(accountant=accountant, sampling_probability=self.sampling_probability)
+        return self.aggregator.accountant(
+            accountant=accountant, sampling_probability=self.sampling_probability, rows_per_user=rows_per_user
+        )
 
-    def epsilon(self, delta: float, *, accountant: str = "pld") -> float:
-        """ε spent so far: ``self.accountant(accountant=...).epsilon(delta)``.
+    def epsilon(self, delta: float, *, accountant: str = "pld", rows_per_user: int | None = None) -> float:
+        """ε spent so far: ``self.accountant(accountant=..., rows_per_user=...).epsilon(delta)``.
+
+        ``rows_per_user=k``: per user of at most ``k`` rows (``accountant``).
 
         The steps counted are those taken, ``dp_steps``; a ``poisson_batches``
         epoch has ``round(1 / q)`` of them, so ``compute_epsilon(..., epochs)``,
@@ -767,8 +775,15 @@ class DPModel(keras.Model):
             check_run_delta(delta, self.num_examples)
         if int(self.dp_steps.numpy()) == 0:  # nothing spent, whatever the sampling will be
             self._check_ledger_covers_network()
+            self._check_rows_per_user(rows_per_user)
             return 0.0
-        return self.accountant(accountant=accountant).epsilon(delta)
+        return self.accountant(accountant=accountant, rows_per_user=rows_per_user).epsilon(delta)
+
+    def _check_rows_per_user(self, rows_per_user: int | None) -> None:
+        """Per-user accounting of example-level sampling: a positive int, and parts it accounts (``composition``)."""
+        if rows_per_user is not None:
+            check_positive_int("rows_per_user", rows_per_user)
+            composition.check(dataclasses.replace(self._parts, owner="DPModel.epsilon", user_rows=rows_per_user))
 
     def save_weights(self, filepath, *args, **kwargs):
         """``keras.Model.save_weights``, with the network's fingerprint as saved (``network_guard``)."""
