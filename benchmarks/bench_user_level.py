@@ -48,11 +48,10 @@ import time
 import dp_accounting
 import keras
 import numpy as np
-from dp_accounting import dp_event
 from dp_accounting.pld import PLDAccountant
-from scipy import stats
 
 import per_example_grads as peg
+from per_example_grads.dp.accounting import user_level_event
 
 D, CLASSES, TAU, ALPHA = 16, 4, 1.0, 0.5
 
@@ -85,10 +84,7 @@ def cap_rows(user: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
 
 def group_epsilon(sigma: float, q: float, k: int, steps: int, delta: float, interval: float = 1e-4) -> float:
     """Epsilon for all ``k`` rows of one user under Poisson example sampling (module docstring)."""
-    j = np.arange(k + 1)
-    event = dp_accounting.SelfComposedDpEvent(
-        dp_event.MixtureOfGaussiansDpEvent(sigma, list(map(float, j)), list(stats.binom.pmf(j, k, q))), steps
-    )
+    event = user_level_event(sigma, q, k, steps)
     accountant = PLDAccountant(
         dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=interval
     )
@@ -97,12 +93,9 @@ def group_epsilon(sigma: float, q: float, k: int, steps: int, delta: float, inte
 
 def group_sigma(target: float, q: float, k: int, steps: int, delta: float) -> float:
     """The smallest sigma whose ``group_epsilon`` (on a 10x coarser grid, then checked on the fine one) is at most ``target``."""
-    j = np.arange(k + 1)
 
     def event(sigma):
-        return dp_accounting.SelfComposedDpEvent(
-            dp_event.MixtureOfGaussiansDpEvent(sigma, list(map(float, j)), list(stats.binom.pmf(j, k, q))), steps
-        )
+        return user_level_event(sigma, q, k, steps)
 
     sigma = dp_accounting.calibrate_dp_mechanism(
         lambda: PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=1e-3),
