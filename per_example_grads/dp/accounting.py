@@ -270,7 +270,7 @@ def segments_of(event: dp_accounting.DpEvent, count: int = 1) -> list[_Segment]:
         q, inner = check_sampling_probability(event.sampling_probability), event.event
     if isinstance(inner, dp_accounting.GaussianDpEvent):
         return [_Segment(_STEP, (check_noise_multiplier(inner.noise_multiplier),), q, count)] if count else []
-    if isinstance(event, (dp_accounting.NoOpDpEvent,)) or not count:
+    if isinstance(event, dp_accounting.NoOpDpEvent) or not count:
         return []
     return [_Segment(_EVENT, (), 1.0, count, event)]
 
@@ -516,7 +516,7 @@ class PrivacyAccountant:
                 accountant._record(_Segment(_EVENT, (), 1.0, count, event))
                 continue
             try:
-                kind = check_choice(f"{where}['kind']", seg["kind"], (_STEP, _RELEASE, _EVENT))
+                kind = check_choice(f"{where}['kind']", seg["kind"], (_STEP, _RELEASE))
                 sigmas = tuple(
                     check_noise_multiplier(s, f"{where}['noise_multipliers']")
                     for s in _as_list(f"{where}['noise_multipliers']", seg["noise_multipliers"])
@@ -667,17 +667,12 @@ def compute_epsilon(
     accountant = check_choice("accountant", accountant, ACCOUNTANTS)
     if check_choice("sampling", sampling, SAMPLINGS) == "shuffle":
         warnings.warn(SHUFFLE_WARNING, UserWarning, stacklevel=2)
-    if rows_per_user is not None:
-        if mechanism is not None:
-            raise ValueError(
-                "rows_per_user accounts DP-SGD's independent noise only (a mixture of Gaussians per step), "
-                f"not a {type(mechanism).__name__}: leave mechanism out, or rows_per_user."
-            )
-        if not steps:
-            return 0.0
-        segments = segments_of(user_level_event(sigma, q, rows_per_user, steps))
-        return _epsilon(accountant, segments, delta)
-    return _epsilon(accountant, _run_segments(sigma, q, steps, mechanism), delta)
+    if rows_per_user is not None and mechanism is not None:
+        raise ValueError(
+            "rows_per_user accounts DP-SGD's independent noise only (a mixture of Gaussians per step), "
+            f"not a {type(mechanism).__name__}: leave mechanism out, or rows_per_user."
+        )
+    return _epsilon(accountant, _run_segments(sigma, q, steps, mechanism, rows_per_user), delta)
 
 
 def _cycle_of(mechanism: Any) -> int:
@@ -689,11 +684,20 @@ def _cycle_of(mechanism: Any) -> int:
     return int(check_mechanism(mechanism).cycle_length)
 
 
-def _run_segments(sigma: float, q: float, steps: int, mechanism: Any = None) -> list[_Segment]:
-    """The ledger of ``steps`` steps at ``(sigma, q)`` with ``mechanism`` (None: DP-SGD), as ``_Segment`` s."""
+def _run_segments(
+    sigma: float, q: float, steps: int, mechanism: Any = None, rows_per_user: int | None = None
+) -> list[_Segment]:
+    """The ledger of ``steps`` steps at ``(sigma, q)`` with ``mechanism`` (None: DP-SGD), as ``_Segment`` s.
+
+    ``rows_per_user``: DP-SGD's steps per user of at most that many rows (``user_level_event``).
+    """
+    if not steps:
+        return []
+    if rows_per_user is not None:
+        return segments_of(user_level_event(sigma, q, rows_per_user, steps))
     if mechanism is not None:
-        return segments_of(mechanism.dp_event(sigma, q, steps)) if steps else []
-    return [_Segment(_STEP, (sigma,), q, steps)] if steps else []
+        return segments_of(mechanism.dp_event(sigma, q, steps))
+    return [_Segment(_STEP, (sigma,), q, steps)]
 
 
 def noise_multiplier_for_epsilon(
