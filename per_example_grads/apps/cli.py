@@ -263,7 +263,7 @@ def _add_epsilon_parser(subparsers: "argparse._SubParsersAction") -> None:
     )
     p.add_argument(
         "--mechanism",
-        choices=tuple(_MECHANISMS),
+        choices=tuple(_TAKES),
         default="dp-sgd",
         help="the noise: DP-SGD's independent noise, or correlated noise (peg.dp.BandMF, BLT, BISR), each "
         "accounted as DPModel accounts it, on cyclic Poisson batches (default: %(default)s)",
@@ -287,34 +287,38 @@ def _add_epsilon_parser(subparsers: "argparse._SubParsersAction") -> None:
     p.set_defaults(run=_run_epsilon, parser=p)
 
 
-# --mechanism: the options it takes, and the peg.dp class it names
-_MECHANISMS = {"dp-sgd": (), "bandmf": ("bands",), "blt": ("buffers", "cycle_length"), "bisr": ("bands",)}
+# --mechanism: the options each takes, and those it needs (a correlated mechanism's cycle defaults to --bands)
+_TAKES = {
+    "dp-sgd": (),
+    "bandmf": ("bands", "cycle_length"),
+    "blt": ("buffers", "cycle_length"),
+    "bisr": ("bands", "cycle_length"),
+}
+_NEEDS = {"dp-sgd": (), "bandmf": ("bands",), "blt": ("buffers", "cycle_length"), "bisr": ("bands",)}
 
 
-def _mechanism_of(args: argparse.Namespace, steps: int) -> Any:
-    """The ``peg.dp`` mechanism ``--mechanism`` names for a run of ``steps`` steps, or None for DP-SGD."""
+def _mechanism_of(args: argparse.Namespace, steps: int, cycle: int) -> Any:
+    """The ``peg.dp`` mechanism ``--mechanism`` names for a run of ``steps`` steps on ``cycle``, or None for DP-SGD."""
     if args.mechanism == "dp-sgd":
         return None
     from per_example_grads.dp.bisr import BISR  # TensorFlow and Keras: only where a mechanism is named
     from per_example_grads.dp.mechanisms import BLT, BandMF
 
-    cycle = args.cycle_length
     if args.mechanism == "bandmf":
         return BandMF(args.bands, steps, cycle_length=cycle)
     if args.mechanism == "bisr":
-        return BISR(args.bands, steps, cycle_length=args.bands if cycle is None else cycle)
+        return BISR(args.bands, steps, cycle_length=cycle)
     return BLT(args.buffers, steps, cycle_length=cycle)
 
 
 def _check_mechanism_options(args: argparse.Namespace) -> int:
     """The cycle ``--mechanism`` samples with (1 for DP-SGD); a usage error for options it lacks or does not take."""
-    needed = _MECHANISMS[args.mechanism]
     for name in ("bands", "buffers", "cycle_length"):
         flag = "--" + name.replace("_", "-")
-        takers = [m for m, options in _MECHANISMS.items() if name in options or (name == "cycle_length" and options)]
+        takers = [m for m, options in _TAKES.items() if name in options]
         if getattr(args, name) is not None and args.mechanism not in takers:
             args.parser.error(f"{flag} needs --mechanism {' or '.join(takers)}")
-        if name in needed and getattr(args, name) is None:
+        if name in _NEEDS[args.mechanism] and getattr(args, name) is None:
             args.parser.error(f"--mechanism {args.mechanism} needs {flag}")
     if args.mechanism == "dp-sgd":
         return 1
@@ -348,7 +352,7 @@ def _run_epsilon(args: argparse.Namespace) -> int:
         q, steps = accounting.dp_sgd_schedule(
             args.num_examples, args.batch_size, args.epochs, args.steps, None, cycle_length=cycle
         )
-        run["mechanism"] = mechanism = _mechanism_of(args, steps)
+        run["mechanism"] = mechanism = _mechanism_of(args, steps, cycle)
         if args.rows_per_user is not None:
             run["rows_per_user"] = args.rows_per_user
         with warnings.catch_warnings(record=True) as caught:
