@@ -256,6 +256,16 @@ def check_diagnostics(ns, out, capsys):
     assert pathlib.Path("diagnostics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def check_monte_carlo(ns, out, capsys):
+    out = capsys.readouterr().out
+    r, ledger = ns["r"], ns["ledger"]
+    assert out.strip() == (
+        f"Monte Carlo: epsilon = {r.epsilon:.2f} at delta = {r.delta:.2g} ({r.samples} draws); ledger: {ledger:.2f}"
+    )
+    # The guide's figures: the seed fixes the draws; the ledger's is deterministic.
+    assert (round(r.epsilon, 2), round(ledger, 2)) == (4.11, 6.68) and r.delta <= 1e-3
+
+
 CHECKS: dict[str, Callable] = {
     "README.md: per_example_grads #0": check_quick_example,
     "README.md: per_example_grads #1": check_readme_dp,
@@ -266,6 +276,7 @@ CHECKS: dict[str, Callable] = {
     "docs/design/engines.md: The layer-wise engine #0": check_layer_rule,
     "docs/guides/private-training.md: Private training with fit (DP-SGD) #0": check_dp_sgd,
     "docs/guides/correlated-noise.md: Correlated noise (BandMF, BLT, BISR) #0": check_correlated_noise,
+    "docs/guides/correlated-noise.md: Amplification by a random part (Monte Carlo) #0": check_monte_carlo,
     "docs/guides/auditing.md: Auditing the privacy #0": check_audit,
     "docs/guides/fine-tuning.md: Private fine-tuning of a KerasHub model #0": check_keras_hub,
     "docs/guides/fine-tuning.md: Private training of keras.applications models #0": check_keras_applications,

@@ -22,6 +22,14 @@ For every case of the grid below it writes, from jax_privacy's own functions
   (mean and variance over examples and runs), and the smallest gap between
   two participations of an example;
 
+- ``monte_carlo``: Monte-Carlo accounting of balls-in-bins sampling
+  (``experimental.monte_carlo``: every example in one random part of
+  ``cycle_length``, in every turn of it) for BLT and banded ``C``: a few
+  draws ``y`` of the dominating pair's ``P`` and ``Q`` with their privacy
+  losses (``compute_privacy_loss``), and the estimated delta at a few
+  epsilons from ``MC_SAMPLES`` draws of each (``get_privacy_loss_sample``,
+  ``delta_from_epsilon_and_samples``) with its standard error;
+
 then, for the strategies, the squared sensitivity of ``C`` for ``ceil(n / min_sep)``
 participations at least ``min_sep`` apart (``minsep_sensitivity_squared``),
 and the epsilon at ``delta`` of one Gaussian release, at noise multipliers
@@ -43,6 +51,7 @@ import numpy as np
 jax.config.update("jax_enable_x64", True)
 
 from jax_privacy import batch_selection  # noqa: E402
+from jax_privacy.experimental.monte_carlo import delta_calculation, sample_generation  # noqa: E402
 from jax_privacy.matrix_factorization import buffered_toeplitz, toeplitz  # noqa: E402
 
 DELTA = 1e-5
@@ -55,6 +64,16 @@ BLT_GRID = [
     (256, 16, (0.99, 0.8, 0.3), (0.05, 0.1, 0.2)),
     (100, 1, (0.7,), (0.4,)),
 ]
+
+# (steps, cycle_length, noise multiplier, C): C a BLT (theta, omega) or explicit banded coefficients
+MC_GRID = [
+    (48, 12, 1.5, {"theta": (0.9, 0.5), "omega": (0.3, 0.1)}),
+    (60, 20, 1.0, {"theta": (0.7,), "omega": (0.4,)}),
+    (40, 8, 2.0, {"coefficients": (1.0, 0.6, 0.3)}),
+]
+MC_DRAWS = 6
+MC_SAMPLES = 400_000
+MC_EPSILONS = (0.5, 1.0, 2.0)
 
 
 def epsilon(noise_multiplier: float) -> float:
@@ -105,6 +124,44 @@ def min_sep_law(n: int, p: float, b: int, steps: int) -> dict:
     }
 
 
+def monte_carlo(steps: int, cycle: int, sigma: float, spec: dict) -> dict:
+    if "theta" in spec:
+        c = np.asarray(
+            buffered_toeplitz.BufferedToeplitz.build(
+                buf_decay=spec["theta"], output_scale=spec["omega"]
+            ).toeplitz_coefs(steps)
+        )
+    else:
+        c = np.asarray(spec["coefficients"], np.float64)
+    strategy = batch_selection.BallsInBinsSampling(cycle_length=cycle, iterations=steps)
+    entry = {"steps": steps, "cycle_length": cycle, "noise_multiplier": sigma, **spec, "c": c.tolist()}
+    for positive in (True, False):
+        y = sample_generation.generate_sample(
+            strategy, sigma, c, seed=7, positive_sample=positive, num_samples=MC_DRAWS
+        )
+        loss = sample_generation.compute_privacy_loss(strategy, y, sigma, c)
+        losses, _ = sample_generation.get_privacy_loss_sample(
+            strategy, sigma, c, seed=11, positive_sample=positive, num_samples=MC_SAMPLES
+        )
+        deltas = []
+        for eps in MC_EPSILONS:
+            terms = -np.expm1(np.minimum(eps - np.asarray(losses), 0.0))
+            deltas.append(
+                {
+                    "epsilon": eps,
+                    "delta": float(delta_calculation.delta_from_epsilon_and_samples(eps, losses)),
+                    "standard_error": float(terms.std(ddof=1) / np.sqrt(terms.size)),
+                }
+            )
+        entry["P" if positive else "Q"] = {
+            "y": np.asarray(y).T.tolist(),
+            "loss": np.asarray(loss).tolist(),
+            "samples": MC_SAMPLES,
+            "deltas": deltas,
+        }
+    return entry
+
+
 def main() -> None:
     import importlib.metadata as metadata
 
@@ -116,6 +173,7 @@ def main() -> None:
         "bisr": [],
         "blt": [],
         "min_sep": [min_sep_law(*case) for case in MIN_SEP_GRID],
+        "monte_carlo": [monte_carlo(*case) for case in MC_GRID],
     }
     for n, bands, sep in BISR_GRID:
         inverse = np.asarray(toeplitz.optimal_max_error_noising_coefs(n))[:bands]

@@ -1,0 +1,225 @@
+"""Monte-Carlo accounting (``per_example_grads.dp.monte_carlo``) against three independent references.
+
+* The privacy loss against brute force: the dominating pair's density ratio
+  summed over every part and every participation pattern (``2^k`` Gaussians
+  per part), on runs small enough to enumerate.
+* jax_privacy 2.0.0's own Monte-Carlo accounting of balls-in-bins sampling
+  (``data/jax_privacy_reference.json``, "monte_carlo"; computed in its own
+  virtualenv by ``benchmarks/peers/jax_privacy_reference.py``): the losses of
+  its draws, and its estimated deltas.
+* dp_accounting's PLD for DP-SGD (``C = I``, one part), where the pair is the
+  Poisson-subsampled Gaussian's and the exact delta is known.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import pathlib
+
+import dp_accounting
+import numpy as np
+import pytest
+import scipy.special
+
+import per_example_grads as peg
+from per_example_grads.dp import monte_carlo as mc
+from per_example_grads.dp.accounting import compute_epsilon
+
+REFERENCE = json.loads((pathlib.Path(__file__).parent / "data" / "jax_privacy_reference.json").read_text())
+# Two float64 programs evaluating the same log-sum-exp of T-term dot products (T <= 60, |y| < 20):
+# a few hundred roundings of values below 1e3.
+LOSS_ATOL = 1e-9
+# Means of independent Monte-Carlo draws: their difference over its standard error is about N(0, 1);
+# five standard errors fail a correct pair once in 1.7 million.
+STANDARD_ERRORS = 5.0
+
+
+def _toeplitz(c, steps):
+    c = np.asarray(c, np.float64)
+    return np.array([[c[i - j] if 0 <= i - j < c.size else 0.0 for j in range(steps)] for i in range(steps)])
+
+
+def _brute_force_loss(c, sigma, steps, cycle, q, y):
+    """``log dP/dQ`` at every column of ``y``, summed over every part and participation pattern."""
+    matrix = _toeplitz(c, steps)
+    losses = []
+    for column in y.T:
+        terms = []
+        for part in range(cycle):
+            turns = list(range(part, steps, cycle))
+            for joined in itertools.product((0, 1), repeat=len(turns)):
+                k = sum(joined)
+                if q == 1.0 and k < len(turns):
+                    continue
+                weight = 0.0 if q == 1.0 else k * math.log(q) + (len(turns) - k) * math.log1p(-q)
+                x = np.zeros(steps)
+                x[turns] = joined
+                mean = matrix @ x
+                terms.append(weight + (mean @ column - 0.5 * mean @ mean) / sigma**2)
+        losses.append(scipy.special.logsumexp(terms) - math.log(cycle))
+    return np.array(losses)
+
+
+@pytest.mark.parametrize(
+    "c, steps, cycle, q",
+    [
+        ([1.0], 7, 1, 0.3),  # DP-SGD
+        ([1.0, 0.5, 0.2], 9, 3, 0.4),  # BandMF, bands = cycle
+        ([1.0, 0.5], 9, 4, 1.0),  # bands < cycle, whole parts
+        ([1.0, 0.6, 0.3, 0.2, 0.1], 8, 2, 1.0),  # C longer than the cycle: one mode per part
+        ([1.0, 0.7, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05], 8, 3, 1.0),
+    ],
+)
+def test_privacy_loss_is_the_enumerated_mixtures(c, steps, cycle, q):
+    rng = np.random.default_rng(1)
+    pair = mc._Pair(mc._checked_coefficients(c, steps, cycle, q), 0.8, steps, cycle, q)
+    for positive in (True, False):
+        y = pair.draw(rng, 6, positive)
+        np.testing.assert_allclose(pair.loss(y), _brute_force_loss(c, 0.8, steps, cycle, q, y), rtol=0, atol=LOSS_ATOL)
+
+
+def test_whole_parts_give_one_loss_by_either_formula():
+    """A banded C at q = 1 has both formulas (factorized and one mode per part); they agree."""
+    c, steps, cycle = np.array([1.0, 0.5, 0.25]), 30, 5
+    banded = mc._Pair(c, 1.3, steps, cycle, 1.0)
+    modes = mc._Pair(c, 1.3, steps, cycle, 1.0)
+    modes.banded = False
+    y = banded.draw(np.random.default_rng(0), 50, True)
+    np.testing.assert_allclose(banded.loss(y), modes.loss(y), rtol=0, atol=LOSS_ATOL)
+
+
+def _reference_pair(case):
+    c = np.asarray(case["c"])
+    if "theta" in case:  # jax_privacy's BufferedToeplitz is this library's BLT
+        blt = peg.dp.BLT(
+            buffers=len(case["theta"]),
+            num_steps=case["steps"],
+            cycle_length=case["cycle_length"],
+            theta=case["theta"],
+            omega=case["omega"],
+        )
+        np.testing.assert_allclose(blt.coefficients, c, rtol=1e-12, atol=0)
+    return mc._Pair(
+        mc._checked_coefficients(c, case["steps"], case["cycle_length"], 1.0),
+        case["noise_multiplier"],
+        case["steps"],
+        case["cycle_length"],
+        1.0,
+    )
+
+
+@pytest.mark.parametrize("case", REFERENCE["monte_carlo"], ids=lambda case: f"T{case['steps']}-b{case['cycle_length']}")
+def test_losses_of_jax_privacys_draws_are_jax_privacys(case):
+    pair = _reference_pair(case)
+    for side in ("P", "Q"):
+        y = np.asarray(case[side]["y"]).T
+        np.testing.assert_allclose(pair.loss(y), case[side]["loss"], rtol=0, atol=LOSS_ATOL)
+
+
+@pytest.mark.parametrize("case", REFERENCE["monte_carlo"], ids=lambda case: f"T{case['steps']}-b{case['cycle_length']}")
+def test_estimated_deltas_match_jax_privacys(case):
+    samples = 100_000
+    for side in ("P", "Q"):
+        losses = mc.privacy_losses(
+            case["c"],
+            case["noise_multiplier"],
+            case["steps"],
+            cycle_length=case["cycle_length"],
+            samples=samples,
+            positive=side == "P",
+            seed=3,
+        )
+        for ref in case[side]["deltas"]:
+            terms = -np.expm1(np.minimum(ref["epsilon"] - losses, 0.0))
+            ours, error = terms.mean(), terms.std(ddof=1) / math.sqrt(samples)
+            assert abs(ours - ref["delta"]) <= STANDARD_ERRORS * math.hypot(error, ref["standard_error"]), (
+                side,
+                ref,
+                ours,
+            )
+
+
+def _pld_delta(sigma, q, steps, epsilon):
+    accountant = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+    return accountant.get_delta(epsilon)
+
+
+@pytest.mark.parametrize("sigma, q, steps", [(1.0, 0.1, 20), (0.8, 0.05, 60), (2.0, 0.5, 10)])
+def test_dp_sgd_epsilon_holds_and_is_tight_against_pld(sigma, q, steps):
+    """At the reported epsilon the exact delta is within the stated delta, and not far below the base delta."""
+    r = mc.monte_carlo_epsilon(peg.dp.GaussianNoise(), sigma, steps, delta=1e-2, sampling_probability=q, seed=0)
+    exact = _pld_delta(sigma, q, steps, r.epsilon)
+    assert exact <= r.delta
+    # Met at base_delta by an estimate of relative error about 1 / sqrt(samples * base_delta) = 0.2.
+    assert exact >= 0.4 * r.base_delta, (r, exact)
+
+
+def test_stated_delta_folds_the_draws_failure_probability():
+    delta = 1e-3
+    m = mc.samples_for(delta)
+    assert mc.folded_delta(delta / 2, m) <= delta < mc.folded_delta(delta / 2, int(0.97 * m))
+    beta = mc.base_delta_for(delta, m)
+    assert 0.49 * delta <= beta < delta  # base_delta_for searches a grid of 1% steps
+    assert mc.folded_delta(beta, m) <= delta
+    # tau beta + 2 exp(-M KL(beta || tau beta)) at one tau: never below the minimum over tau.
+    tau = 1.5
+    kl = beta * math.log(1 / tau) + (1 - beta) * math.log((1 - beta) / (1 - tau * beta))
+    assert mc.folded_delta(beta, m) <= tau * beta + 2 * math.exp(-m * kl)
+
+
+@pytest.mark.parametrize(
+    "mechanism, q",
+    [
+        (lambda: peg.dp.BandMF(4, 200, cycle_length=50), 0.5),
+        (lambda: peg.dp.BandMF(4, 200, cycle_length=50), 1.0),
+        (lambda: peg.dp.BLT(2, 200, cycle_length=50), 1.0),
+        (lambda: peg.dp.BISR(bands=4, num_steps=200, cycle_length=50), 1.0),
+    ],
+)
+def test_a_random_part_amplifies_the_ledger_accounting(mechanism, q):
+    """Few turns of many parts (4 of 50): the Monte-Carlo epsilon is well below the ledger's, which takes the part as known."""
+    m, n = mechanism(), 500  # delta 1e-3 < 1 / n
+    ledger = compute_epsilon(n, q * n / 50, None, 2.0, 1e-3, steps=200, sampling_probability=q, mechanism=m)
+    r = mc.monte_carlo_epsilon(m, 2.0, 200, delta=1e-3, sampling_probability=q, seed=0)
+    assert r.epsilon < 0.8 * ledger, (r, ledger)
+
+
+def test_refusals_name_the_argument():
+    blt = peg.dp.BLT(2, 40, cycle_length=4)
+    with pytest.raises(ValueError, match=r"sampling_probability=0.5 < 1 needs C with at most cycle_length"):
+        mc.monte_carlo_epsilon(blt, 1.0, 40, delta=1e-2, sampling_probability=0.5)
+    with pytest.raises(ValueError, match="leave cycle_length out"):
+        mc.monte_carlo_epsilon(blt, 1.0, 40, delta=1e-2, cycle_length=8)
+    with pytest.raises(ValueError, match="needs C >= 0"):
+        mc.monte_carlo_epsilon([1.0, -0.5], 1.0, 10, delta=1e-2, cycle_length=2)
+    with pytest.raises(ValueError, match=r"samples=100 are too few .* take at least 6300"):
+        mc.monte_carlo_epsilon([1.0], 1.0, 10, delta=1e-2, samples=100)
+
+    class Opaque(peg.dp.NoiseMechanism):
+        def accounted_as(self, noise_multiplier, sampling_probability, steps):
+            return noise_multiplier, sampling_probability, steps
+
+    with pytest.raises(ValueError, match="states no Toeplitz coefficients"):
+        mc.monte_carlo_epsilon(Opaque(name="opaque"), 1.0, 10, delta=1e-2)
+
+
+def test_same_seed_same_epsilon_and_draws_differ_by_seed():
+    a, b, c = (mc.monte_carlo_epsilon([1.0, 0.5], 1.0, 30, delta=1e-2, cycle_length=5, seed=s) for s in (4, 4, 5))
+    assert a == b and a.epsilon != c.epsilon
+
+
+@pytest.mark.parametrize("q", [0.4, 1.0])
+def test_draws_of_p_have_the_mixtures_mean_and_q_is_unshifted_noise(q):
+    """E_P y = (q / b) sum_s C 1_s (each turn of each part joins at rate q / b); E_Q y = 0; both of variance sigma^2."""
+    c, steps, cycle, sigma, m = np.array([1.0, 0.5, 0.2]), 9, 3, 0.7, 200_000
+    pair = mc._Pair(c, sigma, steps, cycle, q)
+    expected = (q / cycle) * _toeplitz(c, steps) @ np.ones(steps)
+    for positive, mean in ((True, expected), (False, np.zeros(steps))):
+        y = pair.draw(np.random.default_rng(2), m, positive)
+        spread = y.std(axis=1, ddof=1)
+        assert np.all(np.abs(y.mean(axis=1) - mean) <= STANDARD_ERRORS * spread / math.sqrt(m))
+        if not positive:
+            assert np.all(np.abs(spread - sigma) <= STANDARD_ERRORS * sigma / math.sqrt(2 * m))
