@@ -568,6 +568,27 @@ def test_cli_plans_a_correlated_noise_run_as_compute_epsilon_accounts_it(capsys,
     assert epsilon(sigma) <= 8.0 < epsilon(0.99 * sigma)
 
 
+@pytest.mark.slow  # builds a BLT (a Keras layer)
+def test_cli_monte_carlo_prints_the_librarys_figure_for_its_seed(capsys):
+    """--monte-carlo prints monte_carlo_epsilon's result for the run's mechanism, q and steps, and the seed it drew with."""
+    from per_example_grads.dp.monte_carlo import monte_carlo_epsilon
+
+    common = ["epsilon", "--num-examples", "400", "--batch-size", "8", "--steps", "100", "--delta", "1e-2"]
+    options = ["--mechanism", "blt", "--buffers", "2", "--cycle-length", "50", "--noise-multiplier", "2"]
+    assert cli.main([*common, *options, "--monte-carlo", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    expected = monte_carlo_epsilon(BLT(2, 100, cycle_length=50), 2.0, 100, delta=1e-2, sampling_probability=1.0, seed=3)
+    line = out.splitlines()[-1]
+    assert line.startswith(f"epsilon = {expected.epsilon:.6g} at delta = {expected.delta:.6g} by Monte Carlo")
+    assert f"({expected.samples} draws of each side, seed 3;" in line
+    assert expected.epsilon < _number("epsilon", out)  # the ledger's, printed first
+    # q < 1 with BLT: the Monte-Carlo refusal, as one line and status 2.
+    assert cli.main([*common[:4], "4", *common[5:], *options, "--monte-carlo"]) == 2
+    assert "sampling_probability=0.5 < 1 needs C with at most cycle_length" in capsys.readouterr().err
+    assert cli.main([*common, *options, "--monte-carlo", "--samples", "10"]) == 2
+    assert "samples=10 are too few to state delta=0.01 by Monte Carlo: take at least 6300" in capsys.readouterr().err
+
+
 def test_cli_shuffle_prints_the_warning(capsys):
     argv = [
         "epsilon",
@@ -607,6 +628,14 @@ def test_cli_shuffle_prints_the_warning(capsys):
         (["--noise-multiplier", "1", "--mechanism", "blt", "--buffers", "2"], "--mechanism blt needs --cycle-length"),
         (["--noise-multiplier", "1", "--mechanism", "bandmf", "--bands", "2", "--buffers", "2"], "--buffers needs"),
         (["--noise-multiplier", "1", "--cycle-length", "2"], "--cycle-length needs --mechanism bandmf or blt or bisr"),
+        (["--noise-multiplier", "1", "--samples", "100"], "--samples and --seed need --monte-carlo"),
+        (["--target-epsilon", "1", "--monte-carlo"], "--monte-carlo takes --noise-multiplier"),
+        (["--noise-multiplier", "0", "--monte-carlo"], "--monte-carlo needs --noise-multiplier > 0"),
+        (
+            ["--noise-multiplier", "1", "--monte-carlo", "--sampling", "shuffle"],
+            "--monte-carlo needs --sampling poisson",
+        ),
+        (["--noise-multiplier", "1", "--monte-carlo", "--rows-per-user", "2"], "not with --rows-per-user"),
     ],
 )
 def test_cli_errors(capsys, extra, message):

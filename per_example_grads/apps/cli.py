@@ -10,7 +10,7 @@ one, write that pair and list the first in ``_SUBCOMMANDS``.
                    (--noise-multiplier S | --target-epsilon EPS) --delta D
                    [--accountant pld|rdp] [--sampling poisson|shuffle]
                    [--mechanism dp-sgd|bandmf|blt|bisr] [--bands K] [--buffers D] [--cycle-length b]
-                   [--rows-per-user K]
+                   [--rows-per-user K] [--monte-carlo [--samples M] [--seed S]]
     pegrad diagnose [MODEL.keras DATA.npz] [--out DIR] [--fast] [--batch-size B]
     pegrad audit [--out DIR] [--fast] [--canaries gradient|input] [--num-canaries M]
                  [--target-epsilon E] [--epochs N] [--full-batch] [--significance A] [--seed S]
@@ -284,6 +284,19 @@ def _add_epsilon_parser(subparsers: "argparse._SubParsersAction") -> None:
         help="dp-sgd: print epsilon per user instead, for rows sampled and clipped one by one on data where no "
         "user has more than K rows (a mixture of Gaussians, pld only; with --noise-multiplier)",
     )
+    p.add_argument(
+        "--monte-carlo",
+        action="store_true",
+        help="also print epsilon with the amplification of each example's random part, by Monte Carlo "
+        "(peg.dp.monte_carlo_epsilon; poisson sampling, --noise-multiplier; q = 1 for blt and bisr)",
+    )
+    p.add_argument(
+        "--samples",
+        type=_positive_int,
+        metavar="M",
+        help="--monte-carlo: draws of each side (default: the least that states delta, about 10 / delta)",
+    )
+    p.add_argument("--seed", type=int, metavar="S", help="--monte-carlo: seed of the draws (default: 0)")
     p.set_defaults(run=_run_epsilon, parser=p)
 
 
@@ -337,6 +350,17 @@ def _run_epsilon(args: argparse.Namespace) -> int:
             args.parser.error("--rows-per-user needs --mechanism dp-sgd (independent noise)")
         if args.target_epsilon is not None:
             args.parser.error("--rows-per-user takes --noise-multiplier: per-user calibration is not offered")
+    if not args.monte_carlo and (args.samples is not None or args.seed is not None):
+        args.parser.error("--samples and --seed need --monte-carlo")
+    if args.monte_carlo:
+        for wrong, message in (
+            (args.target_epsilon is not None, "takes --noise-multiplier: calibration by Monte Carlo is not offered"),
+            (args.rows_per_user is not None, "accounts per example, not with --rows-per-user"),
+            (args.sampling != "poisson", "needs --sampling poisson (the random parts of cyclic Poisson sampling)"),
+            (args.noise_multiplier == 0, "needs --noise-multiplier > 0"),
+        ):
+            if wrong:
+                args.parser.error(f"--monte-carlo {message}")
     from per_example_grads.dp import accounting  # dp_accounting only: no TensorFlow (unless a mechanism is named)
 
     run = dict(
@@ -365,6 +389,20 @@ def _run_epsilon(args: argparse.Namespace) -> int:
                 scale = 10 ** (5 - math.floor(math.log10(exact)))
                 sigma = math.ceil(exact * scale) / scale
             epsilon = accounting.compute_epsilon(noise_multiplier=sigma, delta=args.delta, **run)
+            if args.monte_carlo:
+                from per_example_grads.dp.monte_carlo import monte_carlo_epsilon
+
+                seed = 0 if args.seed is None else args.seed
+                amplified = monte_carlo_epsilon(
+                    [1.0] if mechanism is None else mechanism,
+                    sigma,
+                    steps,
+                    delta=args.delta,
+                    sampling_probability=q,
+                    samples=args.samples,
+                    seed=seed,
+                    progress=sys.stderr.isatty(),
+                )
     except (ValueError, OverflowError) as e:
         raise InputError(first_line(e)) from e
     except MemoryError as e:  # the PLD accountant's arrays grow with the steps
@@ -394,6 +432,11 @@ def _run_epsilon(args: argparse.Namespace) -> int:
     print(
         f"epsilon = {epsilon:.6g}{per} at delta = {args.delta:g} with noise multiplier {sigma:g} ({answered} accountant)"
     )
+    if args.monte_carlo:
+        print(
+            f"epsilon = {amplified.epsilon:.6g} at delta = {amplified.delta:.6g} by Monte Carlo, each example's "
+            f"part random ({amplified.samples} draws of each side, seed {seed}; base delta {amplified.base_delta:.6g})"
+        )
     return 0
 
 
