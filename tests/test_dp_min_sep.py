@@ -164,6 +164,32 @@ def test_a_second_dataset_of_other_rows_is_refused():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("first", ["min_sep", "cyclic"])
+@pytest.mark.parametrize("restored", [False, True], ids=["same model", "restored from weights"])
+def test_a_run_cannot_switch_between_min_sep_and_cyclic_sampling(tmp_path, first, restored):
+    """Both keep b steps between turns, by other rules: a switch could put an example in consecutive steps.
+
+    Before the partition recorded its sampler (-b for b-min-sep), either one
+    continued the other's run silently (the BLT below, 5 steps each way).
+    """
+    cyclic = peg.dp.poisson_batches(X, Y, sampling_probability=0.5, cycle_length=4, steps=5, seed=3)
+    min_sep = _batches(steps=5)
+    first_data, second_data = (min_sep, cyclic) if first == "min_sep" else (cyclic, min_sep)
+    dp = _dp(peg.dp.BLT(buffers=1, num_steps=16, cycle_length=4))
+    dp.fit(first_data, verbose=0)
+    if restored:
+        dp.save_weights(tmp_path / "run.weights.h5")
+        dp = _dp(peg.dp.BLT(buffers=1, num_steps=16, cycle_length=4))
+        dp.load_weights(tmp_path / "run.weights.h5")
+    was, now = ("b-min-sep", "cyclic Poisson") if first == "min_sep" else ("cyclic Poisson", "b-min-sep")
+    with pytest.raises(
+        ValueError, match=f"earlier steps were drawn by {was} sampling \\(b = 4\\) and this dataset by {now}"
+    ):
+        dp.fit(second_data, verbose=0)
+    assert int(dp.dp_steps.numpy()) == 5
+
+
+@pytest.mark.slow
 def test_blt_and_a_budget_on_min_sep_batches():
     blt = peg.dp.BLT(buffers=2, num_steps=16, cycle_length=4)
     limit = compute_epsilon(

@@ -53,6 +53,7 @@ from per_example_grads.dp.sampling import (
     _padded_batch,
     _rows_digest,
     _steps_and_key,
+    check_partition_scheme,
     default_max_batch_size,
     sampled_inputs,
 )
@@ -91,20 +92,26 @@ class MinSepSampling(PoissonSampling):
 
     @property
     def partition(self) -> np.ndarray:
-        """``int64 [5]`` ``[b, key, digest]``: what fixes every batch of the run, given the rows (a ledger saves it)."""
-        return np.concatenate([[self.cycle_length], self.key.numpy(), self.rows_digest]).astype(np.int64)
+        """``int64 [5]`` ``[-b, key, digest]``: what fixes every batch of the run, given the rows (a ledger saves it).
+
+        ``-b``: the sampler, for ``sampling.check_partition_scheme``.
+        """
+        return np.concatenate([[-self.cycle_length], self.key.numpy(), self.rows_digest]).astype(np.int64)
 
     def take_partition(self, partition: np.ndarray) -> None:
         """Makes the run's key (``partition``) this dataset's, if it holds the same rows with the same ``b``.
 
         Raises:
-          ValueError: another ``b``, or other rows (or the same rows in another
-            order), for which the run's key does not give the run's batches.
+          ValueError: another sampler (``sampling.check_partition_scheme``;
+            a ledger saved before min-sep runs recorded ``-b`` reads as a
+            cyclic one), another ``b``, or other rows (or the same rows in
+            another order), for which the run's key does not give the run's
+            batches.
         """
-        partition = np.asarray(partition, np.int64)
-        if int(partition[0]) != self.cycle_length or not np.array_equal(partition[3:], self.rows_digest):
+        partition = check_partition_scheme(partition, self.scheme)
+        if int(partition[0]) != -self.cycle_length or not np.array_equal(partition[3:], self.rows_digest):
             raise ValueError(
-                f"the run's earlier steps were b-min-sep sampled with min_separation={int(partition[0])} from other "
+                f"the run's earlier steps were b-min-sep sampled with min_separation={-int(partition[0])} from other "
                 f"rows than this dataset's (min_separation={self.cycle_length}; other rows, or the same rows in "
                 "another order): its batches could put an example in a step sooner than min_separation steps "
                 "after its last one, which the accounting excludes. Build the dataset from the same rows, in the "

@@ -197,11 +197,13 @@ class PoissonSampling:
         """Makes this dataset's partition ``partition`` (a run's, as ``partition`` gave it), if it holds the same rows.
 
         Raises:
-          ValueError: the cycle or the rows (their digest: other rows, or the
-            same rows in another order) are not those ``partition`` was made
-            for, so no key can give every example the part it had.
+          ValueError: the run's steps were drawn by another sampler
+            (``check_partition_scheme``), or the cycle or the rows (their
+            digest: other rows, or the same rows in another order) are not
+            those ``partition`` was made for, so no key can give every
+            example the part it had.
         """
-        partition = np.asarray(partition, np.int64)
+        partition = check_partition_scheme(partition, self.scheme)
         own = self.partition
         if own is None or own[0] != partition[0] or not np.array_equal(own[3:], partition[3:]):
             what = "unit" if self.privacy_unit == "unit" else "example"
@@ -214,6 +216,36 @@ class PoissonSampling:
             )
         self.partition_key = partition[1:3].copy()
         self.parts.assign(_cyclic_parts(int(self.parts.shape[0]), self.cycle_length, self.partition_key))
+
+
+# A partition's first entry says which sampler drew the run: the cycle b of cyclic Poisson sampling (as
+# every version has recorded it), -b for b-min-sep (recorded so since the two could continue each other).
+_SAMPLERS = {
+    "poisson": ("cyclic Poisson sampling", "poisson_batches"),
+    "min_sep": ("b-min-sep sampling", "min_sep_batches"),
+}
+
+
+def check_partition_scheme(partition: Any, scheme: str) -> np.ndarray:
+    """``int64 [5]`` ``partition``, if a run recorded it under sampling ``scheme``; ValueError naming both otherwise.
+
+    Cyclic Poisson and b-min-sep runs both keep ``b`` steps between an
+    example's turns, but by different rules: continuing one with the other
+    can put an example in a step fewer than ``b`` after its last one (its
+    part's turn right after a b-min-sep step), which no mechanism's
+    accounting covers.
+    """
+    partition = np.asarray(partition, np.int64)
+    recorded = "min_sep" if partition[0] < 0 else "poisson"
+    if recorded != scheme:
+        (was, _), (now, _) = _SAMPLERS[recorded], _SAMPLERS[scheme]
+        raise ValueError(
+            f"the run's earlier steps were drawn by {was} (b = {abs(int(partition[0]))}) and this dataset by "
+            f"{now}: switching can put an example in a step fewer than b steps after its last one, which the "
+            f"accounting excludes. Continue the run on {_SAMPLERS[recorded][1]}(...) of the same rows, or "
+            "begin a new run (a new DPModel)."
+        )
+    return partition
 
 
 @dataclasses.dataclass(frozen=True)
