@@ -260,6 +260,19 @@ CASES = [
         "rows_per_user",
         "sparse_embeddings",
     ),
+    # Monte-Carlo accounting of a run
+    (
+        "DPModel.monte_carlo_epsilon",
+        lambda: _dp(adaptive_clipping=peg.dp.AdaptiveClipping()).monte_carlo_epsilon(1e-5),
+        "monte_carlo_epsilon",
+        "adaptive_clipping",
+    ),
+    (
+        "DPModel.monte_carlo_epsilon",
+        lambda: _dp(_bag(), sparse_embeddings=SparseEmbeddings()).monte_carlo_epsilon(1e-5),
+        "monte_carlo_epsilon",
+        "sparse_embeddings",
+    ),
     # audit
     (
         "audit",

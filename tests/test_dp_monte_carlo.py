@@ -19,6 +19,7 @@ import math
 import pathlib
 
 import dp_accounting
+import keras
 import numpy as np
 import pytest
 import scipy.special
@@ -223,3 +224,81 @@ def test_draws_of_p_have_the_mixtures_mean_and_q_is_unshifted_noise(q):
         assert np.all(np.abs(y.mean(axis=1) - mean) <= STANDARD_ERRORS * spread / math.sqrt(m))
         if not positive:
             assert np.all(np.abs(spread - sigma) <= STANDARD_ERRORS * sigma / math.sqrt(2 * m))
+
+
+# -- DPModel.monte_carlo_epsilon: the ledger's run, where it meets restores, units, chunks and other samplers --
+
+N_ROWS = 48
+X_ROWS = np.random.default_rng(0).normal(size=(N_ROWS, 3)).astype("float32")
+Y_ROWS = np.random.default_rng(1).normal(size=(N_ROWS, 2)).astype("float32")
+SIGMA = 1.5
+
+
+def _dp(mechanism, **kw):
+    keras.utils.set_random_seed(0)
+    net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    dp = peg.keras.DPModel(net, l2_norm_clip=1.0, noise_multiplier=kw.pop("sigma", SIGMA), mechanism=mechanism, **kw)
+    dp.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return dp
+
+
+def _cyclic(q, steps, first_step=0, **kw):
+    return peg.dp.poisson_batches(
+        X_ROWS, Y_ROWS, sampling_probability=q, cycle_length=4, steps=steps, seed=5, first_step=first_step, **kw
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "make, q, kw",
+    [
+        (lambda: peg.dp.BLT(buffers=2, num_steps=12, cycle_length=4), 1.0, {}),
+        (lambda: peg.dp.BandMF(bands=2, num_steps=12, cycle_length=4), 0.5, {"physical_batch_size": 4}),
+    ],
+    ids=["blt", "bandmf-chunks"],
+)
+def test_a_dp_models_run_is_accounted_as_the_function_accounts_it_and_survives_a_restore(tmp_path, make, q, kw):
+    dp = _dp(make(), **kw)
+    assert dp.monte_carlo_epsilon(1e-3).epsilon == 0.0  # nothing spent yet
+    dp.fit(_cyclic(q, 6), verbose=0)
+    dp.save_weights(tmp_path / "run.weights.h5")
+    restored = _dp(make(), **kw)
+    restored.load_weights(tmp_path / "run.weights.h5")
+    restored.fit(_cyclic(q, 6, first_step=6), verbose=0)  # a second fit, after the restore
+    assert int(restored.dp_steps.numpy()) == 12
+    got = restored.monte_carlo_epsilon(1e-3, seed=7)
+    assert got == mc.monte_carlo_epsilon(make(), SIGMA, 12, delta=1e-3, sampling_probability=q, seed=7)
+    assert got.epsilon < restored.epsilon(1e-3)
+
+
+@pytest.mark.slow
+def test_a_unit_level_run_is_accounted_over_its_units():
+    units = np.arange(N_ROWS) // 3  # 16 units of 3 rows
+    dp = _dp(peg.dp.BandMF(bands=2, num_steps=8, cycle_length=4), privacy_unit="unit")
+    dp.fit(_cyclic(0.5, 8, unit_ids=units), verbose=0)
+    got = dp.monte_carlo_epsilon(1e-2, seed=1)
+    assert got == mc.monte_carlo_epsilon(dp.mechanism, SIGMA, 8, delta=1e-2, sampling_probability=0.5, seed=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["two noise multipliers", "b-min-sep", "fixed-size batches"])
+def test_a_ledger_that_is_not_one_poisson_run_is_refused(tmp_path, case):
+    blt = lambda: peg.dp.BLT(buffers=1, num_steps=12, cycle_length=4)  # noqa: E731
+    if case == "two noise multipliers":
+        dp = _dp(blt())
+        dp.fit(_cyclic(1.0, 4), verbose=0)
+        dp.save_weights(tmp_path / "run.weights.h5")
+        dp = _dp(blt(), sigma=2 * SIGMA)
+        dp.load_weights(tmp_path / "run.weights.h5")
+        dp.fit(_cyclic(1.0, 4, first_step=4), verbose=0)
+        match = "ran at 2 settings"
+    elif case == "b-min-sep":
+        dp = _dp(blt())
+        dp.fit(peg.dp.min_sep_batches(X_ROWS, Y_ROWS, sampling_probability=0.5, min_separation=4, steps=4), verbose=0)
+        match = "b-min-sep sampled, not cyclic Poisson sampled"
+    else:
+        dp = _dp(peg.dp.GaussianNoise(), num_examples=N_ROWS, expected_batch_size=8)
+        dp.train_on_batch(X_ROWS[:8], Y_ROWS[:8])
+        match = "not all drawn by poisson_batches"
+    with pytest.raises(ValueError, match=f"Monte-Carlo accounting needs a run of poisson_batches steps .*{match}"):
+        dp.monte_carlo_epsilon(1e-2)

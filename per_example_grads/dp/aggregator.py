@@ -69,6 +69,7 @@ from per_example_grads.dp import composition, ledger, privatizers
 from per_example_grads.dp.accounting import PrivacyAccountant, adaptive_clipping_noise_multiplier, user_level_event
 from per_example_grads.dp.budget import PrivacyBudget
 from per_example_grads.dp.mechanisms import NoiseMechanism, check_mechanism, fingerprint, fingerprint_name
+from per_example_grads.dp.monte_carlo import MonteCarloEpsilon, monte_carlo_epsilon
 from per_example_grads.dp.noise import NoiseSeed, noise_source
 from per_example_grads.dp.sampling import real_rows, split_into_chunks
 from per_example_grads.engines import grouped
@@ -647,6 +648,58 @@ class DPAggregator(keras.layers.Layer):
                 event = user_level_event(s.noise_multiplier, s.sampling_probability, rows_per_user, s.steps)
             accounted.record_event(event)
         return accounted
+
+    def monte_carlo_epsilon(
+        self, delta: float, *, samples: int | None = None, seed: int | None = 0, progress: bool = False
+    ) -> MonteCarloEpsilon:
+        """The ledger's steps accounted by Monte Carlo, each example's part random (``dp.monte_carlo``).
+
+        The ledger must hold one run at one ``(sigma, q)``, every step from
+        ``poisson_batches`` (with its partition recorded, for a cycle):
+        the dominating pair of ``monte_carlo`` is that run's. The owner
+        checks the pairings (``composition``: adaptive clipping and sparse
+        noise release more than the mechanism's sum).
+
+        Raises:
+          ValueError: the steps changed ``sigma`` or ``q``, or were not all
+            drawn by ``poisson_batches``, or no partition is recorded, or the
+            ledger predates its segments.
+        """
+        steps = int(self.steps.numpy())
+        if not steps:
+            return MonteCarloEpsilon(epsilon=0.0, delta=delta, base_delta=delta, samples=0, seed=seed)
+        segments = ledger.events(self.segments.numpy(), steps)
+        refusal = None
+        if segments is None:
+            refusal = "its ledger was saved before it recorded its segments"
+        elif len(segments) > 1:
+            refusal = (
+                f"its {steps} steps ran at {len(segments)} settings (noise multiplier, sampling probability or "
+                "sampler changed), and the Monte-Carlo pair is that of one run at one setting"
+            )
+        elif not segments[0].poisson:
+            refusal = "its steps were not all drawn by poisson_batches (fixed-size or unknown batches)"
+        elif self.mechanism.cycle_length > 1:
+            partition = self.partition.numpy()
+            if int(partition[0]) != self.mechanism.cycle_length:
+                what = "b-min-sep sampled" if int(partition[0]) < 0 else "without a recorded partition"
+                refusal = f"its steps were {what}, not cyclic Poisson sampled with random parts"
+        if refusal is not None:
+            raise ValueError(
+                f"Monte-Carlo accounting needs a run of poisson_batches steps at one setting, but {refusal}. "
+                "Use epsilon() (the ledger's accounting), which covers any run."
+            )
+        (run,) = segments
+        return monte_carlo_epsilon(
+            self.mechanism,
+            run.noise_multiplier,
+            steps,
+            delta=delta,
+            sampling_probability=run.sampling_probability,
+            samples=samples,
+            seed=seed,
+            progress=progress,
+        )
 
     def max_steps(self, budget: PrivacyBudget, sampling_probability: float, poisson: bool = True) -> int:
         """The most steps ``budget`` allows this ledger, the next ones sampled at ``sampling_probability``.

@@ -69,6 +69,8 @@ class Parts:
       sampling: the data's ``Sampling``, where it is known (``fit``).
       user_rows: per-user accounting of example-level sampling was asked for,
         with at most this many rows per user (``epsilon(rows_per_user=...)``).
+      monte_carlo: Monte-Carlo accounting of the run was asked for
+        (``monte_carlo_epsilon``).
     """
 
     owner: str
@@ -85,6 +87,7 @@ class Parts:
     xla: bool = False
     sampling: Sampling | None = None
     user_rows: int | None = None
+    monte_carlo: bool = False
 
     @property
     def correlated(self) -> bool:
@@ -270,6 +273,21 @@ PAIRINGS: tuple[Pairing, ...] = (
         lambda p: p.user_rows is not None and p.sparse,
         _text("its noisy lookup counts bound one example's contribution, not one user's"),
         _text("Leave sparse_embeddings out, or train with privacy_unit='unit'."),
+    ),
+    # -- Monte-Carlo accounting (monte_carlo: the pair of the mechanism's clipped sums alone) ----
+    Pairing(
+        _text("monte_carlo_epsilon"),
+        _text("adaptive_clipping"),
+        lambda p: p.monte_carlo and p.adaptive,
+        _text("every step also releases a noisy clipped count, which the Monte-Carlo pair leaves out"),
+        _text("Use epsilon(), or give a fixed l2_norm_clip."),
+    ),
+    Pairing(
+        _text("monte_carlo_epsilon"),
+        _text("sparse_embeddings"),
+        lambda p: p.monte_carlo and p.sparse,
+        _text("its noisy lookup counts are a release the Monte-Carlo pair leaves out"),
+        _text("Use epsilon(), or leave sparse_embeddings out."),
     ),
     # -- audit ----------------------------------------------------------------------------
     Pairing(

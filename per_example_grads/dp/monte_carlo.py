@@ -149,7 +149,7 @@ def _checked_coefficients(coefficients: Any, steps: int, cycle: int, q: float) -
             f"Monte-Carlo accounting at sampling_probability={q:g} < 1 needs C with at most cycle_length "
             f"({cycle}) coefficients (BandMF with bands <= cycle_length, DP-SGD); this C has {c.size}, so its "
             "loss is a mixture of 2^(steps / cycle_length) Gaussians per part. Sample whole parts "
-            "(sampling_probability=1.0) or account it without amplification (compute_epsilon)."
+            "(sampling_probability=1.0) or account it without amplification (epsilon(), compute_epsilon)."
         )
     return c
 

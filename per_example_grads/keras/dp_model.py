@@ -21,6 +21,7 @@ from per_example_grads.dp.accounting import PrivacyAccountant, check_run_delta
 from per_example_grads.dp.aggregator import DPAggregator, whole_units_on_replicas
 from per_example_grads.dp.budget import PrivacyBudget
 from per_example_grads.dp.mechanisms import NoiseMechanism
+from per_example_grads.dp.monte_carlo import MonteCarloEpsilon
 from per_example_grads.dp.sampling import FixedSizeSampling, PoissonSampling
 from per_example_grads.dp.sparse_embeddings import SparseEmbeddings, check_sparse_embeddings
 from per_example_grads.keras import network_guard, network_ledger
@@ -778,6 +779,27 @@ class DPModel(keras.Model):
             self._check_rows_per_user(rows_per_user)
             return 0.0
         return self.accountant(accountant=accountant, rows_per_user=rows_per_user).epsilon(delta)
+
+    def monte_carlo_epsilon(
+        self, delta: float, *, samples: int | None = None, seed: int | None = 0, progress: bool = False
+    ) -> MonteCarloEpsilon:
+        """ε spent so far with each example's part random, by Monte Carlo (``peg.dp.monte_carlo_epsilon``).
+
+        A tighter figure than ``epsilon()`` for a run on ``poisson_batches``
+        at one noise multiplier and sampling probability, held with the
+        probability its ``delta`` folds in; ``seed`` (0 by default) makes it
+        reproducible. ``epsilon()``, budgets and the in-step stop keep the
+        ledger's deterministic figure.
+
+        Raises:
+          ValueError: a pairing it does not account (``composition``), or a
+            ledger that is not one such run (``DPAggregator.monte_carlo_epsilon``).
+        """
+        if self.num_examples is not None:
+            check_run_delta(delta, self.num_examples)
+        self._check_ledger_covers_network()
+        composition.check(dataclasses.replace(self._parts, owner="DPModel.monte_carlo_epsilon", monte_carlo=True))
+        return self.aggregator.monte_carlo_epsilon(delta, samples=samples, seed=seed, progress=progress)
 
     def _check_rows_per_user(self, rows_per_user: int | None) -> None:
         """Per-user accounting of example-level sampling: a positive int, and parts it accounts (``composition``)."""
