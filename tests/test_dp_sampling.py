@@ -391,6 +391,21 @@ def test_from_dataset_equals_from_arrays():
             np.testing.assert_array_equal(u, v)
 
 
+def test_from_dataset_with_a_cycle_and_units_equals_from_arrays():
+    """cycle_length and first_step reach poisson_batches: the same parts, batches and partition as from the arrays."""
+    x, y = _ids_data(30)
+    units = np.arange(30) // 2
+    source = tf.data.Dataset.from_tensor_slices(({"x": x, "unit": units}, y))
+    common = dict(sampling_probability=0.5, steps=6, seed=11, cycle_length=3, first_step=2)
+    from_ds = poisson_batches_from_dataset(source, 30, unit_ids="unit", **common)
+    from_arrays = poisson_batches({"x": x}, y, unit_ids=units, **common)
+    assert from_ds.pegrad_sampling.cycle_length == 3
+    np.testing.assert_array_equal(from_ds.pegrad_sampling.partition, from_arrays.pegrad_sampling.partition)
+    for a, b in zip(from_ds, from_arrays):
+        for u, v in zip(tf.nest.flatten(a), tf.nest.flatten(b)):
+            np.testing.assert_array_equal(u, v)
+
+
 def test_from_dataset_x_only_and_unknown_cardinality():
     source = tf.data.Dataset.range(1, 41).filter(lambda i: i % 2 == 0)  # 20 examples, unknown count
     ds = poisson_batches_from_dataset(source, sampling_probability=0.25, steps=4, seed=0, progress=False)

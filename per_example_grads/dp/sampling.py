@@ -799,6 +799,8 @@ def poisson_batches_from_dataset(
     progress: bool = False,
     unit_ids: str | Callable[..., Any] | None = None,
     rows_per_unit: int | None = None,
+    cycle_length: int = 1,
+    first_step: int = 0,
 ) -> tf.data.Dataset:
     """``poisson_batches`` for a finite dataset of single (unbatched) examples.
 
@@ -833,8 +835,12 @@ def poisson_batches_from_dataset(
       num_examples: ``N``, if known. When given, the dataset must hold
         exactly ``N`` examples (checked; at most ``N + 1`` are read, so an
         accidentally repeated dataset fails fast).
-      sampling_probability, max_batch_size, steps, seed: as in
-        ``poisson_batches``.
+      sampling_probability, max_batch_size, steps, seed, cycle_length,
+        first_step: as in ``poisson_batches`` (``cycle_length``: cyclic
+        Poisson sampling, for correlated noise; the partition follows the
+        order the dataset gives its examples, so a dataset that reshuffles
+        on every pass gives another partition each time it is read, which
+        a ``DPModel`` run then refuses).
       progress: show a progress bar while reading the dataset.
       unit_ids: None (each row is its own unit), a feature name of a dict
         ``x``, or a function of an element giving its scalar integer unit
@@ -934,6 +940,8 @@ def poisson_batches_from_dataset(
         seed=seed,
         unit_ids=np.concatenate(id_parts) if with_ids else None,
         rows_per_unit=rows_per_unit,
+        cycle_length=cycle_length,
+        first_step=first_step,
     )
 
 
