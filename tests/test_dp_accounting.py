@@ -97,6 +97,13 @@ def test_conflicting_schedule_arguments_are_refused(call, match):
         call()
 
 
+def test_whole_parts_whose_batch_size_rounds_up_are_q_1():
+    # 500 / 15 * 15 is 500.00000000000006: a run sampling whole parts of 500 examples in 15 was refused.
+    assert dp_sgd_schedule(500, 500 / 15, None, 30, cycle_length=15) == (1.0, 30)
+    with pytest.raises(ValueError, match=r"batch_size \* cycle_length .* must be <= num_examples"):
+        dp_sgd_schedule(500, 34, None, 30, cycle_length=15)
+
+
 def test_a_sampling_probability_that_agrees_to_rounding_is_accepted():
     q = 256 / 60_000
     assert dp_sgd_schedule(60_000, 256, None, 10, q * (1 + 1e-12)) == (q * (1 + 1e-12), 10)

@@ -577,11 +577,11 @@ def dp_sgd_schedule(
     if not b > 0:
         raise ValueError(f"batch_size must be > 0; got {batch_size!r}.")
     cycle = check_positive_int("cycle_length", cycle_length)
-    if b * cycle > n:
+    if b * cycle > n * (1 + 1e-9):  # N / cycle_length as a float may round up: whole parts, q = 1
         what = f"batch_size * cycle_length ({batch_size!r} * {cycle})" if cycle > 1 else f"batch_size ({batch_size!r})"
         raise ValueError(f"{what} must be <= num_examples ({num_examples!r}).")
     if sampling_probability is None:
-        q = b * cycle / n
+        q = min(1.0, b * cycle / n)
     else:
         q = check_sampling_probability(sampling_probability)
         if abs(q - b * cycle / n) > 1e-9 * q:
