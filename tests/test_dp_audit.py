@@ -554,6 +554,39 @@ def test_a_unit_level_model_is_audited_per_unit(noise, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("noise", ["claimed", "off"])
+def test_a_unit_level_bandmf_run_in_physical_chunks_is_audited_per_unit(noise, monkeypatch):
+    """Where unit-level audits meet correlated noise and chunks: each canary a unit's contribution, on its part's turns.
+
+    BandMF(2) on cyclic batches of units, clipped in physical chunks of 8 rows: the claim is BandMF's per-unit
+    epsilon of the audited steps, which no bound exceeds; with the noise off the one-run bound is far above it.
+    """
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(240, 44)).astype("float32"), rng.normal(size=(240, 48)).astype("float32")
+    mechanism = peg.dp.BandMF(bands=2, num_steps=20)
+    dp_model = _regression_dp_model(44, 48, 1.0, privacy_unit="unit", mechanism=mechanism, physical_batch_size=8)
+    if noise == "off":
+        monkeypatch.setattr(dp_model.aggregator, "_gradient_noise_multiplier", 0.0)
+    report = audit.audit(
+        dp_model,
+        x,
+        y,
+        canaries=audit.GradientCanaries(2000, seed=7),
+        sampling_probability=0.1,
+        steps=20,
+        delta=DELTA,
+        unit_ids=np.repeat(np.arange(80), 3),
+    )
+    assert report.steps == 20 and dp_model.num_examples == 80
+    claim = _claim(peg.dp.BandMF(bands=2, num_steps=20), 1.0, 0.1, 20)  # 10 participations at q = 0.1
+    assert report.epsilon_accountant == pytest.approx(claim, rel=ACCOUNTING_COMPOSED_RTOL)
+    if noise == "claimed":
+        assert not report.violated and report.epsilon_one_run <= report.epsilon_accountant
+    else:
+        assert report.violated and report.epsilon_one_run > 1.5 * report.epsilon_accountant
+
+
+@pytest.mark.slow
 def test_an_audit_of_a_trained_cyclic_model_keeps_its_partition_and_claims_its_audited_steps():
     """BandMF after a cyclic fit: the audit's batches take the run's partition, the claim is its own steps' epsilon."""
     rng = np.random.default_rng(3)
