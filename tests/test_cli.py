@@ -72,12 +72,14 @@ def test_parsing_imports_no_tensorflow():
 
 @pytest.mark.slow  # a subprocess that imports dp_accounting
 def test_epsilon_imports_no_tensorflow():
-    # pegrad epsilon (the accountant and its argument checks) runs without loading TensorFlow.
+    # pegrad epsilon (the accountant and its argument checks, and Monte Carlo for DP-SGD) runs without TensorFlow.
     code = (
         "import sys\n"
         "from per_example_grads.apps import cli\n"
         "status = cli.main(['epsilon', '--num-examples', '1000', '--batch-size', '10', '--epochs', '1',\n"
         "                   '--noise-multiplier', '1', '--delta', '1e-5'])\n"
+        "status += cli.main(['epsilon', '--num-examples', '50', '--batch-size', '5', '--steps', '20',\n"
+        "                    '--noise-multiplier', '1', '--delta', '1e-2', '--monte-carlo'])\n"
         "heavy = sorted(m for m in ('tensorflow', 'keras') if m in sys.modules)\n"
         "print(status, heavy)\n"
     )
