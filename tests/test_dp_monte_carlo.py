@@ -71,6 +71,8 @@ def _brute_force_loss(c, sigma, steps, cycle, q, y):
         ([1.0, 0.5], 9, 4, 1.0),  # bands < cycle, whole parts
         ([1.0, 0.6, 0.3, 0.2, 0.1], 8, 2, 1.0),  # C longer than the cycle: one mode per part
         ([1.0, 0.7, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05], 8, 3, 1.0),
+        ([1.0, 0.5], 5, 8, 1.0),  # more parts than steps: some parts never take a turn (a run cut short)
+        ([1.0, 0.5, 0.2], 4, 6, 0.5),
     ],
 )
 def test_privacy_loss_is_the_enumerated_mixtures(c, steps, cycle, q):

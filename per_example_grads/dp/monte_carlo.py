@@ -144,6 +144,8 @@ def _checked_coefficients(coefficients: Any, steps: int, cycle: int, q: float) -
             f"gradients pointing one way); these coefficients have {int(np.sum(c < 0))} negative."
         )
     c = np.trim_zeros(c, "b")
+    if c.size == 0:
+        raise ValueError("coefficients are all zero: C would release nothing of the gradients.")
     if q < 1.0 and c.size > cycle:
         raise ValueError(
             f"Monte-Carlo accounting at sampling_probability={q:g} < 1 needs C with at most cycle_length "
@@ -166,10 +168,10 @@ class _Pair:
         self.first_mode = scipy.signal.fftconvolve(first, c)[:steps] if c.size > 1 else c[0] * first
         self.mode_norms = _tail_norms(self.first_mode, cycle, steps)  # |m_s|^2
         self.column_norms = _tail_norms(c, steps, steps)  # |C e_j|^2: column j of C, cut at the last step
-        if q == 1.0:  # [steps, cycle]: m_s in column s
-            self.modes = np.stack(
-                [np.concatenate([np.zeros(s), self.first_mode[: steps - s]]) for s in range(cycle)], 1
-            )
+        if q == 1.0:  # [steps, cycle]: m_s in column s (zero for a part whose turn comes after the last step)
+            self.modes = np.zeros((steps, cycle))
+            for part in range(min(cycle, steps)):
+                self.modes[part:, part] = self.first_mode[: steps - part]
 
     def draw(self, rng: np.random.Generator, m: int, positive: bool) -> np.ndarray:
         """``[steps, m]`` draws of ``P`` (``positive``) or ``Q``."""
@@ -202,9 +204,9 @@ class _Pair:
 
 
 def _tail_norms(kernel: np.ndarray, lags: int, steps: int) -> np.ndarray:
-    """``[lags]``: ``|kernel shifted by s, cut at steps|^2`` for ``s = 0 .. lags-1``."""
-    squares = np.cumsum(kernel**2)
-    return squares[np.minimum(kernel.size, steps - np.arange(lags)) - 1]
+    """``[lags]``: ``|kernel shifted by s, cut at steps|^2`` for ``s = 0 .. lags-1`` (0 from ``s = steps`` on)."""
+    squares = np.concatenate([[0.0], np.cumsum(kernel**2)])
+    return squares[np.clip(steps - np.arange(lags), 0, kernel.size)]
 
 
 def _correlation(y: np.ndarray, kernel: np.ndarray) -> np.ndarray:
