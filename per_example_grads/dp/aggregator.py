@@ -59,7 +59,7 @@ import numpy as np
 import tensorflow as tf
 
 from per_example_grads._core import replicas
-from per_example_grads._core.arguments import check_dp_arguments, check_positive_int, total_clip
+from per_example_grads._core.arguments import check_delta, check_dp_arguments, check_positive_int, total_clip
 from per_example_grads._core.batch import make_batch
 from per_example_grads._core.example_ops import in_dtype
 from per_example_grads._core.xla_context import in_xla_context
@@ -665,7 +665,7 @@ class DPAggregator(keras.layers.Layer):
             drawn by ``poisson_batches``, or no partition is recorded, or the
             ledger predates its segments.
         """
-        steps = int(self.steps.numpy())
+        delta, steps = check_delta(delta), int(self.steps.numpy())
         if not steps:
             return MonteCarloEpsilon(epsilon=0.0, delta=delta, base_delta=delta, samples=0, seed=seed)
         segments = ledger.events(self.segments.numpy(), steps)
