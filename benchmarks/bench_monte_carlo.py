@@ -8,7 +8,7 @@ run by ``peg.dp.monte_carlo_epsilon`` (the part random; seed 0, the default
 number of draws for ``delta``), and the seconds it took on this machine.
 
 Run: ``python benchmarks/bench_monte_carlo.py [--steps 1000] [--epochs 2,4,16,64]
-[--target-epsilon 8] [--delta 1e-3] [--only BLT]``. ``delta`` sets the draws (about ``10 /
+[--target-epsilon 8] [--delta 1e-3] [--only BLT]``. ``delta`` sets the draws (60 to 120 times ``1 /
 delta`` of each side) and so the time: 1e-3 keeps the table to minutes on 2
 cores; 1e-5 takes 141 times as long.
 """

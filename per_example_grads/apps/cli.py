@@ -294,7 +294,7 @@ def _add_epsilon_parser(subparsers: "argparse._SubParsersAction") -> None:
         "--samples",
         type=_positive_int,
         metavar="M",
-        help="--monte-carlo: draws of each side (default: the least that states delta, about 10 / delta)",
+        help="--monte-carlo: draws of each side (default: the least that states delta, 60-120 / delta)",
     )
     p.add_argument("--seed", type=int, metavar="S", help="--monte-carlo: seed of the draws (default: 0)")
     p.set_defaults(run=_run_epsilon, parser=p)
