@@ -27,7 +27,9 @@ the other in a few shared children (one without TensorFlow, one with it),
 the accountant and memory cases each in its own. A child that hangs or dies
 is killed or reaped, its case is a crash, and a new child runs the cases
 that were left. The child limits its address space (``RLIMIT_AS``) to what
-its imports took plus ``--memory-gb``.
+its imports took plus ``--memory-gb``. ``--jobs N`` runs up to ``N`` of these
+children at once (the largest group first), each as above: a case is still
+classified on its own, and a crash is still the case's that was running.
 
 The package is imported from wherever ``PYTHONPATH`` points (else the
 installed one), so one script measures any version:
@@ -36,12 +38,14 @@ installed one), so one script measures any version:
     PYTHONPATH=$PWD python benchmarks/bad_inputs.py --json /tmp/after.json
     python benchmarks/bad_inputs.py --list
     python benchmarks/bad_inputs.py -k dpmodel
+    python benchmarks/bad_inputs.py --jobs 2                           # two children at a time
     python benchmarks/bad_inputs.py --case dpmodel_trained_outside    # in this process, no isolation
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import inspect
@@ -2553,6 +2557,9 @@ def main(argv=None) -> int:
         "--case", metavar="NAME", help="run one case in this process (no isolation) and print its result"
     )
     parser.add_argument("--keep-logs", metavar="DIR", help="keep the children's output in DIR")
+    parser.add_argument(
+        "--jobs", type=int, default=1, metavar="N", help="children that run at once (default: %(default)s)"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--results", help=argparse.SUPPRESS)
     parser.add_argument("names", nargs="*", help=argparse.SUPPRESS)
@@ -2594,10 +2601,13 @@ def main(argv=None) -> int:
     def progress(item):
         print(f"  {item['outcome']:<12} {item['name']} ({item['seconds']:.1f} s)", file=sys.stderr, flush=True)
 
+    groups = [group for group in groups if group]
+    if args.jobs > 1:  # the largest group first, so that it is not the one left running alone at the end
+        groups.sort(key=len, reverse=True)
     try:
-        for group in groups:
-            if group:
-                rows += run_group(group, args, logs, progress)
+        with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+            for done in pool.map(lambda group: run_group(group, args, logs, progress), groups):
+                rows += done
     finally:
         if not args.keep_logs:
             shutil.rmtree(logs, ignore_errors=True)
@@ -2622,6 +2632,7 @@ def main(argv=None) -> int:
                     seconds=round(seconds, 1),
                     timeout=args.timeout,
                     memory_gb=args.memory_gb,
+                    jobs=args.jobs,
                     counts=counts,
                     cases=rows,
                 ),
