@@ -267,6 +267,24 @@ def mirrored_strategy():
     return _MIRRORED[0]
 
 
+def run_here(script: str, *args: str) -> str:
+    """The stdout of ``script`` (dedented) run as ``run_in_new_process`` runs it, but in this process: for the
+    first of two runs where only the second must start afresh (saves a Python start, TensorFlow's import)."""
+    import contextlib
+    import io
+    import sys
+    import textwrap
+
+    out, argv = io.StringIO(), sys.argv
+    sys.argv = ["-c", *args]
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(textwrap.dedent(script), "<run_here>", "exec"), {"__name__": "__main__"})
+    finally:
+        sys.argv = argv
+    return out.getvalue()
+
+
 def run_in_new_process(script: str, *args: str) -> str:
     """The stdout of ``script`` (dedented) run by a fresh Python with ``args``; its stderr's tail if it fails."""
     import subprocess

@@ -8,9 +8,6 @@ batches: at ``q = 1`` step ``t`` holds exactly part ``t mod b``.
 
 from __future__ import annotations
 
-import contextlib
-import io
-
 import h5py
 import keras
 import numpy as np
@@ -18,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 import per_example_grads as peg
-from helpers import CrashAtStep, run_in_new_process
+from helpers import CrashAtStep, run_here, run_in_new_process
 
 N, CYCLE = 12, 2
 X = np.arange(N, dtype="float32")[:, None] * np.ones((1, 3), "float32")  # row i holds i
@@ -162,41 +159,34 @@ def test_a_file_saved_before_the_partition_was_recorded_loads_and_refuses_cyclic
                 old.fit(data(), epochs=1, verbose=0)
 
 
-# A run of 4 steps with an unseeded dataset (its partition from OS entropy), saved to argv[1]; with argv[2] == "load",
-# continued from that file first. Prints the rows of each step of the next cycle. Run here (``_run_here``) and in a
-# new Python (``_PROCESS``), the same statements.
-_RUN = """
+_PROCESS = """
+import sys
+import keras, numpy as np
+import per_example_grads as peg
+
 x = np.arange(12, dtype="float32")[:, None] * np.ones((1, 3), "float32")
 y = np.zeros((12, 2), "float32")
 keras.utils.set_random_seed(0)
 net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
 dp = peg.keras.DPModel(net, l2_norm_clip=1.0, noise_multiplier=1.0, mechanism=peg.dp.BandMF(bands=2, num_steps=8))
 dp.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-if argv[2] == "load":
-    dp.load_weights(argv[1])
+if sys.argv[2] == "load":
+    dp.load_weights(sys.argv[1])
 ds = peg.dp.poisson_batches(x, y, sampling_probability=1.0, cycle_length=2, steps=4)  # seed=None
 dp.fit(ds, epochs=1, verbose=0)
-dp.save_weights(argv[1])
+dp.save_weights(sys.argv[1])
 print("PARTS", [sorted(xb.numpy()[m.numpy() == 1, 0].astype(int).tolist()) for xb, _, m in ds.take(2)])
 """
-_PROCESS = "import sys\nimport keras, numpy as np\nimport per_example_grads as peg\nargv = sys.argv\n" + _RUN
-
-
-def _run_here(*argv: str) -> str:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(_RUN, {"keras": keras, "np": np, "peg": peg, "argv": ["-c", *argv]})
-    return out.getvalue()
 
 
 @pytest.mark.slow
 def test_a_new_process_with_an_unseeded_dataset_keeps_the_partition(tmp_path):
-    """The run starts here (one Python start less) and continues in a new process, whose unseeded dataset would
-    draw another partition from its own OS entropy: it must take the file's."""
+    """The run starts in this process and continues in a new one, whose unseeded dataset would draw another
+    partition from its own OS entropy: it must take the file's. (Only the second run needs a new process.)"""
     path = str(tmp_path / "run.weights.h5")
 
     def parts(out):
         return [line for line in out.splitlines() if line.startswith("PARTS")][0]
 
-    first = parts(_run_here(path, "new"))
+    first = parts(run_here(_PROCESS, path, "new"))
     assert parts(run_in_new_process(_PROCESS, path, "load")) == first  # each step of the next cycle: the same rows
