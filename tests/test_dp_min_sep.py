@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import per_example_grads as peg
-from helpers import run_in_new_process
+from helpers import run_here, run_in_new_process
 from per_example_grads.dp.accounting import compute_epsilon
 from tolerances import ACCOUNTING_SAME_RTOL, EPS32, Z, clipped_sum_rtol
 
@@ -273,13 +273,13 @@ print("KEY", ds.pegrad_sampling.partition.tolist())
 def test_a_new_process_with_an_unseeded_dataset_continues_the_runs_batches(tmp_path):
     path = str(tmp_path / "run.weights.h5")
 
-    def run(mode):
-        out = run_in_new_process(_PROCESS, path, mode)
+    def run(mode, where):
+        out = where(_PROCESS, path, mode)
         lines = dict(line.split(" ", 1) for line in out.splitlines() if line.startswith(("ROWS", "KEY")))
         return json.loads(lines["ROWS"]), json.loads(lines["KEY"])
 
-    first_rows, first_key = run("new")
-    later_rows, later_key = run("load")
+    first_rows, first_key = run("new", run_here)  # only the continuing run needs a new process
+    later_rows, later_key = run("load", run_in_new_process)
     assert later_key == first_key  # the second process took the run's key from the ledger
     # Its steps 4..7 are the run's: what that key gives from step 4 here, and no example within 4 steps of its last.
     x = np.arange(32, dtype="float32")[:, None].repeat(3, axis=1)
