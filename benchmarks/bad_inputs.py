@@ -48,6 +48,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
+import gc
 import inspect
 import json
 import math
@@ -2376,6 +2377,10 @@ def worker(names: list[str], results: str, memory_gb: float) -> None:
         modules()
         import per_example_grads.gradients  # noqa: F401 - the heavy imports, before the limit
         import per_example_grads.keras  # noqa: F401
+    # What the imports made lives as long as the child: kept out of the collector's sight, so that the full
+    # collection keras.backend.clear_session() makes before each case goes over what the cases made, not again
+    # over TensorFlow's few hundred thousand objects (0.2 s a case, about 100 TensorFlow cases).
+    gc.freeze()
     # The soft limit only: a CLI case's own child (run_cli) sets its own limit, above this one.
     limit = vm_size() + int(memory_gb * 2**30)
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
