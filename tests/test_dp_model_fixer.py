@@ -10,6 +10,7 @@ keep the weights, and their clipped gradients equal the one-example loop's.
 from __future__ import annotations
 
 import collections
+import gc
 import inspect
 import json
 import math
@@ -267,6 +268,9 @@ def _fix_every_application(part: int, parts: int) -> None:
         cls = getattr(keras.initializers, name)
         if inspect.isclass(cls) and issubclass(cls, keras.initializers.Initializer):
             cls.__call__ = lambda self, shape, dtype=None, **kwargs: keras.ops.zeros(shape, dtype=dtype)
+    # What the imports made lives as long as the child: out of the collector's sight, so that clear_session's full
+    # collection after each model goes over that model's objects only (3 s of CPU less over the sixteen).
+    gc.freeze()
     for name in _share(checked_constructors(), part, parts):
         print(f"START {name}", flush=True)
         start, cpu = time.perf_counter(), time.process_time()
