@@ -564,6 +564,9 @@ def test_dp_model_keeps_a_cyclic_partition_under_a_strategy_across_fits():
         parts.append([set(batches[(p - start) % 2].tolist()) for p in range(2)])
     assert parts[0] == parts[1] and int(dp.dp_steps.numpy()) == 8
     assert sorted(parts[0][0] | parts[0][1]) == list(range(B))
+    # Its Monte-Carlo epsilon reads the replicated ledger as one run: that of 8 steps of BandMF(2) on whole parts.
+    expected = peg.dp.monte_carlo_epsilon(peg.dp.BandMF(bands=2, num_steps=8), 1.0, 8, delta=1e-2, seed=0)
+    assert dp.monte_carlo_epsilon(1e-2, seed=0) == expected
 
 
 @pytest.mark.slow
@@ -581,6 +584,8 @@ def test_dp_model_on_min_sep_batches_under_a_strategy_keeps_the_runs_key_across_
         dp.fit(data, verbose=0)
         keys.append(data.pegrad_sampling.key.numpy().tolist())
     assert keys[0] == keys[1] and int(dp.dp_steps.numpy()) == 8
+    with pytest.raises(ValueError, match="b-min-sep sampled, not cyclic Poisson sampled"):
+        dp.monte_carlo_epsilon(1e-2)
     assert dp.epsilon(1e-5) == pytest.approx(
         peg.dp.compute_epsilon(
             B, 1, None, 1.0, 1e-5, steps=8, mechanism=peg.dp.BISR(bands=3, num_steps=8, cycle_length=2)
