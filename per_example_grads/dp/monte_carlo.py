@@ -162,16 +162,16 @@ class _Pair:
     def __init__(self, c: np.ndarray, sigma: float, steps: int, cycle: int, q: float):
         self.c, self.sigma, self.steps, self.cycle, self.q = c, sigma, steps, cycle, q
         self.banded = c.size <= cycle
-        first = np.zeros(steps)
-        first[::cycle] = 1.0
-        # m_0 = C 1_0, the mean under P of an example of part 0 that joins every turn; m_s is m_0 shifted by s.
-        self.first_mode = scipy.signal.fftconvolve(first, c)[:steps] if c.size > 1 else c[0] * first
-        self.mode_norms = _tail_norms(self.first_mode, cycle, steps)  # |m_s|^2
         self.column_norms = _tail_norms(c, steps, steps)  # |C e_j|^2: column j of C, cut at the last step
-        if q == 1.0:  # [steps, cycle]: m_s in column s (zero for a part whose turn comes after the last step)
-            self.modes = np.zeros((steps, cycle))
+        if q == 1.0:  # one mode per part (the draws of P; the loss too where C is longer than the cycle)
+            first = np.zeros(steps)
+            first[::cycle] = 1.0
+            # m_0 = C 1_0, the mean under P of an example of part 0 that joins every turn; m_s is m_0 shifted by s.
+            first_mode = scipy.signal.fftconvolve(first, c)[:steps] if c.size > 1 else c[0] * first
+            self.mode_norms = _tail_norms(first_mode, cycle, steps)  # |m_s|^2
+            self.modes = np.zeros((steps, cycle))  # m_s in column s (zero for a part whose turn comes after the end)
             for part in range(min(cycle, steps)):
-                self.modes[part:, part] = self.first_mode[: steps - part]
+                self.modes[part:, part] = first_mode[: steps - part]
 
     def draw(self, rng: np.random.Generator, m: int, positive: bool) -> np.ndarray:
         """``[steps, m]`` draws of ``P`` (``positive``) or ``Q``."""
@@ -217,6 +217,36 @@ def _correlation(y: np.ndarray, kernel: np.ndarray) -> np.ndarray:
     return out
 
 
+def _checked_pair(
+    coefficients: Any, noise_multiplier: float, steps: int, cycle_length: int, sampling_probability: float
+) -> _Pair:
+    """The dominating pair of a run, its arguments checked."""
+    sigma = check_noise_multiplier(noise_multiplier)
+    if sigma <= 0:
+        raise ValueError("noise_multiplier must be > 0 for Monte-Carlo accounting.")
+    steps = check_positive_int("steps", steps)
+    cycle = check_positive_int("cycle_length", cycle_length)
+    q = check_sampling_probability(sampling_probability)
+    return _Pair(_checked_coefficients(coefficients, steps, cycle, q), sigma, steps, cycle, q)
+
+
+def _losses(pair: _Pair, samples: int, positive: bool, seed: int | None, progress: bool) -> np.ndarray:
+    """``privacy_losses`` of ``pair``: ``samples`` draws, in chunks of about ``_CHUNK_FLOATS`` floats."""
+    rng = np.random.default_rng(seed)
+    chunk = max(1, _CHUNK_FLOATS // pair.steps)
+    starts = range(0, samples, chunk)
+    if progress:
+        from tqdm.auto import tqdm
+
+        starts = tqdm(starts, desc="Monte-Carlo accounting", unit="chunk")
+    out = np.empty(samples)
+    for start in starts:
+        m = min(chunk, samples - start)
+        loss = pair.loss(pair.draw(rng, m, positive))
+        out[start : start + m] = loss if positive else -loss
+    return out
+
+
 def privacy_losses(
     coefficients: Any,
     noise_multiplier: float,
@@ -235,27 +265,8 @@ def privacy_losses(
     for ``y ~ Q`` (the loss of ``Q`` against ``P``). Both have
     ``delta(eps) = mean((1 - e^(eps - loss))_+)``.
     """
-    sigma = check_noise_multiplier(noise_multiplier)
-    if sigma <= 0:
-        raise ValueError("noise_multiplier must be > 0 for Monte-Carlo accounting.")
-    steps = check_positive_int("steps", steps)
-    cycle = check_positive_int("cycle_length", cycle_length)
-    q = check_sampling_probability(sampling_probability)
-    samples = check_positive_int("samples", samples)
-    pair = _Pair(_checked_coefficients(coefficients, steps, cycle, q), sigma, steps, cycle, q)
-    rng = np.random.default_rng(seed)
-    chunk = max(1, _CHUNK_FLOATS // steps)
-    starts = range(0, samples, chunk)
-    if progress:
-        from tqdm.auto import tqdm
-
-        starts = tqdm(starts, desc="Monte-Carlo accounting", unit="chunk")
-    out = np.empty(samples)
-    for start in starts:
-        m = min(chunk, samples - start)
-        loss = pair.loss(pair.draw(rng, m, positive))
-        out[start : start + m] = loss if positive else -loss
-    return out
+    pair = _checked_pair(coefficients, noise_multiplier, steps, cycle_length, sampling_probability)
+    return _losses(pair, check_positive_int("samples", samples), positive, seed, progress)
 
 
 def _delta_estimate(losses: np.ndarray, epsilon: float) -> float:
@@ -341,10 +352,10 @@ def monte_carlo_epsilon(
     coefficients, cycle = _coefficients_and_cycle(mechanism, steps, cycle_length)
     samples = samples_for(delta) if samples is None else check_positive_int("samples", samples)
     beta = base_delta_for(delta, samples)
-    common = dict(cycle_length=cycle, sampling_probability=sampling_probability, samples=samples, progress=progress)
+    pair = _checked_pair(coefficients, noise_multiplier, steps, cycle, sampling_probability)
     seed_p, seed_q = (int(s.generate_state(1)[0]) for s in np.random.SeedSequence(seed).spawn(2))
-    positive = privacy_losses(coefficients, noise_multiplier, steps, positive=True, seed=seed_p, **common)
-    negative = privacy_losses(coefficients, noise_multiplier, steps, positive=False, seed=seed_q, **common)
+    positive = _losses(pair, samples, True, seed_p, progress)
+    negative = _losses(pair, samples, False, seed_q, progress)
     return MonteCarloEpsilon(
         epsilon=epsilon_from_losses(positive, negative, beta),
         delta=folded_delta(beta, samples),
