@@ -71,7 +71,7 @@ from per_example_grads.dp.budget import PrivacyBudget
 from per_example_grads.dp.mechanisms import NoiseMechanism, check_mechanism, fingerprint, fingerprint_name
 from per_example_grads.dp.monte_carlo import MonteCarloEpsilon, monte_carlo_epsilon
 from per_example_grads.dp.noise import NoiseSeed, noise_source
-from per_example_grads.dp.sampling import real_rows, split_into_chunks
+from per_example_grads.dp.sampling import partition_scheme, real_rows, split_into_chunks
 from per_example_grads.engines import grouped
 from per_example_grads.engines.selection import check_method
 
@@ -682,7 +682,9 @@ class DPAggregator(keras.layers.Layer):
         elif self.mechanism.cycle_length > 1:
             partition = self.partition.numpy()
             if int(partition[0]) != self.mechanism.cycle_length:
-                what = "b-min-sep sampled" if int(partition[0]) < 0 else "without a recorded partition"
+                what = (
+                    "b-min-sep sampled" if partition_scheme(partition) == "min_sep" else "without a recorded partition"
+                )
                 refusal = f"its steps were {what}, not cyclic Poisson sampled with random parts"
         if refusal is not None:
             raise ValueError(

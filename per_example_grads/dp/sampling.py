@@ -226,6 +226,11 @@ _SAMPLERS = {
 }
 
 
+def partition_scheme(partition: Any) -> str:
+    """The sampler that recorded ``partition``: ``"min_sep"`` (``-b`` first) or ``"poisson"`` (``b`` first)."""
+    return "min_sep" if int(np.asarray(partition)[0]) < 0 else "poisson"
+
+
 def check_partition_scheme(partition: Any, scheme: str) -> np.ndarray:
     """``int64 [5]`` ``partition``, if a run recorded it under sampling ``scheme``; ValueError naming both otherwise.
 
@@ -236,7 +241,7 @@ def check_partition_scheme(partition: Any, scheme: str) -> np.ndarray:
     accounting covers.
     """
     partition = np.asarray(partition, np.int64)
-    recorded = "min_sep" if partition[0] < 0 else "poisson"
+    recorded = partition_scheme(partition)
     if recorded != scheme:
         (was, _), (now, _) = _SAMPLERS[recorded], _SAMPLERS[scheme]
         raise ValueError(
