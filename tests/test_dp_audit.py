@@ -520,18 +520,29 @@ def test_a_trained_model_is_audited_against_the_epsilon_of_its_audited_steps(mon
     assert not report.gaussian_dp_exact and report.epsilon_one_run < dp_model.epsilon(DELTA)
 
 
+# Unit-level runs to audit: (data seed, q, the mechanism's maker (None: DP-SGD), DPModel options).
+_UNIT_RUNS = {
+    "dp-sgd": (2, 0.05, None, {}),
+    # Where unit-level audits meet correlated noise and chunks: canaries take their part's turns.
+    "bandmf-chunks": (4, 0.1, lambda: peg.dp.BandMF(bands=2, num_steps=20), {"physical_batch_size": 8}),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("noise", ["claimed", "off"])
-def test_a_unit_level_model_is_audited_per_unit(noise, monkeypatch):
+@pytest.mark.parametrize("run", list(_UNIT_RUNS))
+def test_a_unit_level_model_is_audited_per_unit(run, noise, monkeypatch):
     """Units of 3 rows: each canary is one unit's clipped contribution, the claim the per-unit epsilon (#54).
 
     With the claimed noise no bound exceeds the claim; with none (the ledger still says sigma = 1) the
-    one-run bound is far above it. Before, a unit-level model could not be audited at all.
+    one-run bound is far above it. Before, a unit-level model could not be audited at all. BandMF(2) runs on
+    cyclic batches of units, clipped in physical chunks of 8 rows (its claim: 10 participations at q = 0.1).
     """
-    rng = np.random.default_rng(2)
+    seed, q, make, options = _UNIT_RUNS[run]
+    rng = np.random.default_rng(seed)
     x, y = rng.normal(size=(240, 44)).astype("float32"), rng.normal(size=(240, 48)).astype("float32")
-    unit_ids = np.repeat(np.arange(80), 3)
-    dp_model = _regression_dp_model(44, 48, 1.0, privacy_unit="unit")
+    mechanism = None if make is None else make()
+    dp_model = _regression_dp_model(44, 48, 1.0, privacy_unit="unit", mechanism=mechanism, **options)
     if noise == "off":
         monkeypatch.setattr(dp_model.aggregator, "_gradient_noise_multiplier", 0.0)
     report = audit.audit(
@@ -539,46 +550,14 @@ def test_a_unit_level_model_is_audited_per_unit(noise, monkeypatch):
         x,
         y,
         canaries=audit.GradientCanaries(2000, seed=7),
-        sampling_probability=0.05,
-        steps=20,
-        delta=DELTA,
-        unit_ids=unit_ids,
-    )
-    assert report.steps == 20 == int(dp_model.dp_steps.numpy())
-    assert dp_model.num_examples == 80  # accounted per unit
-    assert report.epsilon_accountant == pytest.approx(_claim(None, 1.0, 0.05, 20), rel=ACCOUNTING_COMPOSED_RTOL)
-    if noise == "claimed":
-        assert not report.violated and report.epsilon_one_run <= report.epsilon_accountant
-    else:
-        assert report.violated and report.epsilon_one_run > 1.5 * report.epsilon_accountant
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("noise", ["claimed", "off"])
-def test_a_unit_level_bandmf_run_in_physical_chunks_is_audited_per_unit(noise, monkeypatch):
-    """Where unit-level audits meet correlated noise and chunks: each canary a unit's contribution, on its part's turns.
-
-    BandMF(2) on cyclic batches of units, clipped in physical chunks of 8 rows: the claim is BandMF's per-unit
-    epsilon of the audited steps, which no bound exceeds; with the noise off the one-run bound is far above it.
-    """
-    rng = np.random.default_rng(4)
-    x, y = rng.normal(size=(240, 44)).astype("float32"), rng.normal(size=(240, 48)).astype("float32")
-    mechanism = peg.dp.BandMF(bands=2, num_steps=20)
-    dp_model = _regression_dp_model(44, 48, 1.0, privacy_unit="unit", mechanism=mechanism, physical_batch_size=8)
-    if noise == "off":
-        monkeypatch.setattr(dp_model.aggregator, "_gradient_noise_multiplier", 0.0)
-    report = audit.audit(
-        dp_model,
-        x,
-        y,
-        canaries=audit.GradientCanaries(2000, seed=7),
-        sampling_probability=0.1,
+        sampling_probability=q,
         steps=20,
         delta=DELTA,
         unit_ids=np.repeat(np.arange(80), 3),
     )
-    assert report.steps == 20 and dp_model.num_examples == 80
-    claim = _claim(peg.dp.BandMF(bands=2, num_steps=20), 1.0, 0.1, 20)  # 10 participations at q = 0.1
+    assert report.steps == 20 == int(dp_model.dp_steps.numpy())
+    assert dp_model.num_examples == 80  # accounted per unit
+    claim = _claim(None if make is None else make(), 1.0, q, 20)
     assert report.epsilon_accountant == pytest.approx(claim, rel=ACCOUNTING_COMPOSED_RTOL)
     if noise == "claimed":
         assert not report.violated and report.epsilon_one_run <= report.epsilon_accountant
