@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -26,7 +27,7 @@ import scipy.special
 
 import per_example_grads as peg
 from per_example_grads.dp import monte_carlo as mc
-from per_example_grads.dp.accounting import compute_epsilon
+from per_example_grads.dp.accounting import compute_epsilon, noise_multiplier_for_epsilon
 
 REFERENCE = json.loads((pathlib.Path(__file__).parent / "data" / "jax_privacy_reference.json").read_text())
 # Two float64 programs evaluating the same log-sum-exp of T-term dot products (T <= 60, |y| < 20):
@@ -171,6 +172,10 @@ def test_stated_delta_folds_the_draws_failure_probability():
     tau = 1.5
     kl = beta * math.log(1 / tau) + (1 - beta) * math.log((1 - beta) / (1 - tau * beta))
     assert mc.folded_delta(beta, m) <= tau * beta + 2 * math.exp(-m * kl)
+    # K draws to choose from: K times the failure probability (a union bound), so more samples for the same delta.
+    assert mc.folded_delta(beta, m, draws=3) <= tau * beta + 6 * math.exp(-m * kl)
+    assert mc.folded_delta(beta, m) < mc.folded_delta(beta, m, draws=3)
+    assert mc.samples_for(delta) < mc.samples_for(delta, draws=3) < 1.2 * mc.samples_for(delta)
 
 
 @pytest.mark.parametrize(
@@ -304,3 +309,80 @@ def test_a_ledger_that_is_not_one_poisson_run_is_refused(tmp_path, case):
         match = "not all drawn by poisson_batches"
     with pytest.raises(ValueError, match=f"Monte-Carlo accounting needs a run of poisson_batches steps .*{match}"):
         dp.monte_carlo_epsilon(1e-2)
+
+
+# --- calibration (monte_carlo_noise_multiplier)
+
+
+def test_calibrated_dp_sgd_is_near_plds_least_sigma_and_its_certificate_holds():
+    """DP-SGD, where PLD is exact: the certificate's (epsilon, delta) is true, and sigma is near PLD's least."""
+    target, q, steps, delta = 2.0, 0.1, 20, 1e-2
+    samples = mc.samples_for(delta, draws=3)
+    beta = mc.base_delta_for(delta, samples, draws=3)
+    least = noise_multiplier_for_epsilon(target, beta, 100, q * 100, None, steps=steps)  # delta < 1 / N
+    for seed in (0, 1):
+        r = mc.monte_carlo_noise_multiplier([1.0], target, steps, delta=delta, sampling_probability=q, seed=seed)
+        c = r.certificate
+        assert (c.samples, c.base_delta) == (samples, beta) and c.epsilon <= target and 1 <= r.certifications <= 3
+        assert _pld_delta(r.noise_multiplier, q, steps, c.epsilon) <= c.delta
+        # The pilot meets the target on an estimate of delta at base_delta from M / 4 draws (relative standard
+        # error 1 / sqrt(M / 4 * base_delta) = 0.34); sigma moves by about 1 / (2 log(1 / delta)) = 0.09 of log
+        # delta's error, so three standard errors (log 2) move it 7%; the certificate adds rtol and at most two
+        # steps up.
+        assert 0.93 * least <= r.noise_multiplier <= 1.15 * least, (seed, r, least)
+
+
+def test_calibrated_blts_certificate_is_a_draw_at_its_sigma_and_near_the_target():
+    """BLT on whole parts (no exact reference): the certificate is the draw it names, and sigma is not wasted."""
+    blt, steps = peg.dp.BLT(2, 200, cycle_length=50), 200
+    r = mc.monte_carlo_noise_multiplier(blt, 1.5, steps, delta=1e-2, seed=0)
+    c = r.certificate
+    coefficients, cycle = mc._coefficients_and_cycle(blt, steps, None)
+    pair = mc._checked_pair(coefficients, r.noise_multiplier, steps, cycle, 1.0)
+    assert mc._estimate(pair, c.samples, c.base_delta, 3, c.seed, False) == c
+    assert c.base_delta == mc.base_delta_for(1e-2, c.samples, draws=3) and c.epsilon <= 1.5
+    # An independent draw of 4x the samples at sigma: the same epsilon within the pilot's error (the test above).
+    again = mc.monte_carlo_epsilon(blt, r.noise_multiplier, steps, delta=1e-2, samples=4 * c.samples, seed=99)
+    assert 0.8 * 1.5 <= again.epsilon <= 1.05 * 1.5, (r, again)
+
+
+def test_a_failed_certificate_moves_sigma_up_and_draws_afresh(monkeypatch):
+    """A certificate above the target is never returned: sigma grows and the next draw has its own seed."""
+    estimate, full = mc._estimate, []
+
+    def recorded(pair, samples, beta, draws, seed, progress):
+        r = estimate(pair, samples, beta, draws, seed, progress)
+        if draws == 3:  # a certificate (the pilot passes draws=1)
+            full.append((pair.sigma, seed))
+            if len(full) == 1:  # the first reports too large an epsilon
+                return dataclasses.replace(r, epsilon=2.4)
+        return r
+
+    monkeypatch.setattr(mc, "_estimate", recorded)
+    r = mc.monte_carlo_noise_multiplier([1.0], 2.0, 20, delta=1e-2, sampling_probability=0.1, seed=0)
+    assert r.certifications == 2 and len(full) == 2
+    (first, first_seed), (second, second_seed) = full
+    assert r.pilot_noise_multiplier == first < second == r.noise_multiplier and first_seed != second_seed
+    assert r.certificate.seed == second_seed
+
+    def failing(pair, samples, beta, draws, seed, progress):
+        r = estimate(pair, samples, beta, draws, seed, progress)
+        return dataclasses.replace(r, epsilon=9.0) if draws == 3 else r
+
+    monkeypatch.setattr(mc, "_estimate", failing)
+    with pytest.raises(ValueError, match="3 full draws of samples=7100 did not certify target_epsilon=2"):
+        mc.monte_carlo_noise_multiplier([1.0], 2.0, 20, delta=1e-2, sampling_probability=0.1, seed=0)
+
+
+def test_calibration_refusals_name_the_argument():
+    for bad in (0, -1.0, float("nan"), float("inf"), "2"):
+        with pytest.raises(ValueError, match="target_epsilon must be a finite number > 0"):
+            mc.monte_carlo_noise_multiplier([1.0], bad, 10, delta=1e-2)
+    with pytest.raises(ValueError, match=r"rtol must be in \(0, 0.5\)"):
+        mc.monte_carlo_noise_multiplier([1.0], 1.0, 10, delta=1e-2, rtol=0.5)
+    with pytest.raises(ValueError, match=r"sampling_probability=0.5 < 1 needs C with at most cycle_length"):
+        mc.monte_carlo_noise_multiplier(
+            peg.dp.BLT(2, 40, cycle_length=4), 1.0, 40, delta=1e-2, sampling_probability=0.5
+        )
+    with pytest.raises(ValueError, match=r"samples=100 are too few .* take at least 7100"):
+        mc.monte_carlo_noise_multiplier([1.0], 1.0, 10, delta=1e-2, samples=100)

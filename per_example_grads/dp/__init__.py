@@ -36,7 +36,9 @@ _EXPORTS = {
     "PrivacyBudget": "per_example_grads.dp.budget",
     "MinSepSampling": "per_example_grads.dp.min_sep",
     "MonteCarloEpsilon": "per_example_grads.dp.monte_carlo",
+    "MonteCarloNoise": "per_example_grads.dp.monte_carlo",
     "monte_carlo_epsilon": "per_example_grads.dp.monte_carlo",
+    "monte_carlo_noise_multiplier": "per_example_grads.dp.monte_carlo",
     "min_sep_batches": "per_example_grads.dp.min_sep",
     "FixedSizeSampling": "per_example_grads.dp.sampling",
     "PhysicalChunk": "per_example_grads.dp.sampling",
@@ -78,7 +80,12 @@ if _TYPE_CHECKING:  # what static tools see; at run time __getattr__ does this
     from per_example_grads.dp.mechanisms import BLT, BandMF, GaussianNoise, NoiseMechanism  # noqa: F401
     from per_example_grads.dp.min_sep import MinSepSampling, min_sep_batches  # noqa: F401
     from per_example_grads.dp.model_fixer import fix_model  # noqa: F401
-    from per_example_grads.dp.monte_carlo import MonteCarloEpsilon, monte_carlo_epsilon  # noqa: F401
+    from per_example_grads.dp.monte_carlo import (  # noqa: F401
+        MonteCarloEpsilon,
+        MonteCarloNoise,
+        monte_carlo_epsilon,
+        monte_carlo_noise_multiplier,
+    )
     from per_example_grads.dp.noise import RepeatedNoiseWarning  # noqa: F401
     from per_example_grads.dp.private import private_gradients  # noqa: F401
     from per_example_grads.dp.sampling import (
