@@ -596,6 +596,23 @@ def test_cli_monte_carlo_prints_the_librarys_figure_for_its_seed(capsys):
     assert "samples=10 are too few to state delta=0.01 by Monte Carlo: take at least 6300" in capsys.readouterr().err
 
 
+def test_cli_monte_carlo_calibrates_to_a_target_as_the_library_does(capsys):
+    """--target-epsilon with --monte-carlo: monte_carlo_noise_multiplier's sigma, rounded up, and its certificate."""
+    from per_example_grads.dp.monte_carlo import monte_carlo_noise_multiplier
+
+    argv = ["epsilon", "--num-examples", "1000", "--batch-size", "100", "--steps", "20", "--delta", "1e-2"]
+    assert cli.main([*argv, "--target-epsilon", "2", "--monte-carlo", "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    expected = monte_carlo_noise_multiplier([1.0], 2.0, 20, delta=1e-2, sampling_probability=0.1, seed=1)
+    line = next(line for line in out.splitlines() if "by Monte Carlo, each example's part random (pilot" in line)
+    sigma = float(line.split()[3])
+    assert expected.noise_multiplier <= sigma <= expected.noise_multiplier * (1 + 1e-5)
+    assert f"certification {expected.certifications} of at most 3" in line
+    certificate = expected.certificate
+    assert out.splitlines()[-1].startswith(f"epsilon = {certificate.epsilon:.6g} at delta = {certificate.delta:.6g}")
+    assert f"seed {certificate.seed};" in out.splitlines()[-1]
+
+
 def test_cli_shuffle_prints_the_warning(capsys):
     argv = [
         "epsilon",
@@ -636,7 +653,6 @@ def test_cli_shuffle_prints_the_warning(capsys):
         (["--noise-multiplier", "1", "--mechanism", "bandmf", "--bands", "2", "--buffers", "2"], "--buffers needs"),
         (["--noise-multiplier", "1", "--cycle-length", "2"], "--cycle-length needs --mechanism bandmf or blt or bisr"),
         (["--noise-multiplier", "1", "--samples", "100"], "--samples and --seed need --monte-carlo"),
-        (["--target-epsilon", "1", "--monte-carlo"], "--monte-carlo takes --noise-multiplier"),
         (["--noise-multiplier", "0", "--monte-carlo"], "--monte-carlo needs --noise-multiplier > 0"),
         (
             ["--noise-multiplier", "1", "--monte-carlo", "--sampling", "shuffle"],

@@ -288,7 +288,8 @@ def _add_epsilon_parser(subparsers: "argparse._SubParsersAction") -> None:
         "--monte-carlo",
         action="store_true",
         help="also print epsilon with the amplification of each example's random part, by Monte Carlo "
-        "(peg.dp.monte_carlo_epsilon; poisson sampling, --noise-multiplier; q = 1 for blt and bisr)",
+        "(peg.dp.monte_carlo_epsilon; with --target-epsilon, the noise multiplier for it and the certifying draw: "
+        "peg.dp.monte_carlo_noise_multiplier; poisson sampling; q = 1 for blt and bisr)",
     )
     p.add_argument(
         "--samples",
@@ -339,7 +340,6 @@ def _check_mechanism_options(args: argparse.Namespace) -> int:
 
 
 def _run_epsilon(args: argparse.Namespace) -> int:
-    import math
     import warnings
 
     if args.batch_size > args.num_examples:
@@ -354,7 +354,6 @@ def _run_epsilon(args: argparse.Namespace) -> int:
         args.parser.error("--samples and --seed need --monte-carlo")
     if args.monte_carlo:
         for wrong, message in (
-            (args.target_epsilon is not None, "takes --noise-multiplier: calibration by Monte Carlo is not offered"),
             (args.rows_per_user is not None, "accounts per example, not with --rows-per-user"),
             (args.sampling != "poisson", "needs --sampling poisson (the random parts of cyclic Poisson sampling)"),
             (args.noise_multiplier == 0, "needs --noise-multiplier > 0"),
@@ -384,25 +383,27 @@ def _run_epsilon(args: argparse.Namespace) -> int:
             if args.target_epsilon is None:
                 sigma = args.noise_multiplier
             else:
-                # Rounded up, so the printed value itself meets the target.
-                exact = accounting.noise_multiplier_for_epsilon(args.target_epsilon, args.delta, **run)
-                scale = 10 ** (5 - math.floor(math.log10(exact)))
-                sigma = math.ceil(exact * scale) / scale
+                sigma = _rounded_up(accounting.noise_multiplier_for_epsilon(args.target_epsilon, args.delta, **run))
             epsilon = accounting.compute_epsilon(noise_multiplier=sigma, delta=args.delta, **run)
             if args.monte_carlo:
-                from per_example_grads.dp.monte_carlo import monte_carlo_epsilon
+                from per_example_grads.dp import monte_carlo
 
                 seed = 0 if args.seed is None else args.seed
-                amplified = monte_carlo_epsilon(
-                    [1.0] if mechanism is None else mechanism,
-                    sigma,
-                    steps,
+                amplified_run = dict(
                     delta=args.delta,
                     sampling_probability=q,
                     samples=args.samples,
                     seed=seed,
                     progress=sys.stderr.isatty(),
                 )
+                coefficients = [1.0] if mechanism is None else mechanism
+                if args.target_epsilon is None:
+                    amplified = monte_carlo.monte_carlo_epsilon(coefficients, sigma, steps, **amplified_run)
+                else:
+                    calibrated = monte_carlo.monte_carlo_noise_multiplier(
+                        coefficients, args.target_epsilon, steps, **amplified_run
+                    )
+                    amplified = calibrated.certificate
     except (ValueError, OverflowError) as e:
         raise InputError(first_line(e)) from e
     except MemoryError as e:  # the PLD accountant's arrays grow with the steps
@@ -432,12 +433,27 @@ def _run_epsilon(args: argparse.Namespace) -> int:
     print(
         f"epsilon = {epsilon:.6g}{per} at delta = {args.delta:g} with noise multiplier {sigma:g} ({answered} accountant)"
     )
+    if args.monte_carlo and args.target_epsilon is not None:
+        print(
+            f"noise multiplier = {_rounded_up(calibrated.noise_multiplier):.6g} for epsilon <= {args.target_epsilon:g} "
+            f"at delta = {args.delta:g} by Monte Carlo, each example's part random (pilot "
+            f"{calibrated.pilot_noise_multiplier:.6g}; certification {calibrated.certifications} of at most 3)"
+        )
     if args.monte_carlo:
         print(
             f"epsilon = {amplified.epsilon:.6g} at delta = {amplified.delta:.6g} by Monte Carlo, each example's "
-            f"part random ({amplified.samples} draws of each side, seed {seed}; base delta {amplified.base_delta:.6g})"
+            f"part random ({amplified.samples} draws of each side, seed {amplified.seed}; base delta "
+            f"{amplified.base_delta:.6g})"
         )
     return 0
+
+
+def _rounded_up(sigma: float) -> float:
+    """``sigma`` to 6 significant digits, rounded up: the printed value itself meets a target (more noise)."""
+    import math
+
+    scale = 10 ** (5 - math.floor(math.log10(sigma)))
+    return math.ceil(sigma * scale) / scale
 
 
 def _describe_mechanism(mechanism: Any) -> str:
