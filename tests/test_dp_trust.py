@@ -552,7 +552,7 @@ def test_model_checks_name_a_non_model(check):
 
 
 def test_fingerprint_is_the_integer_sums_of_the_entries_bits_plain_and_by_position():
-    """``(sum b_j, sum (2 j + 1) b_j) mod 2^32`` of every entry's bits, on the host and in device pieces alike.
+    """``(sum b_j, sum (2 j + 1) b_j) mod 2^32`` of every entry's bits, eagerly and in a graph alike.
 
     Exact equality matters: a checkpoint's saved fingerprint is compared with
     ``==``. The reference sums the bits as Python integers (no wrapping).
@@ -560,10 +560,11 @@ def test_fingerprint_is_the_integer_sums_of_the_entries_bits_plain_and_by_positi
     from per_example_grads.keras import network_guard
 
     rng = np.random.default_rng(0)
-    piece = network_guard._PIECE
+    piece = 2**20  # sizes about a million entries, where the sums of a 32-bit word wrap
     cases = [((3,), "float32"), ((129,), "float16"), ((piece,), "float32"), ((piece + 1,), "float32")]
     cases += [((3, piece // 2 + 5), "float32"), ((piece + 3,), "float16"), ((piece // 2 + 1,), "float64")]
-    cases += [((piece + 1,), "float64")]  # each entry two uint32 halves, on the device path
+    cases += [((piece + 1,), "float64")]  # each entry two uint32 halves
+    cases += [((), "float32"), ((), "float64"), ((7, 5), "float64"), ((3, 5, 7), "float32"), ((11,), "bfloat16")]
 
     def bits_of(v):
         width = {2: np.uint16, 4: np.uint32, 8: np.uint32}[np.dtype(v.dtype.name).itemsize]

@@ -70,25 +70,24 @@ def fingerprint(variables) -> np.ndarray:
     weighs each entry by its position, so moving weights to other places (a
     permutation, two variables swapped) changes it. Unsigned sums wrap
     exactly and do not depend on the order of addition, so a fingerprint
-    saved with a checkpoint matches on any machine and device. A variable of
-    more than ``_PIECE`` entries is summed where it lives, ``_PIECE`` entries
-    at a time (no copy of a large table to the host); smaller ones on the
-    host, in one pass each. Any change of a weight changes its bits; the two
-    sums miss it only when the changes cancel in both.
+    saved with a checkpoint matches on any machine and device. Each variable
+    is summed where it lives, in one call (``_sum_and_moment``: two
+    reductions of its bits, no copy of a large table to the host and no
+    ``[n]`` position vector); its share of the position-weighted sum follows
+    on the host from its offset. Any change of a weight changes its bits;
+    the two sums miss it only when the changes cancel in both.
     """
-    total, offset = np.zeros(2, np.uint64), 0
+    total, moment, offset = 0, 0, 0
     for v in variables:
-        if int(np.prod(v.shape)) > _PIECE:
-            bits = _bits(v)
-            total += _bit_sums(bits, tf.constant(offset % (1 << 32), tf.int64)).numpy().astype(np.uint64)
-            n = int(bits.shape[0])
-        else:
-            b = _host_bits(v.numpy())
-            n = b.size
-            weight = 2 * (np.arange(n, dtype=np.uint64) + np.uint64(offset)) + np.uint64(1)  # wraps mod 2^64
-            total += (b.sum(dtype=np.uint64), (b * weight).sum(dtype=np.uint64))
+        rows = _bit_rows(v)
+        n = int(rows.shape[0]) * int(rows.shape[1])
+        if not n:
+            continue
+        s, k = (int(x) for x in _sum_and_moment(rows).numpy())
+        # sum_k (2 (offset + k) + 1) b_k = 2 sum_k k b_k + (2 offset + 1) sum_k b_k
+        total, moment = total + s, moment + 2 * k + (2 * offset + 1) * s
         offset += n
-    return (total % (1 << 32)).astype(np.float64)
+    return np.array([total % (1 << 32), moment % (1 << 32)], np.float64)
 
 
 def graph_fingerprint(variables) -> tf.Tensor:
@@ -123,7 +122,6 @@ def bit_sums_fingerprint(variables) -> np.ndarray:
     return (total % (1 << 32)).astype(np.float64)
 
 
-_PIECE = 1 << 20  # entries weighed at a time
 _UNSIGNED = {1: tf.uint8, 2: tf.uint16, 4: tf.uint32}  # an entry's bits by its width (8 bytes: two uint32)
 
 
@@ -139,18 +137,27 @@ def _bits(v) -> tf.Tensor:
     return tf.cast(tf.reshape(tf.bitcast(w, _UNSIGNED[min(w.dtype.size, 4)]), [-1]), tf.uint32)
 
 
-@tf.function(input_signature=[tf.TensorSpec([None], tf.uint32), tf.TensorSpec([], tf.int64)], autograph=False)
-def _bit_sums(bits: tf.Tensor, offset: tf.Tensor) -> tf.Tensor:
-    """``[2]`` uint32: ``(sum b_k, sum (2 (offset + k) + 1) b_k)`` mod 2^32 of ``bits [n]``."""
-    n = tf.size(bits)
+def _bit_rows(v) -> tf.Tensor:
+    """``[m, w]`` uint32: ``_bits(v)`` as rows of its last axis (both halves of an 8-byte entry in one row)."""
+    w = tf.convert_to_tensor(v)
+    width = (int(w.shape[-1]) if w.shape.rank else 1) * (2 if w.dtype.size == 8 else 1)
+    bits = tf.cast(tf.bitcast(w, _UNSIGNED[min(w.dtype.size, 4)]), tf.uint32)
+    return tf.reshape(bits, [-1, width]) if width else tf.zeros([0, 1], tf.uint32)
 
-    def piece(start, sums):
-        b = bits[start : start + _PIECE]
-        k = offset + tf.cast(start, tf.int64) + tf.range(tf.size(b, out_type=tf.int64))
-        weight = tf.cast(tf.math.floormod(2 * k + 1, 1 << 32), tf.uint32)
-        return start + _PIECE, sums + tf.stack([tf.reduce_sum(b), tf.reduce_sum(b * weight)])
 
-    return tf.while_loop(lambda start, _: start < n, piece, [tf.constant(0), tf.zeros([2], tf.uint32)])[1]
+@tf.function(input_signature=[tf.TensorSpec([None, None], tf.uint32)], autograph=False)
+def _sum_and_moment(rows: tf.Tensor) -> tf.Tensor:
+    """``[2]`` uint32: ``(sum_k b_k, sum_k k b_k)`` mod 2^32 of ``rows [m, w]`` read row by row (``k = r w + c``).
+
+    ``sum_k k b_k = w sum_r r R_r + sum_c c C_c`` from the row sums ``R`` and
+    column sums ``C``: unsigned products and sums wrap mod 2^32 exactly, so
+    it is the position-weighted sum, in two reductions over ``rows``.
+    """
+    row, col = tf.reduce_sum(rows, axis=1), tf.reduce_sum(rows, axis=0)
+    r = tf.cast(tf.range(tf.shape(rows, out_type=tf.int64)[0]), tf.uint32)  # wraps mod 2^32, as the sums do
+    c = tf.cast(tf.range(tf.shape(rows, out_type=tf.int64)[1]), tf.uint32)
+    width = tf.cast(tf.shape(rows, out_type=tf.int64)[1], tf.uint32)
+    return tf.stack([tf.reduce_sum(row), width * tf.reduce_sum(r * row) + tf.reduce_sum(c * col)])
 
 
 def legacy_fingerprint(variables) -> np.ndarray:
