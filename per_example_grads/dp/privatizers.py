@@ -66,7 +66,8 @@ def noised_average(
     noise = gaussian_like(sums, replicas.noise_share(stddev), seed, step=step)
     if mechanism is not None:
         noise = mechanism.correlate(noise, step)
-    divisors = {s.dtype: tf.cast(divisor, s.dtype) for s in sums}  # one cast (or constant) per dtype
+    # One cast (or constant) per dtype: a comprehension over the sums made one per variable, all but the last unused.
+    divisors = {dtype: tf.cast(divisor, dtype) for dtype in dict.fromkeys(s.dtype for s in sums)}
     return [(s + n) / divisors[s.dtype] for s, n in zip(sums, noise)]
 
 
