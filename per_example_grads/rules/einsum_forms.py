@@ -90,9 +90,23 @@ def kernel_part(inp: str, kern: str, out: str, kernel_shape, a: tf.Tensor, g: tf
         return squares_part(kernel_per_example(inp, kern, out, a, g))
     dims = dict(zip(kern, kernel_shape))
     m, c, k = "".join(positions), "".join(contracted), "".join(outputs)
-    a_btf = tf.reshape(tf.einsum(f"{inp}->{b}{m}{c}", a), [tf.shape(a)[0], -1, math.prod(dims[x] for x in c)])
-    g_btf = tf.reshape(tf.einsum(f"{out}->{b}{m}{k}", g), [tf.shape(g)[0], -1, math.prod(dims[x] for x in k)])
+    a_btf = _positions_rows(tf.einsum(f"{inp}->{b}{m}{c}", a), math.prod(dims[x] for x in c))
+    g_btf = _positions_rows(tf.einsum(f"{out}->{b}{m}{k}", g), math.prod(dims[x] for x in k))
     if a_btf.shape[1] is None and a.shape[1:].is_fully_defined():
         a_btf = tf.ensure_shape(a_btf, [None, a.shape[1:].num_elements() // a_btf.shape[2], a_btf.shape[2]])
         g_btf = tf.ensure_shape(g_btf, [None, a_btf.shape[1], g_btf.shape[2]])
     return outer_products.kernel_part(a_btf, g_btf)
+
+
+def _positions_rows(t: tf.Tensor, width: int) -> tf.Tensor:
+    """``[B, ...]`` -> ``[B, T, width]``: the axes after the first flattened, ``width`` entries a row.
+
+    With those axes static the target shape is one constant, ``[-1, T,
+    width]`` (``example_ops._rows``); ``[tf.shape(t)[0], -1, width]`` took
+    a shape, a slice and a pack more per tensor, two tensors per
+    ``EinsumDense`` layer in every DP step's graph.
+    """
+    inner = t.shape[1:]
+    if inner.is_fully_defined() and inner.num_elements() > 0:
+        return tf.reshape(t, [-1, inner.num_elements() // width, width])
+    return tf.reshape(t, [tf.shape(t)[0], -1, width])
