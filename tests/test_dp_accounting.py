@@ -610,7 +610,7 @@ def test_cli_monte_carlo_calibrates_to_a_target_as_the_library_does(capsys):
     assert f"certification {expected.certifications} of at most 3" in line
     certificate = expected.certificate
     assert out.splitlines()[-1].startswith(f"epsilon = {certificate.epsilon:.6g} at delta = {certificate.delta:.6g}")
-    assert f"seed {certificate.seed};" in out.splitlines()[-1]
+    assert f"seed {certificate.seed}, drawn from --seed 1;" in out.splitlines()[-1]
 
 
 def test_cli_shuffle_prints_the_warning(capsys):

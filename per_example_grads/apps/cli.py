@@ -440,10 +440,10 @@ def _run_epsilon(args: argparse.Namespace) -> int:
             f"{calibrated.pilot_noise_multiplier:.6g}; certification {calibrated.certifications} of at most 3)"
         )
     if args.monte_carlo:
+        drawn = f"seed {seed}" if args.target_epsilon is None else f"seed {amplified.seed}, drawn from --seed {seed}"
         print(
             f"epsilon = {amplified.epsilon:.6g} at delta = {amplified.delta:.6g} by Monte Carlo, each example's "
-            f"part random ({amplified.samples} draws of each side, seed {amplified.seed}; base delta "
-            f"{amplified.base_delta:.6g})"
+            f"part random ({amplified.samples} draws of each side, {drawn}; base delta {amplified.base_delta:.6g})"
         )
     return 0
 
