@@ -375,9 +375,11 @@ def test_a_failed_certificate_moves_sigma_up_and_draws_afresh(monkeypatch):
 
 
 def test_calibration_refusals_name_the_argument():
-    for bad in (0, -1.0, float("nan"), float("inf"), "2"):
+    for bad in (0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="target_epsilon must be a finite number > 0"):
             mc.monte_carlo_noise_multiplier([1.0], bad, 10, delta=1e-2)
+    with pytest.raises(TypeError, match="target_epsilon must be a number > 0; got str '2'"):
+        mc.monte_carlo_noise_multiplier([1.0], "2", 10, delta=1e-2)
     with pytest.raises(ValueError, match=r"rtol must be in \(0, 0.5\)"):
         mc.monte_carlo_noise_multiplier([1.0], 1.0, 10, delta=1e-2, rtol=0.5)
     with pytest.raises(ValueError, match=r"sampling_probability=0.5 < 1 needs C with at most cycle_length"):

@@ -68,6 +68,7 @@ import scipy.special
 from per_example_grads._core.arguments import (
     check_delta,
     check_noise_multiplier,
+    check_number,
     check_positive_int,
     check_sampling_probability,
 )
@@ -449,9 +450,8 @@ def monte_carlo_noise_multiplier(
     """
     delta = check_delta(delta)
     steps = check_positive_int("steps", steps)
-    if not (isinstance(target_epsilon, (int, float)) and math.isfinite(target_epsilon) and target_epsilon > 0):
-        raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}.")
-    if not (isinstance(rtol, (int, float)) and 0 < rtol < 0.5):
+    target_epsilon = check_number("target_epsilon", target_epsilon)
+    if not check_number("rtol", rtol) < 0.5:
         raise ValueError(f"rtol must be in (0, 0.5), got {rtol!r}.")
     coefficients, cycle = _coefficients_and_cycle(mechanism, steps, cycle_length)
     draws = _CERTIFICATIONS
