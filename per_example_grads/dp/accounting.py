@@ -181,6 +181,63 @@ def sampled_gaussian_event(noise_multiplier: float, sampling_probability: float,
     return dp_accounting.SelfComposedDpEvent(gaussian, count)
 
 
+def truncated_poisson_event(
+    noise_multiplier: float, sampling_probability: float, truncated_batch_size: int, dataset_size: int, count: int
+) -> dp_accounting.DpEvent:
+    """``count`` DP-SGD steps on truncated Poisson samples: Poisson at ``q`` from ``N``, cut to ``B`` at random.
+
+    ``SelfComposed(TruncatedSubsampledGaussian(N, q, B, sigma), count)``,
+    dp_accounting's event for truncated Poisson sampling (Zhu et al., arXiv
+    2508.15089; the sampling of ``per_example_grads.dp.truncated``), which its
+    PLD accountant composes and its RDP accountant does not. Where RDP
+    answers (``accountant="rdp"``, or PLD past its cost bounds), each step is
+    accounted by ``truncated_dominating_event`` instead.
+    """
+    event = dp_accounting.TruncatedSubsampledGaussianDpEvent(
+        dataset_size=check_positive_int("dataset_size", dataset_size),
+        sampling_probability=check_sampling_probability(sampling_probability),
+        truncated_batch_size=check_positive_int("truncated_batch_size", truncated_batch_size),
+        noise_multiplier=check_noise_multiplier(noise_multiplier),
+    )
+    return dp_accounting.SelfComposedDpEvent(event, count)
+
+
+def truncated_dominating_event(event: dp_accounting.TruncatedSubsampledGaussianDpEvent) -> dp_accounting.DpEvent:
+    """A Poisson-sampled Gaussian that dominates a truncated one: ``PoissonSampled(q, Gaussian(sigma / 2))``.
+
+    Why: couple the runs on two neighbouring datasets (``D`` and ``D + z``)
+    on every other example's draw and on the uniformly random order of which
+    truncation keeps the first ``B``. ``z`` joins with probability ``q``;
+    when it does not, both runs keep the same examples; when it does, the
+    kept sets differ by ``z`` and at most one example it displaced, so the
+    clipped sums differ by at most ``2C``. Conditioned on the coupled draws
+    the pair is ``N(s, sigma^2 C^2)`` against ``(1 - q) N(s) + q N(s + v)``
+    with ``|v| <= 2C``, the Poisson-sampled Gaussian of sensitivity ``2C``;
+    the hockey-stick divergence is jointly convex, so the mixture over the
+    draws is no worse. Looser than the truncated event (sensitivity 2 only
+    when truncation happens), it is what the RDP accountant accounts, and
+    how the ledger merges a truncated step with another release
+    (``per_example_grads.dp.ledger``).
+    """
+    half = dp_accounting.GaussianDpEvent(event.noise_multiplier / 2.0)
+    return (
+        dp_accounting.PoissonSampledDpEvent(event.sampling_probability, half)
+        if event.sampling_probability < 1
+        else half
+    )
+
+
+def _dominated(event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
+    """``event`` with every truncated Poisson event replaced by ``truncated_dominating_event`` (for RDP)."""
+    if isinstance(event, dp_accounting.TruncatedSubsampledGaussianDpEvent):
+        return truncated_dominating_event(event)
+    if isinstance(event, dp_accounting.SelfComposedDpEvent):
+        return dp_accounting.SelfComposedDpEvent(_dominated(event.event), event.count)
+    if isinstance(event, dp_accounting.ComposedDpEvent):
+        return dp_accounting.ComposedDpEvent([_dominated(e) for e in event.events])
+    return event
+
+
 def user_level_event(
     noise_multiplier: float, sampling_probability: float, rows_per_user: int, count: int
 ) -> dp_accounting.DpEvent:
@@ -622,6 +679,7 @@ def compute_epsilon(
     sampling_probability: float | None = None,
     mechanism: Any = None,
     rows_per_user: int | None = None,
+    truncated_batch_size: int | None = None,
 ) -> float:
     """The epsilon of DP-SGD run for ``epochs`` epochs (or ``steps`` steps).
 
@@ -650,6 +708,12 @@ def compute_epsilon(
     where no user has more than ``k`` rows (``user_level_event``; DP-SGD
     only, and the PLD accountant: the RDP one has no such event).
 
+    With ``truncated_batch_size=B`` the run samples by truncated Poisson
+    sampling (``peg.dp.truncated_poisson_batches``: Poisson at ``q``, a
+    batch over ``B`` cut to ``B`` at random), accounted by its own event
+    (``truncated_poisson_event``; DP-SGD only; with ``"rdp"`` by the looser
+    ``truncated_dominating_event``).
+
     Raises:
       ValueError: both ``epochs`` and ``steps``; a ``sampling_probability``
         that disagrees with ``batch_size / num_examples``; more than
@@ -672,7 +736,30 @@ def compute_epsilon(
             "rows_per_user accounts DP-SGD's independent noise only (a mixture of Gaussians per step), "
             f"not a {type(mechanism).__name__}: leave mechanism out, or rows_per_user."
         )
-    return _epsilon(accountant, _run_segments(sigma, q, steps, mechanism, rows_per_user), delta)
+    truncation = _truncation(truncated_batch_size, num_examples, mechanism, rows_per_user)
+    return _epsilon(accountant, _run_segments(sigma, q, steps, mechanism, rows_per_user, truncation), delta)
+
+
+def _truncation(
+    truncated_batch_size: int | None, num_examples: int, mechanism: Any, rows_per_user: int | None = None
+) -> tuple[int, int] | None:
+    """``(B, N)`` of a planned truncated Poisson run, or None; ``ValueError`` for a pairing it does not account."""
+    if truncated_batch_size is None:
+        return None
+    b = check_positive_int("truncated_batch_size", truncated_batch_size)
+    other = (
+        f"a {type(mechanism).__name__} mechanism"
+        if mechanism is not None
+        else "rows_per_user"
+        if rows_per_user is not None
+        else None
+    )
+    if other is not None:
+        raise ValueError(
+            f"truncated_batch_size accounts DP-SGD's independent noise on example-level truncated Poisson "
+            f"samples only, not {other}: leave one of them out."
+        )
+    return b, int(num_examples)
 
 
 def _cycle_of(mechanism: Any) -> int:
@@ -685,14 +772,22 @@ def _cycle_of(mechanism: Any) -> int:
 
 
 def _run_segments(
-    sigma: float, q: float, steps: int, mechanism: Any = None, rows_per_user: int | None = None
+    sigma: float,
+    q: float,
+    steps: int,
+    mechanism: Any = None,
+    rows_per_user: int | None = None,
+    truncation: tuple[int, int] | None = None,
 ) -> list[_Segment]:
     """The ledger of ``steps`` steps at ``(sigma, q)`` with ``mechanism`` (None: DP-SGD), as ``_Segment`` s.
 
     ``rows_per_user``: DP-SGD's steps per user of at most that many rows (``user_level_event``).
+    ``truncation``: ``(B, N)``, DP-SGD's steps on truncated Poisson samples (``truncated_poisson_event``).
     """
     if not steps:
         return []
+    if truncation is not None:
+        return segments_of(truncated_poisson_event(sigma, q, *truncation, steps))
     if rows_per_user is not None:
         return segments_of(user_level_event(sigma, q, rows_per_user, steps))
     if mechanism is not None:
@@ -713,6 +808,7 @@ def noise_multiplier_for_epsilon(
     sampling_probability: float | None = None,
     rtol: float = 1e-3,
     mechanism: Any = None,
+    truncated_batch_size: int | None = None,
 ) -> float:
     """The smallest noise multiplier whose epsilon is at most ``target_epsilon``.
 
@@ -727,7 +823,7 @@ def noise_multiplier_for_epsilon(
     default grid in a narrow bracket, every evaluation's cost estimated first
     (see "Bounded cost" in the module docstring). The result ``sigma``
     satisfies ``compute_epsilon(..., sigma) <= target_epsilon`` with the same
-    accountant (and ``mechanism``, read as there) and is within ``rtol``
+    accountant (and ``mechanism`` and ``truncated_batch_size``, read as there) and is within ``rtol``
     (relative) of the smallest such sigma.
 
     Raises:
@@ -756,9 +852,10 @@ def noise_multiplier_for_epsilon(
         warnings.warn(SHUFFLE_WARNING, UserWarning, stacklevel=2)
     if steps == 0:
         raise ValueError("steps is 0: no noise is needed for zero steps.")
+    truncation = _truncation(truncated_batch_size, num_examples, mechanism)
 
     def segments(sigma: float) -> list[_Segment]:
-        return _run_segments(sigma, q, steps, mechanism)
+        return _run_segments(sigma, q, steps, mechanism, truncation=truncation)
 
     def event(sigma: float) -> dp_accounting.DpEvent:
         parts = segments(sigma)
@@ -780,7 +877,8 @@ def noise_multiplier_for_epsilon(
         "choose a larger target_epsilon, fewer steps or a smaller batch."
     )
     try:
-        rdp_sigma = _calibrate(rdp_within, lambda: _make_accountant("rdp"), event, target, delta, 1.0, 2.0, rtol)
+        rdp_event = lambda sigma: _dominated(event(sigma))  # noqa: E731  (what the RDP accountant accounts)
+        rdp_sigma = _calibrate(rdp_within, lambda: _make_accountant("rdp"), rdp_event, target, delta, 1.0, 2.0, rtol)
     except _AboveRange:
         if accountant == "rdp":
             raise ValueError(above) from None
@@ -1012,6 +1110,8 @@ def _composed_event(segments: list[_Segment]) -> dp_accounting.DpEvent:
 def _accountant_epsilon(
     accountant: dp_accounting.PrivacyAccountant, event: dp_accounting.DpEvent, delta: float
 ) -> float:
+    if isinstance(accountant, rdp.RdpAccountant):
+        event = _dominated(event)
     with quiet_accounting():
         try:
             accountant.compose(event)
@@ -1060,6 +1160,12 @@ def _cost(segments: list[_Segment], interval: float) -> pld_cost.Cost:
         (_combined_noise_multiplier(s.noise_multipliers), s.sampling_probability, s.count)
         for s in segments
         if s.kind != _EVENT
+    ]
+    # a truncated step's PLD is two Gaussian ones mixed, the wider at sigma / 2: costed as that one
+    releases += [
+        (s.event.noise_multiplier / 2.0, s.event.sampling_probability, s.count)
+        for s in segments
+        if s.kind == _EVENT and isinstance(s.event, dp_accounting.TruncatedSubsampledGaussianDpEvent)
     ]
     return pld_cost.estimate(releases, interval)
 

@@ -31,7 +31,7 @@ import math
 from typing import Any, Sequence
 
 from per_example_grads._core.arguments import check_choice, check_count, check_delta, check_real
-from per_example_grads.dp.accounting import ACCOUNTANTS, MAX_STEPS, PrivacyAccountant
+from per_example_grads.dp.accounting import ACCOUNTANTS, MAX_STEPS, PrivacyAccountant, truncated_poisson_event
 
 # The largest number of steps a budget is searched up to.
 MAX_SEARCHED_STEPS = 10**9
@@ -88,7 +88,8 @@ class PrivacyBudget:
         noise_multiplier: float,
         sampling_probability: float,
         mechanism: Any = None,
-        taken: Sequence[tuple[int, float, float]] = (),
+        taken: Sequence[tuple] = (),
+        truncation: tuple[int, int] = (0, 0),
     ) -> int:
         """The most steps this budget allows at ``(sigma, q)``: ``steps``, or the search above.
 
@@ -98,12 +99,14 @@ class PrivacyBudget:
         are accounted as it says (``mechanism.dp_event``).
 
         ``taken``: steps a run has already taken, as ``(steps, sigma, q)``
-        runs in order (a ledger's segments, ``per_example_grads.dp.ledger``),
+        runs in order, or ``(steps, sigma, q, B, N)`` (a ledger's segments,
+        ``per_example_grads.dp.ledger``: ``B > 0`` a truncated Poisson run),
         for a mechanism whose steps compose one by one (not a correlated
         one). The answer is then the most steps in total: those, then more at
         ``(sigma, q)``, each run accounted as the mechanism says and composed,
         as ``DPModel.epsilon`` accounts them; it is ``sum(steps)`` when they
-        alone reach the budget.
+        alone reach the budget. ``truncation``: ``(B, N)`` when the further
+        steps are truncated Poisson samples (DP-SGD's noise only).
         """
         if self.steps is not None:
             return int(self.steps)
@@ -119,7 +122,8 @@ class PrivacyBudget:
             self.accountant,
             float(self.rtol),
             mechanism,
-            tuple((int(n), float(s), float(r)) for n, s, r in taken),
+            tuple((int(n), float(s), float(r), *(int(v) for v in (rest or (0, 0)))) for n, s, r, *rest in taken),
+            tuple(int(v) for v in truncation),
         )
 
     def describe(self) -> str:
@@ -130,15 +134,17 @@ class PrivacyBudget:
 
 
 @functools.lru_cache(maxsize=64)
-def _max_steps(epsilon, delta, sigma, q, accountant, rtol, mechanism=None, taken=()) -> int:
-    done = sum(n for n, _, _ in taken)
+def _max_steps(epsilon, delta, sigma, q, accountant, rtol, mechanism=None, taken=(), truncation=(0, 0)) -> int:
+    done = sum(n for n, *_ in taken)
     if sigma == 0:
         return done
 
     def within(name: str, total: int) -> bool:
         ledger = PrivacyAccountant(sigma, q, accountant=name, sampling="poisson")
-        for n, s, rate in [*taken, (total - done, sigma, q)]:
-            if mechanism is None:
+        for n, s, rate, b, size in [*taken, (total - done, sigma, q, *truncation)]:
+            if n and b > 0:  # a truncated Poisson run (DP-SGD's noise)
+                ledger.record_event(truncated_poisson_event(s, rate, b, size, n))
+            elif mechanism is None:
                 ledger.step(n, noise_multiplier=s, sampling_probability=rate)
             elif n:
                 ledger.record_event(mechanism.dp_event(s, rate, n))
@@ -150,6 +156,11 @@ def _max_steps(epsilon, delta, sigma, q, accountant, rtol, mechanism=None, taken
     low = _largest("rdp", within, first, rtol if accountant == "rdp" else 0.05)
     if accountant == "rdp":
         return low
+    # A truncated run's RDP epsilon is its dominating event's, not a bound on PLD's: the start is checked.
+    if any(b > 0 for *_, b, _ in [*taken, (*truncation,)]) and not within(accountant, low):
+        if low == first or not within(accountant, first):
+            return done
+        low = first
     return _largest(accountant, within, low, rtol)
 
 
