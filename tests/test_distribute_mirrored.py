@@ -25,6 +25,7 @@ from helpers import (
     reference_norms,
     sparse_ce,
 )
+from per_example_grads.dp import ledger
 from tolerances import (
     EPS32,
     GRADIENT_RTOL,
@@ -592,3 +593,33 @@ def test_dp_model_on_min_sep_batches_under_a_strategy_keeps_the_runs_key_across_
         ),
         rel=1e-12,
     )
+
+
+@pytest.mark.slow
+def test_dp_model_on_truncated_poisson_batches_under_a_strategy_trains_and_accounts_as_one_device():
+    """Truncated batches of B = 9 rows (odd) on 2 replicas: the steps of one device, one truncated segment."""
+    strategy = mirrored_strategy()
+    model, single = _twins(strategy)
+    x, y = _data()
+    args = dict(l2_norm_clip=0.5, noise_multiplier=0.0, seed=1)
+
+    def fit(net):
+        dp = peg.keras.DPModel(net, **args)
+        dp.compile(optimizer=keras.optimizers.SGD(0.2), loss=sparse_ce)
+        dp.fit(
+            peg.dp.truncated_poisson_batches(x, y, sampling_probability=0.75, truncated_batch_size=9, seed=0, steps=3),
+            verbose=0,
+        )
+        return dp
+
+    with strategy.scope():
+        dp = fit(model)
+    ref = fit(single)
+    table = dp.aggregator.segments.numpy()
+    assert ledger.events(table, 3) == [ledger.Segment(3, 0.0, 0.75, True, 9, B)]
+    np.testing.assert_array_equal(table, ref.aggregator.segments.numpy())
+    p = sum(int(np.prod(v.shape)) for v in single.trainable_variables)
+    update_scale = 9 * 0.5 / (0.75 * B)  # at most 9 rows of clip 0.5 over q N
+    for got, want in zip(model.get_weights(), single.get_weights()):
+        atol = sgd_steps_atol(3, 0.2, clipped_sum_rtol(p, 9), update_scale, np.abs(want) + 3 * 0.2 * update_scale)
+        np.testing.assert_allclose(got, want, rtol=0, atol=float(np.max(atol)))

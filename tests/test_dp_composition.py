@@ -73,6 +73,16 @@ def _rows(x=X, y=Y, **kw):
     return peg.dp.poisson_batches(x, y, sampling_probability=0.5, seed=0, **kw)
 
 
+def _truncated(x=X, y=Y):
+    return peg.dp.truncated_poisson_batches(x, y, sampling_probability=0.5, truncated_batch_size=10, seed=0)
+
+
+def _after_truncated_steps(dp):
+    """``dp`` after one pass of truncated Poisson steps: its ledger holds them."""
+    _fit(dp, _truncated())
+    return dp
+
+
 def _under_replicas(build):
     with mirrored_strategy().scope():
         return build()
@@ -273,6 +283,38 @@ CASES = [
         "monte_carlo_epsilon",
         "sparse_embeddings",
     ),
+    # truncated Poisson sampling
+    (
+        "DPModel",
+        lambda: _fit(_dp(mechanism=_band()), _truncated()),
+        "truncated Poisson sampling",
+        "the BandMF mechanism",
+    ),
+    (
+        "DPModel",
+        lambda: _fit(_dp(adaptive_clipping=peg.dp.AdaptiveClipping()), _truncated()),
+        "truncated Poisson sampling",
+        "adaptive_clipping",
+    ),
+    (
+        "DPModel",
+        lambda: _fit(_dp(_bag(), sparse_embeddings=SparseEmbeddings()), _truncated(IDS)),
+        "truncated Poisson sampling",
+        "sparse_embeddings",
+    ),
+    (
+        "DPModel.epsilon",
+        lambda: _after_truncated_steps(_dp()).epsilon(1e-5, rows_per_user=2),
+        "rows_per_user",
+        "truncated Poisson sampling",
+    ),
+    (
+        "DPModel.monte_carlo_epsilon",
+        lambda: _after_truncated_steps(_dp()).monte_carlo_epsilon(1e-5),
+        "monte_carlo_epsilon",
+        "truncated Poisson sampling",
+    ),
+    ("DPModel", lambda: _fit(_dp(privacy_unit="unit"), _truncated()), "privacy_unit='unit'", "data without unit ids"),
     # audit
     (
         "audit",

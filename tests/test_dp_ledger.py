@@ -58,7 +58,9 @@ def _exact(*segments):
 
 
 def _table(*rows):
-    return np.array(list(rows) + [[0, 0, 0, 0]] * (ledger.SEGMENTS - len(rows)), np.float64)
+    """The ``[SEGMENTS, COLUMNS]`` table of ``rows``, each padded with zeros (no truncation)."""
+    rows = [list(r) + [0] * (ledger.COLUMNS - len(r)) for r in rows]
+    return np.array(rows + [[0] * ledger.COLUMNS] * (ledger.SEGMENTS - len(rows)), np.float64)
 
 
 def test_a_step_extends_the_last_segment_or_opens_the_next():
@@ -139,7 +141,7 @@ def test_a_file_older_than_the_segments_is_accounted_by_its_worst_case(tmp_path,
     path = str(tmp_path / "old.weights.h5")
     two_fits.save_weights(path)
     with h5py.File(path, "a") as f:  # such a file: no segments, here or in the network's copy of the ledger
-        assert f["aggregator/vars/6"].shape == (ledger.SEGMENTS, 4)
+        assert f["aggregator/vars/6"].shape == (ledger.SEGMENTS, ledger.COLUMNS)
         del f["aggregator/vars/6"], f["layers/sequential/_dp_ledger/vars/segments"]
     old = _dp()
     with warnings.catch_warnings():
@@ -180,17 +182,31 @@ PROJECTED = {  # the ledger's rows, then further steps at (sigma, q, poisson)
     "fixed-size, same sigma, smaller q": ([[2, 1.0, 0.4, 0]], (1.0, 0.1, False)),
     "fixed-size after Poisson": ([[2, 1.0, 0.25, 1]], (1.0, 0.1, False)),
     "full table": ([[1, 1.0 + i, 0.25, 1] for i in range(ledger.SEGMENTS)], (0.5, 0.75, False)),
+    # truncated Poisson steps, (B, N) last
+    "truncated, same release": ([[2, 1.0, 0.25, 1, 20, 64]], (1.0, 0.25, True, (20, 64))),
+    "truncated after Poisson": ([[2, 1.0, 0.25, 1]], (1.0, 0.25, True, (20, 64))),
+    "another B": ([[2, 1.0, 0.25, 1, 20, 64]], (1.0, 0.25, True, (24, 64))),
+    "full table, then truncated": ([[1, 1.0 + i, 0.25, 1] for i in range(ledger.SEGMENTS)], (3.0, 0.5, True, (20, 64))),
+    "full table of truncated, then fixed-size": (
+        [[1, 1.0 + i, 0.25, 1, 20, 64] for i in range(ledger.SEGMENTS)],
+        (0.5, 0.75, False, (0, 0)),
+    ),
+    "dominating row, then truncated": (
+        [[1, 1.0 + i, 0.25, 1] for i in range(ledger.SEGMENTS - 1)] + [[3, 0.4, 0.5, 1, ledger.DOMINATING, 0]],
+        (0.6, 0.25, True, (20, 64)),
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(PROJECTED))
 def test_the_projection_is_what_recording_the_steps_makes(case):
-    rows, (sigma, q, poisson) = PROJECTED[case]
+    rows, (sigma, q, poisson, *truncation) = PROJECTED[case]
+    truncation = tuple(truncation[0]) if truncation else (0, 0)
     table = _table(*rows)
     taken = sum(int(r[0]) for r in rows)
     for _ in range(3):
-        table = ledger.recorded(table, sigma, q, poisson)
-    *kept, growing = ledger.projection(ledger.events(_table(*rows), taken) or [], sigma, q, poisson)
+        table = ledger.recorded(table, sigma, q, poisson, truncation)
+    *kept, growing = ledger.projection(ledger.events(_table(*rows), taken) or [], sigma, q, poisson, truncation)
     assert ledger.events(table.numpy(), taken + 3) == [*kept, growing._replace(steps=growing.steps + 3)]
 
 

@@ -278,6 +278,13 @@ def _add_epsilon_parser(subparsers: "argparse._SubParsersAction") -> None:
         "(q = b B / N); default --bands for bandmf and bisr, required for blt",
     )
     p.add_argument(
+        "--truncated-batch-size",
+        type=_positive_int,
+        metavar="M",
+        help="dp-sgd: truncated Poisson sampling (peg.dp.truncated_poisson_batches): a batch of more than M "
+        "examples keeps M of them at random, accounted by its own event (rdp: by a looser one)",
+    )
+    p.add_argument(
         "--rows-per-user",
         type=_positive_int,
         metavar="K",
@@ -350,6 +357,15 @@ def _run_epsilon(args: argparse.Namespace) -> int:
             args.parser.error("--rows-per-user needs --mechanism dp-sgd (independent noise)")
         if args.target_epsilon is not None:
             args.parser.error("--rows-per-user takes --noise-multiplier: per-user calibration is not offered")
+    if args.truncated_batch_size is not None:
+        for wrong, message in (
+            (args.mechanism != "dp-sgd", "needs --mechanism dp-sgd (independent noise)"),
+            (args.sampling != "poisson", "needs --sampling poisson"),
+            (args.rows_per_user is not None, "accounts per example, not with --rows-per-user"),
+            (args.monte_carlo, "is accounted by its own event, not with --monte-carlo"),
+        ):
+            if wrong:
+                args.parser.error(f"--truncated-batch-size {message}")
     if not args.monte_carlo and (args.samples is not None or args.seed is not None):
         args.parser.error("--samples and --seed need --monte-carlo")
     if args.monte_carlo:
@@ -378,6 +394,8 @@ def _run_epsilon(args: argparse.Namespace) -> int:
         run["mechanism"] = mechanism = _mechanism_of(args, steps, cycle)
         if args.rows_per_user is not None:
             run["rows_per_user"] = args.rows_per_user
+        if args.truncated_batch_size is not None:
+            run["truncated_batch_size"] = args.truncated_batch_size
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if args.target_epsilon is None:
@@ -419,6 +437,11 @@ def _run_epsilon(args: argparse.Namespace) -> int:
     length = f"{args.epochs:g} epochs" if args.steps is None else "given"
     if cycle > 1:
         sampling = f"cycle {cycle} x batch size {args.batch_size:g} / {args.num_examples} examples, cyclic {args.sampling} sampling"
+    elif args.truncated_batch_size is not None:
+        sampling = (
+            f"batch size {args.batch_size:g} / {args.num_examples} examples, Poisson sampling truncated to "
+            f"{args.truncated_batch_size} rows"
+        )
     else:
         sampling = f"batch size {args.batch_size:g} / {args.num_examples} examples, {args.sampling} sampling"
     print(f"sampling probability q = {q:.6g} ({sampling})")

@@ -90,7 +90,10 @@ class GradientAccumulator(tf.Module):
         the ledger with every release for ``epsilon()``. None (the default)
         claims no sampling: each release is accounted as if every example
         took part (``q = 1``), which holds however the batches were drawn,
-        provided no example appears twice in one logical batch.
+        provided no example appears twice in one logical batch. Batches of
+        ``truncated_poisson_batches`` are not Poisson samples at ``q`` (a cut
+        batch doubles a step's sensitivity): give them ``DPModel.fit``, which
+        accounts their own event, or leave ``sampling_probability`` out here.
       budget: DP mode: a ``peg.dp.PrivacyBudget``; ``result()`` (hence
         ``apply``) then releases nothing past ``max_steps()``, counted from
         the ledger (a restored one included), and fails with

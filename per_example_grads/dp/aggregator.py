@@ -66,7 +66,12 @@ from per_example_grads._core.xla_context import in_xla_context
 from per_example_grads.clipping import clipped_sums_and_predictions
 from per_example_grads.dp import adaptive as adaptive_clipping
 from per_example_grads.dp import composition, ledger, privatizers
-from per_example_grads.dp.accounting import PrivacyAccountant, adaptive_clipping_noise_multiplier, user_level_event
+from per_example_grads.dp.accounting import (
+    PrivacyAccountant,
+    adaptive_clipping_noise_multiplier,
+    truncated_poisson_event,
+    user_level_event,
+)
 from per_example_grads.dp.budget import PrivacyBudget
 from per_example_grads.dp.mechanisms import NoiseMechanism, check_mechanism, fingerprint, fingerprint_name
 from per_example_grads.dp.monte_carlo import MonteCarloEpsilon, monte_carlo_epsilon
@@ -294,8 +299,8 @@ class DPAggregator(keras.layers.Layer):
         next noise draw).
       min_noise_multiplier, max_sampling_probability: float64 ledger variables.
       poisson: int64 variable, 1 while every recorded step was Poisson sampled.
-      segments: float64 ``[SEGMENTS, 4]`` variable, the steps as segments of
-        identical releases (``per_example_grads.dp.ledger``).
+      segments: float64 ``[SEGMENTS, COLUMNS]`` variable, the steps as segments
+        of identical releases (``per_example_grads.dp.ledger``).
       partition: int64 ``[5]`` variable, a cyclic run's partition
         (``PoissonSampling.partition``), recorded by the owner; zeros when
         none is recorded.
@@ -377,16 +382,17 @@ class DPAggregator(keras.layers.Layer):
 
         Before ``segments``: the run is accounted by its worst case (``ledger``).
         Before ``partition`` and ``mechanism_fingerprint`` too: the partition
-        is not recorded, and the steps are taken for this mechanism's.
+        is not recorded, and the steps are taken for this mechanism's. A
+        table saved before truncated sampling had its columns is widened
+        (``ledger.upgraded``).
         """
         own = self._trainable_variables + self._non_trainable_variables
         newer = [self.partition, self.mechanism_fingerprint, self.segments]
         missing = len(own) - len(store.keys())
-        if own[-3:] == newer and missing in (1, 3):
-            for i, v in enumerate(own[:-missing]):
-                v.assign(store[f"{i}"])
-            return
-        super().load_own_variables(store)
+        if missing < 0 or (missing and not (own[-3:] == newer and missing in (1, 3))):
+            return super().load_own_variables(store)  # Keras's error names what does not match
+        for i, v in enumerate(own[: len(own) - missing]):
+            v.assign(ledger.upgraded(store[f"{i}"]) if v is self.segments else store[f"{i}"])
 
     def check_ledger(self) -> None:
         """Raises ``ValueError`` if the restored ledger's steps were taken by another mechanism than this one's.
@@ -479,6 +485,7 @@ class DPAggregator(keras.layers.Layer):
         divisor=None,
         sampling_probability=None,
         poisson: bool = True,
+        truncation=(0, 0),
         unit_ids=None,
         rows_per_unit=None,
     ) -> DPStep:
@@ -489,7 +496,7 @@ class DPAggregator(keras.layers.Layer):
             ``model.trainable_variables``); the regularizers' gradient is
             taken w.r.t. them.
           divisor: default ``divisor(rows)``.
-          sampling_probability, poisson: for the ledger, as in ``release``.
+          sampling_probability, poisson, truncation: for the ledger, as in ``release``.
           unit_ids, rows_per_unit: a unit-level Poisson batch's units
             (``clipped_sum``); ``clipped_count`` and ``counted`` then count units.
 
@@ -505,7 +512,12 @@ class DPAggregator(keras.layers.Layer):
         clipped_count, counted = self.clipped_fraction(clipped)
         regularization = regularization_gradients(model, model.trainable_variables if variables is None else variables)
         grads = self.release(
-            clipped, divisor, sampling_probability=sampling_probability, poisson=poisson, regularization=regularization
+            clipped,
+            divisor,
+            sampling_probability=sampling_probability,
+            poisson=poisson,
+            truncation=truncation,
+            regularization=regularization,
         )
         return DPStep(grads, clipped, clipped_count, counted)
 
@@ -541,6 +553,7 @@ class DPAggregator(keras.layers.Layer):
         *,
         sampling_probability=None,
         poisson: bool = True,
+        truncation=(0, 0),
         regularization: Sequence | None = None,
     ) -> list[tf.Tensor]:
         """The noisy average of ``clipped`` (plus ``regularization``), counted as one step.
@@ -559,6 +572,8 @@ class DPAggregator(keras.layers.Layer):
           sampling_probability: ``q`` this step was sampled with (None: 1,
             the worst case).
           poisson: whether the batch was Poisson sampled.
+          truncation: ``(B, N)`` of a truncated Poisson batch
+            (``per_example_grads.dp.truncated``), ``(0, 0)`` otherwise.
           regularization: the regularizers' gradient, added after the noise
             (``add_regularization``).
 
@@ -571,10 +586,10 @@ class DPAggregator(keras.layers.Layer):
             given, self.clip(), divisor, tf.convert_to_tensor(self.steps), sampling_probability
         )
         grads = add_regularization(self.privatizer.release(sums, context), regularization)
-        self.record_step(sampling_probability, poisson)
+        self.record_step(sampling_probability, poisson, truncation)
         return grads
 
-    def record_step(self, sampling_probability=None, poisson: bool = True) -> None:
+    def record_step(self, sampling_probability=None, poisson: bool = True, truncation=(0, 0)) -> None:
         """Adds one step to the counter and the ledger."""
         q = 1.0 if sampling_probability is None else sampling_probability
         self.steps.assign_add(1)
@@ -584,7 +599,9 @@ class DPAggregator(keras.layers.Layer):
         self.max_sampling_probability.assign(tf.maximum(self.max_sampling_probability, in_dtype(q, tf.float64)))
         if not poisson:
             self.poisson.assign(0)
-        self.segments.assign(ledger.recorded(self.segments, self.noise_multiplier, in_dtype(q, tf.float64), poisson))
+        self.segments.assign(
+            ledger.recorded(self.segments, self.noise_multiplier, in_dtype(q, tf.float64), poisson, truncation)
+        )
 
     # -- the ledger, accounted ---------------------------------------------
 
@@ -599,6 +616,10 @@ class DPAggregator(keras.layers.Layer):
             return None
         return ledger.events(self.segments.numpy(), steps)
 
+    def truncated_steps(self) -> bool:
+        """Whether the ledger holds truncated Poisson steps (``per_example_grads.dp.truncated``), merged or not."""
+        return bool((self.segments.numpy()[:, 4] != 0).any())
+
     def accountant(
         self, *, accountant: str = "pld", sampling_probability: float | None = None, rows_per_user: int | None = None
     ) -> PrivacyAccountant:
@@ -612,7 +633,9 @@ class DPAggregator(keras.layers.Layer):
         restored from a file older than its segments) every step is taken at
         the smallest noise multiplier and the largest sampling probability
         any recorded step used (exactly the run's own when they never
-        changed), so its epsilon never under-reports; the privatizer turns
+        changed; half that noise multiplier if any step was truncated
+        Poisson sampled, its dominating event), so its epsilon never
+        under-reports; the privatizer turns
         them into the equivalent ledger (for ``BandMF`` ``ceil(steps / b)``
         steps, for ``BLT`` one Gaussian release). When some step was not
         Poisson sampled, the accountant is a ``sampling="shuffle"`` one,
@@ -636,13 +659,19 @@ class DPAggregator(keras.layers.Layer):
                     "accounting before the first step needs the sampling probability of the steps to come."
                 )
             sigma = float(self.min_noise_multiplier.numpy()) if steps else self.noise_multiplier
+            if self.truncated_steps():  # every step at a truncated step's dominating event (ledger)
+                sigma /= 2.0
             segments = [ledger.Segment(steps, sigma, q, sampling == "poisson")]
         first = segments[0]  # the accountant's defaults for step(): the run's first noise multiplier and q
         accounted = PrivacyAccountant(
             first.noise_multiplier, first.sampling_probability, accountant=accountant, sampling=sampling
         )
         for s in segments:
-            if rows_per_user is None:
+            if s.truncated:  # DP-SGD's noise only (composition)
+                event = truncated_poisson_event(
+                    s.noise_multiplier, s.sampling_probability, s.truncated_batch_size, s.dataset_size, s.steps
+                )
+            elif rows_per_user is None:
                 event = self.privatizer.dp_event(s.noise_multiplier, s.sampling_probability, s.steps)
             else:
                 event = user_level_event(s.noise_multiplier, s.sampling_probability, rows_per_user, s.steps)
@@ -679,6 +708,8 @@ class DPAggregator(keras.layers.Layer):
             )
         elif not segments[0].poisson:
             refusal = "its steps were not all drawn by poisson_batches (fixed-size or unknown batches)"
+        elif segments[0].truncated_batch_size:
+            refusal = "its steps were truncated Poisson samples, which the Monte-Carlo pair does not model"
         elif self.mechanism.cycle_length > 1:
             partition = self.partition.numpy()
             if int(partition[0]) != self.mechanism.cycle_length:
@@ -703,7 +734,9 @@ class DPAggregator(keras.layers.Layer):
             progress=progress,
         )
 
-    def max_steps(self, budget: PrivacyBudget, sampling_probability: float, poisson: bool = True) -> int:
+    def max_steps(
+        self, budget: PrivacyBudget, sampling_probability: float, poisson: bool = True, truncation=(0, 0)
+    ) -> int:
         """The most steps ``budget`` allows this ledger, the next ones sampled at ``sampling_probability``.
 
         Accounted as ``accountant`` accounts the ledger: the steps taken as
@@ -718,18 +751,25 @@ class DPAggregator(keras.layers.Layer):
         sigma, q = self.noise_multiplier, float(sampling_probability)
         segments = self.composable_segments()
         if segments:  # the ledger as accountant() will account it after more steps at (sigma, q)
-            *kept, growing = ledger.projection(segments, sigma, q, poisson)
-            taken = [(g.steps, g.noise_multiplier, g.sampling_probability) for g in (*kept, growing)]
+            *kept, growing = ledger.projection(segments, sigma, q, poisson, truncation)
             return budget.max_steps(
                 noise_multiplier=growing.noise_multiplier,
                 sampling_probability=growing.sampling_probability,
                 mechanism=self.mechanism,
-                taken=taken,
+                taken=[
+                    (g.steps, g.noise_multiplier, g.sampling_probability, g.truncated_batch_size, g.dataset_size)
+                    for g in kept
+                ],
+                truncation=(max(growing.truncated_batch_size, 0), growing.dataset_size),
             )
         if int(self.steps.numpy()):
             sigma = min(sigma, float(self.min_noise_multiplier.numpy()))
             q = max(q, float(self.max_sampling_probability.numpy()))
-        return budget.max_steps(noise_multiplier=sigma, sampling_probability=q, mechanism=self.mechanism)
+            if truncation[0] > 0 or self.truncated_steps():  # all at a truncated step's dominating event
+                sigma, truncation = sigma / 2.0, (0, 0)
+        return budget.max_steps(
+            noise_multiplier=sigma, sampling_probability=q, mechanism=self.mechanism, truncation=truncation
+        )
 
     def clipped_fraction(self, clipped: ClippedSum) -> tuple[tf.Tensor, tf.Tensor]:
         """``(clipped, counted)``: real examples over the clip norm, and real examples, over all replicas."""

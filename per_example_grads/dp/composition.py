@@ -36,7 +36,8 @@ class Sampling:
         dataset (else fixed-size batches, or a dataset of unknown sampling).
       cycle_length: its ``cycle_length`` (1 without a cycle, or not Poisson);
         a ``min_sep_batches`` dataset's ``min_separation``.
-      scheme: ``"poisson"``, ``"min_sep"`` or ``"fixed_size"`` (the sampler's ``scheme``).
+      scheme: ``"poisson"``, ``"min_sep"``, ``"truncated_poisson"`` or
+        ``"fixed_size"`` (the sampler's ``scheme``).
       units: it samples units (``unit_ids``).
       rows_per_unit: its rows per unit, or None.
     """
@@ -71,6 +72,8 @@ class Parts:
         with at most this many rows per user (``epsilon(rows_per_user=...)``).
       monte_carlo: Monte-Carlo accounting of the run was asked for
         (``monte_carlo_epsilon``).
+      truncated: the run's ledger holds truncated Poisson steps (known when
+        it is accounted; at ``fit``, the data's ``Sampling`` says it).
     """
 
     owner: str
@@ -88,6 +91,7 @@ class Parts:
     sampling: Sampling | None = None
     user_rows: int | None = None
     monte_carlo: bool = False
+    truncated: bool = False
 
     @property
     def correlated(self) -> bool:
@@ -99,6 +103,11 @@ class Parts:
 
     def mechanism_name(self) -> str:
         return type(self.mechanism).__name__
+
+    @property
+    def truncated_sampling(self) -> bool:
+        """Truncated Poisson sampling, in the data (``fit``) or in the ledger (accounting)."""
+        return self.truncated or (self.sampling is not None and self.sampling.scheme == "truncated_poisson")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,6 +322,45 @@ PAIRINGS: tuple[Pairing, ...] = (
         lambda p: p.audit == "gradient" and p.replicas > 1,
         _text("each replica would add them, and read only its share of the noise"),
         _text("Audit in a single process (no distribution strategy), or with input canaries."),
+    ),
+    # -- truncated Poisson sampling (accounting.truncated_poisson_event: DP-SGD on examples) ------
+    Pairing(
+        _text("truncated Poisson sampling"),
+        lambda p: f"the {p.mechanism_name()} mechanism",
+        lambda p: p.truncated_sampling and (p.correlated or p.cycle_length > 1),
+        _text("its event accounts independent Gaussian noise on each step's truncated sample, no cycle"),
+        _text("Use GaussianNoise (DP-SGD), or fit on peg.dp.poisson_batches with the mechanism's cycle_length."),
+    ),
+    Pairing(
+        _text("truncated Poisson sampling"),
+        _text("adaptive_clipping"),
+        lambda p: p.truncated_sampling and p.adaptive,
+        _text(
+            "an example that displaces another moves the noisy clipped count by up to 2, which adaptive "
+            "clipping's split of the noise does not cover"
+        ),
+        _text("Give a fixed l2_norm_clip, or fit on peg.dp.poisson_batches."),
+    ),
+    Pairing(
+        _text("truncated Poisson sampling"),
+        _text("sparse_embeddings"),
+        lambda p: p.truncated_sampling and p.sparse,
+        _text("the accounting of the noisy row selection assumes untruncated Poisson sampling"),
+        _text("Fit on peg.dp.poisson_batches, or leave sparse_embeddings out."),
+    ),
+    Pairing(
+        _text("rows_per_user"),
+        _text("truncated Poisson sampling"),
+        lambda p: p.user_rows is not None and p.truncated_sampling,
+        _text("the per-user mixture of Gaussians assumes rows Poisson-sampled without truncation"),
+        _text("Use epsilon() without rows_per_user (per example)."),
+    ),
+    Pairing(
+        _text("monte_carlo_epsilon"),
+        _text("truncated Poisson sampling"),
+        lambda p: p.monte_carlo and p.truncated_sampling,
+        _text("the Monte-Carlo pair models untruncated Poisson sampling"),
+        _text("Use epsilon(), which accounts the truncated steps by their own event."),
     ),
     # -- sampling (fit, where the data's sampling is known) ---------------------------------------
     Pairing(

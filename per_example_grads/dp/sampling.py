@@ -160,6 +160,7 @@ class PoissonSampling:
     cycle_length: int = 1
     scheme = "poisson"  # a sampler's name for the composition table (``per_example_grads.dp.min_sep``'s is "min_sep")
     poisson = True
+    truncation = (0, 0)  # (B, N) of truncated Poisson sampling (``per_example_grads.dp.truncated``), for the ledger
     privacy_unit: str = "example"
     num_rows: int | None = None
     rows_per_unit: int | None = None
@@ -282,6 +283,7 @@ class FixedSizeSampling:
     rows_per_unit: int | None = None
     scheme = "fixed_size"
     poisson = False
+    truncation = (0, 0)
     sampling_probability = None  # per step: the batch's rows / N (class docstring)
 
     def largest_sampling_probability(self, num_examples: int | None) -> float | None:

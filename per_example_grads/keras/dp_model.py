@@ -45,7 +45,7 @@ class _FitSampling:
     def traced_as(self) -> tuple:
         """What the traced train step depends on (the dataset object itself is not)."""
         s = self.sampler
-        return s.poisson, s.sampling_probability, self.divisor, s.rows_per_unit
+        return s.poisson, s.sampling_probability, self.divisor, s.rows_per_unit, s.truncation
 
 
 class DPModel(keras.Model):
@@ -575,7 +575,7 @@ class DPModel(keras.Model):
                 "num_examples and expected_batch_size, or fit on peg.dp.poisson_batches or on arrays "
                 "with batch_size (a dataset's batches must then have a static size)."
             )
-        return self.aggregator.max_steps(self.budget, q, sampler.poisson)
+        return self.aggregator.max_steps(self.budget, q, sampler.poisson, sampler.truncation)
 
     def _unknown_sampling(self, largest_batch: int | None = None) -> _FitSampling:
         """The sampling of batches this ``DPModel`` did not draw (``train_on_batch``, a custom loop): fixed-size."""
@@ -661,6 +661,7 @@ class DPModel(keras.Model):
                 divisor=sampling.divisor,
                 sampling_probability=q,
                 poisson=sampler.poisson,
+                truncation=sampler.truncation,
                 unit_ids=unit_ids,
                 rows_per_unit=sampler.rows_per_unit,
             )
@@ -798,14 +799,28 @@ class DPModel(keras.Model):
         if self.num_examples is not None:
             check_run_delta(delta, self.num_examples)
         self._check_ledger_covers_network()
-        composition.check(dataclasses.replace(self._parts, owner="DPModel.monte_carlo_epsilon", monte_carlo=True))
+        composition.check(
+            dataclasses.replace(
+                self._parts,
+                owner="DPModel.monte_carlo_epsilon",
+                monte_carlo=True,
+                truncated=self.aggregator.truncated_steps(),
+            )
+        )
         return self.aggregator.monte_carlo_epsilon(delta, samples=samples, seed=seed, progress=progress)
 
     def _check_rows_per_user(self, rows_per_user: int | None) -> None:
         """Per-user accounting of example-level sampling: a positive int, and parts it accounts (``composition``)."""
         if rows_per_user is not None:
             check_positive_int("rows_per_user", rows_per_user)
-            composition.check(dataclasses.replace(self._parts, owner="DPModel.epsilon", user_rows=rows_per_user))
+            composition.check(
+                dataclasses.replace(
+                    self._parts,
+                    owner="DPModel.epsilon",
+                    user_rows=rows_per_user,
+                    truncated=self.aggregator.truncated_steps(),
+                )
+            )
 
     def save_weights(self, filepath, *args, **kwargs):
         """``keras.Model.save_weights``, with the network's fingerprint as saved (``network_guard``)."""
