@@ -34,6 +34,8 @@ from typing import Any
 import keras
 import numpy as np
 
+from per_example_grads.dp import ledger
+
 ATTRIBUTE = "_dp_ledger"  # the network's attribute, and the file's group
 _CORE = (
     "steps",
@@ -88,11 +90,14 @@ class NetworkLedger(keras.layers.Layer):
         owner, entries = self._owner(), self._entries()
         if owner is None:
             return
-        owner.aggregator.check_saved_ledger(int(np.asarray(store["steps"])), np.asarray(store["mechanism_fingerprint"]))
+        values = {name: np.asarray(store[name]) for name in saved}
+        if "segments" in values:  # a table from before truncated sampling's columns
+            values["segments"] = ledger.upgraded(values["segments"])
+        owner.aggregator.check_saved_ledger(int(values["steps"]), values["mechanism_fingerprint"])
         mismatched = sorted(
             name
             for name in saved | set(entries)
-            if name not in saved or name not in entries or np.shape(store[name]) != tuple(entries[name].shape)
+            if name not in saved or name not in entries or values[name].shape != tuple(entries[name].shape)
         )
         if mismatched:
             raise ValueError(
@@ -102,7 +107,7 @@ class NetworkLedger(keras.layers.Layer):
                 "the one that saved it, or begin a new run."
             )
         for name, v in entries.items():
-            v.assign(np.asarray(store[name]))
+            v.assign(values[name])
 
 
 def attach(network: keras.Model, owner: Any) -> None:
