@@ -350,9 +350,16 @@ def test_a_budget_stops_a_truncated_run_within_it():
     budget = peg.dp.PrivacyBudget(epsilon=6.0, delta=DELTA, rtol=0.1)
     dp = _dp(budget=budget)
     dp.fit(peg.dp.poisson_batches(X, Y, sampling_probability=Q, seed=0, steps=3), verbose=0)
+    dp.fit(_batches(seed=1, steps=3), verbose=0)
+    # The next fit extends the ledger's last row (3 truncated steps): the budget must count them too.
+    taken = [(3, 2.0, Q), (3, 2.0, Q, B, N)]
+    assert dp.max_steps() == budget.max_steps(
+        noise_multiplier=2.0, sampling_probability=Q, taken=taken, truncation=(B, N)
+    )
     with pytest.warns(UserWarning, match="stopped after DP step"):
-        dp.fit(_batches(seed=1, steps=400), verbose=0)
+        dp.fit(_batches(seed=2, steps=400), verbose=0)
     steps = int(dp.dp_steps.numpy()) - 3
+    assert ledger.events(dp.aggregator.segments.numpy(), steps + 3)[-1].steps == steps
     assert dp.epsilon(DELTA) <= 6.0
     # At most rtol (10%) short of the most steps the budget allows (dp_accounting's events, built here).
     assert _pld(_poisson(3), _truncated(steps + max(1, int(0.1 * (steps + 3))) + 1)) > 6.0

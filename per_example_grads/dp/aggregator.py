@@ -758,7 +758,7 @@ class DPAggregator(keras.layers.Layer):
                 mechanism=self.mechanism,
                 taken=[
                     (g.steps, g.noise_multiplier, g.sampling_probability, g.truncated_batch_size, g.dataset_size)
-                    for g in kept
+                    for g in (*kept, growing)
                 ],
                 truncation=(max(growing.truncated_batch_size, 0), growing.dataset_size),
             )
