@@ -91,7 +91,9 @@ def recorded(table: tf.Tensor, noise_multiplier, sampling_probability, poisson, 
     table = tf.convert_to_tensor(table, tf.float64)
     sigma, q, p, b, n = (_float64(v) for v in (noise_multiplier, sampling_probability, poisson, *truncation))
     used = tf.reduce_sum(tf.cast(table[:, 0] > 0, tf.int32))
-    last = table[tf.maximum(used - 1, 0)]
+    # Rows are read with tf.gather: indexing with a tensor is a strided slice, whose bounds XLA must know when it
+    # compiles, so the table became a compile-time constant and every step of a jit_compile'd DPModel recompiled.
+    last = tf.gather(table, tf.maximum(used - 1, 0))
     same = (
         (used > 0)
         & tf.equal(last[1], sigma)
@@ -103,7 +105,7 @@ def recorded(table: tf.Tensor, noise_multiplier, sampling_probability, poisson, 
     full = used >= SEGMENTS  # no row left: the last one takes the step at the worst case
     extend = same | full
     index = tf.where(extend, tf.maximum(used - 1, 0), used)
-    old = table[index]
+    old = tf.gather(table, index)
     fresh = tf.stack([1.0, sigma, q, p, b, n])
     worst = [old[0] + 1.0, tf.maximum(old[2], q), tf.minimum(old[3], p)]
     merged = tf.stack([worst[0], tf.minimum(old[1], sigma), worst[1], worst[2], old[4], old[5]])
