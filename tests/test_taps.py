@@ -204,6 +204,53 @@ def test_a_users_rule_gets_separated_taps_without_asking(monkeypatch):
     assert_grads_close(peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise"), expected)
 
 
+class Shifted(keras.layers.Layer):
+    """``2 x + tanh(w)``: ``w`` broadcast to the batch, as T5's relative position bias is to its scores."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1],), initializer="random_normal")
+
+    def call(self, x):
+        return 2.0 * x + keras.ops.tanh(self.w)
+
+
+class ShiftedRule(LayerRule):
+    """Taps the broadcast ``w``, computed from the variable alone and read inside the call: ``grad_n = g_n``.
+
+    Only the tanh reads the tap: an operation none of whose inputs the tape
+    watches or computed, unless the tape watches ``w``.
+    """
+
+    def forward(self, layer, call, args, kwargs):
+        x = args[0]
+        shift = tf.identity(tf.broadcast_to(layer.w, tf.shape(x)))
+        return 2.0 * x + tf.tanh(shift), None, [shift]
+
+    def per_example(self, layer, saved, grads):
+        return [grads[0]]
+
+
+def test_a_users_tap_computed_from_its_variables_alone_gets_its_gradient(monkeypatch):
+    """The capturing tape watches a user's rule's variables: without, the gradient at such a tap would be lost.
+
+    The tape watches the layers' inputs and taps, and records only what
+    reads them (``engines.capture._watched_call``); ``w``'s broadcast is
+    read by the tanh before it is tapped, so only watching ``w`` records that read.
+    """
+    from per_example_grads.engines import capture
+    from per_example_grads.rules import rule as rule_module
+
+    monkeypatch.setattr(rule_module, "RULES", dict(rule_module.RULES))
+    peg.register_layer_rule(Shifted, ShiftedRule())
+    model = _model(Shifted(), before_dense=True)
+    x, y = _batch()
+    expected = reference_gradients(model, sparse_ce, x, y)
+    assert_grads_close(peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise"), expected)
+    monkeypatch.setattr(capture, "_BUILTIN_RULES", __name__)  # the rule taken for a built-in one: w not watched
+    lost = peg.per_example_gradients(model, sparse_ce, x, y, method="layerwise")
+    assert not np.any(np.asarray(lost[2])) and np.any(expected[2])  # [dense kernel, dense bias, w, ...]
+
+
 def test_separate_taps_values_structure_and_masks():
     z = tf.constant([[1.0, -2.0]])
     z._keras_mask = tf.constant([True])

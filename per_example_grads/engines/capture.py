@@ -166,8 +166,16 @@ def containers_of(model: Any, watches: list[Watch], training: bool = False) -> l
 
 
 @contextlib.contextmanager
-def capturing(watches: list[Watch], containers: list = (), batch_size: Any = None) -> Iterator[list[Record]]:
+def capturing(
+    watches: list[Watch], containers: list = (), batch_size: Any = None, tape: tf.GradientTape | None = None
+) -> Iterator[list[Record]]:
     """Within the block, every call of a watch's layer appends a ``Record``.
+
+    With ``tape`` (made with ``watch_accessed_variables=False``), each call
+    is watched so that the tape records exactly what the gradients at the
+    taps need (``_watched_call``): the gradient of the loss with respect to
+    the taps is then the one a tape watching every variable gives, without
+    the variables' own gradients, which no rule reads.
 
     With ``containers`` (``containers_of``), a container whose call made a
     record with a leading axis that is not the batch (``off_batch``: decided
@@ -184,24 +192,67 @@ def capturing(watches: list[Watch], containers: list = (), batch_size: Any = Non
     taken: dict[int, Watch] = {}
     # A generator: each wrapper reads layer.call after the replacements before it are in place.
     watched = itertools.chain(
-        ((watch.layer, _watched_call(watch, watch.layer.call, records)) for watch in watches),
-        ((layer, _container_call(layer, layer.call, records, static_b, taken)) for layer in containers),
+        ((watch.layer, _watched_call(watch, watch.layer.call, records, tape)) for watch in watches),
+        ((layer, _container_call(layer, layer.call, records, static_b, taken, tape)) for layer in containers),
     )
     with model_inspection.replaced_calls(watched):
         yield records
 
 
-def _watched_call(watch: Watch, original, records: list[Record]):
+_BUILTIN_RULES = "per_example_grads.rules."  # the modules of the rules whose taps ``_watched_call`` knows
+
+
+def _watched_call(watch: Watch, original, records: list[Record], tape: tf.GradientTape | None):
+    """``watch``'s layer's call through its rule's ``forward``, recording each call; with ``tape``, watched on it.
+
+    A tape records an operation only when one of its inputs is already
+    watched, or computed by an operation it recorded; a tensor watched later
+    gets no gradient through the operations that read it before. So, with
+    ``tape``, the call's floating inputs are watched before the rule's
+    ``forward`` runs, and its taps as soon as it returns them: a tap that is
+    an output (``separate_taps``' identity, read by nothing yet) is then
+    recorded wherever it is read, and one that is not (``z`` before a
+    fused activation) is computed from the inputs within the call. A tap
+    computed from the layer's variables alone, and read within the call by
+    an operation that reads nothing else the tape records, would get no
+    gradient through that read: the built-in rules that make one say so
+    (``taps_from_variables``: T5's relative position bias), and for them and
+    for every rule defined outside the package the layer's variables are
+    watched too, as a tape watching every variable it sees read would.
+    """
+
     def call(*args, **kwargs):
+        if tape is not None:
+            _watch_floats(tape, (args, kwargs))
+            if getattr(watch.rule, "taps_from_variables", False) or not type(watch.rule).forward.__module__.startswith(
+                _BUILTIN_RULES
+            ):
+                for v in [*watch.variables, *watch.layer.trainable_variables]:
+                    tape.watch(v.value if isinstance(v, keras.Variable) else v)
         outputs, saved, taps = watch.rule.forward(watch.layer, original, args, kwargs)
+        if tape is not None:
+            tape.watch(list(taps))
         records.append(Record(watch, saved, list(taps)))
         return outputs
 
     return call
 
 
-def _container_call(layer, original, records: list[Record], static_b: int | None, taken: dict):
-    """``layer``'s call, taking over the records made inside it when one is off the batch (``capturing``)."""
+def _watch_floats(tape: tf.GradientTape, structure) -> None:
+    """Watches the floating tensors of ``structure`` (composite tensors' components included) on ``tape``."""
+    leaves = tf.nest.flatten(structure, expand_composites=True)
+    floats = [t for t in leaves if isinstance(t, tf.Tensor) and (t.dtype.is_floating or t.dtype.is_complex)]
+    if floats:
+        tape.watch(floats)
+
+
+def _container_call(
+    layer, original, records: list[Record], static_b: int | None, taken: dict, tape: tf.GradientTape | None
+):
+    """``layer``'s call, taking over the records made inside it when one is off the batch (``capturing``).
+
+    With ``tape``, the taps of a record it makes are watched (outputs: ``_watched_call``).
+    """
 
     def call(*args, **kwargs):
         start = len(records)
@@ -218,6 +269,8 @@ def _container_call(layer, original, records: list[Record], static_b: int | None
         if off_batch(leaves + list(taps), static_b) is not None or not taps:
             return outputs  # the layer itself is not split along the batch either: an enclosing one may be
         watch = taken.setdefault(id(layer), Watch(layer, LOCAL_RULE))
+        if tape is not None:
+            tape.watch(list(taps))
         del records[start:]
         records.append(Record(watch, saved, list(taps)))
         return outputs

@@ -130,12 +130,12 @@ def capture(problem: Problem, batch: Batch) -> Captured:
     """
     watches = watches_of(problem)
     b = batch_size(batch)
-    with tf.GradientTape(persistent=False) as tape:
-        with capturing(watches, containers(problem), b) as records:
+    # Only what the taps' gradients need is watched (``capture.capturing``): a tape that watched every
+    # variable read would also differentiate the loss with respect to each variable, for nothing.
+    with tf.GradientTape(persistent=False, watch_accessed_variables=False) as tape:
+        with capturing(watches, containers(problem), b, tape) as records:
             predictions, losses = problem.predictions_and_losses(batch)
         total = tf.reduce_sum(tf.cast(losses, tf.float32))
-        for r in records:  # watched so gradients reach them through frozen layers too
-            tape.watch(r.taps)
     flat_taps = [t for r in records for t in r.taps]
     flat_grads = tape.gradient(total, flat_taps) if flat_taps else []
     grads, i = [], 0

@@ -56,7 +56,13 @@ class T5AttentionRule(LayerRule):
     ``saved`` is ``("closed", inputs, buckets)`` (``inputs``: each
     projector's input, in ``PROJECTORS`` order; ``buckets`` ``[Tq, Tk]``
     int32, None when the bias was not computed) or ``("local", saved)``.
+
+    ``taps_from_variables``: the bias values' tap is computed from the table
+    alone, and read within the call (by the scores' sum), so the capturing
+    tape must watch the layer's variables (``engines.capture._watched_call``).
     """
+
+    taps_from_variables = True
 
     def unsupported(self, layer):
         for name in PROJECTORS:
