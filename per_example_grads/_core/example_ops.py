@@ -6,6 +6,8 @@ nothing), so any module may use them.
 
 from __future__ import annotations
 
+import functools
+
 import tensorflow as tf
 
 from per_example_grads._core.xla_context import in_xla_context
@@ -84,8 +86,8 @@ def widened(parts: list) -> list[tf.Tensor]:
     in the common case: no ``tf.cond``, whose branches cost more to trace
     and to run); under XLA, which wants static shapes, they run on the whole
     batch inside one ``tf.cond`` on ``is_finite``. Either way the common path
-    costs an ``is_finite`` and a cast per part and a few ops on ``[B]``
-    vectors or empty tensors.
+    costs a cast per part, one ``is_finite`` for all of them (``_all_finite``)
+    and a few ops on ``[B]`` vectors or empty tensors.
 
     Underflow is not caught: entries below about 1e-19 square to 0 in
     float32 (TensorFlow flushes subnormal numbers), as in
@@ -96,13 +98,7 @@ def widened(parts: list) -> list[tf.Tensor]:
     checked = [i for i, (_, exact) in enumerate(parts) if exact is not None]
     if not checked:
         return wide
-    finite = None
-    for i in checked:
-        value = parts[i][0]
-        ok = tf.math.is_finite(value)
-        if value.shape.rank > 1:
-            ok = tf.reduce_all(ok, axis=list(range(1, value.shape.rank)))
-        finite = ok if finite is None else finite & ok
+    finite = _all_finite([parts[i][0] for i in checked], [wide[i] for i in checked])
     if in_xla_context():
 
         def recomputed():
@@ -121,6 +117,24 @@ def widened(parts: list) -> list[tf.Tensor]:
     for i, value in zip(checked, outs):
         wide[i] = value
     return wide
+
+
+def _all_finite(values: list, wide: list) -> tf.Tensor:
+    """``[B]`` bool: whether every entry of example n in every one of ``values`` (``[B]`` or ``[B, ...]``) is finite.
+
+    ``wide`` holds ``values`` cast to float64. Where no value is float64, one
+    ``is_finite`` of their float64 sum decides: each entry is at most
+    float32's largest, about 3.4e38, so the float64 sum cannot overflow, and
+    it is finite exactly where every term is (a NaN or an infinity in a term
+    makes it NaN or infinite). That is two graph nodes for a call's parts
+    in place of an ``is_finite`` per part and a ``logical_and`` per part but one.
+    """
+    if any(v.dtype == WIDE for v in values):  # float64 terms could overflow their sum: one check each
+        checks = [tf.math.is_finite(v) for v in values]
+        checks = [tf.reduce_all(c, axis=list(range(1, c.shape.rank))) if c.shape.rank > 1 else c for c in checks]
+        return functools.reduce(tf.logical_and, checks)
+    totals = [w if w.shape.rank == 1 else tf.reduce_sum(w, axis=list(range(1, w.shape.rank))) for w in wide]
+    return tf.math.is_finite(totals[0] if len(totals) == 1 else tf.add_n(totals))
 
 
 def _sum_of_squares(t: tf.Tensor, axis=1) -> tf.Tensor:
