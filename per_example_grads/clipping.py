@@ -210,7 +210,9 @@ def clipped_sums_and_predictions(
 
 
 def finite_examples(norms: Sequence[tf.Tensor]) -> tf.Tensor:
-    """``[B]`` bool: examples whose gradient norm is finite in every clipping group."""
+    """``[B]`` bool: examples whose gradient norm is finite in every clipping group (one ``is_finite`` for one group)."""
+    if len(norms) == 1:
+        return tf.math.is_finite(norms[0])
     return tf.reduce_all(tf.stack([tf.math.is_finite(n) for n in norms]), axis=0)
 
 
@@ -235,6 +237,8 @@ def _without_nonfinite_examples(clipped_sums, batch, sums, norms, variables, uni
     every row of a unit with a non-finite norm is replaced so: that unit
     contributes exactly zero, the others are unchanged.
     """
+    if clipped_sums is None and not tf.executing_eagerly():  # the sums already leave them out, and no warning
+        return sums
     finite = finite_examples(norms)
     if tf.executing_eagerly():
         bad = int(tf.reduce_sum(tf.cast(~finite, tf.int32)))

@@ -459,7 +459,10 @@ def _finite_sums(problem: Problem, captured: Captured, norms: list, weights_for)
     With no finite example there is no finite row to give, and the sums
     that some record given rows adds to are zeros (one more ``tf.cond``).
     """
-    finite = tf.reduce_all(tf.stack([tf.math.is_finite(n) for n in norms]), axis=0)
+    if len(norms) == 1:  # one clipping group: one node
+        finite = tf.math.is_finite(norms[0])
+    else:
+        finite = tf.reduce_all(tf.math.is_finite(tf.stack(norms)), axis=0)
     every, b = tf.reduce_all(finite), captured.batch_size
     zeroable = {id(r) for r in captured.records if _zeroable_cache(r, b)}
     chosen = _Choice(every, finite, b)
@@ -508,18 +511,30 @@ def _finite_sums(problem: Problem, captured: Captured, norms: list, weights_for)
         picked = [sums[i] for i in at]
         flat = tf.nest.flatten(picked, expand_composites=True)
         some = tf.reduce_any(finite)
-        zeros = lambda: tf.nest.flatten([_zeroed_sum(s, some) for s in picked], expand_composites=True)  # noqa: E731
+        zeros = lambda: tf.nest.flatten(_zeroed_sums(picked, some), expand_composites=True)  # noqa: E731
         out = tf.cond(some, lambda: flat, zeros)
         for i, s in zip(at, tf.nest.pack_sequence_as(picked, out, expand_composites=True)):
             sums[i] = s
     return sums
 
 
-def _zeroed_sum(s, off: tf.Tensor):
-    """Zeros like the sum ``s`` (a ``tf.IndexedSlices``' values), in a branch run only where ``off`` is False (``branch_zeros``)."""
-    if isinstance(s, tf.IndexedSlices):
-        return tf.IndexedSlices(branch_zeros(tf.shape(s.values), s.values.dtype, off), s.indices, s.dense_shape)
-    return branch_zeros(tf.shape(s), s.dtype, off)
+def _zeroed_sums(sums: list, off: tf.Tensor) -> list:
+    """Zeros like each sum (a ``tf.IndexedSlices``' values), in a branch run only where ``off`` is False (``branch_zeros``).
+
+    ``off`` is cast once per dtype and fills them all (``branch_zeros`` casts
+    nothing more): one cast per sum was one more graph node per variable.
+    """
+    fills: dict = {}
+
+    def zeros(t):
+        if t.dtype not in fills:
+            fills[t.dtype] = tf.cast(off, t.dtype)
+        return branch_zeros(tf.shape(t), t.dtype, fills[t.dtype])
+
+    return [
+        tf.IndexedSlices(zeros(s.values), s.indices, s.dense_shape) if isinstance(s, tf.IndexedSlices) else zeros(s)
+        for s in sums
+    ]
 
 
 class _Choice:
