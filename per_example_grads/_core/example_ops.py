@@ -7,10 +7,38 @@ nothing), so any module may use them.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import tensorflow as tf
 
 from per_example_grads._core.xla_context import in_xla_context
+
+# graph -> {(dtype, value): a weak reference to its Const's output}; weak both ways, so the cache keeps no graph alive.
+_CONSTANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def graph_constant(value, dtype=tf.int32) -> tf.Tensor:
+    """``tf.constant(value, dtype)``, made once per graph for each value and dtype (an int or a flat list of ints).
+
+    The rules and engines reduce and reshape hundreds of tensors over the
+    same axes and to the same shapes, and each ``axis=1`` or ``[-1, n]``
+    was a ``Const`` node of its own (a few hundred in a 12-layer GPT-2's
+    DP step). The one made here has no control inputs (made outside any
+    ``tf.control_dependencies`` block: an op that reads it still has its
+    own), and belongs to the graph being built (a ``tf.cond`` branch's is
+    its own). Eagerly, a new constant.
+    """
+    if tf.executing_eagerly():
+        return tf.constant(value, dtype)
+    graph = tf.compat.v1.get_default_graph()
+    key = (tf.as_dtype(dtype), tuple(value) if isinstance(value, (list, tuple)) else value)
+    made = _CONSTANTS.setdefault(graph, {})
+    found = made[key]() if key in made else None  # alive while its graph is: the graph holds its op
+    if found is None:
+        with tf.control_dependencies(None):
+            found = tf.constant(value, dtype)
+        made[key] = weakref.ref(found)
+    return found
 
 
 def compute_dtype(dtype) -> tf.DType:
@@ -139,6 +167,7 @@ def _all_finite(values: list, wide: list) -> tf.Tensor:
 
 def _sum_of_squares(t: tf.Tensor, axis=1) -> tf.Tensor:
     """``[B]`` ``sum(t[n] ** 2)`` over ``axis`` (of ``[B, n]`` rows by default): ``per_example_squared_norms``' reduction."""
+    axis = graph_constant(axis)
     if in_xla_context():
         return tf.reduce_sum(tf.square(t), axis=axis)
     return tf.square(tf.math.reduce_euclidean_norm(t, axis=axis))
@@ -156,7 +185,7 @@ def _rows(t: tf.Tensor) -> tf.Tensor:
     if t.shape.rank == 2:
         return t
     if inner.is_fully_defined() and inner.num_elements() > 0:
-        return tf.reshape(t, [-1, inner.num_elements()])
+        return tf.reshape(t, graph_constant([-1, inner.num_elements()]))
     return tf.reshape(t, [tf.shape(t)[0], -1])
 
 
@@ -169,7 +198,9 @@ def weighted_example_sum(weights: tf.Tensor, t: tf.Tensor) -> tf.Tensor:
     """
     flat = _rows(t)
     total = tf.linalg.matvec(flat, tf.cast(weights, t.dtype), transpose_a=True)
-    return tf.reshape(total, t.shape[1:] if t.shape[1:].is_fully_defined() else tf.shape(t)[1:])
+    return tf.reshape(
+        total, graph_constant(t.shape[1:].as_list()) if t.shape[1:].is_fully_defined() else tf.shape(t)[1:]
+    )
 
 
 def map_examples(fn, elems, **kwargs):

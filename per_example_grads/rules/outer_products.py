@@ -24,6 +24,7 @@ import tensorflow as tf
 from per_example_grads._core.example_ops import (
     WIDE,
     compute_dtype,
+    graph_constant,
     per_example_squared_norms,
     squares_part,
     weighted_example_sum,
@@ -103,7 +104,7 @@ def _gram_squared_norms(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
     """``[B]``: ``sum_{t,s} (a_t . a_s)(g_t . g_s)``, in the inputs' dtype."""
     aa = tf.einsum("bti,bsi->bts", a, a)
     gg = tf.einsum("btj,bsj->bts", g, g)
-    return tf.reduce_sum(aa * gg, axis=[1, 2])
+    return tf.reduce_sum(aa * gg, axis=graph_constant([1, 2]))
 
 
 def weighted_kernel_sum(a: tf.Tensor, g: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
