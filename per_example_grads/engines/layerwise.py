@@ -17,7 +17,7 @@ from per_example_grads import rules as _builtin_rules  # noqa: F401  (registers 
 from per_example_grads import transforms
 from per_example_grads._core import model_inspection
 from per_example_grads._core.batch import Batch, batch_size, branch_zeros
-from per_example_grads._core.example_ops import WIDE, compute_dtype
+from per_example_grads._core.example_ops import WIDE, compute_dtype, graph_constant
 from per_example_grads._core.problem import Problem
 from per_example_grads.engines.base import ENGINES, ClipGroups, Engine, FiniteSums
 from per_example_grads.engines.capture import (
@@ -529,7 +529,8 @@ def _zeroed_sums(sums: list, off: tf.Tensor) -> list:
     def zeros(t):
         if t.dtype not in fills:
             fills[t.dtype] = tf.cast(off, t.dtype)
-        return branch_zeros(tf.shape(t), t.dtype, fills[t.dtype])
+        shape = graph_constant(t.shape.as_list()) if t.shape.is_fully_defined() else tf.shape(t)
+        return branch_zeros(shape, t.dtype, fills[t.dtype])
 
     return [
         tf.IndexedSlices(zeros(s.values), s.indices, s.dense_shape) if isinstance(s, tf.IndexedSlices) else zeros(s)
@@ -619,7 +620,7 @@ class _RowReplacement:
             donor = tf.cast(tf.argmax(tf.cast(self._finite, tf.int32)), rows.dtype)
             self._source = tf.where(self._finite, rows, donor)
         if isinstance(b, int):
-            return tf.gather(t, self._source)
+            return tf.gather(t, self._source, axis=graph_constant(0))
         # No tf.cond on the leading size (cheaper to trace): rows are replaced where it is B.
         n = tf.shape(t, out_type=self._source.dtype)[0]
         own = tf.range(n)

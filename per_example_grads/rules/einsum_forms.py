@@ -17,7 +17,7 @@ import string
 
 import tensorflow as tf
 
-from per_example_grads._core.example_ops import compute_dtype, squares_part
+from per_example_grads._core.example_ops import compute_dtype, graph_constant, squares_part
 from per_example_grads.rules import outer_products
 from per_example_grads.rules.rule import sum_to_shape
 
@@ -64,14 +64,14 @@ def kernel_per_example(inp: str, kern: str, out: str, a: tf.Tensor, g: tf.Tensor
 
 def kernel_weighted_sum(inp: str, kern: str, out: str, a: tf.Tensor, g: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
     """``[*kernel]``: ``sum_n weights[n] kernel_per_example(...)[n]``, one contraction."""
-    gw = g * tf.reshape(tf.cast(weights, g.dtype), [-1] + [1] * (g.shape.rank - 1))
+    gw = g * tf.reshape(tf.cast(weights, g.dtype), graph_constant([-1] + [1] * (g.shape.rank - 1)))
     return tf.einsum(f"{inp},{out}->{kern}", a, gw)
 
 
 def bias_weighted_sum(g: tf.Tensor, weights: tf.Tensor, bias_shape) -> tf.Tensor:
     """``[*bias_shape]``: ``sum_n weights[n] sum_to_shape(g, bias_shape)[n]``."""
-    gw = g * tf.reshape(tf.cast(weights, g.dtype), [-1] + [1] * (g.shape.rank - 1))
-    return tf.reduce_sum(sum_to_shape(gw, bias_shape), axis=0)
+    gw = g * tf.reshape(tf.cast(weights, g.dtype), graph_constant([-1] + [1] * (g.shape.rank - 1)))
+    return tf.reduce_sum(sum_to_shape(gw, bias_shape), axis=graph_constant(0))
 
 
 def kernel_part(inp: str, kern: str, out: str, kernel_shape, a: tf.Tensor, g: tf.Tensor) -> tuple:
@@ -108,5 +108,5 @@ def _positions_rows(t: tf.Tensor, width: int) -> tf.Tensor:
     """
     inner = t.shape[1:]
     if inner.is_fully_defined() and inner.num_elements() > 0:
-        return tf.reshape(t, [-1, inner.num_elements() // width, width])
+        return tf.reshape(t, graph_constant([-1, inner.num_elements() // width, width]))
     return tf.reshape(t, [tf.shape(t)[0], -1, width])

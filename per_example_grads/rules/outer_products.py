@@ -39,7 +39,8 @@ def flat_positions(t: tf.Tensor) -> tf.Tensor:
     positions = t.shape[1:-1]
     f = t.shape[-1] if t.shape[-1] is not None else tf.shape(t)[-1]  # unknown when traced after some Keras ops
     if positions.is_fully_defined():  # keep T static: it picks the norm formula
-        return tf.reshape(t, [-1, positions.num_elements(), f])
+        shape = [-1, positions.num_elements(), f]
+        return tf.reshape(t, graph_constant(shape) if isinstance(f, int) else shape)
     return tf.reshape(t, [tf.shape(t)[0], -1, f])
 
 
@@ -115,11 +116,12 @@ def weighted_kernel_sum(a: tf.Tensor, g: tf.Tensor, weights: tf.Tensor) -> tf.Te
     ``[B, T, V]`` against ``a``'s ``[B, T, D]``).
     """
     i, j = a.shape[-1], g.shape[-1]
+    column = graph_constant([-1, 1, 1])  # [B] -> [B, 1, 1]
     if i is not None and j is not None and i < j:
-        a = a * tf.cast(weights, a.dtype)[:, None, None]
+        a = a * tf.reshape(tf.cast(weights, a.dtype), column)
     else:
-        g = g * tf.cast(weights, g.dtype)[:, None, None]
-    rows = lambda t, n: tf.reshape(t, [-1, n if n is not None else tf.shape(t)[-1]])  # [B T, n], n static when known
+        g = g * tf.reshape(tf.cast(weights, g.dtype), column)
+    rows = lambda t, n: tf.reshape(t, graph_constant([-1, n]) if n is not None else [-1, tf.shape(t)[-1]])  # [B T, n]
     return tf.linalg.matmul(rows(a, i), rows(g, j), transpose_a=True)
 
 

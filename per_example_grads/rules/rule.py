@@ -49,6 +49,7 @@ import keras
 import tensorflow as tf
 
 from per_example_grads._core.example_ops import (  # noqa: F401  (per_example_squared_norms and wide_squared_norms re-exported)
+    graph_constant,
     per_example_squared_norms,
     squares_part,
     weighted_example_sum,
@@ -396,10 +397,10 @@ def sum_to_shape(g: tf.Tensor, shape) -> tf.Tensor:
     shape = list(shape)
     extra = g.shape.rank - 1 - len(shape)
     if extra > 0:
-        g = tf.reduce_sum(g, axis=list(range(1, 1 + extra)))
+        g = tf.reduce_sum(g, axis=graph_constant(list(range(1, 1 + extra))))
     keep = [i + 1 for i, d in enumerate(shape) if d == 1 and g.shape[i + 1] != 1]
     if keep:
-        g = tf.reduce_sum(g, axis=keep, keepdims=True)
+        g = tf.reduce_sum(g, axis=graph_constant(keep), keepdims=True)
     return g
 
 
