@@ -347,7 +347,7 @@ def test_a_ledger_without_segments_takes_truncated_steps_at_their_dominating_eve
 
 @pytest.mark.slow
 def test_a_budget_stops_a_truncated_run_within_it():
-    budget = peg.dp.PrivacyBudget(epsilon=6.0, delta=DELTA, rtol=0.1)
+    budget = peg.dp.PrivacyBudget(epsilon=4.0, delta=DELTA, rtol=0.1)
     dp = _dp(budget=budget)
     dp.fit(peg.dp.poisson_batches(X, Y, sampling_probability=Q, seed=0, steps=3), verbose=0)
     dp.fit(_batches(seed=1, steps=3), verbose=0)
@@ -360,9 +360,9 @@ def test_a_budget_stops_a_truncated_run_within_it():
         dp.fit(_batches(seed=2, steps=400), verbose=0)
     steps = int(dp.dp_steps.numpy()) - 3
     assert ledger.events(dp.aggregator.segments.numpy(), steps + 3)[-1].steps == steps
-    assert dp.epsilon(DELTA) <= 6.0
+    assert dp.epsilon(DELTA) <= 4.0
     # At most rtol (10%) short of the most steps the budget allows (dp_accounting's events, built here).
-    assert _pld(_poisson(3), _truncated(steps + max(1, int(0.1 * (steps + 3))) + 1)) > 6.0
+    assert _pld(_poisson(3), _truncated(steps + max(1, int(0.1 * (steps + 3))) + 1)) > 4.0
 
 
 def test_physical_chunks_and_xla_train_as_the_whole_batch():
