@@ -687,7 +687,8 @@ class DPAggregator(keras.layers.Layer):
         ``poisson_batches`` (with its partition recorded, for a cycle):
         the dominating pair of ``monte_carlo`` is that run's. The owner
         checks the pairings (``composition``: adaptive clipping and sparse
-        noise release more than the mechanism's sum).
+        noise release more than the mechanism's sum; truncated steps are not
+        the pair's sampling).
 
         Raises:
           ValueError: the steps changed ``sigma`` or ``q``, or were not all
@@ -708,8 +709,6 @@ class DPAggregator(keras.layers.Layer):
             )
         elif not segments[0].poisson:
             refusal = "its steps were not all drawn by poisson_batches (fixed-size or unknown batches)"
-        elif segments[0].truncated_batch_size:
-            refusal = "its steps were truncated Poisson samples, which the Monte-Carlo pair does not model"
         elif self.mechanism.cycle_length > 1:
             partition = self.partition.numpy()
             if int(partition[0]) != self.mechanism.cycle_length:

@@ -799,28 +799,20 @@ class DPModel(keras.Model):
         if self.num_examples is not None:
             check_run_delta(delta, self.num_examples)
         self._check_ledger_covers_network()
-        composition.check(
-            dataclasses.replace(
-                self._parts,
-                owner="DPModel.monte_carlo_epsilon",
-                monte_carlo=True,
-                truncated=self.aggregator.truncated_steps(),
-            )
-        )
+        self._check_accounting("DPModel.monte_carlo_epsilon", monte_carlo=True)
         return self.aggregator.monte_carlo_epsilon(delta, samples=samples, seed=seed, progress=progress)
 
     def _check_rows_per_user(self, rows_per_user: int | None) -> None:
         """Per-user accounting of example-level sampling: a positive int, and parts it accounts (``composition``)."""
         if rows_per_user is not None:
             check_positive_int("rows_per_user", rows_per_user)
-            composition.check(
-                dataclasses.replace(
-                    self._parts,
-                    owner="DPModel.epsilon",
-                    user_rows=rows_per_user,
-                    truncated=self.aggregator.truncated_steps(),
-                )
-            )
+            self._check_accounting("DPModel.epsilon", user_rows=rows_per_user)
+
+    def _check_accounting(self, owner: str, **asked) -> None:
+        """``composition.check`` of an accounting ``asked`` for (``composition.Parts``' fields) on this ledger's steps."""
+        composition.check(
+            dataclasses.replace(self._parts, owner=owner, truncated=self.aggregator.truncated_steps(), **asked)
+        )
 
     def save_weights(self, filepath, *args, **kwargs):
         """``keras.Model.save_weights``, with the network's fingerprint as saved (``network_guard``)."""
