@@ -187,8 +187,8 @@ def truncated_poisson_event(
     """``count`` DP-SGD steps on truncated Poisson samples: Poisson at ``q`` from ``N``, cut to ``B`` at random.
 
     ``SelfComposed(TruncatedSubsampledGaussian(N, q, B, sigma), count)``,
-    dp_accounting's event for truncated Poisson sampling (Zhu et al., arXiv
-    2508.15089; the sampling of ``per_example_grads.dp.truncated``), which its
+    dp_accounting's event for truncated Poisson sampling (arXiv 2508.15089, as
+    dp_accounting cites it; the sampling of ``per_example_grads.dp.truncated``), which its
     PLD accountant composes and its RDP accountant does not. Where RDP
     answers (``accountant="rdp"``, or PLD past its cost bounds), each step is
     accounted by ``truncated_dominating_event`` instead.

@@ -7,8 +7,8 @@ random, and every batch is padded to ``B`` rows. So every step has the same
 static shape, as accelerators and XLA want, and no step ever fails on an
 overflow, without the heuristic accounting of fixed-size shuffled batches:
 the run is accounted by dp_accounting's ``TruncatedSubsampledGaussianDpEvent``
-(``accounting.truncated_poisson_event``; Zhu et al., arXiv 2508.15089, the
-sampling VaultGemma was trained with).
+(``accounting.truncated_poisson_event``; arXiv 2508.15089, which
+dp_accounting cites for it). It is the sampling VaultGemma was trained with.
 
 The price is in epsilon, not in the data: when truncation can happen, an
 added example can displace another, which doubles the step's sensitivity in
@@ -30,8 +30,9 @@ data as the Poisson draw itself.
 What it pairs with is checked in ``per_example_grads.dp.composition``:
 DP-SGD's independent noise on examples, with or without physical chunks,
 budgets, replicas and restores; not the correlated mechanisms, adaptive
-clipping, sparse embedding noise, gradient canaries, per-user accounting or
-Monte-Carlo accounting, whose accounting assumes untruncated sampling.
+clipping, sparse embedding noise, per-user accounting or Monte-Carlo
+accounting, whose accounting assumes untruncated sampling. An audit
+(``peg.dp.audit``) draws its own ``poisson_batches``: it measures those steps.
 """
 
 from __future__ import annotations
