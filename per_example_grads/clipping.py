@@ -28,7 +28,7 @@ from per_example_grads._core.arguments import check_clip
 from per_example_grads._core.batch import batch_size, branch_zeros, make_batch, unless_empty
 from per_example_grads._core.problem import make_problem
 from per_example_grads.engines import grouped, selection
-from per_example_grads.engines.base import ClipGroups, FiniteSums
+from per_example_grads.engines.base import ClipGroups, FiniteSums, finite_examples
 
 ClipNorm = float | Mapping[str, float] | Sequence[float]
 
@@ -207,13 +207,6 @@ def clipped_sums_and_predictions(
         return sums, norms[0], predictions
     names = list(l2_norm_clip) if isinstance(l2_norm_clip, Mapping) else list(range(len(clip.groups)))
     return sums, dict(zip(names, norms)), predictions
-
-
-def finite_examples(norms: Sequence[tf.Tensor]) -> tf.Tensor:
-    """``[B]`` bool: examples whose gradient norm is finite in every clipping group (one ``is_finite`` for one group)."""
-    if len(norms) == 1:
-        return tf.math.is_finite(norms[0])
-    return tf.reduce_all(tf.stack([tf.math.is_finite(n) for n in norms]), axis=0)
 
 
 def _without_nonfinite_examples(clipped_sums, batch, sums, norms, variables, units=None) -> list:

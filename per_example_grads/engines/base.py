@@ -95,6 +95,13 @@ class ClipGroups:
         return sums, norms
 
 
+def finite_examples(norms: list) -> tf.Tensor:
+    """``[B]`` bool: examples whose gradient norm (each ``[B]``) is finite in every clipping group (one node for one)."""
+    if len(norms) == 1:
+        return tf.math.is_finite(norms[0])
+    return tf.reduce_all(tf.stack([tf.math.is_finite(n) for n in norms]), axis=0)  # groups' dtypes may differ
+
+
 def _rescaled(norms: tf.Tensor, grads: list) -> tf.Tensor:
     """``[N]`` ``norms`` of ``grads``, with those that are not finite taken again by ``transforms.global_norms``.
 

@@ -19,7 +19,7 @@ from per_example_grads._core import model_inspection
 from per_example_grads._core.batch import Batch, batch_size, branch_zeros
 from per_example_grads._core.example_ops import WIDE, compute_dtype, graph_constant
 from per_example_grads._core.problem import Problem
-from per_example_grads.engines.base import ENGINES, ClipGroups, Engine, FiniteSums
+from per_example_grads.engines.base import ENGINES, ClipGroups, Engine, FiniteSums, finite_examples
 from per_example_grads.engines.capture import (
     NotCoverable,
     Record,
@@ -459,10 +459,7 @@ def _finite_sums(problem: Problem, captured: Captured, norms: list, weights_for)
     With no finite example there is no finite row to give, and the sums
     that some record given rows adds to are zeros (one more ``tf.cond``).
     """
-    if len(norms) == 1:  # one clipping group: one node
-        finite = tf.math.is_finite(norms[0])
-    else:
-        finite = tf.reduce_all(tf.math.is_finite(tf.stack(norms)), axis=0)
+    finite = finite_examples(norms)
     every, b = tf.reduce_all(finite), captured.batch_size
     zeroable = {id(r) for r in captured.records if _zeroable_cache(r, b)}
     chosen = _Choice(every, finite, b)
