@@ -616,9 +616,23 @@ class DPAggregator(keras.layers.Layer):
             return None
         return ledger.events(self.segments.numpy(), steps)
 
+    def _worst_case(self, sigma: float = math.inf, q: float = 0.0, truncated: bool = False) -> tuple[float, float]:
+        """``(sigma, q)`` that every recorded step, and a further one at ``(sigma, q)``, is accounted at in the worst case.
+
+        The smallest noise multiplier and the largest sampling probability;
+        half that noise multiplier if a step was or will be (``truncated``)
+        truncated Poisson sampled: its dominating event
+        (``accounting.truncated_dominating_event``).
+        """
+        sigma = min(sigma, float(self.min_noise_multiplier.numpy()))
+        q = max(q, float(self.max_sampling_probability.numpy()))
+        if truncated or self.truncated_steps():
+            sigma /= 2.0
+        return sigma, q
+
     def truncated_steps(self) -> bool:
         """Whether the ledger holds truncated Poisson steps (``per_example_grads.dp.truncated``), merged or not."""
-        return bool((self.segments.numpy()[:, 4] != 0).any())
+        return ledger.holds_truncated(self.segments.numpy())
 
     def accountant(
         self, *, accountant: str = "pld", sampling_probability: float | None = None, rows_per_user: int | None = None
@@ -653,14 +667,11 @@ class DPAggregator(keras.layers.Layer):
         sampling = "poisson" if int(self.poisson.numpy()) else "shuffle"
         segments = self.composable_segments()
         if not segments:
-            q = float(self.max_sampling_probability.numpy()) if steps else sampling_probability
+            sigma, q = self._worst_case() if steps else (self.noise_multiplier, sampling_probability)
             if q is None:
                 raise ValueError(
                     "accounting before the first step needs the sampling probability of the steps to come."
                 )
-            sigma = float(self.min_noise_multiplier.numpy()) if steps else self.noise_multiplier
-            if self.truncated_steps():  # every step at a truncated step's dominating event (ledger)
-                sigma /= 2.0
             segments = [ledger.Segment(steps, sigma, q, sampling == "poisson")]
         first = segments[0]  # the accountant's defaults for step(): the run's first noise multiplier and q
         accounted = PrivacyAccountant(
@@ -762,10 +773,8 @@ class DPAggregator(keras.layers.Layer):
                 truncation=(max(growing.truncated_batch_size, 0), growing.dataset_size),
             )
         if int(self.steps.numpy()):
-            sigma = min(sigma, float(self.min_noise_multiplier.numpy()))
-            q = max(q, float(self.max_sampling_probability.numpy()))
-            if truncation[0] > 0 or self.truncated_steps():  # all at a truncated step's dominating event
-                sigma, truncation = sigma / 2.0, (0, 0)
+            sigma, q = self._worst_case(sigma, q, truncated=truncation[0] > 0)
+            truncation = (0, 0)  # in the worst case, already
         return budget.max_steps(
             noise_multiplier=sigma, sampling_probability=q, mechanism=self.mechanism, truncation=truncation
         )

@@ -132,6 +132,11 @@ def events(table: np.ndarray, steps: int) -> list[Segment] | None:
     return rows
 
 
+def holds_truncated(table: np.ndarray) -> bool:
+    """Whether ``table`` has a truncated row, or one merged at a truncated step's dominating event."""
+    return bool((upgraded(table)[:, 4] != 0).any())
+
+
 def projection(
     rows: list[Segment],
     noise_multiplier: float,
