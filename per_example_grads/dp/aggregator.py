@@ -856,6 +856,7 @@ def _chunked(model, loss_fn, data, args, p):
             array(tf.TensorSpec([None])),
             tf.nest.map_structure(array, predictions_spec),
         ),
+        parallel_iterations=1,  # one chunk at a time: the default 10 let chunks overlap, holding up to 10 chunks' memory
     )
 
     def rows_of(a, t):  # the n rows: chunks concatenated, or [C, P, ...] stacked and the padding cut

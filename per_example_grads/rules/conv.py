@@ -305,7 +305,8 @@ def _in_batch_chunks(fn, a: tf.Tensor, g: tf.Tensor, chunk: int | None, element_
         tf.TensorArray(op.compute_dtype(g.dtype), size=count, infer_shape=False, element_shape=shape)
         for shape in element_shapes
     ]
-    _, *arrays = tf.while_loop(lambda i, *_: i < count, body, [tf.constant(0), *arrays])
+    # One chunk at a time: the default 10 parallel iterations would hold up to 10 chunks' patches at once.
+    _, *arrays = tf.while_loop(lambda i, *_: i < count, body, [tf.constant(0), *arrays], parallel_iterations=1)
     return tuple(array.concat() for array in arrays)
 
 
