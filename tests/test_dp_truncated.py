@@ -21,6 +21,7 @@ import h5py
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from scipy import stats
 
 import per_example_grads as peg
@@ -136,6 +137,35 @@ def test_bad_arguments_are_named(kw, match):
     args = dict(sampling_probability=Q, truncated_batch_size=B) | kw
     with pytest.raises((ValueError, TypeError), match=match):
         peg.dp.truncated_poisson_batches(X, Y, **args)
+
+
+def test_a_dataset_of_examples_gives_the_batches_of_its_stacked_arrays():
+    def rows(ds):
+        return [(xb.numpy()[mask.numpy() == 1].tolist(), yb.numpy()[mask.numpy() == 1].tolist()) for xb, yb, mask in ds]
+
+    examples = tf.data.Dataset.from_tensor_slices((X, Y))
+    read = peg.dp.truncated_poisson_batches_from_dataset(
+        examples, N, sampling_probability=Q, truncated_batch_size=B, seed=7, steps=6
+    )
+    assert rows(read) == rows(_batches(seed=7, steps=6))
+    fields = lambda s: (type(s), s.sampling_probability, s.num_examples, s.max_batch_size, s.steps, s.truncation)  # noqa: E731
+    assert fields(read.pegrad_sampling) == fields(_batches(seed=7, steps=6).pegrad_sampling)
+    assert read.pegrad_sampling.truncation == (B, N)
+
+
+@pytest.mark.parametrize(
+    "dataset, kw, match",
+    [
+        (lambda: tf.data.Dataset.from_tensor_slices((X, Y)).repeat(2), {}, "repeat"),
+        (lambda: tf.data.Dataset.from_tensor_slices((X, Y)), dict(num_examples=N + 1), "num_examples"),
+        (lambda: tf.data.Dataset.from_tensor_slices((X, Y)), dict(truncated_batch_size=0), "truncated_batch_size"),
+        (lambda: X, {}, "tf.data.Dataset"),
+    ],
+)
+def test_a_dataset_is_checked_as_poisson_batches_from_dataset_checks_it(dataset, kw, match):
+    args = dict(sampling_probability=Q, truncated_batch_size=B) | kw
+    with pytest.raises((ValueError, TypeError), match=match):
+        peg.dp.truncated_poisson_batches_from_dataset(dataset(), **args)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ _EXPORTS = {
     "SparseEmbeddings": "per_example_grads.dp.sparse_embeddings",
     "TruncatedPoissonSampling": "per_example_grads.dp.truncated",
     "truncated_poisson_batches": "per_example_grads.dp.truncated",
+    "truncated_poisson_batches_from_dataset": "per_example_grads.dp.truncated",
     "ValidationReport": "per_example_grads.dp.validation",
     "check_model": "per_example_grads.dp.validation",
     "validate": "per_example_grads.dp.validation",
@@ -101,7 +102,11 @@ if _TYPE_CHECKING:  # what static tools see; at run time __getattr__ does this
         poisson_batches_from_dataset,  # noqa: F401
     )
     from per_example_grads.dp.sparse_embeddings import SparseEmbeddings  # noqa: F401
-    from per_example_grads.dp.truncated import TruncatedPoissonSampling, truncated_poisson_batches  # noqa: F401
+    from per_example_grads.dp.truncated import (  # noqa: F401
+        TruncatedPoissonSampling,
+        truncated_poisson_batches,
+        truncated_poisson_batches_from_dataset,
+    )
     from per_example_grads.dp.validation import (
         ValidationReport,  # noqa: F401
         check_model,  # noqa: F401

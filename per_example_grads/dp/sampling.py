@@ -874,9 +874,35 @@ def poisson_batches_from_dataset(
       >>> xb.shape[1:], yb.shape == mask.shape
       (TensorShape([3]), True)
     """
+    check_sampling_probability(sampling_probability)
+    if unit_ids is None and rows_per_unit is not None:
+        raise ValueError(f"rows_per_unit={rows_per_unit!r} needs unit_ids: without them every row is its own unit.")
+    x, y, ids = read_examples(dataset, num_examples, progress=progress, unit_ids=unit_ids)
+    return poisson_batches(
+        x,
+        y,
+        sampling_probability=sampling_probability,
+        max_batch_size=max_batch_size,
+        steps=steps,
+        seed=seed,
+        unit_ids=ids,
+        rows_per_unit=rows_per_unit,
+        cycle_length=cycle_length,
+        first_step=first_step,
+    )
+
+
+def read_examples(
+    dataset: tf.data.Dataset, num_examples: int | None = None, *, progress: bool = False, unit_ids: Any = None
+) -> tuple[Any, Any, np.ndarray | None]:
+    """``(x, y, ids)``: a finite dataset of single examples read once and stacked into arrays (leaves ``[N, ...]``).
+
+    The reading ``poisson_batches_from_dataset`` documents (its checks and
+    errors; ``ids`` the unit ids read from each element, or None without
+    ``unit_ids``).
+    """
     if not isinstance(dataset, tf.data.Dataset):
         raise TypeError(f"dataset must be a tf.data.Dataset; got {type(dataset).__name__}.")
-    check_sampling_probability(sampling_probability)
     cardinality = int(dataset.cardinality())
     if cardinality == tf.data.INFINITE_CARDINALITY:
         raise ValueError("dataset is infinite; Poisson sampling needs a finite set of N examples.")
@@ -892,8 +918,6 @@ def poisson_batches_from_dataset(
         if cardinality >= 0 and cardinality != num_examples:
             raise ValueError(f"num_examples={num_examples} but the dataset has {cardinality} elements.")
         limit = num_examples + 1
-    if unit_ids is None and rows_per_unit is not None:
-        raise ValueError(f"rows_per_unit={rows_per_unit!r} needs unit_ids: without them every row is its own unit.")
     with_ids = unit_ids is not None
     if with_ids:
         dataset = _with_unit_ids(dataset, unit_ids)  # elements (element, id)
@@ -938,18 +962,7 @@ def poisson_batches_from_dataset(
         raise ValueError("dataset is empty; Poisson sampling needs at least one example.")
     x = tf.nest.pack_sequence_as(x_spec, [np.concatenate(p) for p in x_parts])
     y = None if y_spec is None else tf.nest.pack_sequence_as(y_spec, [np.concatenate(p) for p in y_parts])
-    return poisson_batches(
-        x,
-        y,
-        sampling_probability=sampling_probability,
-        max_batch_size=max_batch_size,
-        steps=steps,
-        seed=seed,
-        unit_ids=np.concatenate(id_parts) if with_ids else None,
-        rows_per_unit=rows_per_unit,
-        cycle_length=cycle_length,
-        first_step=first_step,
-    )
+    return x, y, (np.concatenate(id_parts) if with_ids else None)
 
 
 def _with_unit_ids(dataset: tf.data.Dataset, unit_ids: Any) -> tf.data.Dataset:

@@ -46,7 +46,14 @@ from scipy import stats
 
 from per_example_grads._core.arguments import check_positive_int, check_sampling_probability
 from per_example_grads.dp import composition
-from per_example_grads.dp.sampling import PoissonSampling, _padded_batch, _step_batches, _steps_and_key, sampled_inputs
+from per_example_grads.dp.sampling import (
+    PoissonSampling,
+    _padded_batch,
+    _step_batches,
+    _steps_and_key,
+    read_examples,
+    sampled_inputs,
+)
 
 # Folded into a step's key for the order that truncation keeps the first B of, so it shares no key with the draw.
 _TRUNCATION_TAG = 0x7472756E63  # "trunc"
@@ -161,8 +168,63 @@ def truncated_poisson_batches(
     return _step_batches(sample, steps, sampling)
 
 
+def truncated_poisson_batches_from_dataset(
+    dataset: tf.data.Dataset,
+    num_examples: int | None = None,
+    *,
+    sampling_probability: float,
+    truncated_batch_size: int,
+    steps: int | None = None,
+    seed: int | None = None,
+    progress: bool = False,
+    first_step: int = 0,
+) -> tf.data.Dataset:
+    """``truncated_poisson_batches`` for a finite dataset of single (unbatched) examples.
+
+    The dataset is read once into memory, checked and stacked as
+    ``poisson_batches_from_dataset`` reads one (its docstring: the element
+    conventions, a repeated or infinite dataset refused, ``num_examples``
+    checked), then sampled exactly as ``truncated_poisson_batches`` samples
+    the stacked arrays: the same batches for the same seed.
+
+    Args:
+      dataset: a finite ``tf.data.Dataset`` of single examples.
+      num_examples: ``N``, if known (checked against the dataset).
+      sampling_probability, truncated_batch_size, steps, seed, first_step:
+        as in ``truncated_poisson_batches``.
+      progress: show a progress bar while reading the dataset.
+
+    Returns:
+      ``truncated_poisson_batches``'s dataset, with its ``pegrad_sampling``.
+
+    Raises:
+      ValueError, TypeError: as ``poisson_batches_from_dataset`` and
+        ``truncated_poisson_batches``, naming the argument.
+
+    Examples:
+      >>> ds = tf.data.Dataset.from_tensor_slices((np.ones([50, 3], "float32"), np.arange(50)))
+      >>> batches = truncated_poisson_batches_from_dataset(ds, 50, sampling_probability=0.2,
+      ...                                                  truncated_batch_size=16, seed=0)
+      >>> [t.shape[0] for t in next(iter(batches))], batches.pegrad_sampling.truncation
+      ([16, 16, 16], (16, 50))
+    """
+    check_sampling_probability(sampling_probability)
+    check_positive_int("truncated_batch_size", truncated_batch_size)
+    x, y, _ = read_examples(dataset, num_examples, progress=progress)
+    return truncated_poisson_batches(
+        x,
+        y,
+        sampling_probability=sampling_probability,
+        truncated_batch_size=truncated_batch_size,
+        steps=steps,
+        seed=seed,
+        first_step=first_step,
+    )
+
+
 __all__ = [
     "TruncatedPoissonSampling",
     "inclusion_probability",
     "truncated_poisson_batches",
+    "truncated_poisson_batches_from_dataset",
 ]
