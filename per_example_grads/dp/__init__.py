@@ -34,6 +34,8 @@ _EXPORTS = {
     "GaussianNoise": "per_example_grads.dp.mechanisms",
     "NoiseMechanism": "per_example_grads.dp.mechanisms",
     "PrivacyBudget": "per_example_grads.dp.budget",
+    "MemoryFit": "per_example_grads.dp.memory_budget",
+    "physical_batch_size_for_memory": "per_example_grads.dp.memory_budget",
     "MinSepSampling": "per_example_grads.dp.min_sep",
     "MonteCarloEpsilon": "per_example_grads.dp.monte_carlo",
     "MonteCarloNoise": "per_example_grads.dp.monte_carlo",
@@ -81,6 +83,7 @@ if _TYPE_CHECKING:  # what static tools see; at run time __getattr__ does this
     from per_example_grads.dp.bisr import BISR  # noqa: F401
     from per_example_grads.dp.budget import PrivacyBudget  # noqa: F401
     from per_example_grads.dp.mechanisms import BLT, BandMF, GaussianNoise, NoiseMechanism  # noqa: F401
+    from per_example_grads.dp.memory_budget import MemoryFit, physical_batch_size_for_memory  # noqa: F401
     from per_example_grads.dp.min_sep import MinSepSampling, min_sep_batches  # noqa: F401
     from per_example_grads.dp.model_fixer import fix_model  # noqa: F401
     from per_example_grads.dp.monte_carlo import (  # noqa: F401

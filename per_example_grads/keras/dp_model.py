@@ -114,6 +114,8 @@ class DPModel(keras.Model):
         rows, summing their clipped gradients in a loop before the single
         noise draw, so ``fit`` can use logical batches far larger than fit in
         memory (e.g. Poisson batches of 4096 in chunks of 64). Flat clipping only.
+        ``peg.dp.physical_batch_size_for_memory`` measures the largest that
+        fits a memory budget.
       budget: a ``peg.dp.PrivacyBudget``, or None for no limit.
       mechanism: a ``peg.dp.NoiseMechanism`` (``GaussianNoise``, the
         default DP-SGD; ``BandMF``, ``BLT``), this DPModel's alone.
