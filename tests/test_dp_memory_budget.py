@@ -20,6 +20,7 @@ import pytest
 
 import per_example_grads as peg
 from helpers import run_in_new_process
+from per_example_grads.dp import memory_budget
 from per_example_grads.dp.memory_budget import _search
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
@@ -77,12 +78,37 @@ def test_a_budget_above_the_whole_batch_gives_one_chunk():
     assert calls == [(32, 32)]
 
 
+def test_the_budget_less_its_headroom_is_searched_from_two_probes(monkeypatch):
+    """The public function's plumbing, with the device's peak replaced by a formula (so no allocator is needed)."""
+    rows_seen = []
+
+    def peak(model, loss_fn, data, p, device, **kw):
+        rows_seen.append(int(data["x"].shape[0]))
+        return 10.0 + 2.0 * p + 0.1 * int(data["x"].shape[0])
+
+    monkeypatch.setattr(memory_budget, "_step_peak_mib", peak)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    x, y = np.zeros((4, 3), "float32"), np.zeros(4, "int64")
+    fit = peg.dp.physical_batch_size_for_memory(
+        model, LOSS, x, y, memory_budget_mib=100, headroom=0.1, logical_batch_size=64, progress=False
+    )
+    assert fit.physical_batch_size == 36  # the largest P with 10 + 2 P + 6.4 <= 90
+    assert fit.peak_mib == 10.0 + 2.0 * 36 + 6.4 and fit.headroom == 0.1 and fit.memory_budget_mib == 100
+    assert [p[:2] for p in fit.probes[:2]] == [(1, 2), (2, 4)] and rows_seen[:2] == [2, 4]
+    # c is counted from the model's outputs (16 bytes a row here), so the slope takes the formula's 0.1 a row too
+    assert fit.affine[1] == pytest.approx(2.0 + 2 * 0.1, abs=1e-3)
+    with pytest.raises(ValueError, match=r"memory_budget_mib=20 less headroom=0.1 \(18 MiB\) .* 64 rows, 18 MiB"):
+        peg.dp.physical_batch_size_for_memory(model, LOSS, x, y, memory_budget_mib=20, logical_batch_size=64)
+
+
 def test_arguments_are_checked_by_name():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     x, y = np.zeros((4, 3), "float32"), np.zeros(4, "int64")
     fit = peg.dp.physical_batch_size_for_memory
     with pytest.raises(ValueError, match="memory_budget_mib"):
         fit(model, LOSS, x, y, memory_budget_mib=0)
+    with pytest.raises(ValueError, match="headroom"):
+        fit(model, LOSS, x, y, memory_budget_mib=100, headroom=1)
     with pytest.raises(ValueError, match="logical_batch_size"):
         fit(model, LOSS, x, y, memory_budget_mib=100, logical_batch_size=0)
     with pytest.raises(ValueError, match=r"same n >= 1.*\[3, 4\]"):
@@ -105,7 +131,7 @@ import numpy as np
 import keras
 import tensorflow as tf
 import per_example_grads as peg
-from per_example_grads.dp.aggregator import clipped_sum
+from per_example_grads.dp.memory_budget import _step_peak_mib
 
 keras.utils.set_random_seed(0)
 model = keras.Sequential([
@@ -117,22 +143,15 @@ B = 16
 x = np.random.default_rng(0).normal(size=(B, 256, 32)).astype("float32")
 y = np.arange(B) % 10
 fit = lambda budget: peg.dp.physical_batch_size_for_memory(
-    model, loss, x[:4], y[:4], memory_budget_mib=budget, logical_batch_size=B, progress=False)
+    model, loss, x[:4], y[:4], memory_budget_mib=budget, logical_batch_size=B, headroom=0, progress=False)
 
-def whole(p):  # the peak of a clipped sum over all B rows in chunks of p, as the probes run it
-    fn = tf.function(lambda x, y: tf.add_n([
-        tf.reduce_sum(tf.convert_to_tensor(s)) for s in clipped_sum(model, loss, x, y, l2_norm_clip=1.0, physical_batch_size=p).sums]))
-    fn(x, y).numpy()
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    fn(x, y).numpy()
-    return tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**20
+def whole(p):  # the peak of a DP step over all B rows in chunks of p, measured as the probes measure it
+    return _step_peak_mib(model, loss, {"x": x, "y": y}, p, "CPU:0")
 
-one_chunk = fit(1e6)
-budget = (one_chunk.probes[0][2] + one_chunk.peak_mib) / 2
+budget = (whole(1) + whole(B)) / 2
 chosen = fit(budget)
 p = chosen.physical_batch_size
 print(json.dumps({
-    "one_chunk": [one_chunk.physical_batch_size, one_chunk.peak_mib],
     "budget": budget, "p": p, "peak": chosen.peak_mib, "probes": chosen.probes,
     "whole": whole(p), "whole_doubled": whole(min(B, 2 * p)),
 }))
@@ -143,16 +162,15 @@ print(json.dumps({
 def test_the_chosen_size_fits_a_measured_budget_and_twice_it_does_not():
     """A budget halfway between one row a chunk and one chunk of 16 rows (rows of ~3 MiB of activations each).
 
-    Re-measured here over the whole logical batch, the chosen size's peak is
-    within the budget up to the allocator's call-to-call variation (on this
-    2-core CPU the peak moves with the order independent ops run in: up to
-    11% in 3 runs of this script, so 15% is allowed); twice the size is over
-    it.
+    Re-measured here over the whole logical batch (a new trace of the same
+    step), the chosen size's peak is within the budget up to the variation
+    between traces and calls: on this 2-core CPU the peak moves with the order
+    independent ops run in, up to 15% in 6 runs of this script under load, so
+    25% is allowed. Twice the size is over the budget (by 40-70% in those runs).
     """
     out = json.loads(run_in_new_process(_PROCESS).strip().splitlines()[-1])
-    assert out["one_chunk"][0] == 16
     assert 1 < out["p"] < 16, out
     assert out["peak"] <= out["budget"]
-    assert out["whole"] <= 1.15 * out["budget"], out
+    assert out["whole"] <= 1.25 * out["budget"], out
     assert out["whole_doubled"] > out["budget"], out
     assert all(r in (2, 4, 16) for _, r, _ in out["probes"])
