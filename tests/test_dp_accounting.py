@@ -20,6 +20,7 @@ from dp_accounting.rdp import RdpAccountant
 from per_example_grads.apps import cli
 from per_example_grads.dp import (
     PrivacyAccountant,
+    accounting,
     adaptive_clipping_noise_multiplier,
     compute_epsilon,
     noise_multiplier_for_epsilon,
@@ -242,10 +243,46 @@ def test_per_user_epsilon_of_one_row_is_dp_sgds_and_grows_with_the_rows():
     assert per_user[0] < per_user[1]
     with pytest.raises(ValueError, match="rows_per_user accounts DP-SGD's independent noise only .* not a BandMF"):
         compute_epsilon(**run, rows_per_user=2, mechanism=BandMF(2, 20))
-    with pytest.raises(ValueError, match="'rdp' accountant of dp_accounting cannot account .*MixtureOfGaussians"):
-        compute_epsilon(**run, rows_per_user=2, accountant="rdp")
     with pytest.raises(ValueError, match="rows_per_user must be a positive integer"):
         compute_epsilon(**run, rows_per_user=0)
+    # RDP has no mixture-of-Gaussians event: it accounts the dominating Poisson-sampled Gaussian, built here.
+    rdp_accountant = dp_accounting.rdp.RdpAccountant(neighboring_relation=ADD_REMOVE)
+    dominating = dp_accounting.PoissonSampledDpEvent(1 - (1 - 0.01) ** 2, dp_accounting.GaussianDpEvent(USER_SIGMA / 2))
+    rdp_accountant.compose(dp_accounting.SelfComposedDpEvent(dominating, 20))
+    assert compute_epsilon(**run, rows_per_user=2, accountant="rdp") == pytest.approx(
+        rdp_accountant.get_epsilon(1e-6), rel=1e-12
+    )
+    assert compute_epsilon(**run, rows_per_user=2, accountant="rdp") > per_user[1]
+
+
+@pytest.mark.parametrize("q, k", [(0.01, 2), (0.01, 3)])
+def test_the_user_level_dominating_event_dominates_the_mixture(q, k):
+    """Its PLD delta is at least the mixture's at every epsilon (dp_accounting's PLDs of both); k = 1 is DP-SGD's."""
+    mixture = PLDAccountant(neighboring_relation=ADD_REMOVE).compose(user_level_event(USER_SIGMA, q, k, 5))
+    dominating = accounting.user_level_dominating_event(user_level_event(USER_SIGMA, q, k, 1).event)
+    assert dominating.sampling_probability == pytest.approx(1 - (1 - q) ** k, rel=1e-12)
+    assert dominating.event.noise_multiplier == USER_SIGMA / k
+    looser = PLDAccountant(neighboring_relation=ADD_REMOVE).compose(dp_accounting.SelfComposedDpEvent(dominating, 5))
+    for epsilon in (0.05, 0.2, 0.5, 1.0):
+        assert looser.get_delta(epsilon) >= mixture.get_delta(epsilon) * (1 - USER_LEVEL_RTOL), epsilon
+    one_row = accounting.user_level_dominating_event(user_level_event(USER_SIGMA, q, 1, 1).event)
+    assert one_row.event == dp_accounting.GaussianDpEvent(USER_SIGMA)
+    assert one_row.sampling_probability == pytest.approx(q, rel=1e-12)
+
+
+@pytest.mark.slow
+def test_the_noise_for_a_per_user_epsilon_meets_it_within_rtol():
+    """PLD (the mixture, whose PLD costs 3-10 s an evaluation on 2 cores: a small run) and RDP (the dominating event)."""
+    run = dict(num_examples=1_000, batch_size=100, epochs=None, delta=1e-6, steps=4)
+    sigma = noise_multiplier_for_epsilon(0.5, **run, rows_per_user=2, rtol=1e-2)
+    assert compute_epsilon(**run, noise_multiplier=sigma, rows_per_user=2) <= 0.5
+    assert compute_epsilon(**run, noise_multiplier=sigma / (1 + 2e-2), rows_per_user=2) > 0.5
+    rdp = noise_multiplier_for_epsilon(0.5, **run, rows_per_user=2, accountant="rdp")
+    assert compute_epsilon(**run, noise_multiplier=rdp, rows_per_user=2, accountant="rdp") <= 0.5
+    assert compute_epsilon(**run, noise_multiplier=rdp / (1 + 2e-3), rows_per_user=2, accountant="rdp") > 0.5
+    assert rdp > sigma  # the dominating event is looser
+    with pytest.raises(ValueError, match="rows_per_user accounts DP-SGD's independent noise only"):
+        noise_multiplier_for_epsilon(0.5, **run, rows_per_user=2, mechanism=BandMF(2, 4))
 
 
 def test_cli_prints_the_per_user_epsilon(capsys):
@@ -254,8 +291,12 @@ def test_cli_prints_the_per_user_epsilon(capsys):
     out = capsys.readouterr().out
     want = compute_epsilon(60_000, 600, None, USER_SIGMA, 1e-6, steps=20, rows_per_user=2)
     assert _number("epsilon", out) == pytest.approx(want, rel=PRINTED_RTOL) and "per user of at most 2 rows" in out
+    assert cli.main([*argv, "--target-epsilon", "2", "--rows-per-user", "2", "--accountant", "rdp"]) == 0
+    out = capsys.readouterr().out
+    sigma = noise_multiplier_for_epsilon(2.0, 1e-6, 60_000, 600, None, steps=20, rows_per_user=2, accountant="rdp")
+    assert _number("noise multiplier", out) == pytest.approx(sigma, rel=PRINTED_RTOL)
+    assert "epsilon <= 2 per user of at most 2 rows" in out and _number("epsilon", out) <= 2.0
     for extra, message in (
-        (["--target-epsilon", "2", "--rows-per-user", "3"], "--rows-per-user takes --noise-multiplier"),
         (["--noise-multiplier", "1", "--rows-per-user", "3", "--mechanism", "bandmf", "--bands", "2"], "dp-sgd"),
     ):
         with pytest.raises(SystemExit):

@@ -554,5 +554,16 @@ def test_an_example_level_run_is_accounted_per_user_across_fits_and_a_restore(tm
     per_user = restored.epsilon(1e-5, rows_per_user=2)
     assert per_user == pytest.approx(expected, rel=1e-9)  # the binomial's weights rounded apart
     assert per_user > restored.epsilon(1e-5)  # two rows of one user cost more than one row
+    # RDP: the dominating Poisson-sampled Gaussians, q' = 1 - (1 - q)^2 at sigma / 2, built here
+    dominating = dp_accounting.ComposedDpEvent(
+        [
+            dp_accounting.SelfComposedDpEvent(
+                dp_accounting.PoissonSampledDpEvent(1 - (1 - q) ** 2, dp_accounting.GaussianDpEvent(1.0)), steps
+            )
+            for q, steps in ((0.02, 3), (0.01, 2))
+        ]
+    )
+    rdp = dp_accounting.rdp.RdpAccountant(neighboring_relation=relation).compose(dominating).get_epsilon(1e-5)
+    assert restored.epsilon(1e-5, rows_per_user=2, accountant="rdp") == pytest.approx(rdp, rel=1e-9)
     with pytest.raises(ValueError, match="rows_per_user must be a positive integer"):
         restored.epsilon(1e-5, rows_per_user=0)

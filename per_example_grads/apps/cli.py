@@ -289,7 +289,8 @@ def _add_epsilon_parser(subparsers: "argparse._SubParsersAction") -> None:
         type=_positive_int,
         metavar="K",
         help="dp-sgd: print epsilon per user instead, for rows sampled and clipped one by one on data where no "
-        "user has more than K rows (a mixture of Gaussians, pld only; with --noise-multiplier)",
+        "user has more than K rows (a mixture of Gaussians; rdp: by a looser event); with --target-epsilon, "
+        "the noise multiplier for that epsilon per user",
     )
     p.add_argument(
         "--monte-carlo",
@@ -355,8 +356,6 @@ def _run_epsilon(args: argparse.Namespace) -> int:
     if args.rows_per_user is not None:
         if args.mechanism != "dp-sgd":
             args.parser.error("--rows-per-user needs --mechanism dp-sgd (independent noise)")
-        if args.target_epsilon is not None:
-            args.parser.error("--rows-per-user takes --noise-multiplier: per-user calibration is not offered")
     if args.truncated_batch_size is not None:
         for wrong, message in (
             (args.mechanism != "dp-sgd", "needs --mechanism dp-sgd (independent noise)"),
@@ -448,11 +447,11 @@ def _run_epsilon(args: argparse.Namespace) -> int:
     print(f"steps = {steps} ({length})")
     if mechanism is not None:
         print(f"mechanism = {_describe_mechanism(mechanism)}")
+    per = "" if args.rows_per_user is None else f" per user of at most {args.rows_per_user} rows"
     if args.target_epsilon is not None:
         print(
-            f"noise multiplier = {sigma:.6g} for epsilon <= {args.target_epsilon:g} at delta = {args.delta:g} ({args.accountant} accountant)"
+            f"noise multiplier = {sigma:.6g} for epsilon <= {args.target_epsilon:g}{per} at delta = {args.delta:g} ({args.accountant} accountant)"
         )
-    per = "" if args.rows_per_user is None else f" per user of at most {args.rows_per_user} rows"
     print(
         f"epsilon = {epsilon:.6g}{per} at delta = {args.delta:g} with noise multiplier {sigma:g} ({answered} accountant)"
     )

@@ -227,10 +227,37 @@ def truncated_dominating_event(event: dp_accounting.TruncatedSubsampledGaussianD
     )
 
 
+def user_level_dominating_event(event: Any) -> dp_accounting.DpEvent:
+    """A Poisson-sampled Gaussian that dominates ``user_level_event``'s mixture: ``PoissonSampled(q', Gaussian(sigma / k))``.
+
+    ``q' = 1 - (1 - q)^k``, the chance that any of the user's ``k`` rows
+    joins. Why: the mixture is ``P = sum_j P(J = j) N(j, sigma^2)`` against
+    ``Q = N(0, sigma^2)`` (units of ``C``); the dominating pair is ``P' =
+    (1 - q') N(0, sigma^2) + q' N(k, sigma^2)`` against the same ``Q``. The
+    Markov kernel that draws ``j >= 1`` with probability ``P(J = j) / q'``
+    and maps ``y`` to ``(j / k) y + N(0, sigma^2 (1 - (j / k)^2))`` takes
+    ``N(0, sigma^2)`` to itself and ``N(k, sigma^2)`` to ``N(j, sigma^2)``,
+    so it takes ``P'`` to ``P`` and ``Q`` to ``Q``; post-processing never
+    increases a hockey-stick divergence, in either direction. Shift ``k`` at
+    noise ``sigma`` is shift 1 at ``sigma / k``. Looser than the mixture
+    (every participation counted at ``k`` rows), it is what the RDP
+    accountant accounts (it has no mixture-of-Gaussians event), and where
+    the PLD accountant is past its cost bounds.
+    """
+    k = max(event.sensitivities)
+    q = 1.0 - event.sampling_probs[event.sensitivities.index(0.0)]
+    scaled = dp_accounting.GaussianDpEvent(event.standard_deviation / k)
+    return dp_accounting.PoissonSampledDpEvent(q, scaled) if q < 1 else scaled
+
+
 def _dominated(event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
-    """``event`` with every truncated Poisson event replaced by ``truncated_dominating_event`` (for RDP)."""
+    """``event`` with its truncated and mixture-of-Gaussians events replaced by their dominating ones (for RDP)."""
+    from dp_accounting.dp_event import MixtureOfGaussiansDpEvent
+
     if isinstance(event, dp_accounting.TruncatedSubsampledGaussianDpEvent):
         return truncated_dominating_event(event)
+    if isinstance(event, MixtureOfGaussiansDpEvent):
+        return user_level_dominating_event(event)
     if isinstance(event, dp_accounting.SelfComposedDpEvent):
         return dp_accounting.SelfComposedDpEvent(_dominated(event.event), event.count)
     if isinstance(event, dp_accounting.ComposedDpEvent):
@@ -706,7 +733,7 @@ def compute_epsilon(
     With ``rows_per_user=k`` the epsilon is per user, for a run that samples
     and clips rows (``num_examples`` and ``batch_size`` count rows) on data
     where no user has more than ``k`` rows (``user_level_event``; DP-SGD
-    only, and the PLD accountant: the RDP one has no such event).
+    only; with ``"rdp"`` by the looser ``user_level_dominating_event``).
 
     With ``truncated_batch_size=B`` the run samples by truncated Poisson
     sampling (``peg.dp.truncated_poisson_batches``: Poisson at ``q``, a
@@ -731,13 +758,18 @@ def compute_epsilon(
     accountant = check_choice("accountant", accountant, ACCOUNTANTS)
     if check_choice("sampling", sampling, SAMPLINGS) == "shuffle":
         warnings.warn(SHUFFLE_WARNING, UserWarning, stacklevel=2)
+    _check_per_user(rows_per_user, mechanism)
+    truncation = _truncation(truncated_batch_size, num_examples, mechanism, rows_per_user)
+    return _epsilon(accountant, _run_segments(sigma, q, steps, mechanism, rows_per_user, truncation), delta)
+
+
+def _check_per_user(rows_per_user: int | None, mechanism: Any) -> None:
+    """``ValueError`` for per-user accounting of a mechanism it does not account (DP-SGD's only)."""
     if rows_per_user is not None and mechanism is not None:
         raise ValueError(
             "rows_per_user accounts DP-SGD's independent noise only (a mixture of Gaussians per step), "
             f"not a {type(mechanism).__name__}: leave mechanism out, or rows_per_user."
         )
-    truncation = _truncation(truncated_batch_size, num_examples, mechanism, rows_per_user)
-    return _epsilon(accountant, _run_segments(sigma, q, steps, mechanism, rows_per_user, truncation), delta)
 
 
 def _truncation(
@@ -809,6 +841,7 @@ def noise_multiplier_for_epsilon(
     rtol: float = 1e-3,
     mechanism: Any = None,
     truncated_batch_size: int | None = None,
+    rows_per_user: int | None = None,
 ) -> float:
     """The smallest noise multiplier whose epsilon is at most ``target_epsilon``.
 
@@ -823,8 +856,9 @@ def noise_multiplier_for_epsilon(
     default grid in a narrow bracket, every evaluation's cost estimated first
     (see "Bounded cost" in the module docstring). The result ``sigma``
     satisfies ``compute_epsilon(..., sigma) <= target_epsilon`` with the same
-    accountant (and ``mechanism`` and ``truncated_batch_size``, read as there) and is within ``rtol``
-    (relative) of the smallest such sigma.
+    accountant (and ``mechanism``, ``truncated_batch_size`` and
+    ``rows_per_user``, read as there: the last makes ``target_epsilon`` per
+    user) and is within ``rtol`` (relative) of the smallest such sigma.
 
     Raises:
       ValueError: naming ``target_epsilon``, when it is met below
@@ -852,10 +886,11 @@ def noise_multiplier_for_epsilon(
         warnings.warn(SHUFFLE_WARNING, UserWarning, stacklevel=2)
     if steps == 0:
         raise ValueError("steps is 0: no noise is needed for zero steps.")
-    truncation = _truncation(truncated_batch_size, num_examples, mechanism)
+    _check_per_user(rows_per_user, mechanism)
+    truncation = _truncation(truncated_batch_size, num_examples, mechanism, rows_per_user)
 
     def segments(sigma: float) -> list[_Segment]:
-        return _run_segments(sigma, q, steps, mechanism, truncation=truncation)
+        return _run_segments(sigma, q, steps, mechanism, rows_per_user, truncation)
 
     def event(sigma: float) -> dp_accounting.DpEvent:
         parts = segments(sigma)
