@@ -125,8 +125,8 @@ def physical_batch_size_for_memory(
       headroom: the fraction of the budget kept free, in ``[0, 1)``: the
         measured peak must fit ``(1 - headroom) * memory_budget_mib``. It is
         for what the probes do not run (module docstring; on GPT-2 base a
-        ``DPModel``'s ``train_on_batch`` peaked about 100 MiB, 3%, above
-        them) and for the peak's variation between traces.
+        ``DPModel``'s ``train_on_batch`` peaked within 1% of them,
+        benchmarks/RESULTS.md) and for the peak's variation between traces.
       device: ``"GPU:0"``, ``"CPU:0"``, ...; default the first GPU, else the CPU.
       progress: a progress bar over the probes.
 
@@ -149,6 +149,7 @@ def physical_batch_size_for_memory(
     device = device or ("GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0")
     data = rows["data"]
     args = dict(method=method, training=training, variables=variables)
+    c = _kept_per_row_mib(model, data["x"])
     bar = _bar(progress)
 
     def measure(p: int, r: int) -> float:
@@ -159,7 +160,6 @@ def physical_batch_size_for_memory(
         return peak
 
     probes: list[tuple[int, int, float]] = []
-    c = _kept_per_row_mib(model, data["x"])
     try:
         r1, r2 = min(b, 2), min(b, 4)  # two chunks where there are rows for them: the loop's running sums count
         f1 = measure(1, r1)
