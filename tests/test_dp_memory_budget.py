@@ -5,8 +5,8 @@ models them, and not), where the largest fitting size is known; the
 measurement in a new process with TensorFlow's BFC CPU allocator (the one
 that keeps byte statistics), where the chosen size's peak over a whole
 logical batch is measured again, and twice the size is over budget;
-and without those statistics (this process), where it must refuse rather
-than guess. What a chunked step computes does not depend on the chunk size:
+and without those statistics (TensorFlow's zeros), where it must refuse
+rather than guess. What a chunked step computes does not depend on the chunk size:
 tests/test_dp_accumulation.py and tests/test_dp_model.py.
 """
 
@@ -115,8 +115,11 @@ def test_arguments_are_checked_by_name():
         fit(model, LOSS, x, y[:3], memory_budget_mib=100)
 
 
-def test_without_allocator_statistics_it_refuses_instead_of_guessing():
-    """This process's CPU allocator is not BFC (the suite does not set it): TensorFlow reports 0 bytes, not an error."""
+def test_without_allocator_statistics_it_refuses_instead_of_guessing(monkeypatch):
+    """Without them TensorFlow reports 0 bytes, not an error (its default CPU allocator; some installs keep them)."""
+    import tensorflow as tf
+
+    monkeypatch.setattr(tf.config.experimental, "get_memory_info", lambda device: {"current": 0, "peak": 0})
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     x, y = np.zeros((4, 3), "float32"), np.zeros(4, "int64")
     with pytest.raises(RuntimeError, match="TF_CPU_ALLOCATOR_USE_BFC=true"):

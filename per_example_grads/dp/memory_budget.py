@@ -38,10 +38,11 @@ built, anything else) plus the step's work. Not counted: an optimizer's
 update beyond SGD's (Adam's slots are allocated at its first step, and its
 update makes more temporaries), metrics, and XLA: the probes run without
 ``jit_compile``, as a ``DPModel`` compiled with ``jit_compile=True`` does not,
-so under XLA the answer is an estimate. On a CPU TensorFlow keeps the
-statistics only with its BFC allocator, chosen by
-``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow starts; without them the
-call raises instead of guessing.
+so under XLA the answer is an estimate. On a CPU TensorFlow's default
+allocator keeps no statistics (it reports 0 bytes; some installs, with CUDA
+libraries, keep them); its BFC allocator, chosen by
+``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow starts, does. Without
+them the call raises instead of guessing.
 
 Privacy is untouched: ``P`` decides how the rows are grouped, never what a
 row contributes (the chunked sum is the same sum) nor the noise (drawn once
