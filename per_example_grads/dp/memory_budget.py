@@ -62,6 +62,7 @@ import tensorflow as tf
 
 from per_example_grads._core.arguments import check_number, check_positive_int
 from per_example_grads.dp.aggregator import DPAggregator
+from per_example_grads.dp.sampling import sampled_inputs
 
 _MIB = 2**20
 _VERIFICATIONS = 5
@@ -145,16 +146,15 @@ def physical_batch_size_for_memory(
     if kept_free >= 1:
         raise ValueError(f"headroom={headroom!r} must be below 1: it is the fraction of the budget kept free.")
     budget = given * (1 - kept_free)
-    rows = _rows(x, y)
-    b = rows["count"] if logical_batch_size is None else check_positive_int("logical_batch_size", logical_batch_size)
+    data, n = sampled_inputs(x, y)
+    b = n if logical_batch_size is None else check_positive_int("logical_batch_size", logical_batch_size)
     device = device or ("GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0")
-    data = rows["data"]
     args = dict(method=method, training=training, variables=variables)
     c = _kept_per_row_mib(model, data["x"])
     bar = _bar(progress)
 
     def measure(p: int, r: int) -> float:
-        peak = _step_peak_mib(model, loss_fn, _repeated(data, rows["count"], r), p, device, **args)
+        peak = _step_peak_mib(model, loss_fn, _repeated(data, n, r), p, device, **args)
         probes.append((p, r, peak))
         bar.update(1)
         bar.set_postfix_str(f"P={p}, {r} rows: {peak:.0f} MiB")
@@ -291,17 +291,6 @@ def _kept_per_row_mib(model, x) -> float:
     """Twice the MiB of one row of ``model``'s outputs (the chunk loop's predictions, in its array and stacked)."""
     out = model(tf.nest.map_structure(lambda t: t[:1], x), training=False)  # shapes only; no state changes
     return 2 * sum(t.shape.num_elements() * t.dtype.size for t in tf.nest.flatten(out)) / _MIB
-
-
-def _rows(x, y) -> dict:
-    data = {"x": x} | ({} if y is None else {"y": y})
-    data = tf.nest.map_structure(tf.convert_to_tensor, data)
-    firsts = {int(t.shape[0]) if t.shape.rank else 0 for t in tf.nest.flatten(data)}
-    if len(firsts) != 1 or 0 in firsts:
-        raise ValueError(
-            f"x and y must be rows [n, ...] with the same n >= 1 (the data's shapes); got first dimensions {sorted(firsts)}."
-        )
-    return {"data": data, "count": firsts.pop()}
 
 
 def _repeated(data, n: int, r: int):
