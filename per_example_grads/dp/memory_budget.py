@@ -258,24 +258,27 @@ def _search(
         seen[p] = measure(p, b)
         return seen[p]
 
-    p = max(1, min(b, under_budget(slope)))
-    sides = []  # whether each measurement fitted
-    for _ in range(_VERIFICATIONS):
-        sides.append(peak_at(p) <= budget)
+    def sides() -> tuple[int, int]:  # the largest P that fitted (0: none), the smallest that did not (b + 1: none)
         fitted = max((q for q, v in seen.items() if v <= budget), default=0)
-        failed = min((q for q, v in seen.items() if v > budget), default=b + 1)
+        return fitted, min((q for q, v in seen.items() if v > budget), default=b + 1)
+
+    p = max(1, min(b, under_budget(slope)))
+    fits = []  # whether each measurement fitted
+    for _ in range(_VERIFICATIONS):
+        fits.append(peak_at(p) <= budget)
+        fitted, failed = sides()
         if fitted and failed in seen:  # along the line through the two sides
             step = (seen[failed] - seen[fitted]) / (failed - fitted)
             p = fitted + math.floor((budget - seen[fitted]) / step) if step > 0 else failed - 1
-            if sides[-2:] in ([True, True], [False, False]):  # a curved peak keeps it on one side: halfway over
-                p = (p + (failed if sides[-1] else fitted)) // 2
+            if fits[-2:] in ([True, True], [False, False]):  # a curved peak keeps it on one side: halfway over
+                p = (p + (failed if fits[-1] else fitted)) // 2
         else:  # along the line through (0, a) and the side measured
             q = fitted or failed
             p = under_budget((seen[q] - c * b - a) / q)
         p = min(max(p, fitted + 1), failed - 1)
         if p <= fitted:
             break
-    fitted = max((q for q, v in seen.items() if v <= budget), default=0)
+    fitted, _ = sides()
     if not fitted and 1 not in seen and peak_at(1) <= budget:
         fitted = 1
     if fitted:
