@@ -41,7 +41,7 @@ def _measured(peak):
 def test_an_affine_peak_gets_the_largest_fitting_size_and_its_successor_is_measured_over(budget):
     a, slope, c, b = 40.0, 3.0, 0.5, 256
     measure, calls = _measured(lambda p, r: a + slope * p + c * r)
-    p, peak = _search(measure, (a, slope, c), budget, b)
+    p, peak = _search(measure, (a + c * b, slope), budget, b)
     best = min(b, int((budget - a - c * b) // slope))
     assert (p, peak) == (best, a + slope * best + c * b)
     assert all(r == b for _, r in calls)  # every candidate is measured over a whole logical batch
@@ -59,7 +59,7 @@ def test_a_wrong_fit_is_corrected_by_measurements(wrong):
     truth = lambda p, r: 10.0 + 2.0 * p + 0.01 * p * p + 0.1 * r  # noqa: E731
     b, budget = 512, 300.0
     measure, calls = _measured(truth)
-    p, peak = _search(measure, (10.0, 2.0 * wrong, 0.1), budget, b)
+    p, peak = _search(measure, (10.0 + 0.1 * b, 2.0 * wrong), budget, b)
     best = max(q for q in range(1, b + 1) if truth(q, b) <= budget)  # 84
     assert peak == truth(p, b) <= budget
     assert p >= (0.97 if wrong in (0.5, 2.0) else 0.85) * best, (p, best, calls)
@@ -69,12 +69,12 @@ def test_a_wrong_fit_is_corrected_by_measurements(wrong):
 def test_a_budget_below_one_row_a_chunk_is_refused_with_the_measured_peak():
     measure, _ = _measured(lambda p, r: 500.0 + p + r)
     with pytest.raises(ValueError, match=r"memory_budget_mib=100 .* 16 rows, 517 MiB"):
-        _search(measure, (500.0, 1.0, 1.0), 100.0, 16)
+        _search(measure, (516.0, 1.0), 100.0, 16)
 
 
 def test_a_budget_above_the_whole_batch_gives_one_chunk():
     measure, calls = _measured(lambda p, r: 5.0 + p + r)
-    assert _search(measure, (5.0, 1.0, 1.0), 1e6, 32) == (32, 69.0)
+    assert _search(measure, (37.0, 1.0), 1e6, 32) == (32, 69.0)
     assert calls == [(32, 32)]
 
 
@@ -95,8 +95,8 @@ def test_the_budget_less_its_headroom_is_searched_from_two_probes(monkeypatch):
     assert fit.physical_batch_size == 36  # the largest P with 10 + 2 P + 6.4 <= 90
     assert fit.peak_mib == 10.0 + 2.0 * 36 + 6.4 and fit.headroom == 0.1 and fit.memory_budget_mib == 100
     assert [p[:2] for p in fit.probes[:2]] == [(1, 2), (2, 4)] and rows_seen[:2] == [2, 4]
-    # c is counted from the model's outputs (16 bytes a row here), so the slope takes the formula's 0.1 a row too
-    assert fit.affine[1] == pytest.approx(2.0 + 2 * 0.1, abs=1e-3)
+    # the model is in P alone: the slope takes the formula's 0.1 a row too (the probes' rows grow with P)
+    assert fit.affine == pytest.approx((10.0, 2.0 + 2 * 0.1))
     with pytest.raises(ValueError, match=r"memory_budget_mib=20 less headroom=0.1 \(18 MiB\) .* 64 rows, 18 MiB"):
         peg.dp.physical_batch_size_for_memory(model, LOSS, x, y, memory_budget_mib=20, logical_batch_size=64)
 

@@ -143,10 +143,18 @@ def test_physical_chunks_of_a_padded_batch_equal_the_loop(real, graph):
     y = np.random.default_rng(2).integers(0, 3, 10).astype("int32")
     weights = (np.arange(10) < real).astype("float32")
     aggregator = DPAggregator(l2_norm_clip=0.3, noise_multiplier=0.0, physical_batch_size=3)
-    clipped = lambda x, y, w: (lambda c: (c.sums, c.norms))(
-        aggregator.clipped_sum(net, sparse_ce, x, y, sample_weight=w)
+    losses = lambda rows, predictions: sparse_ce(rows["y"], predictions)  # noqa: E731
+    clipped = lambda x, y, w: (lambda c: (c.sums, c.norms, c.predictions, c.rows))(
+        aggregator.clipped_sum(net, sparse_ce, x, y, sample_weight=w, outputs=losses)
     )  # noqa: E731
-    sums, norms = (tf.function(clipped) if graph else clipped)(x, y, weights)
+    sums, norms, kept, rows = (tf.function(clipped) if graph else clipped)(x, y, weights)
+    # ``outputs`` is kept per computed row (the real ones, then padding up to a bucket), in the rows' order
+    logits = net(tf.gather(x, rows)).numpy()
+    assert_close(
+        kept.numpy(),
+        sparse_ce(tf.gather(y, rows), logits).numpy(),
+        atol=rounding_rtol(4 + 1 + 1 + 5 + 1 + 3) * (1 + np.abs(logits).max()),
+    )
     expected = (
         reference_gradients(net, sparse_ce, x[:real], y[:real])
         if real
@@ -160,6 +168,43 @@ def test_physical_chunks_of_a_padded_batch_equal_the_loop(real, graph):
     else:
         for s in sums:
             np.testing.assert_array_equal(tf.convert_to_tensor(s).numpy(), 0.0)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("physical", [None, 3])
+def test_the_step_logs_the_loss_and_metrics_of_its_clipped_pass(physical, jit):
+    """The logged loss and metrics are the clipped pass's (the weights before the update, its real rows), in one
+    pass or chunk by chunk: the chunks keep a loss per row and update the metrics, not the logical batch's
+    predictions (#53), and under XLA the same once after the loop."""
+    keras.utils.set_random_seed(0)
+    net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(3)])
+    x = np.random.default_rng(1).normal(size=(10, 4)).astype("float32")
+    y = np.random.default_rng(2).integers(0, 3, 10)
+    weights = (np.arange(10) < 7).astype("float32")  # 7 real rows, 3 of padding
+    dp = peg.keras.DPModel(
+        net, l2_norm_clip=0.3, noise_multiplier=0.0, expected_batch_size=10, physical_batch_size=physical
+    )
+    dp.compile(
+        optimizer=keras.optimizers.SGD(0.5),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        weighted_metrics=[keras.metrics.SparseCategoricalAccuracy("accuracy")],
+        metrics=[keras.metrics.SparseCategoricalCrossentropy("unweighted_ce", from_logits=True)],
+        jit_compile=jit,
+    )
+    logits = net(x).numpy()  # the weights the step clips with
+    losses = sparse_ce(y, logits).numpy()
+    # two float32 forward passes (4 + 1 and 5 + 1 terms, a tanh) and log-sum-exp of 3, relative to the logits;
+    # then a mean of at most 10
+    tol = rounding_rtol(4 + 1 + 1 + 5 + 1 + 3 + 10) * (1 + float(np.abs(logits).max()))
+    logs = dp.train_on_batch(x, y, sample_weight=weights, return_dict=True)
+    assert logs["loss"] == pytest.approx(np.sum(losses * weights) / 7, abs=tol)
+    assert logs["accuracy"] == pytest.approx(np.mean(logits[:7].argmax(1) == y[:7]), abs=1e-6)
+    assert not np.allclose(net(x).numpy(), logits)  # the step did update the weights
+    dp.reset_metrics()
+    logits = net(x).numpy()
+    logs = dp.train_on_batch(x, y, return_dict=True)  # every row real: the unweighted metric sees all 10
+    assert logs["unweighted_ce"] == pytest.approx(np.mean(sparse_ce(y, logits).numpy()), abs=tol)
+    assert logs["loss"] == pytest.approx(logs["unweighted_ce"], abs=2 * tol)
 
 
 @pytest.mark.slow

@@ -292,17 +292,29 @@ def _assert_step_clips_each_unit_whole(unit_ids, physical_batch_size):
     x, y = _xy(len(unit_ids))
     net = _net()
     aggregator = peg.dp.DPAggregator(l2_norm_clip=CLIP, noise_multiplier=0.0, physical_batch_size=physical_batch_size)
-    clipped = aggregator.clipped_sum(net, sparse_ce, x, y, BATCH_WEIGHTS, unit_ids=unit_ids, rows_per_unit=3)
+    losses = lambda rows, predictions: sparse_ce(rows["y"], predictions)  # noqa: E731
+    clipped = aggregator.clipped_sum(
+        net, sparse_ce, x, y, BATCH_WEIGHTS, unit_ids=unit_ids, rows_per_unit=3, outputs=losses
+    )
     expected, magnitude = _unit_reference(net, x, y, unit_ids, BATCH_WEIGHTS)
     p = sum(int(np.prod(v.shape)) for v in net.trainable_variables)
     rtol = clipped_sum_rtol(p, len(unit_ids)) + 2 * norm_rtol(p) + rounding_rtol(3)  # the factor's norm sums 3 rows
     for got, want, mag in zip(clipped.sums, expected, magnitude):
         assert_close(tf.convert_to_tensor(got).numpy(), want, atol=rtol * mag + EPS32 * np.abs(want))
-    return clipped
     # Per unit: 5 real units (the padding forms no real one), their norms before clipping.
     real = clipped.real.numpy()
     assert real.sum() == 5
     assert np.all(clipped.norms.numpy()[real > 0] > 0)
+    # ``outputs`` (a training step's losses) kept per computed row, in the rows' order, chunked or not (a row of
+    # weight 0 may read another row's predictions in chunks: ``_whole_unit_chunks``)
+    rows = np.arange(len(unit_ids)) if clipped.rows is None else clipped.rows.numpy()
+    real_rows = BATCH_WEIGHTS[rows] > 0
+    logits = net(x[rows]).numpy()
+    # two float32 forward passes (4 + 1 and 6 + 1 terms, a tanh) and log-sum-exp of 3, relative to the logits
+    forward = rounding_rtol(4 + 1 + 1 + 6 + 1 + 3)
+    want = sparse_ce(y[rows], logits).numpy()
+    assert_close(clipped.predictions.numpy()[real_rows], want[real_rows], atol=forward * (1 + np.abs(logits).max()))
+    return clipped
 
 
 def test_removing_a_unit_changes_the_clipped_sum_by_at_most_c():

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import keras
 import numpy as np
@@ -92,8 +92,9 @@ class ClippedSum:
       real: ``[B]`` float, 1 for rows with a non-zero sample weight.
       predictions: the model's outputs from the pass that computed
         ``sums``, on the rows ``rows`` of the batch (all rows when ``rows``
-        is None); ``()`` when that pass gave none (an engine that runs no
-        forward pass of the batch).
+        is None), or what ``clipped_sum``'s ``outputs`` made of them;
+        ``()`` when that pass gave none (an engine that runs no forward
+        pass of the batch).
       rows: ``[b]`` int64 indices of the rows that were computed, or None.
       selection: with sparse embedding noise, the ``(keys, counts)`` of the
         batch's row contributions (``SparseSelection.contribution_counts``).
@@ -174,11 +175,24 @@ def clipped_sum(
     unit_ids=None,
     num_units: int | None = None,
     rows_per_unit: int | None = None,
+    outputs: Callable[[dict, Any], Any] | None = None,
 ) -> ClippedSum:
     """``sum_i clip_C(g_i)`` over the batch (in physical chunks if given), with the ``[B]`` norms.
 
     With ``unit_ids``, each unit's summed gradient is clipped instead
     (``_unit_clipped_sum``), and ``norms`` / ``real`` are per unit.
+
+    ``outputs(rows, predictions)``, when given, is what is kept of the
+    pass's predictions (a training loop's per-row losses, its metrics'
+    updates): ``rows`` is ``{"x", "y" (if given), "sample_weight"}`` of
+    the rows that pass computed, ``predictions`` the model's outputs on
+    them, and it returns a structure of ``[rows, ...]`` tensors, kept as
+    ``ClippedSum.predictions`` in their place. It is called once on every
+    computed row (not on rows of weight 0 that were not computed): in
+    physical chunks, once a chunk, so the loop keeps what it returns and
+    not a language model's ``[B, T, V]`` logits (under XLA, and for
+    units, once on all the rows after the loop, which keeps the
+    predictions). Never called when the engine gives no predictions.
 
     ``l2_norm_clip`` is checked already (``check_clip``). Rows of weight 0
     (a Poisson batch's padding) contribute exactly nothing, so outside XLA
@@ -207,6 +221,7 @@ def clipped_sum(
             args,
             physical_batch_size,
             rows_per_unit,
+            outputs,
         )
     grouped.units_or_none(None, num_units, batch)  # num_units without unit_ids is refused, not ignored
     args = dict(l2_norm_clip=l2_norm_clip, method=method, training=training, variables=variables)
@@ -232,8 +247,9 @@ def clipped_sum(
             nonempty=bool(static),
             **args,
         )
+        predictions = _kept(outputs, {"sample_weight": tf.ones([rows])} | data, predictions)
     else:
-        sums, norms, predictions = _chunked(model, loss_fn, data, args, physical_batch_size)
+        sums, norms, predictions = _chunked(model, loss_fn, data, args, physical_batch_size, outputs)
     if isinstance(norms, dict):
         norms = tf.sqrt(tf.add_n([tf.square(tf.cast(n, tf.float32)) for n in norms.values()]))
     norms = tf.cast(norms, tf.float32)
@@ -437,7 +453,17 @@ class DPAggregator(keras.layers.Layer):
 
     @tf.autograph.experimental.do_not_convert
     def clipped_sum(
-        self, model, loss_fn, x, y=None, sample_weight=None, *, variables=None, unit_ids=None, rows_per_unit=None
+        self,
+        model,
+        loss_fn,
+        x,
+        y=None,
+        sample_weight=None,
+        *,
+        variables=None,
+        unit_ids=None,
+        rows_per_unit=None,
+        outputs=None,
     ) -> ClippedSum:
         """The module's ``clipped_sum`` at this aggregator's clip norm, engine and physical batch size.
 
@@ -466,6 +492,7 @@ class DPAggregator(keras.layers.Layer):
             physical_batch_size=self.physical_batch_size,
             unit_ids=unit_ids,
             rows_per_unit=rows_per_unit,
+            outputs=outputs,
         )
         if self.sparse is not None:
             self.sparse.check_context()
@@ -488,6 +515,7 @@ class DPAggregator(keras.layers.Layer):
         truncation=(0, 0),
         unit_ids=None,
         rows_per_unit=None,
+        outputs: Callable[[dict, Any], Any] | None = None,
     ) -> DPStep:
         """One whole DP step on one batch: its clipped sum, then one ``release`` of it.
 
@@ -499,13 +527,22 @@ class DPAggregator(keras.layers.Layer):
           sampling_probability, poisson, truncation: for the ledger, as in ``release``.
           unit_ids, rows_per_unit: a unit-level Poisson batch's units
             (``clipped_sum``); ``clipped_count`` and ``counted`` then count units.
+          outputs: what is kept of the predictions (``clipped_sum``).
 
         Returns:
           a ``DPStep``; its ``clipped_count`` is measured against the clip
           norm the step clipped with (before an adaptive one moves).
         """
         clipped = self.clipped_sum(
-            model, loss_fn, x, y, sample_weight, variables=variables, unit_ids=unit_ids, rows_per_unit=rows_per_unit
+            model,
+            loss_fn,
+            x,
+            y,
+            sample_weight,
+            variables=variables,
+            unit_ids=unit_ids,
+            rows_per_unit=rows_per_unit,
+            outputs=outputs,
         )
         if divisor is None:
             divisor = self.divisor(tf.shape(tf.nest.flatten(x)[0])[0])  # the rows (clipped.real may be per unit)
@@ -785,7 +822,7 @@ class DPAggregator(keras.layers.Layer):
         return tuple(replicas.global_sum([tf.reduce_sum(over * clipped.real), tf.reduce_sum(clipped.real)]))
 
 
-def _chunked(model, loss_fn, data, args, p):
+def _chunked(model, loss_fn, data, args, p, outputs=None):
     """Clipped sums, norms and predictions of ``data``'s rows, ``p`` (the physical batch size) at a time, in a loop.
 
     Outside XLA the chunks are the rows ``[i P, (i + 1) P)``, the last
@@ -799,8 +836,11 @@ def _chunked(model, loss_fn, data, args, p):
 
     The predictions of every chunk's pass are kept (``()`` when its
     engine gives none), so a training step needs no extra forward pass
-    for its loss and metrics (they hold the logical batch's outputs, as
-    that pass did: for a language model its ``[B, T, V]`` logits). An
+    for its loss and metrics; with ``outputs`` (``clipped_sum``), what it
+    makes of each chunk's rows and predictions is kept instead, in the
+    loop, so the logical batch's predictions (a language model's
+    ``[B, T, V]`` logits) are never held at once. Under XLA it is called
+    once after the loop, on the rows without their padding. An
     embedding table's ``tf.IndexedSlices`` sums are kept as rows, made
     dense once (with the noise), not per chunk. One chunk's step is
     traced once, as a function, so that the loop knows the structure of
@@ -825,7 +865,7 @@ def _chunked(model, loss_fn, data, args, p):
         s, m, pred = clipped_sums_and_predictions(
             model, loss_fn, part["x"], part.get("y"), sample_weight=part["sample_weight"], **args, **units
         )
-        return s, tf.cast(m, tf.float32), pred
+        return s, tf.cast(m, tf.float32), pred if fixed else _kept(outputs, part, pred)
 
     step = tf.function(one_chunk, autograph=False).get_concrete_function(spec)
     sums_spec, _, predictions_spec = step.structured_outputs
@@ -873,11 +913,19 @@ def _chunked(model, loss_fn, data, args, p):
         else total
         for total, k, v in zip(sums, sliced, variables)
     ]
-    return sums, rows_of(norms, tf.TensorSpec([None])), tf.nest.map_structure(rows_of, predictions, predictions_spec)
+    predictions = tf.nest.map_structure(rows_of, predictions, predictions_spec)
+    return sums, rows_of(norms, tf.TensorSpec([None])), _kept(outputs, rows, predictions) if fixed else predictions
+
+
+def _kept(outputs, rows: dict, predictions):
+    """``outputs(rows, predictions)`` (``clipped_sum``), or the predictions when there is no ``outputs`` or none to give it."""
+    if outputs is None or (isinstance(predictions, tuple) and not predictions):
+        return predictions
+    return outputs(rows, predictions)
 
 
 def _unit_clipped_sum(
-    model, loss_fn, x, y, sample_weight, unit_ids, num_units, args, physical_batch_size, rows_per_unit
+    model, loss_fn, x, y, sample_weight, unit_ids, num_units, args, physical_batch_size, rows_per_unit, outputs=None
 ) -> ClippedSum:
     """``sum_u clip_C(G_u)`` over the units of a unit-level Poisson batch, with the ``[U_b]`` unit norms.
 
@@ -933,7 +981,7 @@ def _unit_clipped_sum(
         norms = tf.sqrt(tf.add_n([tf.square(tf.cast(v, tf.float32)) for v in norms.values()]))
     norms = tf.cast(norms, tf.float32)
     unit_real = tf.math.unsorted_segment_max(kept_real, dense, tf.shape(norms)[0])
-    return ClippedSum(sums, norms, tf.maximum(unit_real, 0.0), predictions, keep)
+    return ClippedSum(sums, norms, tf.maximum(unit_real, 0.0), _kept(outputs, data, predictions), keep)
 
 
 def whole_units_on_replicas(x, y, sample_weight, unit_ids) -> tuple:

@@ -10,18 +10,18 @@ temporaries (each weight minus its gradient, not assigned) and the loss of
 the predictions, and reads the device allocator's peak (TensorFlow's
 ``get_memory_info``). The search, as an affine model of the peak:
 
-    peak(P, R) ~ a + b P + c R        (P rows a chunk, R rows in all)
+    peak(P) ~ a + b P        (P rows a chunk, over a logical batch of B rows)
 
-``c`` is what the chunk loop keeps per row: its predictions, for the loss and
-metrics (a language model's ``[T, V]`` logits), in its array and once
-stacked, so twice the bytes of one row of the model's outputs (counted, not
-measured: on a small model it is below the allocator's noise). ``b``, one
-chunk row's activations, per-example work and norms, and ``a`` come from two
-probes of two chunks each, ``(P, R) = (1, 2)`` and ``(2, 4)`` (the loop's
-running sums are held from a second chunk on). The largest ``P <= B`` the
-model puts under the budget is then *measured* over a whole logical batch,
-``R = B`` (one step's compute), and moved along the line through the largest
-``P`` that fitted and the smallest that did not (or through ``a`` and the one
+It holds as far as the loop keeps nothing per row of the logical batch but
+a norm and a loss: the step's loss and metrics are taken chunk by chunk
+(``clipped_sum``'s ``outputs``), not from the whole batch's predictions (a
+language model's ``[B, T, V]`` logits). ``b``, one chunk row's
+activations, per-example work and norms, and ``a`` come from two probes of
+two chunks each, ``(P, rows) = (1, 2)`` and ``(2, 4)`` (the loop's running
+sums are held from a second chunk on). The largest ``P <= B`` the model
+puts under the budget is then *measured* over a whole logical batch (one
+step's compute), and moved along the line through the largest ``P`` that
+fitted and the smallest that did not (or through ``a`` and the one
 measured), between the two (at most five such measurements). So the answer's
 peak was measured over a logical batch and is within the budget less its
 ``headroom`` (10% by default, for what the probes do not run); it is the
@@ -80,8 +80,7 @@ class MemoryFit:
         most ``(1 - headroom) * memory_budget_mib``.
       memory_budget_mib, headroom, logical_batch_size: as given (``B``).
       probes: every measurement, ``(P, R, peak MiB)``, in the order taken.
-      affine: ``(a, b, c)`` in MiB, the peak's affine model (``c`` counted,
-        ``a, b`` from the first two probes).
+      affine: ``(a, b)`` in MiB, the peak's affine model, from the first two probes.
       device: where it was measured.
     """
 
@@ -91,7 +90,7 @@ class MemoryFit:
     headroom: float
     logical_batch_size: int
     probes: tuple[tuple[int, int, float], ...]
-    affine: tuple[float, float, float]
+    affine: tuple[float, float]
     device: str
 
 
@@ -150,7 +149,6 @@ def physical_batch_size_for_memory(
     b = n if logical_batch_size is None else check_positive_int("logical_batch_size", logical_batch_size)
     device = device or ("GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0")
     args = dict(method=method, training=training, variables=variables)
-    c = _kept_per_row_mib(model, data["x"])
     bar = _bar(progress)
 
     def measure(p: int, r: int) -> float:
@@ -164,8 +162,8 @@ def physical_batch_size_for_memory(
     try:
         r1, r2 = min(b, 2), min(b, 4)  # two chunks where there are rows for them: the loop's running sums count
         f1 = measure(1, r1)
-        slope = 0.0 if b == 1 else max(measure(2, r2) - f1 - c * (r2 - r1), 0.0)
-        affine = (f1 - slope - c * r1, slope, c)
+        slope = 0.0 if b == 1 else max(measure(2, r2) - f1, 0.0)
+        affine = (f1 - slope, slope)
         label = f"memory_budget_mib={given:g} less headroom={kept_free:g} ({budget:.0f} MiB)"
         p, peak = _search(measure, affine, budget, b, label)
     finally:
@@ -207,12 +205,16 @@ def _step_peak_mib(
     )
 
     def step(part):
-        done = aggregator.step(model, loss_fn, part["x"], part.get("y"), variables=variables)
+        done = aggregator.step(
+            model,
+            loss_fn,
+            part["x"],
+            part.get("y"),
+            variables=variables,
+            outputs=lambda rows, predictions: loss_fn(rows.get("y"), predictions),  # a DPModel's losses, per chunk
+        )
         stepped = [tf.cast(w, g.dtype) - g for w, g in zip(weights, done.gradients)]  # an SGD update's temporaries
-        predictions = done.clipped.predictions
-        has_predictions = not (isinstance(predictions, tuple) and not predictions)
-        losses = loss_fn(part["y"], predictions) if has_predictions and "y" in part else ()
-        kept = tf.nest.flatten((stepped, done.clipped.norms, predictions, losses))  # all read, so none is pruned
+        kept = tf.nest.flatten((stepped, done.clipped.norms, done.clipped.predictions))  # all read, none pruned
         return tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32)) for t in kept if t.dtype.is_floating])
 
     spec = tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), data)
@@ -247,10 +249,10 @@ def _search(
     ``_VERIFICATIONS`` measurements; ``P = 1`` is measured last if nothing
     fitted.
     """
-    a, slope, c = affine
+    a, slope = affine
 
     def under_budget(per_row: float) -> int:
-        return b if per_row <= 0 else math.floor((budget - a - c * b) / per_row)
+        return b if per_row <= 0 else math.floor((budget - a) / per_row)
 
     seen = {}  # P -> its peak over b rows
 
@@ -274,7 +276,7 @@ def _search(
                 p = (p + (failed if fits[-1] else fitted)) // 2
         else:  # along the line through (0, a) and the side measured
             q = fitted or failed
-            p = under_budget((seen[q] - c * b - a) / q)
+            p = under_budget((seen[q] - a) / q)
         p = min(max(p, fitted + 1), failed - 1)
         if p <= fitted:
             break
@@ -288,12 +290,6 @@ def _search(
         f"{label} is below the peak with one row a chunk over a logical batch of {b} rows, {seen[1]:.0f} MiB. "
         "Give a larger memory_budget_mib, a smaller logical batch or shorter sequences."
     )
-
-
-def _kept_per_row_mib(model, x) -> float:
-    """Twice the MiB of one row of ``model``'s outputs (the chunk loop's predictions, in its array and stacked)."""
-    out = model(tf.nest.map_structure(lambda t: t[:1], x), training=False)  # shapes only; no state changes
-    return 2 * sum(t.shape.num_elements() * t.dtype.size for t in tf.nest.flatten(out)) / _MIB
 
 
 def _repeated(data, n: int, r: int):

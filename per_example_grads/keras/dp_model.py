@@ -666,6 +666,7 @@ class DPModel(keras.Model):
                 truncation=sampler.truncation,
                 unit_ids=unit_ids,
                 rows_per_unit=sampler.rows_per_unit,
+                outputs=lambda rows, predictions: self._losses_and_metrics(loss_fn, rows, predictions),
             )
         clipped = step.clipped
         step_clipped_fraction = step.clipped_fraction
@@ -679,14 +680,21 @@ class DPModel(keras.Model):
             self._guard.record_in_step()
 
         weights = tf.ones([rows]) if sample_weight is None else tf.cast(sample_weight, tf.float32)
-        y_pred, y_seen, weights = self._predictions(clipped, x, y, weights)
-        losses = tf.cast(loss_fn(y_seen, y_pred), tf.float32)
+        if isinstance(clipped.predictions, tuple) and not clipped.predictions:  # the engine ran no forward pass
+            y_pred = self.model(x, training=False)
+            losses = tf.cast(loss_fn(y, y_pred), tf.float32)
+        else:  # the clipped pass's losses, on its rows; the metrics saw its predictions
+            y_pred, losses = None, clipped.predictions
+            if clipped.rows is not None:
+                weights = tf.gather(weights, clipped.rows)
         weight = tf.reduce_sum(weights)
         loss = tf.math.divide_no_nan(tf.reduce_sum(losses * weights), weight)
         if self.model.losses:
             loss += tf.cast(tf.add_n(self.model.losses), tf.float32)
         self._loss_tracker.update_state(loss, sample_weight=weight)
-        logs = self.compute_metrics(x, y_seen, y_pred, sample_weight=weights)
+        logs = (
+            self.get_metrics_result() if y_pred is None else self.compute_metrics(x, y, y_pred, sample_weight=weights)
+        )
         # This step's own value (the metric above is the epoch's running mean),
         # for callbacks that plot per-step clipping.
         logs["step_clipped_fraction"] = step_clipped_fraction
@@ -722,19 +730,18 @@ class DPModel(keras.Model):
             data = data[:3]
         return super().test_step(data)
 
-    def _predictions(self, clipped, x, y, weights):
-        """``(y_pred, y, weights)`` for the loss and metrics, from the clipped pass when it gave its predictions.
+    def _losses_and_metrics(self, loss_fn, rows: dict, predictions) -> tf.Tensor:
+        """``[b]`` float32 losses of the clipped pass's rows (``aggregator.clipped_sum``'s ``outputs``), the metrics updated on them.
 
-        That pass ran on the real rows only (``clipped.rows``), in training
-        mode, as Keras's own ``fit`` reports; otherwise the model runs once
-        more on the batch (inference mode).
+        The pass ran on the real rows only, in training mode, as Keras's own
+        ``fit`` reports, and in physical chunks it calls this once a chunk:
+        the metrics (streaming, as over an epoch's batches) are updated
+        chunk by chunk, and the logical batch's predictions are never held
+        at once.
         """
-        if isinstance(clipped.predictions, tuple) and not clipped.predictions:
-            return self.model(x, training=False), y, weights
-        if clipped.rows is None:
-            return clipped.predictions, y, weights
-        rows_of = lambda tree: tf.nest.map_structure(lambda t: tf.gather(t, clipped.rows), tree)
-        return clipped.predictions, rows_of(y), rows_of(weights)
+        weights = tf.cast(rows["sample_weight"], tf.float32)
+        self.compute_metrics(rows["x"], rows.get("y"), predictions, sample_weight=weights)
+        return tf.cast(loss_fn(rows.get("y"), predictions), tf.float32)
 
     @property
     def sampling_probability(self) -> float | None:
