@@ -11,7 +11,9 @@ downloaded), ``peg.dp.physical_batch_size_for_memory`` for a logical batch of
 and its ``train_on_batch`` on ``--batch`` rows: one warm-up call, then the
 device allocator's absolute peak during each of two calls (the larger is
 reported) and their median time. ``--budgets none`` runs the DPModel step
-unchunked, the reference. The function keeps its default headroom (10%
+unchunked, the reference; ``--budgets p2`` runs it in chunks of 2 rows,
+with no search (to compare the step's peak at one ``P`` between two
+checkouts, ``PYTHONPATH=/path/to/checkout``). The function keeps its default headroom (10%
 of the budget) free; a budget holds if the DPModel step's peak is at most
 the budget (the function's docstring says what its probes run and what
 they do not).
@@ -33,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 _MIB = 2**20
 
 
-def run(model_name: str, b: int, t: int, budget: float | None) -> dict:
+def run(model_name: str, b: int, t: int, budget: float | None, physical: int | None = None) -> dict:
     import keras
     import tensorflow as tf
     from bench_scale import MODELS
@@ -46,7 +48,16 @@ def run(model_name: str, b: int, t: int, budget: float | None) -> dict:
     x = tf.nest.map_structure(tf.convert_to_tensor, x)
     y = tf.convert_to_tensor(y)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    row = {"model": model_name, "b": b, "t": t, "budget_mib": budget, "p": None, "fit_s": None, "fit_peak_mib": None}
+    row = {
+        "model": model_name,
+        "b": b,
+        "t": t,
+        "budget_mib": budget,
+        "p": physical,
+        "fit_s": None,
+        "fit_peak_mib": None,
+    }
+    row["library"] = os.path.dirname(os.path.dirname(os.path.abspath(peg.__file__)))
     if budget is not None:
         start = time.perf_counter()
         fit = peg.dp.physical_batch_size_for_memory(
@@ -90,7 +101,8 @@ def _row(r: dict) -> str:
     if "error" in r:
         return f"| {r['budget']} | {r['error']} | | | | | |"
     if r["budget_mib"] is None:
-        return f"| none (one chunk) | {r['b']} | | | {r['step_peak_mib']:.0f} | | {r['step_s']:.2f} |"
+        given = "none (one chunk)" if r["p"] is None else "none (P given)"
+        return f"| {given} | {r['p'] or r['b']} | | | {r['step_peak_mib']:.0f} | | {r['step_s']:.2f} |"
     holds = "yes" if r["step_peak_mib"] <= r["budget_mib"] else "**no**"
     return (
         f"| {r['budget_mib']:.0f} | {r['p']} | {r['fit_peak_mib']:.0f} | {r['fit_s']:.0f} | "
@@ -103,14 +115,18 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="gpt2", choices=["gpt2", "bert"])
     p.add_argument("--batch", type=int, default=32, help="the logical batch B")
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--budgets", default="none,2500,4000", help="comma list of MiB, or none (unchunked)")
+    p.add_argument(
+        "--budgets", default="none,2500,4000", help="comma list of MiB, none (unchunked) or pN (chunks of N, no search)"
+    )
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--json")
     p.add_argument("--run", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.run:
         model_name, b, t, budget = args.run.split(",")
-        print(json.dumps(run(model_name, int(b), int(t), None if budget == "none" else float(budget))))
+        physical = int(budget[1:]) if budget.startswith("p") else None
+        given = None if budget == "none" or physical else float(budget)
+        print(json.dumps(run(model_name, int(b), int(t), given, physical)))
         return 0
     print(f"command: python benchmarks/bench_memory_budget.py {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(f"{os.cpu_count()} CPUs; {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC\n")
