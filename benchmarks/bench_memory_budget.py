@@ -13,7 +13,9 @@ device allocator's absolute peak during each of two calls (the larger is
 reported) and their median time. ``--budgets none`` runs the DPModel step
 unchunked, the reference; ``--budgets p2`` runs it in chunks of 2 rows,
 with no search (to compare the step's peak at one ``P`` between two
-checkouts, ``PYTHONPATH=/path/to/checkout``). The function keeps its default headroom (10%
+checkouts, ``PYTHONPATH=/path/to/checkout``); ``--budgets plain`` runs the
+Keras model's own ``train_on_batch`` (SGD) instead, measured the same way.
+The function keeps its default headroom (10%
 of the budget) free; a budget holds if the DPModel step's peak is at most
 the budget (the function's docstring says what its probes run and what
 they do not).
@@ -35,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 _MIB = 2**20
 
 
-def run(model_name: str, b: int, t: int, budget: float | None, physical: int | None = None) -> dict:
+def run(model_name: str, b: int, t: int, budget: float | None, physical: int | None = None, plain=False) -> dict:
     import keras
     import tensorflow as tf
     from bench_scale import MODELS
@@ -56,6 +58,7 @@ def run(model_name: str, b: int, t: int, budget: float | None, physical: int | N
         "p": physical,
         "fit_s": None,
         "fit_peak_mib": None,
+        "plain": plain,
     }
     row["library"] = os.path.dirname(os.path.dirname(os.path.abspath(peg.__file__)))
     if budget is not None:
@@ -66,11 +69,15 @@ def run(model_name: str, b: int, t: int, budget: float | None, physical: int | N
         )  # fmt: skip
         row |= {"p": fit.physical_batch_size, "fit_s": time.perf_counter() - start, "fit_peak_mib": fit.peak_mib}
         row["probes"] = fit.probes
-    net = peg.keras.DPModel(
-        model, l2_norm_clip=1.0, noise_multiplier=1.0, num_examples=1000, expected_batch_size=b, seed=0,
-        physical_batch_size=row["p"],
-    )  # fmt: skip
-    net.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss, jit_compile=False)
+    if plain:  # through keras.Model.compile itself: KerasHub's CausalLM.compile would add its accuracy metric
+        net = model
+        keras.Model.compile(net, optimizer=keras.optimizers.SGD(0.01), loss=loss, jit_compile=False)
+    else:
+        net = peg.keras.DPModel(
+            model, l2_norm_clip=1.0, noise_multiplier=1.0, num_examples=1000, expected_batch_size=b, seed=0,
+            physical_batch_size=row["p"],
+        )  # fmt: skip
+        net.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss, jit_compile=False)
     net.train_on_batch(x, y)
     peaks, times = [], []
     for _ in range(2):
@@ -100,6 +107,8 @@ def _worker(model_name: str, b: int, t: int, budget: str, timeout: float) -> dic
 def _row(r: dict) -> str:
     if "error" in r:
         return f"| {r['budget']} | {r['error']} | | | | | |"
+    if r.get("plain"):
+        return f"| plain (Keras's own step) | | | | {r['step_peak_mib']:.0f} | | {r['step_s']:.2f} |"
     if r["budget_mib"] is None:
         given = "none (one chunk)" if r["p"] is None else "none (P given)"
         return f"| {given} | {r['p'] or r['b']} | | | {r['step_peak_mib']:.0f} | | {r['step_s']:.2f} |"
@@ -116,7 +125,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=32, help="the logical batch B")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument(
-        "--budgets", default="none,2500,4000", help="comma list of MiB, none (unchunked) or pN (chunks of N, no search)"
+        "--budgets",
+        default="none,2500,4000",
+        help="comma list of MiB, none (unchunked), pN (chunks of N, no search) or plain (Keras's step)",
     )
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--json")
@@ -124,9 +135,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.run:
         model_name, b, t, budget = args.run.split(",")
-        physical = int(budget[1:]) if budget.startswith("p") else None
-        given = None if budget == "none" or physical else float(budget)
-        print(json.dumps(run(model_name, int(b), int(t), given, physical)))
+        plain = budget == "plain"
+        physical = int(budget[1:]) if budget.startswith("p") and not plain else None
+        given = None if budget == "none" or physical or plain else float(budget)
+        print(json.dumps(run(model_name, int(b), int(t), given, physical, plain)))
         return 0
     print(f"command: python benchmarks/bench_memory_budget.py {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(f"{os.cpu_count()} CPUs; {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC\n")

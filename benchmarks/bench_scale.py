@@ -1,9 +1,10 @@
-"""Time and memory of one DP step at a real model's size: GPT-2 base (and BERT base), KerasHub classes, random weights.
+"""Time and memory of one DP step at a real model's size: GPT-2 base, BERT base, Llama 1B with LoRA; random weights.
 
     python benchmarks/bench_scale.py --cells 8x128 --quantities batch,norms,clipped --json scale.json
     python benchmarks/bench_scale.py --cells 8x128 --quantities batch,clipped --dynamic-batch
     python benchmarks/bench_scale.py --cells 2x512 --quantities batch,norms,clipped
     python benchmarks/bench_scale.py --model bert --cells 8x128 --quantities batch,clipped
+    python benchmarks/bench_scale.py --model llama_1b_lora --cells 2x128 --quantities batch,clipped,plain_step,dp_step
     PYTHONPATH=/path/to/another/checkout python benchmarks/bench_scale.py ...   # that library instead
 
 Cells are ``BxT`` (batch size x sequence length). Each (cell, quantity)
@@ -49,6 +50,20 @@ _BASE = dict(num_layers=12, hidden_dim=768, intermediate_dim=3072)
 MODELS = {  # name -> (zoo model, its settings besides seq_len)
     "gpt2": ("gpt2_lm", {**_BASE, "vocabulary_size": 50257}),
     "bert": ("bert_classifier", {**_BASE, "vocabulary_size": 30522}),
+    # Llama 3.2 1B's shape (16 x 2048, 8192, 32 query and 8 key/value heads, 128256 tokens, tied embeddings),
+    # random weights; KerasHub's enable_lora(rank=8) on its query and value projections, all else frozen
+    "llama_1b_lora": (
+        "llama_lm",
+        dict(
+            num_layers=16,
+            hidden_dim=2048,
+            intermediate_dim=8192,
+            vocabulary_size=128256,
+            num_key_value_heads=8,
+            tie_word_embeddings=True,
+            lora_rank=8,
+        ),
+    ),
 }
 QUANTITIES = ("batch", "norms", "clipped", "plain_step", "dp_step")
 _MIB = 2**20
@@ -107,7 +122,7 @@ def run_cell(model_name: str, b: int, t: int, q: str, dynamic: bool, repeats: in
     model, x, y = zoo.build(name, b, **config, seq_len=t)
     x = tf.nest.map_structure(tf.convert_to_tensor, x)
     y = tf.convert_to_tensor(y)
-    params = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.trainable_variables)
+    size = lambda vs: sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in vs) / _MIB  # noqa: E731
     fn = _keras_step(model, q, b) if q.endswith("_step") else _functions(model, x, y, dynamic)[q]
 
     times = []
@@ -138,7 +153,8 @@ def run_cell(model_name: str, b: int, t: int, q: str, dynamic: bool, repeats: in
         "quantity": q,
         "dynamic_batch": dynamic,
         "library": os.path.dirname(os.path.dirname(os.path.abspath(peg.__file__))),
-        "params_mib": params / _MIB,
+        "weights_mib": size(model.weights),
+        "params_mib": size(model.trainable_variables),
         "first_s": first,
         "median_s": statistics.median(times),
         "later_calls": len(times),
@@ -169,7 +185,8 @@ def _row(r: dict) -> str:
     if "error" in r:
         return f"| {cell} | {r['quantity']} | {r['error']} | | | | | |"
     return (
-        f"| {cell} | {r['quantity']} | {r['params_mib']:.0f} | {r['kept_mib']:.1f} | {r['peak_mib']:.0f} | "
+        f"| {cell} | {r['quantity']} | {r['weights_mib']:.0f} / {r['params_mib']:.1f} | {r['kept_mib']:.1f} | "
+        f"{r['peak_mib']:.0f} | "
         f"{r['first_s']:.1f} | {r['median_s']:.2f} | {r['fell_back']} |"
     )
 
@@ -218,7 +235,9 @@ def main(argv=None) -> int:
 
     print(f"command: python benchmarks/bench_scale.py {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(f"library: {peg.__file__}; {os.cpu_count()} CPUs; {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC\n")
-    print("| cell | quantity | params MiB | kept MiB | peak MiB | first call s | median s | auto fell back |")
+    print(
+        "| cell | quantity | weights / trainable MiB | kept MiB | peak MiB | first call s | median s | auto fell back |"
+    )
     print("|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
     for b, t in cells:

@@ -112,7 +112,12 @@ def test_keras_hub_class_and_lora_or_quantized_tables():
 
 
 def _zoo_case(name, lora_rank):
-    model, x, y = zoo.build(name, ZOO_B, **({"lora_rank": lora_rank} if lora_rank else {}))
+    config = {"lora_rank": lora_rank} if lora_rank else {}
+    if name == "llama_lm" and lora_rank:  # as bench_scale's Llama 1B: grouped K/V heads, tied embeddings
+        config |= {"num_key_value_heads": 2, "tie_word_embeddings": True}
+    model, x, y = zoo.build(name, ZOO_B, **config)
+    if config.get("tie_word_embeddings"):
+        assert model.backbone.token_embedding.tie_weights and model.backbone.num_key_value_heads == 2
     if lora_rank:
         randomize_lora(model, np.random.default_rng(1))
     return model, x, y

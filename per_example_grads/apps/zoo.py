@@ -156,7 +156,16 @@ def _plain(builder: Callable[[], keras.Model], x: Callable, classes: int) -> Zoo
 # Tiny configurations by default; ``build(..., num_layers=4, hidden_dim=256,
 # ...)`` gives the benchmarks' sizes. ``lora_rank`` enables LoRA on the backbone.
 
-_HUB_DEFAULTS = dict(vocabulary_size=256, num_layers=2, hidden_dim=32, intermediate_dim=64, seq_len=8, lora_rank=None)
+_HUB_DEFAULTS = dict(
+    vocabulary_size=256,
+    num_layers=2,
+    hidden_dim=32,
+    intermediate_dim=64,
+    seq_len=8,
+    lora_rank=None,
+    num_key_value_heads=1,  # Gemma and Llama (grouped-query attention)
+    tie_word_embeddings=False,  # Llama (Gemma's are tied, GPT-2's too)
+)
 
 
 def _hub_config(config: dict) -> dict:
@@ -180,11 +189,11 @@ def _hub_backbone(family: str, c: dict):
         return keras_hub.models.GPT2Backbone(num_heads=heads, max_sequence_length=max(16, c["seq_len"]), **common)
     if family == "bert":
         return keras_hub.models.BertBackbone(num_heads=heads, max_sequence_length=max(16, c["seq_len"]), **common)
-    grouped = dict(num_query_heads=heads, num_key_value_heads=1)
+    grouped = dict(num_query_heads=heads, num_key_value_heads=c["num_key_value_heads"])
     if family == "gemma":
         return keras_hub.models.GemmaBackbone(head_dim=c["hidden_dim"] // heads, **grouped, **common)
     if family == "llama":
-        return keras_hub.models.LlamaBackbone(**grouped, **common)
+        return keras_hub.models.LlamaBackbone(tie_word_embeddings=c["tie_word_embeddings"], **grouped, **common)
     raise ValueError(family)
 
 

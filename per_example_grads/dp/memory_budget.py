@@ -126,7 +126,7 @@ def physical_batch_size_for_memory(
       headroom: the fraction of the budget kept free, in ``[0, 1)``: the
         measured peak must fit ``(1 - headroom) * memory_budget_mib``. It is
         for what the probes do not run (module docstring; on GPT-2 base a
-        ``DPModel``'s ``train_on_batch`` peaked within 1% of them,
+        ``DPModel``'s ``train_on_batch`` peaked within 3% of them,
         benchmarks/RESULTS.md) and for the peak's variation between traces.
       device: ``"GPU:0"``, ``"CPU:0"``, ...; default the first GPU, else the CPU.
       progress: a progress bar over the probes.
