@@ -255,18 +255,24 @@ def test_accumulator_budget_under_strategy_stops_every_replica_at_the_ledgers_li
 
 def _fit(model, x, y, **dp_args):
     dp = peg.keras.DPModel(model, **dp_args)
-    dp.compile(optimizer=keras.optimizers.SGD(0.2), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    dp.compile(
+        optimizer=keras.optimizers.SGD(0.2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=[keras.metrics.SparseCategoricalAccuracy("accuracy")],
+    )
     history = dp.fit(x, y, batch_size=B, epochs=3, shuffle=False, verbose=0)
     return dp, history
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("divisor", [None, 16])
-def test_dp_model_fit_without_noise_equals_one_device(divisor):
+@pytest.mark.parametrize("divisor, physical", [(None, None), (16, 3)])
+def test_dp_model_fit_without_noise_equals_one_device(divisor, physical):
+    """Weights, loss and metrics; in chunks too, where each replica takes its loss and metrics chunk by chunk."""
     strategy = mirrored_strategy()
     model, single = _twins(strategy)
     x, y = np.concatenate([_data(0)[0], _data(1)[0]]), np.concatenate([_data(0)[1], _data(1)[1]])
     args = dict(l2_norm_clip=0.5, noise_multiplier=0.0, expected_batch_size=divisor, num_examples=2 * B, seed=1)
+    args["physical_batch_size"] = physical
     with strategy.scope():
         dp, history = _fit(model, x, y, **args)
     ref, ref_history = _fit(single, x, y, **args)
@@ -278,6 +284,9 @@ def test_dp_model_fit_without_noise_equals_one_device(divisor):
         np.testing.assert_allclose(got, want, rtol=0, atol=float(np.max(atol)))
     assert int(dp.dp_steps.numpy()) == int(ref.dp_steps.numpy()) == 6  # counted once per step, not per replica
     np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=TRAJECTORY_LOSS_RTOL)
+    # The epoch's running fraction of right predictions: the same counts (no example's two largest logits lie
+    # within rounding of each other here)
+    np.testing.assert_allclose(history.history["accuracy"], ref_history.history["accuracy"], rtol=rounding_rtol(1))
     # Fractions k / B of examples over C: equal counts (no norm lies within rounding of C here), one rounding each.
     np.testing.assert_allclose(
         history.history["clipped_fraction"], ref_history.history["clipped_fraction"], rtol=rounding_rtol(1)
