@@ -190,9 +190,10 @@ def clipped_sum(
     ``ClippedSum.predictions`` in their place. It is called once on every
     computed row (not on rows of weight 0 that were not computed): in
     physical chunks, once a chunk, so the loop keeps what it returns and
-    not a language model's ``[B, T, V]`` logits (under XLA, and for
-    units, once on all the rows after the loop, which keeps the
-    predictions). Never called when the engine gives no predictions.
+    not a language model's ``[B, T, V]`` logits (for units, and under XLA
+    when ``physical_batch_size`` does not divide the rows, once on all the
+    rows after the loop, which keeps the predictions: ``_chunked``). Never
+    called when the engine gives no predictions.
 
     ``l2_norm_clip`` is checked already (``check_clip``). Rows of weight 0
     (a Poisson batch's padding) contribute exactly nothing, so outside XLA
@@ -839,8 +840,10 @@ def _chunked(model, loss_fn, data, args, p, outputs=None):
     for its loss and metrics; with ``outputs`` (``clipped_sum``), what it
     makes of each chunk's rows and predictions is kept instead, in the
     loop, so the logical batch's predictions (a language model's
-    ``[B, T, V]`` logits) are never held at once. Under XLA it is called
-    once after the loop, on the rows without their padding. An
+    ``[B, T, V]`` logits) are never held at once. Under XLA, where every
+    chunk has ``P`` rows, that holds when ``P`` divides the rows; otherwise
+    it is called once after the loop, on the rows without the last chunk's
+    zero padding (which unweighted metrics would count). An
     embedding table's ``tf.IndexedSlices`` sums are kept as rows, made
     dense once (with the noise), not per chunk. One chunk's step is
     traced once, as a function, so that the loop knows the structure of
@@ -850,6 +853,8 @@ def _chunked(model, loss_fn, data, args, p, outputs=None):
     # Every row weighs 1 unless weighted; zero padding then weighs 0.
     rows = {"sample_weight": tf.ones([n])} | data
     fixed = in_xla_context()
+    static = tf.nest.flatten(data)[0].shape[0]
+    per_chunk = not fixed or (static is not None and static % p == 0)  # outputs never see zero padding
     if fixed:
         chunks, count = split_into_chunks(rows, p)
         spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), chunks)
@@ -865,7 +870,7 @@ def _chunked(model, loss_fn, data, args, p, outputs=None):
         s, m, pred = clipped_sums_and_predictions(
             model, loss_fn, part["x"], part.get("y"), sample_weight=part["sample_weight"], **args, **units
         )
-        return s, tf.cast(m, tf.float32), pred if fixed else _kept(outputs, part, pred)
+        return s, tf.cast(m, tf.float32), _kept(outputs, part, pred) if per_chunk else pred
 
     step = tf.function(one_chunk, autograph=False).get_concrete_function(spec)
     sums_spec, _, predictions_spec = step.structured_outputs
@@ -914,7 +919,7 @@ def _chunked(model, loss_fn, data, args, p, outputs=None):
         for total, k, v in zip(sums, sliced, variables)
     ]
     predictions = tf.nest.map_structure(rows_of, predictions, predictions_spec)
-    return sums, rows_of(norms, tf.TensorSpec([None])), _kept(outputs, rows, predictions) if fixed else predictions
+    return sums, rows_of(norms, tf.TensorSpec([None])), predictions if per_chunk else _kept(outputs, rows, predictions)
 
 
 def _kept(outputs, rows: dict, predictions):

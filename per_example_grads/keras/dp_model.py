@@ -114,6 +114,9 @@ class DPModel(keras.Model):
         rows, summing their clipped gradients in a loop before the single
         noise draw, so ``fit`` can use logical batches far larger than fit in
         memory (e.g. Poisson batches of 4096 in chunks of 64). Flat clipping only.
+        The loss and metrics are taken chunk by chunk, so the batch's
+        predictions are not held at once (but for unit-level chunks, and
+        under XLA when it does not divide the batch's rows: docs/sharp-edges.md).
         ``peg.dp.physical_batch_size_for_memory`` measures the largest that
         fits a memory budget.
       budget: a ``peg.dp.PrivacyBudget``, or None for no limit.
