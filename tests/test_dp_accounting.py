@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import pytest
 import scipy.stats
+from dp_accounting.dp_event import MixtureOfGaussiansDpEvent
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
@@ -710,3 +711,32 @@ def test_cli_errors(capsys, extra, message):
         cli.main(argv + extra)
     assert exit_info.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_the_pld_of_a_step_is_built_once_and_composes_what_dp_accounting_builds():
+    """``_ReusingPLDAccountant`` keeps each kind of step's PLD and self-composes it: equal to ``PLDAccountant``'s
+    epsilon and delta (the same PLD, so the same numbers), with each step's PLD built once across accountants."""
+    from per_example_grads.dp import accounting
+
+    poisson = dp_accounting.PoissonSampledDpEvent(0.02, dp_accounting.GaussianDpEvent(1.1))
+    truncated = dp_accounting.TruncatedSubsampledGaussianDpEvent(1000, 0.02, 30, 1.1)
+    mixture = MixtureOfGaussiansDpEvent(0.55, [0.0, 1.0, 2.0], [0.9604, 0.0392, 0.0004])
+    events = [
+        dp_accounting.ComposedDpEvent(
+            [dp_accounting.SelfComposedDpEvent(poisson, 40), dp_accounting.SelfComposedDpEvent(truncated, 25)]
+        ),
+        dp_accounting.SelfComposedDpEvent(mixture, 30),
+        dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(0.0, dp_accounting.GaussianDpEvent(1.0)), 5
+        ),
+    ]
+    accounting._step_pld.cache_clear()
+    for event in events:
+        accounting._make_accountant("pld", 1e-3).compose(event).get_epsilon(1e-5)  # a coarse grid: quicker
+        # the same steps at another count: their PLDs are reused, not built again
+        twice = dp_accounting.SelfComposedDpEvent(event, 2)
+        want = PLDAccountant(value_discretization_interval=1e-3).compose(twice)
+        got = accounting._make_accountant("pld", 1e-3).compose(twice)
+        assert got.get_epsilon(1e-5) == want.get_epsilon(1e-5)
+        assert got.get_delta(1.0) == want.get_delta(1.0)
+    assert accounting._step_pld.cache_info().misses == 3  # poisson, truncated, mixture; q = 0 is the parent's

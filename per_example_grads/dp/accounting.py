@@ -108,6 +108,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import math
 import numbers
@@ -117,6 +118,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import dp_accounting
 from dp_accounting import pld, rdp
+from dp_accounting.dp_event import MixtureOfGaussiansDpEvent  # not exported at dp_accounting's top level
 
 from per_example_grads._core.arguments import (
     check_choice,
@@ -147,6 +149,7 @@ SAMPLINGS: tuple[str, ...] = ("poisson", "shuffle")
 SEARCH_MAX_SECONDS = 30.0  # estimated time of all PLD epsilons of one noise_multiplier_for_epsilon
 MAX_STEPS = 10**18  # steps (or releases) in one call or segment: far beyond any run, within int64
 _FINE_INTERVAL = 1e-4  # dp_accounting's default PLD grid step
+_RELATION = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
 _COARSE_INTERVAL = 1e-3  # noise_multiplier_for_epsilon's first search
 
 _STATE_VERSION = 1
@@ -252,8 +255,6 @@ def user_level_dominating_event(event: Any) -> dp_accounting.DpEvent:
 
 def _dominated(event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
     """``event`` with its truncated and mixture-of-Gaussians events replaced by their dominating ones (for RDP)."""
-    from dp_accounting.dp_event import MixtureOfGaussiansDpEvent
-
     if isinstance(event, dp_accounting.TruncatedSubsampledGaussianDpEvent):
         return truncated_dominating_event(event)
     if isinstance(event, MixtureOfGaussiansDpEvent):
@@ -285,8 +286,6 @@ def user_level_event(
     data must respect. ``k = 1`` is the Poisson-sampled Gaussian: DP-SGD's
     example-level event.
     """
-    from dp_accounting.dp_event import MixtureOfGaussiansDpEvent  # not exported at dp_accounting's top level
-
     k = check_positive_int("rows_per_user", rows_per_user)
     q = check_sampling_probability(sampling_probability)
     shifts = [float(j) for j in range(k + 1)]
@@ -1132,10 +1131,80 @@ def adaptive_clipping_noise_multiplier(
 
 def _make_accountant(name: str, interval: float = _FINE_INTERVAL) -> dp_accounting.PrivacyAccountant:
     """A fresh accountant with ``dp_accounting``'s defaults; ``interval``: the PLD grid's step."""
-    relation = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
     if name == "pld":
-        return pld.PLDAccountant(neighboring_relation=relation, value_discretization_interval=interval)
-    return rdp.RdpAccountant(neighboring_relation=relation)
+        return _ReusingPLDAccountant(neighboring_relation=_RELATION, value_discretization_interval=interval)
+    return rdp.RdpAccountant(neighboring_relation=_RELATION)
+
+
+class _ReusingPLDAccountant(pld.PLDAccountant):
+    """``dp_accounting``'s PLD accountant, each kind of step's PLD built once per process and self-composed.
+
+    A budget's and a ledger's searches ask for the same step's PLD at many
+    step counts, and ``PLDAccountant`` builds it anew each time (its slowest
+    part: 0.3-0.6 s for a truncated or mixture step). That PLD is a function
+    of the event's parameters, the grid and the relation alone, and
+    composing returns new objects, so composing the kept one composes what
+    the parent would build (``tests/test_dp_accounting.py`` checks equality).
+    Every other event, and a step of zero sampling or noise, is the parent's.
+    """
+
+    def _maybe_compose(self, event, count, do_compose):
+        key = _step_key(event)
+        if not do_compose or key is None or self.neighboring_relation != _RELATION:
+            return super()._maybe_compose(event, count, do_compose)
+        step = _step_pld(key, self._value_discretization_interval, self.neighboring_relation)
+        self._pld = self._pld.compose(step.self_compose(count))
+        return None
+
+
+def _step_key(event: dp_accounting.DpEvent) -> tuple | None:
+    """The parameters that determine ``event``'s PLD, for the three step events a run records; else None."""
+    if isinstance(event, dp_accounting.PoissonSampledDpEvent) and isinstance(
+        event.event, dp_accounting.GaussianDpEvent
+    ):
+        q, sigma = event.sampling_probability, event.event.noise_multiplier
+        return ("poisson", float(sigma), float(q)) if q > 0 and sigma > 0 else None
+    if isinstance(event, dp_accounting.TruncatedSubsampledGaussianDpEvent):
+        params = (event.dataset_size, event.sampling_probability, event.truncated_batch_size, event.noise_multiplier)
+        return ("truncated", *params) if all(v > 0 for v in params) else None
+    if isinstance(event, MixtureOfGaussiansDpEvent):
+        sensitivities, probabilities = tuple(event.sensitivities), tuple(event.sampling_probs)
+        if event.standard_deviation > 0 and sensitivities != (0.0,):
+            return ("mixture", float(event.standard_deviation), sensitivities, probabilities)
+    return None
+
+
+@functools.lru_cache(maxsize=8)  # each a few MB: the steps of a run's few segments
+def _step_pld(key: tuple, interval: float, relation) -> Any:
+    """The PLD ``PLDAccountant._maybe_compose`` builds for one step of ``_step_key``'s ``key``."""
+    from dp_accounting.pld import privacy_loss_distribution as build
+
+    kind, *params = key
+    if kind == "poisson":
+        sigma, q = params
+        return build.from_gaussian_mechanism(
+            standard_deviation=sigma,
+            value_discretization_interval=interval,
+            sampling_prob=q,
+            neighboring_relation=relation,
+        )
+    if kind == "truncated":
+        n, q, b, sigma = params
+        return build.from_truncated_subsampled_gaussian_mechanism(
+            dataset_size=n,
+            sampling_probability=q,
+            truncated_batch_size=b,
+            noise_multiplier=sigma,
+            value_discretization_interval=interval,
+            neighboring_relation=relation,
+        )
+    std, sensitivities, probabilities = params
+    return build.from_mixture_gaussian_mechanism(
+        standard_deviation=std,
+        sensitivities=list(sensitivities),
+        sampling_probs=list(probabilities),
+        value_discretization_interval=interval,
+    )
 
 
 def _composed_event(segments: list[_Segment]) -> dp_accounting.DpEvent:
