@@ -716,7 +716,7 @@ def test_cli_errors(capsys, extra, message):
 def test_the_pld_of_a_step_is_built_once_and_composes_what_dp_accounting_builds():
     """``_ReusingPLDAccountant`` keeps each kind of step's PLD and self-composes it: equal to ``PLDAccountant``'s
     epsilon and delta (the same PLD, so the same numbers), with each step's PLD built once across accountants."""
-    from per_example_grads.dp import accounting
+    from per_example_grads.dp import accounting, pld_cost
 
     poisson = dp_accounting.PoissonSampledDpEvent(0.02, dp_accounting.GaussianDpEvent(1.1))
     truncated = dp_accounting.TruncatedSubsampledGaussianDpEvent(1000, 0.02, 30, 1.1)
@@ -730,7 +730,7 @@ def test_the_pld_of_a_step_is_built_once_and_composes_what_dp_accounting_builds(
             dp_accounting.PoissonSampledDpEvent(0.0, dp_accounting.GaussianDpEvent(1.0)), 5
         ),
     ]
-    accounting._step_pld.cache_clear()
+    pld_cost.step_distribution.cache_clear()
     for event in events:
         accounting._make_accountant("pld", 1e-3).compose(event).get_epsilon(1e-5)  # a coarse grid: quicker
         # the same steps at another count: their PLDs are reused, not built again
@@ -739,4 +739,4 @@ def test_the_pld_of_a_step_is_built_once_and_composes_what_dp_accounting_builds(
         got = accounting._make_accountant("pld", 1e-3).compose(twice)
         assert got.get_epsilon(1e-5) == want.get_epsilon(1e-5)
         assert got.get_delta(1.0) == want.get_delta(1.0)
-    assert accounting._step_pld.cache_info().misses == 3  # poisson, truncated, mixture; q = 0 is the parent's
+    assert pld_cost.step_distribution.cache_info().misses == 3  # poisson, truncated, mixture; q = 0 is the parent's

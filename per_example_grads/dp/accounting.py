@@ -108,7 +108,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 import math
 import numbers
@@ -1141,10 +1140,12 @@ class _ReusingPLDAccountant(pld.PLDAccountant):
 
     A budget's and a ledger's searches ask for the same step's PLD at many
     step counts, and ``PLDAccountant`` builds it anew each time (its slowest
-    part: 0.3-0.6 s for a truncated or mixture step). That PLD is a function
-    of the event's parameters, the grid and the relation alone, and
-    composing returns new objects, so composing the kept one composes what
-    the parent would build (``tests/test_dp_accounting.py`` checks equality).
+    part: 0.3-0.6 s for a truncated or mixture step), after ``pld_cost`` built
+    it once more for its estimate. That PLD is a function of the event's
+    parameters, the grid and the relation alone, and composing returns new
+    objects, so composing the kept one (``pld_cost.step_distribution``, which
+    the estimate reads too) composes what the parent would build
+    (``tests/test_dp_accounting.py`` checks equality).
     Every other event, and a step of zero sampling or noise, is the parent's.
     """
 
@@ -1152,13 +1153,13 @@ class _ReusingPLDAccountant(pld.PLDAccountant):
         key = _step_key(event)
         if not do_compose or key is None or self.neighboring_relation != _RELATION:
             return super()._maybe_compose(event, count, do_compose)
-        step = _step_pld(key, self._value_discretization_interval, self.neighboring_relation)
+        step = pld_cost.step_distribution(key, self._value_discretization_interval, self.neighboring_relation)
         self._pld = self._pld.compose(step.self_compose(count))
         return None
 
 
 def _step_key(event: dp_accounting.DpEvent) -> tuple | None:
-    """The parameters that determine ``event``'s PLD, for the three step events a run records; else None."""
+    """``pld_cost.step_distribution``'s key of ``event``: the three step events a run records; else None."""
     if isinstance(event, dp_accounting.PoissonSampledDpEvent) and isinstance(
         event.event, dp_accounting.GaussianDpEvent
     ):
@@ -1172,39 +1173,6 @@ def _step_key(event: dp_accounting.DpEvent) -> tuple | None:
         if event.standard_deviation > 0 and sensitivities != (0.0,):
             return ("mixture", float(event.standard_deviation), sensitivities, probabilities)
     return None
-
-
-@functools.lru_cache(maxsize=8)  # each a few MB: the steps of a run's few segments
-def _step_pld(key: tuple, interval: float, relation) -> Any:
-    """The PLD ``PLDAccountant._maybe_compose`` builds for one step of ``_step_key``'s ``key``."""
-    from dp_accounting.pld import privacy_loss_distribution as build
-
-    kind, *params = key
-    if kind == "poisson":
-        sigma, q = params
-        return build.from_gaussian_mechanism(
-            standard_deviation=sigma,
-            value_discretization_interval=interval,
-            sampling_prob=q,
-            neighboring_relation=relation,
-        )
-    if kind == "truncated":
-        n, q, b, sigma = params
-        return build.from_truncated_subsampled_gaussian_mechanism(
-            dataset_size=n,
-            sampling_probability=q,
-            truncated_batch_size=b,
-            noise_multiplier=sigma,
-            value_discretization_interval=interval,
-            neighboring_relation=relation,
-        )
-    std, sensitivities, probabilities = params
-    return build.from_mixture_gaussian_mechanism(
-        standard_deviation=std,
-        sensitivities=list(sensitivities),
-        sampling_probs=list(probabilities),
-        value_discretization_interval=interval,
-    )
 
 
 def _composed_event(segments: list[_Segment]) -> dp_accounting.DpEvent:

@@ -155,6 +155,43 @@ def _grid_size(sigma: float, q: float, adjacency: Any, interval: float) -> float
     return math.ceil(upper) - math.floor(lower) + 1
 
 
+@functools.lru_cache(maxsize=8)  # each a few MB: the steps of a run's few segments
+def step_distribution(key: tuple, interval: float, relation) -> Any:
+    """The PLD ``PLDAccountant._maybe_compose`` builds for one step, built once for this estimate and the accountant.
+
+    ``key``: ``("poisson", sigma, q)``, ``("truncated", N, q, B, sigma)`` or
+    ``("mixture", sigma, sensitivities, probabilities)`` (``accounting._step_key``).
+    """
+    build = pld.privacy_loss_distribution
+    kind, *params = key
+    with quiet_accounting():
+        if kind == "poisson":
+            sigma, q = params
+            return build.from_gaussian_mechanism(
+                standard_deviation=sigma,
+                value_discretization_interval=interval,
+                sampling_prob=q,
+                neighboring_relation=relation,
+            )
+        if kind == "truncated":
+            n, q, b, sigma = params
+            return build.from_truncated_subsampled_gaussian_mechanism(
+                dataset_size=n,
+                sampling_probability=q,
+                truncated_batch_size=b,
+                noise_multiplier=sigma,
+                value_discretization_interval=interval,
+                neighboring_relation=relation,
+            )
+        std, sensitivities, probabilities = params
+        return build.from_mixture_gaussian_mechanism(
+            standard_deviation=std,
+            sensitivities=list(sensitivities),
+            sampling_probs=list(probabilities),
+            value_discretization_interval=interval,
+        )
+
+
 @functools.lru_cache(maxsize=2)  # a ledger's next epsilon, one step later, reuses it
 def _single_step_probabilities(sigma: float, q: float, interval: float) -> tuple[Any, ...]:
     """The remove and add PMFs' probabilities that ``PLDAccountant`` builds for one sampled Gaussian step.
@@ -162,13 +199,9 @@ def _single_step_probabilities(sigma: float, q: float, interval: float) -> tuple
     ``(None, None)`` if ``dp_accounting``'s private layout differs from the one
     read here; ``_self_composition`` then takes its worst case.
     """
-    with quiet_accounting():
-        distribution = pld.privacy_loss_distribution.from_gaussian_mechanism(
-            sigma,
-            value_discretization_interval=interval,
-            sampling_prob=q,
-            neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
-        )
+    distribution = step_distribution(
+        ("poisson", float(sigma), float(q)), interval, dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+    )
     try:
         pmfs = (distribution._pmf_remove, distribution._pmf_add)  # pylint: disable=protected-access
         return tuple(pmf.to_dense_pmf()._probs for pmf in pmfs)  # pylint: disable=protected-access
