@@ -40,7 +40,7 @@ _MIB = 2**20
 def run(model_name: str, b: int, t: int, budget: float | None, physical: int | None = None, plain=False) -> dict:
     import keras
     import tensorflow as tf
-    from bench_scale import MODELS
+    from bench_scale import MODELS, keras_step
 
     import per_example_grads as peg
     from per_example_grads.apps import zoo
@@ -49,7 +49,6 @@ def run(model_name: str, b: int, t: int, budget: float | None, physical: int | N
     model, x, y = zoo.build(name, b, **config, seq_len=t)
     x = tf.nest.map_structure(tf.convert_to_tensor, x)
     y = tf.convert_to_tensor(y)
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     row = {
         "model": model_name,
         "b": b,
@@ -59,8 +58,8 @@ def run(model_name: str, b: int, t: int, budget: float | None, physical: int | N
         "fit_s": None,
         "fit_peak_mib": None,
         "plain": plain,
+        "library": os.path.dirname(os.path.dirname(os.path.abspath(peg.__file__))),
     }
-    row["library"] = os.path.dirname(os.path.dirname(os.path.abspath(peg.__file__)))
     if budget is not None:
         start = time.perf_counter()
         fit = peg.dp.physical_batch_size_for_memory(
@@ -69,21 +68,13 @@ def run(model_name: str, b: int, t: int, budget: float | None, physical: int | N
         )  # fmt: skip
         row |= {"p": fit.physical_batch_size, "fit_s": time.perf_counter() - start, "fit_peak_mib": fit.peak_mib}
         row["probes"] = fit.probes
-    if plain:  # through keras.Model.compile itself: KerasHub's CausalLM.compile would add its accuracy metric
-        net = model
-        keras.Model.compile(net, optimizer=keras.optimizers.SGD(0.01), loss=loss, jit_compile=False)
-    else:
-        net = peg.keras.DPModel(
-            model, l2_norm_clip=1.0, noise_multiplier=1.0, num_examples=1000, expected_batch_size=b, seed=0,
-            physical_batch_size=row["p"],
-        )  # fmt: skip
-        net.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss, jit_compile=False)
-    net.train_on_batch(x, y)
+    step = keras_step(model, "plain_step" if plain else "dp_step", b, physical_batch_size=row["p"])
+    step(x, y)
     peaks, times = [], []
     for _ in range(2):
         tf.config.experimental.reset_memory_stats("CPU:0")
         start = time.perf_counter()
-        net.train_on_batch(x, y)
+        step(x, y)
         times.append(time.perf_counter() - start)
         peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] / _MIB)
     return row | {"step_peak_mib": max(peaks), "step_s": statistics.median(times)}

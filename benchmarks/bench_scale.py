@@ -89,8 +89,11 @@ def _functions(model, x, y, dynamic: bool) -> dict:
     return {"batch": fns["batch_grad"], "norms": fns["norms"], "clipped": fns["clipped"]}
 
 
-def _keras_step(model, q: str, b: int):
-    """``(x, y) -> logs`` for one ``train_on_batch`` of the model (``plain_step``) or of its DPModel (``dp_step``)."""
+def keras_step(model, q: str, b: int, physical_batch_size: int | None = None):
+    """``(x, y) -> logs`` for one ``train_on_batch`` of the model (``plain_step``) or of its DPModel (``dp_step``).
+
+    SGD, no XLA; the DPModel in chunks of ``physical_batch_size`` rows if given (``bench_memory_budget``).
+    """
     import keras
 
     import per_example_grads as peg
@@ -99,8 +102,9 @@ def _keras_step(model, q: str, b: int):
     net = model
     if q == "dp_step":
         net = peg.keras.DPModel(
-            model, l2_norm_clip=1.0, noise_multiplier=1.0, num_examples=1000, expected_batch_size=b, seed=0
-        )
+            model, l2_norm_clip=1.0, noise_multiplier=1.0, num_examples=1000, expected_batch_size=b, seed=0,
+            physical_batch_size=physical_batch_size,
+        )  # fmt: skip
     # The plain model through keras.Model.compile itself: KerasHub's CausalLM.compile would add its accuracy metric
     compile_ = net.compile if q == "dp_step" else lambda **kw: keras.Model.compile(net, **kw)
     compile_(optimizer=keras.optimizers.SGD(0.01), loss=loss, jit_compile=False)
@@ -123,7 +127,7 @@ def run_cell(model_name: str, b: int, t: int, q: str, dynamic: bool, repeats: in
     x = tf.nest.map_structure(tf.convert_to_tensor, x)
     y = tf.convert_to_tensor(y)
     size = lambda vs: sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in vs) / _MIB  # noqa: E731
-    fn = _keras_step(model, q, b) if q.endswith("_step") else _functions(model, x, y, dynamic)[q]
+    fn = keras_step(model, q, b) if q.endswith("_step") else _functions(model, x, y, dynamic)[q]
 
     times = []
 
