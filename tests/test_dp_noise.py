@@ -122,3 +122,51 @@ def test_tensors_share_draws_in_groups_and_every_coordinate_is_its_own_normal(mo
     z = np.concatenate([t.numpy().ravel() for t in first]) / 3.0
     assert stats.kstest(z, "norm").statistic < 1.95 / math.sqrt(z.size)
     assert abs(z.var() - 1) < 5 * math.sqrt(2 / z.size)
+
+
+@pytest.mark.parametrize("source", ["stateless", "generator"])
+@pytest.mark.parametrize("graph", [False, True])
+def test_combined_noise_is_the_same_draw_each_group_ordered_after_the_last(monkeypatch, source, graph):
+    """``combine`` returns ``combine(t, noise)`` for the very same draws, one group after the other in a graph."""
+    monkeypatch.setattr(noise, "MAX_DRAW", 4000)
+    tensors = [
+        tf.fill([10, 100], 1.0),
+        tf.fill([2000], 2.0),
+        tf.fill([10], tf.constant(3.0, tf.float64)),
+        tf.ones([3000]),
+    ]
+    seeds = [tf.random.Generator.from_seed(5) if source == "generator" else 5 for _ in range(3)]  # equal sources
+
+    def both():
+        plain = noise.gaussian_like(tensors, 2.0, seeds[0], step=3)
+        combined = noise.gaussian_like(tensors, 2.0, seeds[1], step=3, combine=lambda t, n: (t + n) / 4)
+        return plain, combined
+
+    plain, combined = tf.function(both)() if graph else both()
+    for t, n, c in zip(tensors, plain, combined):
+        assert c.dtype == t.dtype and c.shape == t.shape
+        np.testing.assert_array_equal(c.numpy(), ((t + n) / 4).numpy())
+    assert np.std(plain[3].numpy()) > 1.5  # noise, not zeros
+
+    if graph:  # groups [0, 1], [2], [3]: each draw waits for its own tensors and the previous group's results
+        fn = tf.function(lambda *ts: noise.gaussian_like(ts, 2.0, seeds[2], step=3, combine=lambda t, n: t + n))
+        g = fn.get_concrete_function(*(tf.TensorSpec(t.shape, t.dtype) for t in tensors)).graph
+        uniforms = [op for op in g.get_operations() if op.type == "StatelessRandomUniformV2"]
+        outputs = [t.op.inputs[0].op for t in g.outputs]  # the results, under the function's Identity
+        inputs = [t.op for t in g.inputs[: len(tensors)]]
+        assert len(uniforms) == 3
+        assert {inputs[0], inputs[1]} <= _ancestors(uniforms[0]) and outputs[2] not in _ancestors(uniforms[0])
+        assert {inputs[2], outputs[0], outputs[1]} <= _ancestors(uniforms[1])
+        assert {inputs[3], outputs[2]} <= _ancestors(uniforms[2])
+
+
+def _ancestors(op) -> set:
+    """Every op ``op`` waits for, through its inputs and control inputs."""
+    seen, stack = set(), [op]
+    while stack:
+        o = stack.pop()
+        for parent in [t.op for t in o.inputs] + list(o.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen

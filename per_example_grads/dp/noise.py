@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -135,7 +135,14 @@ def draw_groups(tensors: Sequence[tf.Tensor]) -> list[list[int]]:
     return groups
 
 
-def gaussian_like(tensors: Sequence[tf.Tensor], stddev, seed: NoiseSeed = None, *, step=None) -> list[tf.Tensor]:
+def gaussian_like(
+    tensors: Sequence[tf.Tensor],
+    stddev,
+    seed: NoiseSeed = None,
+    *,
+    step=None,
+    combine: Callable[[tf.Tensor, tf.Tensor], tf.Tensor] | None = None,
+) -> list[tf.Tensor]:
     """Independent ``N(0, stddev^2)`` noise shaped like each of ``tensors``.
 
     Every coordinate of every tensor gets its own standard normal draw,
@@ -155,9 +162,18 @@ def gaussian_like(tensors: Sequence[tf.Tensor], stddev, seed: NoiseSeed = None, 
       seed: see the module docstring.
       step: with a stateless seed, the logical step the noise is for; the key
         is folded with it, so every step gets its own noise.
+      combine: if given, ``combine(tensors[i], noise[i])`` is returned
+        instead of the noise, and in a graph each group is drawn only once
+        its own tensors and the previous group's results exist, so one
+        group's noise (and its draw's temporaries) is alive at a time. (A
+        draw depends on nothing but its key: unordered, every draw runs as
+        the step starts and all the noise lives until the last tensor it is
+        added to is ready, a whole model's worth during a DP step's chunk
+        loop.) The draws are the same either way.
 
     Returns:
-      list of noise tensors, same shapes and dtypes as ``tensors``.
+      list of noise tensors, same shapes and dtypes as ``tensors`` (or what
+      ``combine`` returns for each).
     """
     if not tensors:
         return []
@@ -175,17 +191,21 @@ def gaussian_like(tensors: Sequence[tf.Tensor], stddev, seed: NoiseSeed = None, 
         keys = [tf.random.experimental.stateless_fold_in(key, j) for j in range(len(groups))]
     scale = tf.cast(stddev, tf.float32)
     out: list = [None] * len(tensors)
+    after: list = []  # what the next group's draw waits for (with combine)
     for group, k in zip(groups, keys):
         first = tensors[group[0]]
-        if not first.shape.is_fully_defined():  # a group of its own
-            n = tf.size(first, out_type=tf.int64)
-            out[group[0]] = tf.cast(tf.reshape(standard_normal(n, k) * scale, tf.shape(first)), first.dtype)
-            continue
-        sizes = [tensors[i].shape.num_elements() for i in group]
-        z = tf.cast(standard_normal(sum(sizes), k) * scale, first.dtype)
-        parts = tf.split(z, sizes) if len(group) > 1 else [z]
+        with tf.control_dependencies(after + [tensors[i] for i in group] if combine else []):
+            if not first.shape.is_fully_defined():  # a group of its own
+                n = tf.size(first, out_type=tf.int64)
+                parts = [tf.cast(tf.reshape(standard_normal(n, k) * scale, tf.shape(first)), first.dtype)]
+            else:
+                sizes = [tensors[i].shape.num_elements() for i in group]
+                z = tf.cast(standard_normal(sum(sizes), k) * scale, first.dtype)
+                parts = tf.split(z, sizes) if len(group) > 1 else [z]
+                parts = [tf.reshape(part, tensors[i].shape) for i, part in zip(group, parts)]
         for i, part in zip(group, parts):
-            out[i] = tf.reshape(part, tensors[i].shape)
+            out[i] = combine(tensors[i], part) if combine else part
+        after = [out[i] for i in group]
     return out
 
 

@@ -42,7 +42,7 @@ from per_example_grads._core.arguments import total_clip
 from per_example_grads.clipping import dense_sums
 from per_example_grads.dp import adaptive as adaptive_clipping
 from per_example_grads.dp import composition
-from per_example_grads.dp.mechanisms import NoiseMechanism
+from per_example_grads.dp.mechanisms import GaussianNoise, NoiseMechanism
 from per_example_grads.dp.noise import NoiseSeed, gaussian_like
 
 if TYPE_CHECKING:
@@ -60,15 +60,20 @@ def noised_average(
     ``x = mechanism.correlate(z, step)`` for this step's fresh draw ``z ~
     N(0, stddev^2)`` (``x = z`` without a mechanism). Inside
     ``strategy.run`` the draw's std is ``stddev / sqrt(R)`` on each of the
-    ``R`` replicas, so the sum of the replicas' results has it once.
+    ``R`` replicas, so the sum of the replicas' results has it once. Where
+    ``x = z`` (DP-SGD) the noise is drawn and added one draw group at a
+    time (``gaussian_like``'s ``combine``): a model's worth of noise is
+    never alive at once.
     """
     sums = dense_sums(sums)  # the noise is dense: every row of an embedding table gets some
-    noise = gaussian_like(sums, replicas.noise_share(stddev), seed, step=step)
-    if mechanism is not None:
-        noise = mechanism.correlate(noise, step)
     # One cast (or constant) per dtype: a comprehension over the sums made one per variable, all but the last unused.
     divisors = {dtype: tf.cast(divisor, dtype) for dtype in dict.fromkeys(s.dtype for s in sums)}
-    return [(s + n) / divisors[s.dtype] for s, n in zip(sums, noise)]
+    average = lambda s, n: (s + n) / divisors[s.dtype]  # noqa: E731
+    std = replicas.noise_share(stddev)
+    if mechanism is None or type(mechanism).correlate is GaussianNoise.correlate:  # the draw is the noise
+        return gaussian_like(sums, std, seed, step=step, combine=average)
+    noise = mechanism.correlate(gaussian_like(sums, std, seed, step=step), step)
+    return [average(s, n) for s, n in zip(sums, noise)]
 
 
 @dataclasses.dataclass(frozen=True)
