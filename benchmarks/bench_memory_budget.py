@@ -40,15 +40,11 @@ _MIB = 2**20
 def run(model_name: str, b: int, t: int, budget: float | None, physical: int | None = None, plain=False) -> dict:
     import keras
     import tensorflow as tf
-    from bench_scale import MODELS, keras_step
+    from bench_scale import build, keras_step
 
     import per_example_grads as peg
-    from per_example_grads.apps import zoo
 
-    name, config = MODELS[model_name]
-    model, x, y = zoo.build(name, b, **config, seq_len=t)
-    x = tf.nest.map_structure(tf.convert_to_tensor, x)
-    y = tf.convert_to_tensor(y)
+    model, x, y = build(model_name, b, t)
     row = {
         "model": model_name,
         "b": b,

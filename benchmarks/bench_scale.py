@@ -1,13 +1,17 @@
-"""Time and memory of one DP step at a real model's size: GPT-2 base, BERT base, Llama 1B with LoRA; random weights.
+"""Time and memory of one DP step at a real model's size: GPT-2 base, BERT base, Llama 1B with LoRA, ViT-B/16,
+ResNet-50; random weights.
 
     python benchmarks/bench_scale.py --cells 8x128 --quantities batch,norms,clipped --json scale.json
     python benchmarks/bench_scale.py --cells 8x128 --quantities batch,clipped --dynamic-batch
     python benchmarks/bench_scale.py --cells 2x512 --quantities batch,norms,clipped
     python benchmarks/bench_scale.py --model bert --cells 8x128 --quantities batch,clipped
     python benchmarks/bench_scale.py --model llama_1b_lora --cells 2x128 --quantities batch,clipped,plain_step,dp_step
+    python benchmarks/bench_scale.py --model vit_b16 --cells 4x224 --quantities batch,norms,clipped,plain_step,dp_step
+    python benchmarks/bench_scale.py --model resnet50 --cells 8x224
     PYTHONPATH=/path/to/another/checkout python benchmarks/bench_scale.py ...   # that library instead
 
-Cells are ``BxT`` (batch size x sequence length). Each (cell, quantity)
+Cells are ``BxT``: batch size x sequence length, or x image side for ViT-B/16 and ResNet-50 (whose
+BatchNormalization is frozen, ``build``). Each (cell, quantity)
 runs in its own fresh process, with TensorFlow's BFC CPU allocator
 (``TF_CPU_ALLOCATOR_USE_BFC=true``, set for the child: the allocator keeps
 byte statistics only then). The model is built by the shared zoo
@@ -36,6 +40,7 @@ they are traced with an ``input_signature`` whose batch dimension is unknown
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -47,9 +52,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 _BASE = dict(num_layers=12, hidden_dim=768, intermediate_dim=3072)
-MODELS = {  # name -> (zoo model, its settings besides seq_len)
-    "gpt2": ("gpt2_lm", {**_BASE, "vocabulary_size": 50257}),
-    "bert": ("bert_classifier", {**_BASE, "vocabulary_size": 30522}),
+MODELS = {  # name -> (zoo model, its settings, the setting a cell's second number gives)
+    "gpt2": ("gpt2_lm", {**_BASE, "vocabulary_size": 50257}, "seq_len"),
+    "bert": ("bert_classifier", {**_BASE, "vocabulary_size": 30522}, "seq_len"),
     # Llama 3.2 1B's shape (16 x 2048, 8192, 32 query and 8 key/value heads, 128256 tokens, tied embeddings),
     # random weights; KerasHub's enable_lora(rank=8) on its query and value projections, all else frozen
     "llama_1b_lora": (
@@ -63,7 +68,10 @@ MODELS = {  # name -> (zoo model, its settings besides seq_len)
             tie_word_embeddings=True,
             lora_rank=8,
         ),
+        "seq_len",
     ),
+    "vit_b16": ("vit_classifier", {**_BASE, "patch_size": 16}, "image_size"),  # ViT-B/16, 10 classes
+    "resnet50": ("resnet50", {}, "image_size"),  # keras.applications, 10 classes, BatchNormalization frozen
 }
 QUANTITIES = ("batch", "norms", "clipped", "plain_step", "dp_step")
 _MIB = 2**20
@@ -111,21 +119,36 @@ def keras_step(model, q: str, b: int, physical_batch_size: int | None = None):
     return lambda x, y: net.train_on_batch(x, y, return_dict=True)
 
 
+def build(model_name: str, b: int, t: int) -> tuple:
+    """``(model, x, y)`` of ``MODELS[model_name]`` with ``b`` rows of length (or image side) ``t``, as tensors.
+
+    BatchNormalization is frozen (``peg.dp.fix_model(batch_norm="freeze")``: inference mode, not trained), as
+    when fine-tuning a pretrained convolutional network privately.
+    """
+    import keras
+    import tensorflow as tf
+
+    import per_example_grads as peg
+    from per_example_grads.apps import zoo
+
+    name, config, side = MODELS[model_name]
+    model, x, y = zoo.build(name, b, **config, **{side: t})
+    if any(isinstance(layer, keras.layers.BatchNormalization) for layer in model._flatten_layers()):
+        model = peg.dp.fix_model(model, batch_norm="freeze")
+        gc.collect()  # the unfixed model's weights, freed now rather than during the first measured call
+    return model, tf.nest.map_structure(tf.convert_to_tensor, x), tf.convert_to_tensor(y)
+
+
 def run_cell(model_name: str, b: int, t: int, q: str, dynamic: bool, repeats: int) -> dict:
     """One quantity at one cell, in this process: the row's numbers (module docstring)."""
     import warnings
 
     import numpy as np
-    import tensorflow as tf
     from bench_layerwise import peak_allocated_mib, wait_for
 
     import per_example_grads as peg
-    from per_example_grads.apps import zoo
 
-    name, config = MODELS[model_name]
-    model, x, y = zoo.build(name, b, **config, seq_len=t)
-    x = tf.nest.map_structure(tf.convert_to_tensor, x)
-    y = tf.convert_to_tensor(y)
+    model, x, y = build(model_name, b, t)
     size = lambda vs: sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in vs) / _MIB  # noqa: E731
     fn = keras_step(model, q, b) if q.endswith("_step") else _functions(model, x, y, dynamic)[q]
 

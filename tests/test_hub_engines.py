@@ -9,8 +9,8 @@ line after each: if the child dies, the last ``CASE`` and ``START`` name the
 model and engine that took it down. The child builds each model and its
 one-example reference once.
 
-All eight cases share one child (TensorFlow and KerasHub imported once, not
-eight times: most of a child's seconds). If that child dies, or runs past
+All ten cases share one child (TensorFlow and KerasHub imported once, not
+ten times: most of a child's seconds). If that child dies, or runs past
 its time, every case runs again in a child of its own, as each once did: a
 crash is then the case's own, and the case the shared child died in fails
 even if it passes alone (a crash that needs an earlier case is still a crash).
@@ -30,7 +30,7 @@ import sys
 
 import pytest
 
-MODELS = ["gemma_lm", "llama_lm", "gpt2_lm", "bert_classifier"]
+MODELS = ["gemma_lm", "llama_lm", "gpt2_lm", "bert_classifier", "vit_classifier"]
 ENGINES = ["layerwise", "vectorized", "jacobian", "weight_copies", "loop", "auto"]
 B = 2
 
@@ -47,6 +47,7 @@ REFUSED = {
     ("llama_lm", "vectorized"): [_MATMUL],
     ("gpt2_lm", "vectorized"): [_MATMUL],
     ("bert_classifier", "vectorized"): [_MATMUL],
+    ("vit_classifier", "vectorized"): [_MATMUL],
 }
 
 

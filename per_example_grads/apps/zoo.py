@@ -27,6 +27,10 @@ The models:
 - ``gpt2_lm``, ``gemma_lm``, ``llama_lm`` (KerasHub causal language models,
   token embedding tied to the output head) and ``bert_classifier``, built from
   their classes with tiny configurations (needs ``pip install ".[hub]"``);
+- ``vit_classifier``: KerasHub's ``ViTImageClassifier`` (class-token head, 10
+  classes) on a ``ViTBackbone``, tiny by default (32x32x3 images, 8x8 patches,
+  2 layers of 32; ``lora_rank`` as above); ``image_size=224, patch_size=16, num_layers=12,
+  hidden_dim=768, intermediate_dim=3072`` is ViT-B/16 (needs ``.[hub]``);
 - ``mobilenet_v2``, ``efficientnet_b0``, ``convnext_tiny``, ``resnet50``,
   ``xception``: ``keras.applications`` on 32x32x3 images (Xception needs
   at least 71x71: ``image_size=71``), 10 classes, ``weights=None``,
@@ -231,6 +235,33 @@ def _hub(family: str) -> ZooModel:
     return ZooModel(lambda **config: _hub_model(family, **config), _hub_data(family), needs="keras_hub")
 
 
+_VIT_DEFAULTS = dict(image_size=32, patch_size=8, num_layers=2, hidden_dim=32, intermediate_dim=64, lora_rank=None)
+
+
+def _vit_model(**config) -> keras.Model:
+    import keras_hub
+
+    unknown = set(config) - set(_VIT_DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown ViT zoo settings {sorted(unknown)}; choose from {sorted(_VIT_DEFAULTS)}")
+    c = {**_VIT_DEFAULTS, **config}
+    backbone = keras_hub.models.ViTBackbone(
+        image_shape=(c["image_size"], c["image_size"], 3),
+        patch_size=c["patch_size"],
+        num_layers=c["num_layers"],
+        num_heads=max(2, c["hidden_dim"] // 64),
+        hidden_dim=c["hidden_dim"],
+        mlp_dim=c["intermediate_dim"],
+    )
+    if c["lora_rank"]:
+        backbone.enable_lora(rank=c["lora_rank"])
+    return keras_hub.models.ViTImageClassifier(backbone=backbone, num_classes=10, preprocessor=None)
+
+
+def _vit_data(rng, b, image_size: int = _VIT_DEFAULTS["image_size"], **config):
+    return _images((image_size, image_size, 3))(rng, b), _labels(10)(rng, b)
+
+
 # ------------------------------------------------------- keras.applications
 # 32x32x3 inputs, 10 classes, random initialization (weights=None).
 
@@ -260,6 +291,7 @@ MODELS: dict[str, ZooModel] = {
     "gemma_lm": _hub("gemma"),
     "llama_lm": _hub("llama"),
     "bert_classifier": _hub("bert"),
+    "vit_classifier": ZooModel(_vit_model, _vit_data, needs="keras_hub"),
     "mobilenet_v2": _application("MobileNetV2"),
     "efficientnet_b0": _application("EfficientNetB0"),
     "convnext_tiny": _application("ConvNeXtTiny"),
@@ -292,6 +324,6 @@ def build(name: str, batch_size: int, seed: int = 0, **config) -> tuple[keras.Mo
     the causal language models.
     """
     model = build_model(name, seed, **config)
-    data_config = {k: v for k, v in config.items() if k in ("image_size", *_HUB_DEFAULTS)}
+    data_config = {k: v for k, v in config.items() if k in ("image_size", *_HUB_DEFAULTS, *_VIT_DEFAULTS)}
     x, y = MODELS[name].data(np.random.default_rng(seed), batch_size, **data_config)
     return model, x, y
