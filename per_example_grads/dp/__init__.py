@@ -42,6 +42,8 @@ _EXPORTS = {
     "monte_carlo_epsilon": "per_example_grads.dp.monte_carlo",
     "monte_carlo_noise_multiplier": "per_example_grads.dp.monte_carlo",
     "min_sep_batches": "per_example_grads.dp.min_sep",
+    "MechanismChoice": "per_example_grads.dp.planning",
+    "rank_mechanisms": "per_example_grads.dp.planning",
     "FixedSizeSampling": "per_example_grads.dp.sampling",
     "PhysicalChunk": "per_example_grads.dp.sampling",
     "PoissonSampling": "per_example_grads.dp.sampling",
@@ -93,6 +95,7 @@ if _TYPE_CHECKING:  # what static tools see; at run time __getattr__ does this
         monte_carlo_noise_multiplier,
     )
     from per_example_grads.dp.noise import RepeatedNoiseWarning  # noqa: F401
+    from per_example_grads.dp.planning import MechanismChoice, rank_mechanisms  # noqa: F401
     from per_example_grads.dp.private import private_gradients  # noqa: F401
     from per_example_grads.dp.sampling import (
         FixedSizeSampling,  # noqa: F401

@@ -1,0 +1,103 @@
+"""rank_mechanisms: every candidate calibrated to the target, ranked by its amplified prefix-sum error."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+
+import per_example_grads as peg
+from per_example_grads.dp.planning import rank_mechanisms
+
+N, B, STEPS, EPSILON, DELTA = 1000, 20, 100, 2.0, 1e-5
+
+
+def _prefix_error(coefficients, n):
+    """``||A C^{-1}||_F / sqrt(n)`` from the n x n matrices themselves (independent of mf_strategies' series)."""
+    c = np.zeros(n)
+    c[: min(n, len(coefficients))] = coefficients[:n]
+    big_c = np.array([[c[i - j] if i >= j else 0.0 for j in range(n)] for i in range(n)])
+    a = np.tril(np.ones((n, n)))
+    return np.linalg.norm(a @ np.linalg.inv(big_c)) / math.sqrt(n)
+
+
+@pytest.fixture(scope="module")
+def ranked():
+    # RDP calibrates in milliseconds; the PLD path is the doctest's and the trained run's below
+    return rank_mechanisms(
+        EPSILON, DELTA, N, B, STEPS, bands=[2, 5], blt_buffers=(1,), accountant="rdp", progress=False
+    )
+
+
+def test_each_candidate_spends_the_target_and_no_less_noise_would(ranked):
+    assert [c.name for c in sorted(ranked, key=lambda c: c.name)] == ["BLT(1)", "BandMF(2)", "BandMF(5)", "DP-SGD"]
+    for c in ranked:
+        kw = dict(delta=DELTA, steps=STEPS, mechanism=c.mechanism, accountant="rdp")
+        spent = peg.dp.compute_epsilon(N, B, None, noise_multiplier=c.noise_multiplier, **kw)
+        below = peg.dp.compute_epsilon(N, B, None, noise_multiplier=c.noise_multiplier * 0.99, **kw)
+        assert spent <= EPSILON < below, (c.name, spent, below)
+        assert c.accounting == "rdp"
+
+
+def test_the_sampling_is_each_mechanisms_own(ranked):
+    by_name = {c.name: c for c in ranked}
+    assert (by_name["DP-SGD"].cycle_length, by_name["DP-SGD"].sampling_probability) == (1, B / N)
+    assert (by_name["BandMF(5)"].cycle_length, by_name["BandMF(5)"].sampling_probability) == (5, 5 * B / N)
+    assert (by_name["BLT(1)"].cycle_length, by_name["BLT(1)"].sampling_probability) == (N // B, 1.0)
+    assert by_name["BandMF(5)"].mechanism.num_steps == STEPS and by_name["BLT(1)"].mechanism.num_steps == STEPS
+
+
+def test_candidates_are_ranked_by_noise_times_the_prefix_sum_error(ranked):
+    for c in ranked:
+        coefficients = np.ones(1) if c.name == "DP-SGD" else c.mechanism.coefficients
+        expected = c.noise_multiplier * _prefix_error(coefficients, STEPS)
+        assert c.error == pytest.approx(expected, rel=1e-9), c.name
+    dpsgd = next(c for c in ranked if c.name == "DP-SGD")
+    assert dpsgd.error == pytest.approx(dpsgd.noise_multiplier * math.sqrt((STEPS + 1) / 2), rel=1e-12)
+    assert [c.error for c in ranked] == sorted(c.error for c in ranked)
+
+
+def test_a_run_trained_with_the_choice_spends_the_target():
+    """The choice's mechanism, sigma and sampling, in a DPModel run: its ledger spends the planned epsilon."""
+    n, b, steps = 200, 10, 20
+    (choice,) = [c for c in rank_mechanisms(EPSILON, DELTA, n, b, steps, bands=[4], blt_buffers=(), progress=False)
+                 if c.name == "BandMF(4)"]  # fmt: skip
+    x = np.random.default_rng(0).normal(size=(n, 4)).astype("float32")
+    y = np.arange(n) % 2
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    dp = peg.keras.DPModel(
+        model, l2_norm_clip=1.0, noise_multiplier=choice.noise_multiplier, mechanism=choice.mechanism,
+        num_examples=n, expected_batch_size=b, seed=0,
+    )  # fmt: skip
+    dp.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    batches = peg.dp.poisson_batches(
+        x, y, sampling_probability=choice.sampling_probability, cycle_length=choice.cycle_length, steps=steps, seed=0
+    )
+    dp.fit(batches, verbose=0)
+    assert int(dp.dp_steps.numpy()) == steps
+    assert dp.epsilon(DELTA) == pytest.approx(EPSILON, rel=1e-2) and dp.epsilon(DELTA) <= EPSILON
+
+
+@pytest.mark.slow
+def test_monte_carlo_calibrates_blt_by_its_random_part():
+    kw = dict(bands=[], blt_buffers=(1,), monte_carlo=True, progress=False)
+    with pytest.warns(UserWarning, match="much smaller than 1/num_examples"):  # delta 1e-2: Monte Carlo in seconds
+        (blt,) = [c for c in rank_mechanisms(2.0, 1e-2, 1000, 100, 20, **kw) if c.name == "BLT(1)"]
+    assert blt.accounting == "monte_carlo" and (blt.cycle_length, blt.sampling_probability) == (10, 1.0)
+    direct = peg.dp.monte_carlo_noise_multiplier(blt.mechanism, 2.0, 20, delta=1e-2, sampling_probability=1.0, seed=0)
+    assert blt.noise_multiplier == direct.noise_multiplier
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(bands=[64]), "bands=64"),  # 50 parts of 20
+        (dict(bands=[0]), "bands"),
+        (dict(steps=40, blt_buffers=(2,)), "blt_buffers"),  # 50 parts > 40 steps
+        (dict(batch_size=2000), "batch_size"),
+    ],
+)
+def test_refusals_name_the_argument(kwargs, match):
+    args = dict(num_examples=N, batch_size=B, steps=STEPS, bands=[2], blt_buffers=(), progress=False) | kwargs
+    with pytest.raises(ValueError, match=match):
+        rank_mechanisms(EPSILON, DELTA, **args)
