@@ -198,3 +198,32 @@ def test_every_package_folder_is_a_regular_package():
     root = pathlib.Path(per_example_grads.__file__).parent
     folders = [d for d in [root, *root.rglob("*")] if d.is_dir() and d.name != "__pycache__" and any(d.glob("*.py"))]
     assert [str(d.relative_to(root)) for d in folders if not (d / "__init__.py").exists()] == []
+
+
+def test_mechanisms_prints_rank_mechanisms_ranking_and_how_to_train_the_first(capsys):
+    from per_example_grads.apps import cli
+    from per_example_grads.dp.planning import rank_mechanisms
+
+    argv = ["mechanisms", "--num-examples", "1000", "--batch-size", "10", "--steps", "100", "--target-epsilon", "2"]
+    argv += ["--delta", "1e-5", "--bands", "2,4", "--blt-buffers", "", "--accountant", "rdp"]
+    assert cli.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    expected = rank_mechanisms(2.0, 1e-5, 1000, 10, 100, bands=[2, 4], blt_buffers=(), accountant="rdp", progress=False)
+    rows = [line.split() for line in lines[2:-1]]
+    assert [r[1] for r in rows] == [c.name for c in expected] == ["BandMF(4)", "BandMF(2)", "DP-SGD"]
+    for row, c in zip(rows, expected):
+        assert (int(row[2]), float(row[3])) == (c.cycle_length, pytest.approx(c.sampling_probability, rel=1e-3))
+        assert c.noise_multiplier <= float(row[4]) <= c.noise_multiplier * (1 + 1e-5)  # rounded up: still meets it
+    assert "cycle_length=4" in lines[-1] and "BandMF(bands=4, num_steps=100" in lines[-1]
+
+
+def test_mechanisms_refuses_what_the_ranking_refuses_in_one_line(capsys):
+    from per_example_grads.apps import cli
+
+    argv = ["mechanisms", "--num-examples", "1000", "--batch-size", "10", "--steps", "40", "--target-epsilon", "2"]
+    assert cli.main(argv + ["--delta", "1e-5", "--blt-buffers", "2", "--accountant", "rdp"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pegrad mechanisms: error: blt_buffers")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv + ["--delta", "1e-5", "--bands", "two"])
+    assert exit_.value.code == 2 and "not a whole number" in capsys.readouterr().err

@@ -102,3 +102,11 @@ def test_refusals_name_the_argument(kwargs, match):
     args = dict(num_examples=N, batch_size=B, steps=STEPS, bands=[2], blt_buffers=(), progress=False) | kwargs
     with pytest.raises(ValueError, match=match):
         rank_mechanisms(EPSILON, DELTA, **args)
+
+
+def test_blt_is_a_default_candidate_only_where_a_cycle_fits_in_the_run():
+    kw = dict(bands=[2], accountant="rdp", progress=False)
+    assert [c.name for c in rank_mechanisms(EPSILON, DELTA, N, B, STEPS, **kw) if c.name.startswith("BLT")] == [
+        "BLT(2)"
+    ]
+    assert all(not c.name.startswith("BLT") for c in rank_mechanisms(EPSILON, DELTA, N, B, 40, **kw))  # 50 parts

@@ -11,6 +11,8 @@ one, write that pair and list the first in ``_SUBCOMMANDS``.
                    [--accountant pld|rdp] [--sampling poisson|shuffle]
                    [--mechanism dp-sgd|bandmf|blt|bisr] [--bands K] [--buffers D] [--cycle-length b]
                    [--rows-per-user K] [--monte-carlo [--samples M] [--seed S]]
+    pegrad mechanisms --num-examples N --batch-size B --steps T --target-epsilon EPS --delta D
+                      [--bands K,...] [--blt-buffers D,...] [--monte-carlo] [--accountant pld|rdp]
     pegrad diagnose [MODEL.keras DATA.npz] [--out DIR] [--fast] [--batch-size B]
     pegrad audit [--out DIR] [--fast] [--canaries gradient|input] [--num-canaries M]
                  [--target-epsilon E] [--epochs N] [--full-batch] [--significance A] [--seed S]
@@ -375,6 +377,8 @@ def _run_epsilon(args: argparse.Namespace) -> int:
         ):
             if wrong:
                 args.parser.error(f"--monte-carlo {message}")
+    if args.mechanism != "dp-sgd":
+        _start_tensorflow(report_device=False)  # a mechanism is a Keras layer: TensorFlow, without its notices
     from per_example_grads.dp import accounting  # dp_accounting only: no TensorFlow (unless a mechanism is named)
 
     run = dict(
@@ -513,6 +517,91 @@ def _float(text: str) -> float:
     if value != value or value in (float("inf"), float("-inf")):
         raise argparse.ArgumentTypeError(f"must be finite; got {text}")
     return value
+
+
+def _add_mechanisms_parser(subparsers: "argparse._SubParsersAction") -> None:
+    p = subparsers.add_parser(
+        "mechanisms",
+        help="rank DP-SGD, BandMF and BLT for a planned run by their noise at a target epsilon",
+        description=(
+            "Calibrate DP-SGD, BandMF at several band counts and BLT to --target-epsilon, each on the batches "
+            "it would train on, and print them ranked by the noise they leave in the run's running sums "
+            "(sigma ||A C^-1||_F / sqrt(steps); peg.dp.rank_mechanisms), least first, with the sampling and "
+            "noise multiplier to train each with. A guide for SGD with or without momentum; with Adam, use "
+            "DP-SGD."
+        ),
+    )
+    p.add_argument("--num-examples", type=_positive_int, required=True, metavar="N", help="training examples N")
+    p.add_argument("--batch-size", type=_positive_int, required=True, metavar="B", help="expected batch size B")
+    p.add_argument("--steps", type=_positive_int, required=True, metavar="T", help="planned training steps")
+    p.add_argument("--target-epsilon", type=_positive_float, required=True, metavar="EPS", help="the run's epsilon")
+    p.add_argument(
+        "--delta", type=_probability, required=True, metavar="D", help="delta in (0, 1), much smaller than 1/N"
+    )
+    p.add_argument(
+        "--bands",
+        type=_int_list,
+        metavar="K,...",
+        help="BandMF's band counts, each at most N / B and T (default: the powers of two up to both)",
+    )
+    p.add_argument(
+        "--blt-buffers",
+        type=_int_list,
+        metavar="D,...",
+        help="BLT's buffer counts, on whole parts ('' for none; default: 2 if T >= N / B, else none)",
+    )
+    p.add_argument(
+        "--monte-carlo",
+        action="store_true",
+        help="calibrate BLT by Monte Carlo, each example's part random (minutes each) instead of its ledger",
+    )
+    p.add_argument(
+        "--accountant", choices=("pld", "rdp"), default="pld", help="the ledger's accountant (default: %(default)s)"
+    )
+    p.set_defaults(run=_run_mechanisms, parser=p)
+
+
+def _int_list(text: str) -> list[int]:
+    return [_positive_int(t) for t in text.split(",") if t.strip()]
+
+
+def _run_mechanisms(args: argparse.Namespace) -> int:
+    import warnings
+
+    _start_tensorflow(report_device=False)  # the mechanisms are Keras layers
+    from per_example_grads.dp.planning import rank_mechanisms
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # tensorflow-probability's first use warns of its own distutils use: not this run's
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        try:
+            ranked = rank_mechanisms(
+                args.target_epsilon, args.delta, args.num_examples, args.batch_size, args.steps,
+                bands=args.bands, blt_buffers=args.blt_buffers, monte_carlo=args.monte_carlo,
+                accountant=args.accountant, progress=sys.stderr.isatty(),
+            )  # fmt: skip
+        except (ValueError, OverflowError) as e:
+            raise InputError(first_line(e)) from e
+    for message in dict.fromkeys(str(w.message) for w in caught):
+        print(f"warning: {message}", file=sys.stderr)
+    print(
+        f"epsilon <= {args.target_epsilon:g} at delta = {args.delta:g}, {args.num_examples} examples, "
+        f"expected batch {args.batch_size}, {args.steps} steps; least noise first:"
+    )
+    print(f"{'rank':>4}  {'mechanism':<11} {'cycle':>5}  {'q':>8}  {'noise mult.':>11}  {'error':>9}  accounting")
+    for i, c in enumerate(ranked, 1):
+        print(
+            f"{i:>4}  {c.name:<11} {c.cycle_length:>5}  {c.sampling_probability:>8.4g}  "
+            f"{_rounded_up(c.noise_multiplier):>11.6g}  {c.error:>9.4g}  {c.accounting}"
+        )
+    best = ranked[0]
+    print(
+        f"train the first: peg.dp.poisson_batches(x, y, sampling_probability={best.sampling_probability:.6g}, "
+        f"cycle_length={best.cycle_length}, steps={args.steps}) and peg.keras.DPModel(..., "
+        f"noise_multiplier={_rounded_up(best.noise_multiplier):.6g}, mechanism={_describe_mechanism(best.mechanism)})"
+    )
+    return 0
 
 
 def _add_diagnose_parser(subparsers: "argparse._SubParsersAction") -> None:
@@ -661,7 +750,13 @@ def _error(parser: argparse.ArgumentParser, error: Exception, status: int) -> in
     return status
 
 
-_SUBCOMMANDS: tuple[_Adder, ...] = (_add_demo_parser, _add_epsilon_parser, _add_diagnose_parser, _add_audit_parser)
+_SUBCOMMANDS: tuple[_Adder, ...] = (
+    _add_demo_parser,
+    _add_epsilon_parser,
+    _add_mechanisms_parser,
+    _add_diagnose_parser,
+    _add_audit_parser,
+)
 
 
 if __name__ == "__main__":

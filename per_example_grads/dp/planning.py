@@ -87,7 +87,7 @@ def rank_mechanisms(
     steps: int,
     *,
     bands: Sequence[int] | None = None,
-    blt_buffers: Sequence[int] = (2,),
+    blt_buffers: Sequence[int] | None = None,
     monte_carlo: bool = False,
     accountant: str = "pld",
     progress: bool = True,
@@ -107,7 +107,8 @@ def rank_mechanisms(
         cycle) and ``steps``; default the powers of two up to both. DP-SGD
         is always a candidate.
       blt_buffers: BLT's candidate buffer counts (``()`` for none); BLT needs
-        ``N / B <= steps`` for a cycle within the run.
+        ``N / B <= steps`` for a cycle within the run. Default ``(2,)`` where
+        it has one, else none.
       monte_carlo: calibrate BLT by Monte Carlo (its random part counted;
         minutes each, seeded 0) instead of its ledger accounting.
       accountant: ``"pld"`` or ``"rdp"`` for the ledger's calibrations.
@@ -145,11 +146,13 @@ def rank_mechanisms(
                 f"bands={k} needs {k} cyclic parts of batch_size examples each and at most steps bands: at most "
                 f"min(num_examples // batch_size, steps) = {min(parts, steps)} here."
             )
+    if blt_buffers is None:
+        blt_buffers = (2,) if parts <= steps else ()
     blt_buffers = tuple(check_positive_int("blt_buffers", d) for d in blt_buffers)
     if blt_buffers and parts > steps:
         raise ValueError(
             f"blt_buffers: BLT trains on whole parts (cycle num_examples // batch_size = {parts}), which needs "
-            f"steps >= {parts}; got steps={steps}. Give blt_buffers=() for a run shorter than an epoch."
+            f"steps >= {parts}; got steps={steps}. Leave BLT out of a run shorter than an epoch."
         )
 
     candidates = [("dpsgd", 1)] + [("bandmf", k) for k in bands if k > 1] + [("blt", d) for d in blt_buffers]
