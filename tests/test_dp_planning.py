@@ -45,6 +45,10 @@ def test_the_sampling_is_each_mechanisms_own(ranked):
     assert (by_name["BandMF(5)"].cycle_length, by_name["BandMF(5)"].sampling_probability) == (5, 5 * B / N)
     assert (by_name["BLT(1)"].cycle_length, by_name["BLT(1)"].sampling_probability) == (N // B, 1.0)
     assert by_name["BandMF(5)"].mechanism.num_steps == STEPS and by_name["BLT(1)"].mechanism.num_steps == STEPS
+    # 1000 / 30: 33 whole parts of 30.3 examples, q = 1 exactly (Monte Carlo refuses BLT at q < 1)
+    odd = rank_mechanisms(EPSILON, DELTA, N, 30, STEPS, bands=[], blt_buffers=(1,), accountant="rdp", progress=False)
+    (blt,) = [c for c in odd if c.name == "BLT(1)"]
+    assert (blt.cycle_length, blt.sampling_probability) == (33, 1.0)
 
 
 def test_candidates_are_ranked_by_noise_times_the_prefix_sum_error(ranked):

@@ -7,7 +7,8 @@ At a target ``(epsilon, delta)``, each candidate's noise multiplier
 - DP-SGD on Poisson batches at ``q = B / N``;
 - ``BandMF(b)`` on ``b`` cyclic parts, each step a Poisson sample of the part
   in turn at ``q = b B / N`` (amplified: ``ceil(T / b)`` DP-SGD steps);
-- ``BLT(d)`` on whole parts (``cycle_length = floor(N / B)``, ``q = 1``): its
+- ``BLT(d)`` on whole parts (``cycle_length = floor(N / B)``, ``q = 1``,
+  so ``N / floor(N / B) >= B`` examples a step): its
   accounting is one Gaussian release of its sensitivity, which sampling does
   not lower, so the longest cycle (fewest participations) is its best; with
   ``monte_carlo=True`` it is calibrated instead by
@@ -158,19 +159,19 @@ def rank_mechanisms(
     candidates = [("dpsgd", 1)] + [("bandmf", k) for k in bands if k > 1] + [("blt", d) for d in blt_buffers]
     choices = []
     for kind, k in tqdm(candidates, desc="Calibrating mechanisms", unit="mechanism", disable=not progress):
+        batch = b
         if kind == "blt":  # built here, not up front: optimizing a BLT takes seconds
             mechanism, cycle = mechanisms.BLT(buffers=k, num_steps=steps, cycle_length=parts), parts
+            batch = n / parts  # whole parts (q = 1): N / parts >= B examples a step
         else:
             mechanism, cycle = (mechanisms.BandMF(bands=k, num_steps=steps), k) if k > 1 else (None, 1)
-        q = min(1.0, b * cycle / n)
+        q = min(1.0, batch * cycle / n)
         if kind == "blt" and monte_carlo:
-            result = monte_carlo_noise_multiplier(
-                mechanism, target_epsilon, steps, delta=delta, sampling_probability=q, seed=0
-            )
+            result = monte_carlo_noise_multiplier(mechanism, target_epsilon, steps, delta=delta, seed=0)
             sigma, accounting = result.noise_multiplier, "monte_carlo"
         else:
             sigma = noise_multiplier_for_epsilon(
-                target_epsilon, delta, n, b, None, steps=steps, mechanism=mechanism, accountant=accountant
+                target_epsilon, delta, n, batch, None, steps=steps, mechanism=mechanism, accountant=accountant
             )
             accounting = accountant
         mechanism = mechanism or mechanisms.GaussianNoise()
