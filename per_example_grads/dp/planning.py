@@ -23,8 +23,8 @@ SGD's iterates integrate) is
 
 with ``A`` the all-ones lower-triangular matrix; DP-SGD's is ``sigma
 sqrt((n + 1) / 2)``. Candidates are ranked by it: the amplified figure of
-merit that Choquette-Choo et al. (NeurIPS 2023, "Amplified banded matrix
-factorization: a unified approach to private training", arXiv 2306.08153)
+merit that Choquette-Choo et al. (NeurIPS 2023, "(Amplified) Banded Matrix
+Factorization: A unified approach to private training", arXiv 2306.08153)
 choose BandMF's bands by. It is a proxy for utility, not a measurement:
 ``docs/guides/correlated-noise.md`` compares it with this library's
 test accuracies at equal epsilon, and states where it does not apply
