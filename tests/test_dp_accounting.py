@@ -740,3 +740,33 @@ def test_the_pld_of_a_step_is_built_once_and_composes_what_dp_accounting_builds(
         assert got.get_epsilon(1e-5) == want.get_epsilon(1e-5)
         assert got.get_delta(1.0) == want.get_delta(1.0)
     assert pld_cost.step_distribution.cache_info().misses == 3  # poisson, truncated, mixture; q = 0 is the parent's
+
+
+def test_the_rdp_of_a_step_is_computed_once_and_composes_what_dp_accounting_computes():
+    """``_ReusingRdpAccountant`` keeps each DP-SGD step's RDP curve: its curve and epsilon equal ``RdpAccountant``'s
+    bit for bit (the same curve, times the same count, added in the same order), with each curve computed once."""
+    from per_example_grads.dp import accounting
+
+    poisson = dp_accounting.PoissonSampledDpEvent(0.02, dp_accounting.GaussianDpEvent(1.1))
+    other = dp_accounting.PoissonSampledDpEvent(0.5, dp_accounting.GaussianDpEvent(3.0))
+    event = dp_accounting.ComposedDpEvent(
+        [
+            dp_accounting.SelfComposedDpEvent(poisson, 40),
+            dp_accounting.GaussianDpEvent(2.0),  # not a sampled step: the parent's
+            dp_accounting.SelfComposedDpEvent(other, 7),
+            dp_accounting.SelfComposedDpEvent(poisson, 13),
+            dp_accounting.PoissonSampledDpEvent(0.0, dp_accounting.GaussianDpEvent(1.0)),
+            dp_accounting.PoissonSampledDpEvent(0.3, dp_accounting.GaussianDpEvent(0.0)),  # infinite
+        ]
+    )
+    accounting._step_rdp.cache_clear()
+    for count in (1, 2, 5):
+        twice = dp_accounting.SelfComposedDpEvent(event, count)
+        want = RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE).compose(twice)
+        got = accounting._make_accountant("rdp").compose(twice)
+        np.testing.assert_array_equal(got._rdp, want._rdp)
+        finite = dp_accounting.SelfComposedDpEvent(dp_accounting.ComposedDpEvent(event.events[:-1]), count)
+        assert accounting._make_accountant("rdp").compose(finite).get_epsilon(1e-5) == RdpAccountant().compose(
+            finite
+        ).get_epsilon(1e-5)
+    assert accounting._step_rdp.cache_info().misses == 4  # poisson, other, q = 0, sigma = 0
