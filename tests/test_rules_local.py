@@ -1,12 +1,16 @@
 """The layer-local fallback (custom layers, RNNs, LoRA, PReLU) against the one-example loop, and when a rule
 keeps its materialized per-example gradients for the clipped sum."""
 
+import gc
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import per_example_grads as peg
 from helpers import (
+    assert_grads_close,
     clipped_against_loop,
     gradient_scale,
     reference_gradients,
@@ -103,3 +107,51 @@ def test_prelu_needs_no_rule_of_its_own_the_fallback_is_the_same_rule_and_result
     monkeypatch.setitem(rule_module.RULES, keras.layers.PReLU, LOCAL_RULE)  # what rules/prelu.py registered
     registered = results()
     assert all(np.array_equal(a, b) for a, b in zip(unregistered, registered))
+
+
+def test_an_eager_call_reuses_the_recomputation_traced_for_its_layer_and_signature(monkeypatch):
+    """Eagerly, ``tf.vectorized_map`` would trace and convert the recomputation at every call (seconds for an
+    LSTM): the rule keeps one ``tf.function`` per layer and signature. Another batch of the same shapes reuses
+    it and gets its own gradients (the function holds no batch's values); another batch size traces anew."""
+    from per_example_grads.rules import local
+
+    traced = []
+    vectorized_map = tf.vectorized_map
+
+    def counting(fn, elems, *args, **kwargs):
+        traced.append(tf.nest.flatten(elems)[0].shape[0])
+        return vectorized_map(fn, elems, *args, **kwargs)
+
+    monkeypatch.setattr(tf, "vectorized_map", counting)
+    model, x, y = layer_case("custom_layer_fallback")
+    local._eager_functions.clear()
+    r = np.random.default_rng(0)
+    batches = [(x, y), (r.normal(size=x.shape).astype("float32"), y), (x[:3], y[:3])]
+    for x_b, y_b in batches:
+        got = peg.per_example_gradients(model, sparse_ce, x_b, y_b, method="layerwise")
+        assert_grads_close(got, reference_gradients(model, sparse_ce, x_b, y_b))
+    assert traced == [B, 3]  # the second batch reused the first's function; 3 rows is another signature
+    assert [len(kept) for kept in local._eager_functions.values()] == [2]
+
+
+def test_an_eager_calls_kept_recomputation_keeps_neither_its_layer_nor_a_batch_alive():
+    import weakref
+
+    from per_example_grads.rules import local
+
+    local._eager_functions.clear()
+    layer = Scale()
+    layer.build((None, 5))
+    x = tf.constant(np.random.default_rng(0).normal(size=(B, 5)), tf.float32)
+    got = local.LOCAL_RULE.per_example(layer, ((x,), {}), [tf.ones([B, 5])])
+    with tf.GradientTape() as tape:  # example 0's gradient of <layer(x_0), 1>
+        total = tf.reduce_sum(layer(x[:1]))
+    np.testing.assert_allclose(got[0][0], tape.gradient(total, layer.w), rtol=GRADIENT_RTOL)
+    assert len(local._eager_functions) == 1
+    batch, owner = weakref.ref(x), weakref.ref(layer)
+    del x, got, tape, total
+    gc.collect()
+    assert batch() is None  # the layer and its kept function alive, the batch not
+    del layer
+    gc.collect()
+    assert owner() is None and not local._eager_functions

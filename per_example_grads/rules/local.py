@@ -26,6 +26,7 @@ recomputation runs without the activation.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import keras
 import tensorflow as tf
@@ -53,9 +54,23 @@ class LocalRule(LayerRule):
         return outputs, (args, kwargs), taps
 
     def per_example(self, layer, saved, grads, variables=None):
-        """As ``LayerRule.per_example``; ``variables`` overrides ``self.variables(layer)``."""
-        args, kwargs = saved
+        """As ``LayerRule.per_example``; ``variables`` overrides ``self.variables(layer)``.
+
+        Called eagerly, the recomputation runs as a ``tf.function`` kept per
+        layer and input signature (``_eager_function``): ``tf.vectorized_map``
+        traces and converts its function anew at every eager call (seconds for
+        a recurrent layer's loop), so an eager loop over batches would pay
+        that at every batch.
+        """
         variables = self.variables(layer) if variables is None else variables
+        if tf.executing_eagerly():
+            traced = _eager_function(self, layer, saved, grads, variables)
+            if traced is not None:
+                return traced([t for t in tf.nest.flatten(saved) if isinstance(t, tf.Tensor)], list(grads))
+        return self._per_example(layer, saved, grads, variables)
+
+    def _per_example(self, layer, saved, grads, variables):
+        args, kwargs = saved
         leaves = tf.nest.flatten((args, kwargs))
         batched = [i for i, t in enumerate(leaves) if isinstance(t, tf.Tensor) and t.shape.rank]
         # Recompute in the variables' dtype: outside Layer.__call__'s autocast
@@ -104,6 +119,55 @@ class LocalRule(LayerRule):
 
 
 LOCAL_RULE = LocalRule()
+
+_PLAIN = (bool, int, float, str, type(None))
+EAGER_FUNCTIONS_PER_LAYER = 8  # input signatures kept per layer; past them an eager call traces as before
+_eager_functions: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # layer -> {signature: tf.function}
+
+
+def _eager_function(rule: LocalRule, layer, saved, grads, variables):
+    """The kept ``tf.function`` of ``rule._per_example`` on ``layer`` for this call's signature, or None.
+
+    The signature is every leaf of ``saved`` (a tensor's shape and dtype, any
+    other value itself: a ``training`` flag, a ``None`` mask), the
+    gradients' shapes and dtypes, and which variables: a call that differs
+    in any of them gets another function. Tensors are the function's
+    inputs, and it refers to the layer and variables weakly, so a kept
+    function holds no batch's values and is dropped with its layer. None
+    (nothing kept) under a distribution strategy (a function traced in one
+    replica's context), when a leaf is neither a tensor nor a plain value, or
+    when the layer already has ``EAGER_FUNCTIONS_PER_LAYER``.
+    """
+    flat = tf.nest.flatten(saved)
+    if tf.distribute.has_strategy() or not all(isinstance(t, (tf.Tensor, *_PLAIN)) for t in flat):
+        return None
+    spec = lambda t: (tuple(t.shape), t.dtype.name)  # noqa: E731
+    skeleton = tf.nest.map_structure(lambda _: 0, saved)
+    signature = (
+        rule.preactivation,
+        repr(skeleton),  # the nesting, which pack_sequence_as rebuilds
+        tuple(spec(t) if isinstance(t, tf.Tensor) else (type(t), t) for t in flat),
+        tuple(spec(g) for g in grads),
+        tuple(id(v) for v in variables),
+    )
+    try:
+        kept = _eager_functions.setdefault(layer, {})
+    except TypeError:  # a layer that cannot be weakly referenced
+        return None
+    if signature in kept or len(kept) >= EAGER_FUNCTIONS_PER_LAYER:
+        return kept.get(signature)
+    values = [(isinstance(t, tf.Tensor), None if isinstance(t, tf.Tensor) else t) for t in flat]  # tensors: inputs
+    layer_ref, variable_refs = weakref.ref(layer), [weakref.ref(v) for v in variables]
+
+    def run(tensors, grads):
+        supplied = iter(tensors)
+        leaves = [next(supplied) if tensor else value for tensor, value in values]
+        return rule._per_example(
+            layer_ref(), tf.nest.pack_sequence_as(skeleton, leaves), grads, [r() for r in variable_refs]
+        )
+
+    kept[signature] = tf.function(run, autograph=False)
+    return kept[signature]
 
 
 @contextlib.contextmanager
