@@ -205,12 +205,15 @@ def test_mechanisms_prints_rank_mechanisms_ranking_and_how_to_train_the_first(ca
     from per_example_grads.dp.planning import rank_mechanisms
 
     argv = ["mechanisms", "--num-examples", "1000", "--batch-size", "10", "--steps", "100", "--target-epsilon", "2"]
-    argv += ["--delta", "1e-5", "--bands", "2,4", "--blt-buffers", "", "--accountant", "rdp"]
+    argv += ["--delta", "1e-5", "--bands", "2,4", "--blt-buffers", "", "--bisr-bands", "3", "--accountant", "rdp"]
     assert cli.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
-    expected = rank_mechanisms(2.0, 1e-5, 1000, 10, 100, bands=[2, 4], blt_buffers=(), accountant="rdp", progress=False)
+    expected = rank_mechanisms(
+        2.0, 1e-5, 1000, 10, 100, bands=[2, 4], blt_buffers=(), bisr_bands=(3,), accountant="rdp", progress=False
+    )
     rows = [line.split() for line in lines[2:-1]]
-    assert [r[1] for r in rows] == [c.name for c in expected] == ["BandMF(4)", "BandMF(2)", "DP-SGD"]
+    assert [r[1] for r in rows] == [c.name for c in expected]
+    assert sorted(r[1] for r in rows) == ["BISR(3)", "BandMF(2)", "BandMF(4)", "DP-SGD"]
     for row, c in zip(rows, expected):
         assert (int(row[2]), float(row[3])) == (c.cycle_length, pytest.approx(c.sampling_probability, rel=1e-3))
         assert c.noise_multiplier <= float(row[4]) <= c.noise_multiplier * (1 + 1e-5)  # rounded up: still meets it

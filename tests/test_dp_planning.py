@@ -25,12 +25,13 @@ def _prefix_error(coefficients, n):
 def ranked():
     # RDP calibrates in milliseconds; the PLD path is the doctest's and the trained run's below
     return rank_mechanisms(
-        EPSILON, DELTA, N, B, STEPS, bands=[2, 5], blt_buffers=(1,), accountant="rdp", progress=False
+        EPSILON, DELTA, N, B, STEPS, bands=[2, 5], blt_buffers=(1,), bisr_bands=(4,), accountant="rdp", progress=False
     )
 
 
 def test_each_candidate_spends_the_target_and_no_less_noise_would(ranked):
-    assert [c.name for c in sorted(ranked, key=lambda c: c.name)] == ["BLT(1)", "BandMF(2)", "BandMF(5)", "DP-SGD"]
+    names = ["BISR(4)", "BLT(1)", "BandMF(2)", "BandMF(5)", "DP-SGD"]
+    assert [c.name for c in sorted(ranked, key=lambda c: c.name)] == names
     for c in ranked:
         kw = dict(delta=DELTA, steps=STEPS, mechanism=c.mechanism, accountant="rdp")
         spent = peg.dp.compute_epsilon(N, B, None, noise_multiplier=c.noise_multiplier, **kw)
@@ -43,8 +44,12 @@ def test_the_sampling_is_each_mechanisms_own(ranked):
     by_name = {c.name: c for c in ranked}
     assert (by_name["DP-SGD"].cycle_length, by_name["DP-SGD"].sampling_probability) == (1, B / N)
     assert (by_name["BandMF(5)"].cycle_length, by_name["BandMF(5)"].sampling_probability) == (5, 5 * B / N)
-    assert (by_name["BLT(1)"].cycle_length, by_name["BLT(1)"].sampling_probability) == (N // B, 1.0)
-    assert by_name["BandMF(5)"].mechanism.num_steps == STEPS and by_name["BLT(1)"].mechanism.num_steps == STEPS
+    for whole in ("BLT(1)", "BISR(4)"):
+        assert (by_name[whole].cycle_length, by_name[whole].sampling_probability) == (N // B, 1.0)
+        assert by_name[whole].mechanism.cycle_length == N // B
+    assert type(by_name["BISR(4)"].mechanism) is peg.dp.BISR and by_name["BISR(4)"].mechanism.bands == 4
+    for name in ("BandMF(5)", "BLT(1)", "BISR(4)"):
+        assert by_name[name].mechanism.num_steps == STEPS
     # 1000 / 30: 33 whole parts of 30.3 examples, q = 1 exactly (Monte Carlo refuses BLT at q < 1)
     odd = rank_mechanisms(EPSILON, DELTA, N, 30, STEPS, bands=[], blt_buffers=(1,), accountant="rdp", progress=False)
     (blt,) = [c for c in odd if c.name == "BLT(1)"]
@@ -84,13 +89,17 @@ def test_a_run_trained_with_the_choice_spends_the_target():
 
 
 @pytest.mark.slow
-def test_monte_carlo_calibrates_blt_by_its_random_part():
-    kw = dict(bands=[], blt_buffers=(1,), monte_carlo=True, progress=False)
+def test_monte_carlo_calibrates_blt_and_bisr_by_their_random_part():
+    kw = dict(bands=[], blt_buffers=(1,), bisr_bands=(3,), monte_carlo=True, progress=False)
     with pytest.warns(UserWarning, match="much smaller than 1/num_examples"):  # delta 1e-2: Monte Carlo in seconds
-        (blt,) = [c for c in rank_mechanisms(2.0, 1e-2, 1000, 100, 20, **kw) if c.name == "BLT(1)"]
-    assert blt.accounting == "monte_carlo" and (blt.cycle_length, blt.sampling_probability) == (10, 1.0)
-    direct = peg.dp.monte_carlo_noise_multiplier(blt.mechanism, 2.0, 20, delta=1e-2, sampling_probability=1.0, seed=0)
-    assert blt.noise_multiplier == direct.noise_multiplier
+        ranked = [c for c in rank_mechanisms(2.0, 1e-2, 1000, 100, 20, **kw) if c.name != "DP-SGD"]
+    assert sorted(c.name for c in ranked) == ["BISR(3)", "BLT(1)"]
+    for choice in ranked:
+        assert choice.accounting == "monte_carlo" and (choice.cycle_length, choice.sampling_probability) == (10, 1.0)
+        direct = peg.dp.monte_carlo_noise_multiplier(
+            choice.mechanism, 2.0, 20, delta=1e-2, sampling_probability=1.0, seed=0
+        )
+        assert choice.noise_multiplier == direct.noise_multiplier
 
 
 @pytest.mark.parametrize(
@@ -99,6 +108,8 @@ def test_monte_carlo_calibrates_blt_by_its_random_part():
         (dict(bands=[64]), "bands=64"),  # 50 parts of 20
         (dict(bands=[0]), "bands"),
         (dict(steps=40, blt_buffers=(2,)), "blt_buffers"),  # 50 parts > 40 steps
+        (dict(steps=40, bisr_bands=(2,)), "bisr_bands"),
+        (dict(bisr_bands=(0,)), "bisr_bands"),
         (dict(batch_size=2000), "batch_size"),
     ],
 )

@@ -12,7 +12,8 @@ one, write that pair and list the first in ``_SUBCOMMANDS``.
                    [--mechanism dp-sgd|bandmf|blt|bisr] [--bands K] [--buffers D] [--cycle-length b]
                    [--rows-per-user K] [--monte-carlo [--samples M] [--seed S]]
     pegrad mechanisms --num-examples N --batch-size B --steps T --target-epsilon EPS --delta D
-                      [--bands K,...] [--blt-buffers D,...] [--monte-carlo] [--accountant pld|rdp]
+                      [--bands K,...] [--blt-buffers D,...] [--bisr-bands P,...] [--monte-carlo]
+                      [--accountant pld|rdp]
     pegrad diagnose [MODEL.keras DATA.npz] [--out DIR] [--fast] [--batch-size B]
     pegrad audit [--out DIR] [--fast] [--canaries gradient|input] [--num-canaries M]
                  [--target-epsilon E] [--epochs N] [--full-batch] [--significance A] [--seed S]
@@ -522,10 +523,10 @@ def _float(text: str) -> float:
 def _add_mechanisms_parser(subparsers: "argparse._SubParsersAction") -> None:
     p = subparsers.add_parser(
         "mechanisms",
-        help="rank DP-SGD, BandMF and BLT for a planned run by their noise at a target epsilon",
+        help="rank DP-SGD, BandMF, BLT and BISR for a planned run by their noise at a target epsilon",
         description=(
-            "Calibrate DP-SGD, BandMF at several band counts and BLT to --target-epsilon, each on the batches "
-            "it would train on, and print them ranked by the noise they leave in the run's running sums "
+            "Calibrate DP-SGD, BandMF at several band counts, BLT (and BISR if asked) to --target-epsilon, each on "
+            "the batches it would train on, and print them ranked by the noise they leave in the run's running sums "
             "(sigma ||A C^-1||_F / sqrt(steps); peg.dp.rank_mechanisms), least first, with the sampling and "
             "noise multiplier to train each with. A guide for SGD with or without momentum; with Adam, use "
             "DP-SGD."
@@ -551,9 +552,16 @@ def _add_mechanisms_parser(subparsers: "argparse._SubParsersAction") -> None:
         help="BLT's buffer counts, on whole parts ('' for none; default: 2 if T >= N / B, else none)",
     )
     p.add_argument(
+        "--bisr-bands",
+        type=_int_list,
+        default=(),
+        metavar="P,...",
+        help="BISR's band counts, on whole parts as BLT (default: none)",
+    )
+    p.add_argument(
         "--monte-carlo",
         action="store_true",
-        help="calibrate BLT by Monte Carlo, each example's part random (minutes each) instead of its ledger",
+        help="calibrate BLT and BISR by Monte Carlo, each example's part random (minutes each), not the ledger",
     )
     p.add_argument(
         "--accountant", choices=("pld", "rdp"), default="pld", help="the ledger's accountant (default: %(default)s)"
@@ -578,8 +586,8 @@ def _run_mechanisms(args: argparse.Namespace) -> int:
         try:
             ranked = rank_mechanisms(
                 args.target_epsilon, args.delta, args.num_examples, args.batch_size, args.steps,
-                bands=args.bands, blt_buffers=args.blt_buffers, monte_carlo=args.monte_carlo,
-                accountant=args.accountant, progress=sys.stderr.isatty(),
+                bands=args.bands, blt_buffers=args.blt_buffers, bisr_bands=args.bisr_bands,
+                monte_carlo=args.monte_carlo, accountant=args.accountant, progress=sys.stderr.isatty(),
             )  # fmt: skip
         except (ValueError, OverflowError) as e:
             raise InputError(first_line(e)) from e

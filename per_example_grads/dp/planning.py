@@ -7,13 +7,13 @@ At a target ``(epsilon, delta)``, each candidate's noise multiplier
 - DP-SGD on Poisson batches at ``q = B / N``;
 - ``BandMF(b)`` on ``b`` cyclic parts, each step a Poisson sample of the part
   in turn at ``q = b B / N`` (amplified: ``ceil(T / b)`` DP-SGD steps);
-- ``BLT(d)`` on whole parts (``cycle_length = floor(N / B)``, ``q = 1``,
-  so ``N / floor(N / B) >= B`` examples a step): its
-  accounting is one Gaussian release of its sensitivity, which sampling does
-  not lower, so the longest cycle (fewest participations) is its best; with
-  ``monte_carlo=True`` it is calibrated instead by
-  ``monte_carlo_noise_multiplier``, which counts each example's random part
-  (minutes per candidate).
+- ``BLT(d)`` and ``BISR(p)`` (``dp.bisr``) on whole parts (``cycle_length
+  = floor(N / B)``, ``q = 1``, so ``N / floor(N / B) >= B`` examples a
+  step): their accounting is one Gaussian release of their sensitivity,
+  which sampling does not lower, so the longest cycle (fewest
+  participations) is their best; with ``monte_carlo=True`` they are
+  calibrated instead by ``monte_carlo_noise_multiplier``, which counts each
+  example's random part (minutes per candidate).
 
 A mechanism adds ``sigma C^{-1} z`` (``z`` standard normal) to the clipped
 sums, so the root-mean-square noise of the run's ``n`` prefix sums (what
@@ -67,8 +67,12 @@ class MechanismChoice:
 
     @property
     def name(self) -> str:
-        """``"DP-SGD"``, ``"BandMF(b)"``, ``"BLT(d)"``."""
+        """``"DP-SGD"``, ``"BandMF(b)"``, ``"BLT(d)"``, ``"BISR(p)"``."""
+        from per_example_grads.dp.bisr import BISR
+
         m = self.mechanism
+        if isinstance(m, BISR):
+            return f"BISR({m.bands})"
         if hasattr(m, "bands"):
             return f"BandMF({m.bands})"
         if hasattr(m, "buffers"):
@@ -89,11 +93,12 @@ def rank_mechanisms(
     *,
     bands: Sequence[int] | None = None,
     blt_buffers: Sequence[int] | None = None,
+    bisr_bands: Sequence[int] = (),
     monte_carlo: bool = False,
     accountant: str = "pld",
     progress: bool = True,
 ) -> list[MechanismChoice]:
-    """DP-SGD, BandMF and BLT for a planned run, each calibrated to ``target_epsilon``, least error first.
+    """DP-SGD, BandMF, BLT (and BISR if asked) for a planned run, each calibrated to ``target_epsilon``, least error first.
 
     See the module docstring for the sampling each is calibrated on and the
     error it is ranked by.
@@ -110,8 +115,10 @@ def rank_mechanisms(
       blt_buffers: BLT's candidate buffer counts (``()`` for none); BLT needs
         ``N / B <= steps`` for a cycle within the run. Default ``(2,)`` where
         it has one, else none.
-      monte_carlo: calibrate BLT by Monte Carlo (its random part counted;
-        minutes each, seeded 0) instead of its ledger accounting.
+      bisr_bands: BISR's candidate band counts, on whole parts as BLT (the
+        same cycle within the run needed); default none.
+      monte_carlo: calibrate BLT and BISR by Monte Carlo (the random part
+        counted; minutes each, seeded 0) instead of their ledger accounting.
       accountant: ``"pld"`` or ``"rdp"`` for the ledger's calibrations.
       progress: a progress bar over the candidates.
 
@@ -120,7 +127,7 @@ def rank_mechanisms(
 
     Raises:
       ValueError: naming the argument, for a band count above ``N / B`` or
-        ``steps``, a BLT with no cycle within the run, or what
+        ``steps``, a BLT or BISR with no cycle within the run, or what
         ``noise_multiplier_for_epsilon`` refuses.
 
     Example (1,000 examples, batches of 10, 100 steps, epsilon 2):
@@ -132,6 +139,7 @@ def rank_mechanisms(
     from tqdm.auto import tqdm
 
     from per_example_grads.dp import mechanisms
+    from per_example_grads.dp.bisr import BISR
     from per_example_grads.dp.monte_carlo import monte_carlo_noise_multiplier
 
     n = check_positive_int("num_examples", num_examples)
@@ -150,23 +158,27 @@ def rank_mechanisms(
     if blt_buffers is None:
         blt_buffers = (2,) if parts <= steps else ()
     blt_buffers = tuple(check_positive_int("blt_buffers", d) for d in blt_buffers)
-    if blt_buffers and parts > steps:
-        raise ValueError(
-            f"blt_buffers: BLT trains on whole parts (cycle num_examples // batch_size = {parts}), which needs "
-            f"steps >= {parts}; got steps={steps}. Leave BLT out of a run shorter than an epoch."
-        )
+    bisr_bands = tuple(check_positive_int("bisr_bands", p) for p in bisr_bands)
+    for name, given, what in (("blt_buffers", blt_buffers, "BLT"), ("bisr_bands", bisr_bands, "BISR")):
+        if given and parts > steps:
+            raise ValueError(
+                f"{name}: {what} trains on whole parts (cycle num_examples // batch_size = {parts}), which needs "
+                f"steps >= {parts}; got steps={steps}. Leave {what} out of a run shorter than an epoch."
+            )
 
-    candidates = [("dpsgd", 1)] + [("bandmf", k) for k in bands if k > 1] + [("blt", d) for d in blt_buffers]
+    candidates = [("dpsgd", 1)] + [("bandmf", k) for k in bands if k > 1]
+    candidates += [("blt", d) for d in blt_buffers] + [("bisr", p) for p in bisr_bands]
     choices = []
     for kind, k in tqdm(candidates, desc="Calibrating mechanisms", unit="mechanism", disable=not progress):
         batch = b
-        if kind == "blt":  # built here, not up front: optimizing a BLT takes seconds
-            mechanism, cycle = mechanisms.BLT(buffers=k, num_steps=steps, cycle_length=parts), parts
+        if kind in ("blt", "bisr"):  # built here, not up front: optimizing a BLT takes seconds
+            build = mechanisms.BLT if kind == "blt" else BISR
+            mechanism, cycle = build(k, num_steps=steps, cycle_length=parts), parts
             batch = n / parts  # whole parts (q = 1): N / parts >= B examples a step
         else:
             mechanism, cycle = (mechanisms.BandMF(bands=k, num_steps=steps), k) if k > 1 else (None, 1)
         q = min(1.0, batch * cycle / n)
-        if kind == "blt" and monte_carlo:
+        if kind in ("blt", "bisr") and monte_carlo:
             result = monte_carlo_noise_multiplier(mechanism, target_epsilon, steps, delta=delta, seed=0)
             sigma, accounting = result.noise_multiplier, "monte_carlo"
         else:
