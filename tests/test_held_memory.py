@@ -175,3 +175,31 @@ def test_a_dp_step_never_holds_a_models_worth_of_noise():
     """
     out = json.loads(run_in_new_process(_NOISED_STEP).strip().splitlines()[-1])
     assert out["peak"] < 1.33 * out["params"], out
+
+
+_FINGERPRINT_PROCESS = """
+import json, os
+os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import numpy as np
+import tensorflow as tf
+from per_example_grads.keras import network_guard
+
+v = tf.Variable(np.random.default_rng(0).normal(size=(1024, 4096)).astype("float32"))  # 16 MiB
+small = tf.Variable(np.arange(6, dtype="float64"))
+in_graph = tf.function(lambda: network_guard.graph_fingerprint([small, v]))
+first = in_graph().numpy()
+tf.config.experimental.reset_memory_stats("CPU:0")
+before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+again = in_graph().numpy()
+peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+host = network_guard.fingerprint([small, v])
+print(json.dumps({"peak": peak, "bytes": 1024 * 4096 * 4, "equal": bool((first == host).all() and (again == host).all())}))
+"""
+
+
+def test_a_custom_loops_fingerprint_of_the_weights_holds_no_position_vector():
+    # It held an int64 position per entry and its weights, about 4x the variable (497 MiB on GPT-2 base's weights).
+    out = json.loads(run_in_new_process(_FINGERPRINT_PROCESS).strip().splitlines()[-1])
+    assert out["equal"]  # the host's fingerprint, exactly
+    assert out["peak"] < out["bytes"] / 8, f"{out['peak']} bytes at the peak for a {out['bytes']}-byte variable"

@@ -95,16 +95,18 @@ def graph_fingerprint(variables) -> tf.Tensor:
 
     For a step that records its own weights (a custom loop's
     ``DPModel.train_step``); the same integers mod 2^32, so it equals the
-    host's ``fingerprint`` exactly. It holds a ``[n]`` int64 position
-    vector of the largest variable while it runs.
+    host's ``fingerprint`` exactly, and computed as it is: two reductions
+    of each variable's bits (``_sums_of_rows``), no position vector.
     """
     total, offset = tf.zeros([2], tf.uint32), 0
     for v in variables:
-        bits = _bits(v)
-        n = int(bits.shape[0])  # an 8-byte entry counts as two
-        k = offset + tf.range(n, dtype=tf.int64)
-        weight = tf.cast(tf.math.floormod(2 * k + 1, 1 << 32), tf.uint32)
-        total += tf.stack([tf.reduce_sum(bits), tf.reduce_sum(bits * weight)])
+        rows = _bit_rows(v)
+        n = rows.shape.num_elements()  # an 8-byte entry counts as two
+        if not n:
+            continue
+        s, k = tf.unstack(_sums_of_rows(rows))
+        # sum_k (2 (offset + k) + 1) b_k = 2 sum_k k b_k + (2 offset + 1) sum_k b_k, wrapping mod 2^32
+        total += tf.stack([s, tf.constant(2, tf.uint32) * k + tf.constant((2 * offset + 1) % (1 << 32), tf.uint32) * s])
         offset += n
     return tf.cast(total, tf.float64)
 
@@ -131,14 +133,8 @@ def _host_bits(w: np.ndarray) -> np.ndarray:
     return w.reshape(-1).view(_UNSIGNED[min(w.dtype.itemsize, 4)].as_numpy_dtype).astype(np.uint64)
 
 
-def _bits(v) -> tf.Tensor:
-    """``[n]`` uint32: the bits of ``v``'s entries (a view where the width allows it)."""
-    w = tf.convert_to_tensor(v)
-    return tf.cast(tf.reshape(tf.bitcast(w, _UNSIGNED[min(w.dtype.size, 4)]), [-1]), tf.uint32)
-
-
 def _bit_rows(v) -> tf.Tensor:
-    """``[m, w]`` uint32: ``_bits(v)`` as rows of its last axis (both halves of an 8-byte entry in one row)."""
+    """``[m, w]`` uint32: the bits of ``v``'s entries (a narrower one widened), as rows of its last axis (both halves of an 8-byte entry in one row)."""
     w = tf.convert_to_tensor(v)
     width = (int(w.shape[-1]) if w.shape.rank else 1) * (2 if w.dtype.size == 8 else 1)
     bits = tf.cast(tf.bitcast(w, _UNSIGNED[min(w.dtype.size, 4)]), tf.uint32)
@@ -147,6 +143,11 @@ def _bit_rows(v) -> tf.Tensor:
 
 @tf.function(input_signature=[tf.TensorSpec([None, None], tf.uint32)], autograph=False)
 def _sum_and_moment(rows: tf.Tensor) -> tf.Tensor:
+    """``_sums_of_rows`` in one call (the host's ``fingerprint``: one call per variable, where it lives)."""
+    return _sums_of_rows(rows)
+
+
+def _sums_of_rows(rows: tf.Tensor) -> tf.Tensor:
     """``[2]`` uint32: ``(sum_k b_k, sum_k k b_k)`` mod 2^32 of ``rows [m, w]`` read row by row (``k = r w + c``).
 
     ``sum_k k b_k = w sum_r r R_r + sum_c c C_c`` from the row sums ``R`` and
