@@ -237,3 +237,27 @@ def test_a_poisson_step_builds_no_empty_batch_branch_and_an_empty_batch_changes_
     dp.fit(real, epochs=1, verbose=0)  # and a batch of real rows does move them (the test can fail)
     assert any(not np.array_equal(w, b) for w, b in zip(net.get_weights(), before))
     assert built == []
+
+
+@pytest.mark.parametrize("method", ["auto", "loop"])
+def test_the_remembered_plans_keep_no_model_alive(method):
+    """A plan names the model's layers, variables and loss by id; it refers to them weakly, so a model (and its
+    weights) is freed when the user drops it, even when the loss closes over it. It held them for ever."""
+    import gc
+    import weakref
+
+    def run():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        x, y = np.zeros((5, 4), "float32"), np.zeros(5, "int64")
+
+        def loss(labels, predictions):  # closes over the model, as a user's loss may
+            assert model.built
+            return sparse_ce(labels, predictions)
+
+        peg.per_example_gradients(model, loss, x, y, method=method)
+        assert selection._PLANS[model]  # remembered while the model lives
+        return weakref.ref(model)
+
+    model = run()
+    gc.collect()
+    assert model() is None

@@ -182,7 +182,9 @@ def run(method: str, problem: Problem, use: Callable[[Engine], T], batch: Batch 
 
 
 # model -> {plan key: {"auto": (engine, skipped), ("refusal", engine): reason}}, with the objects the
-# key names by id kept alive beside it (so no id is reused while the entry exists); few keys per model.
+# key names by id referred to beside it (weakly where they can be: a plan never keeps a model alive, a loss
+# closing over it included), so a plan whose objects died, and whose ids may now be another's, is made anew;
+# few keys per model.
 _PLANS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 _MAX_PLANS_PER_MODEL = 32
 
@@ -200,15 +202,26 @@ def _plan(problem: Problem, batch: Batch | None, use: Callable) -> dict | None:
         plans = _PLANS.setdefault(problem.model, {})
     except TypeError:  # not weakly referenceable (a plain function as the model)
         return None
-    if key not in plans:
+    if key not in plans or not all(r() is not None for r in plans[key]["keep"] if isinstance(r, weakref.ref)):
         if len(plans) >= _MAX_PLANS_PER_MODEL:
             plans.clear()
         plans[key] = {"keep": keep}
     return plans[key]
 
 
+def _referred(objects) -> tuple:
+    """A weak reference to each object that takes one (layers, variables, functions, losses); the others as they are."""
+    out = []
+    for o in objects:
+        try:
+            out.append(weakref.ref(o))
+        except TypeError:  # a code object, a number, a tuple
+            out.append(o)
+    return tuple(out)
+
+
 def _plan_key(problem: Problem, batch: Batch | None, use: Callable) -> tuple[tuple | None, tuple]:
-    """``(key, objects)``: what an engine's refusal and success depend on, and the objects it names by id.
+    """``(key, referred)``: what an engine's refusal and success depend on, and the objects it names by id (``_referred``).
 
     The model's layers (any added, removed or replaced changes it), the
     requested variables, the training flag, the loss (its code and the
@@ -232,12 +245,13 @@ def _plan_key(problem: Problem, batch: Batch | None, use: Callable) -> tuple[tup
     layers = tuple(model_inspection.iter_layers(problem.model))
     loss = problem.loss
     cells = tuple(c.cell_contents for c in (getattr(loss, "__closure__", None) or ()))
-    keep = (layers, problem.variables, loss, cells, tuple(RULES.values()))  # not `use`: it holds the batch
+    code = getattr(loss, "__code__", loss)
+    keep = _referred([*layers, *problem.variables, code, *cells, *RULES.values()])  # not `use`: it holds the batch
     key = (
         tuple(map(id, layers)),
         tuple(map(id, problem.variables)),
         bool(problem.training),
-        id(getattr(loss, "__code__", loss)),
+        id(code),
         tuple(map(id, cells)),
         tuple(map(id, RULES.values())),
         id(getattr(use, "__code__", use)),
