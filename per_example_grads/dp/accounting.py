@@ -1146,21 +1146,16 @@ class _ReusingRdpAccountant(rdp.RdpAccountant):
     search's seconds). The curve is a function of ``(q, sigma)``, the orders
     and the relation alone, and composing adds ``count`` times it, so adding
     ``count`` times the kept curve is what the parent adds, bit for bit
-    (``tests/test_dp_accounting.py`` checks equality). Every other event is
-    the parent's.
+    (``tests/test_dp_accounting.py`` checks equality). Every other event, and
+    a step of zero sampling or noise, is the parent's.
     """
 
     def _maybe_compose(self, event, count, do_compose):
-        step = (
-            isinstance(event, dp_accounting.PoissonSampledDpEvent)
-            and isinstance(event.event, dp_accounting.GaussianDpEvent)
-            and self._neighboring_relation == _RELATION
-        )
-        if not do_compose or not step:
+        key = _step_key(event)  # the PLD accountant's key: a DP-SGD step is ("poisson", sigma, q)
+        if not do_compose or key is None or key[0] != "poisson" or self._neighboring_relation != _RELATION:
             return super()._maybe_compose(event, count, do_compose)
-        self._rdp += count * _step_rdp(
-            float(event.sampling_probability), float(event.event.noise_multiplier), tuple(self._orders.tolist())
-        )
+        _, sigma, q = key
+        self._rdp += count * _step_rdp(q, sigma, tuple(self._orders.tolist()))
         return None
 
 
