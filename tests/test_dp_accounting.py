@@ -633,9 +633,13 @@ def test_cli_monte_carlo_prints_the_librarys_figure_for_its_seed(capsys):
     assert line.startswith(f"epsilon = {expected.epsilon:.6g} at delta = {expected.delta:.6g} by Monte Carlo")
     assert f"({expected.samples} draws of each side, seed 3;" in line
     assert expected.epsilon < _number("epsilon", out)  # the ledger's, printed first
-    # q < 1 with BLT: the Monte-Carlo refusal, as one line and status 2.
-    assert cli.main([*common[:4], "4", *common[5:], *options, "--monte-carlo"]) == 2
-    assert "sampling_probability=0.5 < 1 needs C with at most cycle_length" in capsys.readouterr().err
+    # q < 1 with BLT: ten turns of parts of 40 at q = 0.5, its loss bounded and the slack printed.
+    short_cycle = [*options[:5], "10", *options[6:]]
+    assert cli.main([*common[:4], "20", *common[5:], *short_cycle, "--monte-carlo", "--seed", "3"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    expected = monte_carlo_epsilon(BLT(2, 100, cycle_length=10), 2.0, 100, delta=1e-2, sampling_probability=0.5, seed=3)
+    assert line.startswith(f"epsilon = {expected.epsilon:.6g} at delta = {expected.delta:.6g} by Monte Carlo")
+    assert line.endswith(f"losses bounded within {expected.loss_slack:.2g} nats)") and expected.loss_slack > 0
     assert cli.main([*common, *options, "--monte-carlo", "--samples", "10"]) == 2
     assert "samples=10 are too few to state delta=0.01 by Monte Carlo: take at least 6300" in capsys.readouterr().err
 

@@ -74,14 +74,60 @@ def _brute_force_loss(c, sigma, steps, cycle, q, y):
         ([1.0, 0.7, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05], 8, 3, 1.0),
         ([1.0, 0.5], 5, 8, 1.0),  # more parts than steps: some parts never take a turn (a run cut short)
         ([1.0, 0.5, 0.2], 4, 6, 0.5),
+        # C longer than the cycle at q < 1: the chain's window spans every turn, so both bounds are L
+        ([1.0, 0.6, 0.3, 0.2, 0.1], 8, 2, 0.4),
+        ([1.0, 0.7, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05], 9, 3, 0.3),
+        ([1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4], 7, 1, 0.5),  # seven turns, every pair overlapping
+        ([1.0, 0.5, 0.2], 7, 1, 0.3),
     ],
 )
 def test_privacy_loss_is_the_enumerated_mixtures(c, steps, cycle, q):
     rng = np.random.default_rng(1)
     pair = mc._Pair(mc._checked_coefficients(c, steps, cycle, q), 0.8, steps, cycle, q)
+    assert pair.slack == 0.0
     for positive in (True, False):
         y = pair.draw(rng, 6, positive)
-        np.testing.assert_allclose(pair.loss(y), _brute_force_loss(c, 0.8, steps, cycle, q, y), rtol=0, atol=LOSS_ATOL)
+        expected = _brute_force_loss(c, 0.8, steps, cycle, q, y)
+        for upper in (True, False):
+            np.testing.assert_allclose(pair.loss(y, upper), expected, rtol=0, atol=LOSS_ATOL)
+
+
+BOUNDED_RUNS = [  # (c, steps, cycle, q, window): more turns than the window keeps exactly
+    ([1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1], 10, 1, 0.5, 2),
+    ([1.0] + [0.85**k for k in range(1, 12)], 12, 2, 0.4, 1),
+    ([1.0] + [0.85**k for k in range(1, 12)], 12, 2, 0.4, 3),
+]
+
+
+@pytest.mark.parametrize("c, steps, cycle, q, window", BOUNDED_RUNS)
+def test_a_window_short_of_the_run_bounds_the_loss_within_its_slack(monkeypatch, c, steps, cycle, q, window):
+    """Draws of P get an upper bound of L, draws of Q a lower one, each within the pair's slack of the enumeration."""
+    monkeypatch.setattr(mc, "_MAX_WINDOW", window)
+    monkeypatch.setattr(mc, "_LOSS_SLACK", 0.0)  # the window stays at its maximum
+    pair = mc._Pair(mc._checked_coefficients(c, steps, cycle, q), 0.8, steps, cycle, q)
+    assert pair.window == window and pair.slack > 0
+    rng = np.random.default_rng(3)
+    gaps = []
+    for positive in (True, False):
+        y = pair.draw(rng, 8, positive)
+        exact = _brute_force_loss(c, 0.8, steps, cycle, q, y)
+        above, below = pair.loss(y, True) - exact, exact - pair.loss(y, False)
+        assert np.all(above >= -LOSS_ATOL) and np.all(below >= -LOSS_ATOL)
+        assert np.all(above <= pair.slack + LOSS_ATOL) and np.all(below <= pair.slack + LOSS_ATOL)
+        gaps.append(above.max() + below.max())
+    assert max(gaps) > 1e-3  # the bounds are bounds here, not the exact loss
+
+
+def test_a_bounded_epsilon_is_at_most_its_slack_above_the_exact_one(monkeypatch):
+    """On the same draws, the epsilon of the bounded losses lies in [exact, exact + slack]."""
+    c, steps, cycle, q = [1.0] + [0.85**k for k in range(1, 12)], 12, 2, 0.4
+    exact = mc.monte_carlo_epsilon(c, 0.8, steps, delta=1e-2, cycle_length=cycle, sampling_probability=q, seed=2)
+    assert exact.loss_slack == 0.0  # six turns: the default window spans them
+    monkeypatch.setattr(mc, "_MAX_WINDOW", 1)
+    monkeypatch.setattr(mc, "_LOSS_SLACK", 0.0)
+    bounded = mc.monte_carlo_epsilon(c, 0.8, steps, delta=1e-2, cycle_length=cycle, sampling_probability=q, seed=2)
+    assert bounded.loss_slack > 0.05
+    assert exact.epsilon < bounded.epsilon <= exact.epsilon + bounded.loss_slack + 1e-5
 
 
 def test_whole_parts_give_one_loss_by_either_formula():
@@ -185,6 +231,8 @@ def test_stated_delta_folds_the_draws_failure_probability():
         (lambda: peg.dp.BandMF(4, 200, cycle_length=50), 1.0),
         (lambda: peg.dp.BLT(2, 200, cycle_length=50), 1.0),
         (lambda: peg.dp.BISR(bands=4, num_steps=200, cycle_length=50), 1.0),
+        (lambda: peg.dp.BLT(2, 200, cycle_length=50), 0.5),
+        (lambda: peg.dp.BISR(bands=4, num_steps=200, cycle_length=50), 0.5),
     ],
 )
 def test_a_random_part_amplifies_the_ledger_accounting(mechanism, q):
@@ -197,8 +245,10 @@ def test_a_random_part_amplifies_the_ledger_accounting(mechanism, q):
 
 def test_refusals_name_the_argument():
     blt = peg.dp.BLT(2, 40, cycle_length=4)
-    with pytest.raises(ValueError, match=r"sampling_probability=0.5 < 1 needs C with at most cycle_length"):
-        mc.monte_carlo_epsilon(blt, 1.0, 40, delta=1e-2, sampling_probability=0.5)
+    with pytest.raises(
+        ValueError, match="noise_multiplier=0.001 is too small for Monte-Carlo accounting of a C longer"
+    ):
+        mc.monte_carlo_epsilon(blt, 1e-3, 40, delta=1e-2, sampling_probability=0.5, samples=7000)
     with pytest.raises(ValueError, match="leave cycle_length out"):
         mc.monte_carlo_epsilon(blt, 1.0, 40, delta=1e-2, cycle_length=8)
     with pytest.raises(ValueError, match="needs C >= 0"):
@@ -261,8 +311,9 @@ def _cyclic(q, steps, first_step=0, **kw):
     [
         (lambda: peg.dp.BLT(buffers=2, num_steps=12, cycle_length=4), 1.0, {}),
         (lambda: peg.dp.BandMF(bands=2, num_steps=12, cycle_length=4), 0.5, {"physical_batch_size": 4}),
+        (lambda: peg.dp.BLT(buffers=2, num_steps=12, cycle_length=4), 0.5, {}),  # its loss chained (exact here)
     ],
-    ids=["blt", "bandmf-chunks"],
+    ids=["blt", "bandmf-chunks", "blt-q<1"],
 )
 def test_a_dp_models_run_is_accounted_as_the_function_accounts_it_and_survives_a_restore(tmp_path, make, q, kw):
     dp = _dp(make(), **kw)
@@ -382,9 +433,5 @@ def test_calibration_refusals_name_the_argument():
         mc.monte_carlo_noise_multiplier([1.0], "2", 10, delta=1e-2)
     with pytest.raises(ValueError, match=r"rtol must be in \(0, 0.5\)"):
         mc.monte_carlo_noise_multiplier([1.0], 1.0, 10, delta=1e-2, rtol=0.5)
-    with pytest.raises(ValueError, match=r"sampling_probability=0.5 < 1 needs C with at most cycle_length"):
-        mc.monte_carlo_noise_multiplier(
-            peg.dp.BLT(2, 40, cycle_length=4), 1.0, 40, delta=1e-2, sampling_probability=0.5
-        )
     with pytest.raises(ValueError, match=r"samples=100 are too few .* take at least 7100"):
         mc.monte_carlo_noise_multiplier([1.0], 1.0, 10, delta=1e-2, samples=100)

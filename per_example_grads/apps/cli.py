@@ -300,7 +300,7 @@ def _add_epsilon_parser(subparsers: "argparse._SubParsersAction") -> None:
         action="store_true",
         help="also print epsilon with the amplification of each example's random part, by Monte Carlo "
         "(peg.dp.monte_carlo_epsilon; with --target-epsilon, the noise multiplier for it and the certifying draw: "
-        "peg.dp.monte_carlo_noise_multiplier; poisson sampling; q = 1 for blt and bisr)",
+        "peg.dp.monte_carlo_noise_multiplier; poisson sampling)",
     )
     p.add_argument(
         "--samples",
@@ -468,9 +468,11 @@ def _run_epsilon(args: argparse.Namespace) -> int:
         )
     if args.monte_carlo:
         drawn = f"seed {seed}" if args.target_epsilon is None else f"seed {amplified.seed}, drawn from --seed {seed}"
+        bounded = f"; losses bounded within {amplified.loss_slack:.2g} nats" if amplified.loss_slack else ""
         print(
             f"epsilon = {amplified.epsilon:.6g} at delta = {amplified.delta:.6g} by Monte Carlo, each example's "
-            f"part random ({amplified.samples} draws of each side, {drawn}; base delta {amplified.base_delta:.6g})"
+            f"part random ({amplified.samples} draws of each side, {drawn}; base delta "
+            f"{amplified.base_delta:.6g}{bounded})"
         )
     return 0
 

@@ -34,8 +34,25 @@ computed exactly here in two cases:
   expectation factorizes, ``L_s = sum_{j = s mod b} log(1 - q + q exp((<C e_j,
   y> - |C e_j|^2 / 2) / sigma^2))``, and ``L = logsumexp_s L_s - log b``.
 
-``q < 1`` with a longer ``C`` (BLT, BISR with ``bands > b``) is refused: the
-mixture then has ``2^(T/b)`` components per part.
+* ``q < 1`` with ``C`` longer than the cycle (BLT, BISR, BandMF with
+  ``bands > b``): given ``s``, the loss is a sum over ``2^k`` participation
+  patterns of the ``k`` turns ``j_1 < .. < j_k``, ``L_s = log E_x exp(sum_i
+  x_i a_i - sum_{i<l} x_i x_l G_il)`` with ``a_i = (<C e_{j_i}, y> - |C
+  e_{j_i}|^2 / 2) / sigma^2`` and ``G_il = <C e_{j_i}, C e_{j_l}> / sigma^2
+  >= 0`` (``C >= 0``), which fades as turns lie further apart. The terms of
+  turns at most ``w`` apart are kept exactly, by a forward pass over the
+  last ``w`` turns' pattern (``2^w`` states); each term of turns further
+  apart lies in ``[-x_i R_i, 0]`` with ``R_i = sum_{l > i + w} G_il``
+  (``x_l <= 1``), so dropping them bounds ``L`` from above, and charging
+  ``x_i R_i`` instead bounds it from below. Draws of ``P`` take the upper
+  bound, draws of ``Q`` the lower: each side's estimated delta then bounds
+  its own from above (``delta_P`` grows with ``L``, ``delta_Q`` falls), so
+  the accounting stays an upper bound. Both bounds lie within ``slack =
+  max_s sum_i R_i`` nats of ``L``; ``w`` is the least (at most
+  ``_MAX_WINDOW``) that brings ``slack`` under ``_LOSS_SLACK`` nats, and
+  ``MonteCarloEpsilon.loss_slack`` reports it (0 where ``L`` is exact).
+  The turns of a BLT at cycle ``b`` overlap as ``theta^b``, so the bound is
+  tight for cycles of tens of steps and loose for ``b = 1``.
 
 **From samples to epsilon.** ``delta_P(eps) = E_P (1 - e^(eps - L))_+`` and
 ``delta_Q(eps) = E_Q (1 - e^(eps + L))_+`` are estimated by means over ``M``
@@ -74,6 +91,8 @@ from per_example_grads._core.arguments import (
 )
 
 _CHUNK_FLOATS = 4_000_000  # y draws per chunk x steps: 32 MB of float64
+_LOSS_SLACK = 1e-2  # nats: the chain's window grows until its loss bounds are this close to L (module docstring)
+_MAX_WINDOW = 6  # turns kept exactly: 64 states a draw and part
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +106,10 @@ class MonteCarloEpsilon:
       base_delta: ``beta``, the bound both estimates met.
       samples: ``M``, draws of each of ``P`` and ``Q``.
       seed: the draws' seed.
+      loss_slack: the most, in nats, by which the losses computed may lie off
+        the pair's own (0 where they are exact; a ``C`` longer than the cycle
+        at ``q < 1`` is bounded, module docstring). The epsilon is an upper
+        bound either way.
     """
 
     epsilon: float
@@ -94,6 +117,7 @@ class MonteCarloEpsilon:
     base_delta: float
     samples: int
     seed: int | None
+    loss_slack: float = 0.0
 
 
 def _kl(a: float, b: np.ndarray) -> np.ndarray:
@@ -152,13 +176,6 @@ def _checked_coefficients(coefficients: Any, steps: int, cycle: int, q: float) -
     c = np.trim_zeros(c, "b")
     if c.size == 0:
         raise ValueError("coefficients are all zero: C would release nothing of the gradients.")
-    if q < 1.0 and c.size > cycle:
-        raise ValueError(
-            f"Monte-Carlo accounting at sampling_probability={q:g} < 1 needs C with at most cycle_length "
-            f"({cycle}) coefficients (BandMF with bands <= cycle_length, DP-SGD); this C has {c.size}, so its "
-            "loss is a mixture of 2^(steps / cycle_length) Gaussians per part. Sample whole parts "
-            "(sampling_probability=1.0) or account it without amplification (epsilon(), compute_epsilon)."
-        )
     return c
 
 
@@ -168,7 +185,11 @@ class _Pair:
     def __init__(self, c: np.ndarray, sigma: float, steps: int, cycle: int, q: float):
         self.c, self.sigma, self.steps, self.cycle, self.q = c, sigma, steps, cycle, q
         self.banded = c.size <= cycle
+        self.chained = q < 1.0 and not self.banded
+        self.turns = -(-steps // cycle)
         self.column_norms = _tail_norms(c, steps, steps)  # |C e_j|^2: column j of C, cut at the last step
+        self.slack = 0.0  # nats between the computed loss and L (module docstring)
+        self.floats_per_draw = steps
         if q == 1.0:  # one mode per part (the draws of P; the loss too where C is longer than the cycle)
             first = np.zeros(steps)
             first[::cycle] = 1.0
@@ -178,6 +199,22 @@ class _Pair:
             self.modes = np.zeros((steps, cycle))  # m_s in column s (zero for a part whose turn comes after the end)
             for part in range(min(cycle, steps)):
                 self.modes[part:, part] = first_mode[: steps - part]
+        if self.chained:
+            near, beyond = _overlaps(c, steps, cycle, _MAX_WINDOW)
+            near, beyond = near / sigma**2, beyond / sigma**2
+            for window in range(_MAX_WINDOW + 1):  # the least window whose bounds lie within _LOSS_SLACK of L
+                far = beyond + near[window:].sum(0)  # R at each step: its overlaps with turns beyond the window
+                self.slack = float(self._per_part(far).max())
+                if self.slack <= _LOSS_SLACK:
+                    break
+            self.window, self.near, self.far = window, near[:window], far
+            self.floats_per_draw = max(steps, 2 * 2**window * cycle)
+
+    def _per_part(self, per_step: np.ndarray) -> np.ndarray:
+        """``[cycle, ...]``: ``per_step`` (``[steps, ...]``) summed over each part's turns."""
+        padded = np.zeros((self.turns * self.cycle, *per_step.shape[1:]))
+        padded[: self.steps] = per_step
+        return padded.reshape(self.turns, self.cycle, *per_step.shape[1:]).sum(0)
 
     def draw(self, rng: np.random.Generator, m: int, positive: bool) -> np.ndarray:
         """``[steps, m]`` draws of ``P`` (``positive``) or ``Q``."""
@@ -189,24 +226,88 @@ class _Pair:
             return y + self.modes[:, shifts]
         turns = (np.arange(self.steps)[:, None] % self.cycle == shifts[None]) & (rng.random((self.steps, m)) < self.q)
         x = turns.astype(np.float64)
+        if self.chained:  # C x by FFT: rounding of order 1e-16 |C x|
+            return y + scipy.signal.fftconvolve(x, self.c[:, None], axes=0)[: self.steps]
         mean = self.c[0] * x
-        for k in range(1, min(self.c.size, self.steps)):  # C x: c_k on the k-th subdiagonal (a short C, checked)
+        for k in range(1, min(self.c.size, self.steps)):  # C x: c_k on the k-th subdiagonal (a short C)
             mean[k:] += self.c[k] * x[:-k]
         return y + mean
 
-    def loss(self, y: np.ndarray) -> np.ndarray:
-        """``[m]`` privacy losses ``log dP/dQ`` of the columns of ``y``."""
+    def loss(self, y: np.ndarray, upper: bool = True) -> np.ndarray:
+        """``[m]`` privacy losses ``log dP/dQ`` of the columns of ``y``; for a chained pair, its upper or lower bound."""
         s2 = self.sigma**2
-        if not self.banded:  # q == 1 (checked)
+        if self.q == 1.0 and not self.banded:
             llr = (self.modes.T @ y - 0.5 * self.mode_norms[:, None]) / s2
             return scipy.special.logsumexp(llr, axis=0) - math.log(self.cycle)
         joined = (_correlation(y, self.c) - 0.5 * self.column_norms[:, None]) / s2
-        per_turn = joined if self.q == 1.0 else np.logaddexp(math.log1p(-self.q), math.log(self.q) + joined)
-        turns = -(-self.steps // self.cycle)
-        padded = np.zeros((turns * self.cycle, y.shape[1]))
-        padded[: self.steps] = per_turn
-        per_part = padded.reshape(turns, self.cycle, -1).sum(0)
+        if self.chained:
+            per_part = self._chain(joined if upper else joined - self.far[:, None])
+        else:
+            per_turn = joined if self.q == 1.0 else np.logaddexp(math.log1p(-self.q), math.log(self.q) + joined)
+            per_part = self._per_part(per_turn)
         return scipy.special.logsumexp(per_part, axis=0) - math.log(self.cycle)
+
+    def _chain(self, joined: np.ndarray) -> np.ndarray:
+        """``[cycle, m]``: ``L_s`` with the terms of turns at most ``window`` apart exact (module docstring).
+
+        A forward pass over turns in the linear domain: ``alpha[S, s, :]`` is
+        the mass of the patterns so far whose last ``window`` turns are the
+        bits of ``S`` (bit 0 the latest), over ``exp(scale[s, :])``.
+        """
+        b, w, m, q = self.cycle, self.window, joined.shape[1], self.q
+        padded = np.full((self.turns * b, m), -np.inf)  # a turn past the last step never joins
+        padded[: self.steps] = joined
+        padded = padded.reshape(self.turns, b, m)
+        stays = np.ones(self.turns * b)
+        stays[: self.steps] = 1.0 - q
+        stays = stays.reshape(self.turns, b)
+        states = 2**w
+        bits = (np.arange(states)[:, None] >> np.arange(w)[None]) & 1  # [states, w]: bit d-1 is the turn d back
+        alpha = np.zeros((states, b, m))
+        alpha[0] = 1.0
+        scale = np.zeros((b, m))
+        for turn in range(self.turns):
+            a = padded[turn]
+            shift = np.maximum(a, 0.0)
+            join = q * np.exp(a - shift)  # [b, m]
+            stay = stays[turn][:, None] * np.exp(-shift)
+            if w == 0:
+                alpha = alpha * (stay + join)
+            else:
+                # overlaps[d - 1, s]: G between this turn of part s and its turn d back (none before the first).
+                overlaps = np.zeros((w, b))
+                for d in range(1, min(w, turn) + 1):
+                    overlaps[d - 1] = self.near[d - 1, (turn - d) * b : (turn - d + 1) * b]
+                kept = np.exp(-(bits @ overlaps))  # [states, b]: exp(-sum of G to the turns this state joined)
+                old = alpha.reshape(2, states // 2, b, m)  # [oldest bit, the others, b, m]
+                joined_mass = (old * kept.reshape(2, states // 2, b)[..., None]).sum(0) * join
+                alpha = np.stack([(old[0] + old[1]) * stay, joined_mass], axis=1).reshape(states, b, m)
+            norm = alpha.max(0)
+            if not np.all(norm > 0):
+                raise ValueError(
+                    f"noise_multiplier={self.sigma:g} is too small for Monte-Carlo accounting of a C longer than "
+                    "the cycle at sampling_probability < 1: the privacy loss underflows float64."
+                )
+            alpha = alpha / norm
+            scale += shift + np.log(norm)
+        return np.log(alpha.sum(0)) + scale
+
+
+def _overlaps(c: np.ndarray, steps: int, cycle: int, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """``([window, steps], [steps])``: ``<C e_t, C e_{t + k cycle}>`` (cut at the last step) for ``k = 1 .. window``, and its sum over ``k > window``."""
+    near, beyond = np.zeros((window, steps)), np.zeros(steps)
+    t = np.arange(steps)
+    for k in range(1, -(-steps // cycle)):
+        lag = k * cycle
+        if lag >= c.size:  # columns this far apart no longer overlap
+            break
+        sums = np.concatenate([[0.0], np.cumsum(c[lag:] * c[: c.size - lag])])
+        overlap = sums[np.clip(steps - t - lag, 0, c.size - lag)]
+        if k <= window:
+            near[k - 1] = overlap
+        else:
+            beyond += overlap
+    return near, beyond
 
 
 def _tail_norms(kernel: np.ndarray, lags: int, steps: int) -> np.ndarray:
@@ -216,7 +317,9 @@ def _tail_norms(kernel: np.ndarray, lags: int, steps: int) -> np.ndarray:
 
 
 def _correlation(y: np.ndarray, kernel: np.ndarray) -> np.ndarray:
-    """``[steps, m]``: row ``j`` is ``<kernel shifted by j, y>``, cut at the last step (a short kernel)."""
+    """``[steps, m]``: row ``j`` is ``<kernel shifted by j, y>``, cut at the last step."""
+    if kernel.size > 32:  # by FFT: rounding of order 1e-16 |kernel| |y|
+        return scipy.signal.fftconvolve(y, kernel[::-1, None], axes=0)[kernel.size - 1 : kernel.size - 1 + y.shape[0]]
     out = kernel[0] * y
     for k in range(1, min(kernel.size, y.shape[0])):
         out[:-k] += kernel[k] * y[k:]
@@ -239,7 +342,7 @@ def _checked_pair(
 def _losses(pair: _Pair, samples: int, positive: bool, seed: int | None, progress: bool) -> np.ndarray:
     """``privacy_losses`` of ``pair``: ``samples`` draws, in chunks of about ``_CHUNK_FLOATS`` floats."""
     rng = np.random.default_rng(seed)
-    chunk = max(1, _CHUNK_FLOATS // pair.steps)
+    chunk = max(1, _CHUNK_FLOATS // pair.floats_per_draw)
     starts = range(0, samples, chunk)
     if progress:
         from tqdm.auto import tqdm
@@ -248,7 +351,7 @@ def _losses(pair: _Pair, samples: int, positive: bool, seed: int | None, progres
     out = np.empty(samples)
     for start in starts:
         m = min(chunk, samples - start)
-        loss = pair.loss(pair.draw(rng, m, positive))
+        loss = pair.loss(pair.draw(rng, m, positive), upper=positive)  # each side's delta bounded from above
         out[start : start + m] = loss if positive else -loss
     return out
 
@@ -334,15 +437,18 @@ def monte_carlo_epsilon(
       noise_multiplier: ``sigma`` (per clip norm).
       steps: ``T``.
       delta: the run's delta, Monte-Carlo failure included (module docstring).
-      sampling_probability: ``q`` of ``poisson_batches``; below 1 only for
-        ``C`` with at most ``cycle_length`` coefficients.
+      sampling_probability: ``q`` of ``poisson_batches``. Below 1, a ``C``
+        longer than ``cycle_length`` (BLT, BISR) has its loss bounded, within
+        the result's ``loss_slack`` (module docstring).
       cycle_length: ``b`` of ``poisson_batches``, for explicit coefficients
         (default 1); a mechanism's own otherwise.
       samples: ``M`` draws of each of ``P`` and ``Q``; by default the least at
         which ``base_delta = delta / 2`` states ``delta`` (``samples_for``:
         6,300 at ``delta = 1e-2``, 80,000 at ``1e-3``, 11.3 million at
-        ``1e-5``). Time grows as ``M T`` (``M T b`` for ``C`` longer than
-        ``b``): about 5 s per 100,000 draws of 1,000 steps on 2 CPU cores.
+        ``1e-5``). Time grows as ``M T``, ``M T b`` for ``C`` longer than
+        ``b`` at ``q = 1``, ``M T 2^w`` at ``q < 1``: per 100,000 draws of
+        1,000 steps on 2 CPU cores, about 5 s; 45-65 s for BLT(2) at ``q <
+        1`` and cycles of 20-50 (``w`` 5-6).
       seed: of the draws (None: fresh entropy).
       progress: a tqdm bar over the draws.
 
@@ -379,6 +485,7 @@ def _estimate(
         base_delta=beta,
         samples=samples,
         seed=seed,
+        loss_slack=pair.slack,
     )
 
 
