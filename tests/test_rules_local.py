@@ -134,6 +134,37 @@ def test_an_eager_call_reuses_the_recomputation_traced_for_its_layer_and_signatu
     assert [len(kept) for kept in local._eager_functions.values()] == [2]
 
 
+class _Powered(keras.layers.Layer):
+    """A custom layer whose call reads a plain Python attribute, ``power``."""
+
+    power = 1
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1],), initializer="ones", name="w")
+
+    def call(self, x):
+        return (x * self.w) ** self.power
+
+
+def test_an_eager_call_sees_a_layer_attribute_set_since_the_last_call():
+    """The kept recomputation is keyed by the layer's plain attributes too: one set between eager calls is read anew
+    (a function keyed by shapes alone would replay the first call's ``power``)."""
+    from per_example_grads.rules import local
+
+    local._eager_functions.clear()
+    layer = _Powered()
+    layer.build((None, 4))
+    layer.w.assign([0.5, 1.0, 1.5, 2.0])
+    x = tf.constant(np.random.default_rng(0).normal(size=(B, 4)), tf.float32)
+    layer(x)  # as a model's forward pass would have (a first call sets Keras's own attributes)
+    for power in (2, 3, 2):
+        layer.power = power
+        got = local.LOCAL_RULE.per_example(layer, ((x,), {}), [tf.ones([B, 4])])
+        expected = power * x**power * layer.w ** (power - 1)  # d/dw of sum((x w)^p), example by example
+        np.testing.assert_allclose(got[0], expected, rtol=GRADIENT_RTOL)
+    assert [len(kept) for kept in local._eager_functions.values()] == [2]  # power 2's function reused
+
+
 def test_an_eager_calls_kept_recomputation_keeps_neither_its_layer_nor_a_batch_alive():
     import weakref
 

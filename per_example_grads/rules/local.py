@@ -130,8 +130,10 @@ def _eager_function(rule: LocalRule, layer, saved, grads, variables):
 
     The signature is every leaf of ``saved`` (a tensor's shape and dtype, any
     other value itself: a ``training`` flag, a ``None`` mask), the
-    gradients' shapes and dtypes, and which variables: a call that differs
-    in any of them gets another function. Tensors are the function's
+    gradients' shapes and dtypes, which variables, and the plain-valued
+    attributes (``_layer_settings``) of the layer and the layers inside it: a
+    call that differs in any of them gets another function, so an attribute
+    set between eager calls is seen as an eager call would see it. Tensors are the function's
     inputs, and it refers to the layer and variables weakly, so a kept
     function holds no batch's values and is dropped with its layer. None
     (nothing kept) under a distribution strategy (a function traced in one
@@ -149,6 +151,7 @@ def _eager_function(rule: LocalRule, layer, saved, grads, variables):
         tuple(spec(t) if isinstance(t, tf.Tensor) else (type(t), t) for t in flat),
         tuple(spec(g) for g in grads),
         tuple(id(v) for v in variables),
+        _layer_settings(layer),
     )
     try:
         kept = _eager_functions.setdefault(layer, {})
@@ -168,6 +171,19 @@ def _eager_function(rule: LocalRule, layer, saved, grads, variables):
 
     kept[signature] = tf.function(run, autograph=False)
     return kept[signature]
+
+
+def _layer_settings(layer) -> tuple:
+    """The attributes of ``layer`` and the layers inside it that hold plain values (or tuples of them), by name."""
+    layers = layer._flatten_layers() if hasattr(layer, "_flatten_layers") else [layer]
+    return tuple(
+        tuple(
+            (name, value)
+            for name, value in sorted(vars(inner).items())
+            if isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value))
+        )
+        for inner in layers
+    )
 
 
 @contextlib.contextmanager
