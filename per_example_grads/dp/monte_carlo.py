@@ -25,7 +25,7 @@ loss ``L = log dP/dQ`` is
 
     L(y) = log mean_s E_x exp((<C x, y> - |C x|^2 / 2) / sigma^2),
 
-computed exactly here in two cases:
+computed exactly here in two cases and bounded in a third:
 
 * ``q = 1``: ``x = 1_s``, one mode ``m_s = C 1_s`` per part, any ``C``:
   ``L = logsumexp_s((<m_s, y> - |m_s|^2 / 2) / sigma^2) - log b``;
