@@ -96,19 +96,25 @@ def graph_fingerprint(variables) -> tf.Tensor:
     For a step that records its own weights (a custom loop's
     ``DPModel.train_step``); the same integers mod 2^32, so it equals the
     host's ``fingerprint`` exactly, and computed as it is: two reductions
-    of each variable's bits (``_sums_of_rows``), no position vector.
+    of each variable's bits (``_sum_and_moment``, one function call per
+    variable, so the step's graph gains a few ops per variable, not the
+    reductions' dozens), no position vector.
     """
-    total, offset = tf.zeros([2], tf.uint32), 0
+    sums, starts, offset = [], [], 0
     for v in variables:
         rows = _bit_rows(v)
         n = rows.shape.num_elements()  # an 8-byte entry counts as two
         if not n:
             continue
-        s, k = tf.unstack(_sums_of_rows(rows))
-        # sum_k (2 (offset + k) + 1) b_k = 2 sum_k k b_k + (2 offset + 1) sum_k b_k, wrapping mod 2^32
-        total += tf.stack([s, tf.constant(2, tf.uint32) * k + tf.constant((2 * offset + 1) % (1 << 32), tf.uint32) * s])
+        sums.append(_sum_and_moment(rows))
+        starts.append((2 * offset + 1) % (1 << 32))
         offset += n
-    return tf.cast(total, tf.float64)
+    if not sums:
+        return tf.zeros([2], tf.float64)
+    s, k = tf.unstack(tf.stack(sums), axis=1)
+    # sum_k (2 (offset + k) + 1) b_k = 2 sum_k k b_k + (2 offset + 1) sum_k b_k, wrapping mod 2^32
+    moment = tf.reduce_sum(tf.constant(2, tf.uint32) * k + tf.constant(starts, tf.uint32) * s)
+    return tf.cast(tf.stack([tf.reduce_sum(s), moment]), tf.float64)
 
 
 def bit_sums_fingerprint(variables) -> np.ndarray:
@@ -143,7 +149,7 @@ def _bit_rows(v) -> tf.Tensor:
 
 @tf.function(input_signature=[tf.TensorSpec([None, None], tf.uint32)], autograph=False)
 def _sum_and_moment(rows: tf.Tensor) -> tf.Tensor:
-    """``_sums_of_rows`` in one call (the host's ``fingerprint``: one call per variable, where it lives)."""
+    """``_sums_of_rows`` in one call per variable, where it lives (``fingerprint`` and ``graph_fingerprint``)."""
     return _sums_of_rows(rows)
 
 
