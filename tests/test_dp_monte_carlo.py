@@ -2,7 +2,8 @@
 
 * The privacy loss against brute force: the dominating pair's density ratio
   summed over every part and every participation pattern (``2^k`` Gaussians
-  per part), on runs small enough to enumerate.
+  per part), on runs small enough to enumerate; where ``C`` outlasts the
+  cycle at ``q < 1``, its bounds on each side of it, within their slack.
 * jax_privacy 2.0.0's own Monte-Carlo accounting of balls-in-bins sampling
   (``data/jax_privacy_reference.json``, "monte_carlo"; computed in its own
   virtualenv by ``benchmarks/peers/jax_privacy_reference.py``): the losses of
@@ -269,10 +270,10 @@ def test_same_seed_same_epsilon_and_draws_differ_by_seed():
     assert a == b and a.epsilon != c.epsilon
 
 
-@pytest.mark.parametrize("q", [0.4, 1.0])
-def test_draws_of_p_have_the_mixtures_mean_and_q_is_unshifted_noise(q):
+@pytest.mark.parametrize("q, cycle", [(0.4, 3), (1.0, 3), (0.4, 2)])  # (0.4, 2): C outlasts the cycle, C x by FFT
+def test_draws_of_p_have_the_mixtures_mean_and_q_is_unshifted_noise(q, cycle):
     """E_P y = (q / b) sum_s C 1_s (each turn of each part joins at rate q / b); E_Q y = 0; both of variance sigma^2."""
-    c, steps, cycle, sigma, m = np.array([1.0, 0.5, 0.2]), 9, 3, 0.7, 200_000
+    c, steps, sigma, m = np.array([1.0, 0.5, 0.2]), 9, 0.7, 200_000
     pair = mc._Pair(c, sigma, steps, cycle, q)
     expected = (q / cycle) * _toeplitz(c, steps) @ np.ones(steps)
     for positive, mean in ((True, expected), (False, np.zeros(steps))):
@@ -281,6 +282,15 @@ def test_draws_of_p_have_the_mixtures_mean_and_q_is_unshifted_noise(q):
         assert np.all(np.abs(y.mean(axis=1) - mean) <= STANDARD_ERRORS * spread / math.sqrt(m))
         if not positive:
             assert np.all(np.abs(spread - sigma) <= STANDARD_ERRORS * sigma / math.sqrt(2 * m))
+
+
+def test_a_long_kernels_correlation_by_fft_is_the_shifted_dot_products():
+    """``_correlation`` takes a kernel of more than 32 coefficients by FFT; row j is still <kernel shifted by j, y>."""
+    rng = np.random.default_rng(4)
+    kernel, y = 0.97 ** np.arange(90), rng.normal(size=(120, 5))
+    expected = np.stack([_toeplitz(kernel, 120)[:, j] @ y for j in range(120)])
+    # float64 FFTs of length about 256: rounding of a few 1e-16 of |kernel| |y| (about 50 here).
+    np.testing.assert_allclose(mc._correlation(y, kernel), expected, rtol=0, atol=1e-12)
 
 
 # -- DPModel.monte_carlo_epsilon: the ledger's run, where it meets restores, units, chunks and other samplers --
