@@ -133,9 +133,10 @@ def _eager_function(rule: LocalRule, layer, saved, grads, variables):
     gradients' shapes and dtypes, which variables, and the plain-valued
     attributes (``_layer_settings``) of the layer and the layers inside it: a
     call that differs in any of them gets another function, so an attribute
-    set between eager calls is seen as an eager call would see it. Tensors are the function's
-    inputs, and it refers to the layer and variables weakly, so a kept
-    function holds no batch's values and is dropped with its layer. None
+    set between eager calls is seen as an eager call would see it. Tensors
+    are the function's inputs, and it refers to the layer and variables
+    weakly, so a kept function holds no batch's values and is dropped with
+    its layer. None
     (nothing kept) under a distribution strategy (a function traced in one
     replica's context), when a leaf is neither a tensor nor a plain value, or
     when the layer already has ``EAGER_FUNCTIONS_PER_LAYER``.
