@@ -50,6 +50,11 @@ pass, with all of them, and with each pass alone, for Keras's step and the
 DP step, with the nodes each leaves; and each graph's largest functions
 (a ``tf.cond`` branch is one).
 
+``--custom-loop`` instead times a custom loop's first DP step
+(``tf.function(dp.train_step)`` on one batch of ``b`` rows: trace and one
+run, which also records the weights' fingerprint in the step) against
+Keras's first ``fit`` step, alternated, and counts its nodes.
+
 ``--breakdown`` traces the DP step once more with its parts instrumented and
 prints the nodes each added: the capture (forward and backward with the
 rules' taps), each rule class's ``squared_norms`` and ``weighted_sum``, the
@@ -199,6 +204,21 @@ def dp_first_step(copy, x, y, b, optimizer, method="auto", count_traces=True):
     same_q = len(traces)
     dp.fit(peg.dp.poisson_batches(x, y, sampling_probability=b / (2 * n), steps=1, seed=2), epochs=1, verbose=0)
     return first, dp, (same_q, len(traces)), data
+
+
+def dp_custom_loop_first_step(copy, x, y, b):
+    """A custom loop's first DP step: ``tf.function(dp.train_step)`` on ``b`` rows, trace plus one run (s), and its nodes."""
+    import tensorflow as tf
+
+    import per_example_grads as peg
+
+    dp = peg.keras.DPModel(copy(), l2_norm_clip=1.0, noise_multiplier=1.0, seed=0)
+    dp.compile(optimizer=_optimizer("sgd"), loss=_loss())
+    batch = tf.nest.map_structure(tf.convert_to_tensor, (_rows(x, b), y[:b]))
+    step = tf.function(dp.train_step)
+    start = time.perf_counter()
+    tf.nest.map_structure(lambda t: t.numpy(), step(batch))
+    return time.perf_counter() - start, nodes(step.get_concrete_function(batch))[0]
 
 
 def _floor_model(inner, clip: float = 1.0, noise_multiplier: float = 1.0):
@@ -381,6 +401,23 @@ def _instrumented(counts: collections.Counter):
             setattr(owner, name, original)
 
 
+def run_custom_loop(models, b, repeats):
+    """``--custom-loop``: Keras's first ``fit`` step against a custom loop's first DP step, alternated."""
+    print(
+        f"B = {b}, SGD; custom loop: tf.function(dp.train_step), median of {repeats}; `python {' '.join(sys.argv)}`\n"
+    )
+    print("| model | plain first step s | custom-loop DP first step s | ratio | custom-loop DP step nodes |")
+    print("|---|---|---|---|---|", flush=True)
+    for name in models:
+        copy, x, y = _build(name, max(4 * b, 256))
+        plain, custom = [], []
+        for _ in range(repeats):
+            plain.append(plain_first_step(copy, x, y, b, "sgd")[0][0])
+            custom.append(dp_custom_loop_first_step(copy, x, y, b))
+        p, (c, n) = statistics.median(plain), (statistics.median(col) for col in zip(*custom))
+        print(f"| {name} | {p:.2f} | {c:.2f} | {c / p:.2f} | {n:g} |", flush=True)
+
+
 def run(models, b, optimizer, repeats, breakdown, count_traces=True, floor=False, grappler=False):
     print(
         f"B = {b} (expected batch), {optimizer}; first step: trace plus one run, median of {repeats}; "
@@ -452,12 +489,19 @@ def main():
     parser.add_argument("--floor", action="store_true", help="also the hand-written DP-SGD step (Dense chains only)")
     parser.add_argument("--grappler", action="store_true", help="time each Grappler pass offline on both steps' graphs")
     parser.add_argument(
+        "--custom-loop",
+        action="store_true",
+        help="instead: Keras's first fit step against a custom loop's first DP step (tf.function(dp.train_step))",
+    )
+    parser.add_argument(
         "--no-trace-count",
         action="store_true",
         help="skip the two extra fits (each retrace of a large model is minutes)",
     )
     args = parser.parse_args()
     warnings.simplefilter("ignore")
+    if args.custom_loop:
+        return run_custom_loop(args.models.split(","), args.batch_size, args.repeats)
     run(
         args.models.split(","),
         args.batch_size,
