@@ -447,8 +447,9 @@ def monte_carlo_epsilon(
         6,300 at ``delta = 1e-2``, 80,000 at ``1e-3``, 11.3 million at
         ``1e-5``). Time grows as ``M T``, ``M T b`` for ``C`` longer than
         ``b`` at ``q = 1``, ``M T 2^w`` at ``q < 1``: per 100,000 draws of
-        1,000 steps on 2 CPU cores, about 5 s; 45-65 s for BLT(2) at ``q <
-        1`` and cycles of 20-50 (``w`` 5-6).
+        1,000 steps on 2 CPU cores, about 5 s at ``q = 1``, 20 s for a
+        banded ``C`` at ``q < 1``, 30-130 s for BLT(2) at ``q < 1`` (``w``
+        up to 6).
       seed: of the draws (None: fresh entropy).
       progress: a tqdm bar over the draws.
 
