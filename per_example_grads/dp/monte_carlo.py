@@ -210,11 +210,15 @@ class _Pair:
             self.window, self.near, self.far = window, near[:window], far
             self.floats_per_draw = max(steps, 2 * 2**window * cycle)
 
+    def _by_turn(self, per_step: np.ndarray, fill: float = 0.0) -> np.ndarray:
+        """``[turns, cycle, ...]``: ``per_step`` (``[steps, ...]``), ``fill`` past the last step."""
+        padded = np.full((self.turns * self.cycle, *per_step.shape[1:]), fill)
+        padded[: self.steps] = per_step
+        return padded.reshape(self.turns, self.cycle, *per_step.shape[1:])
+
     def _per_part(self, per_step: np.ndarray) -> np.ndarray:
         """``[cycle, ...]``: ``per_step`` (``[steps, ...]``) summed over each part's turns."""
-        padded = np.zeros((self.turns * self.cycle, *per_step.shape[1:]))
-        padded[: self.steps] = per_step
-        return padded.reshape(self.turns, self.cycle, *per_step.shape[1:]).sum(0)
+        return self._by_turn(per_step).sum(0)
 
     def draw(self, rng: np.random.Generator, m: int, positive: bool) -> np.ndarray:
         """``[steps, m]`` draws of ``P`` (``positive``) or ``Q``."""
@@ -255,12 +259,8 @@ class _Pair:
         bits of ``S`` (bit 0 the latest), over ``exp(scale[s, :])``.
         """
         b, w, m, q = self.cycle, self.window, joined.shape[1], self.q
-        padded = np.full((self.turns * b, m), -np.inf)  # a turn past the last step never joins
-        padded[: self.steps] = joined
-        padded = padded.reshape(self.turns, b, m)
-        stays = np.ones(self.turns * b)
-        stays[: self.steps] = 1.0 - q
-        stays = stays.reshape(self.turns, b)
+        padded = self._by_turn(joined, -np.inf)  # a turn past the last step never joins
+        stays = self._by_turn(np.full(self.steps, 1.0 - q), 1.0)
         states = 2**w
         bits = (np.arange(states)[:, None] >> np.arange(w)[None]) & 1  # [states, w]: bit d-1 is the turn d back
         alpha = np.zeros((states, b, m))
