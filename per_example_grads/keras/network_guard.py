@@ -149,16 +149,12 @@ def _bit_rows(v) -> tf.Tensor:
 
 @tf.function(input_signature=[tf.TensorSpec([None, None], tf.uint32)], autograph=False)
 def _sum_and_moment(rows: tf.Tensor) -> tf.Tensor:
-    """``_sums_of_rows`` in one call per variable, where it lives (``fingerprint`` and ``graph_fingerprint``)."""
-    return _sums_of_rows(rows)
-
-
-def _sums_of_rows(rows: tf.Tensor) -> tf.Tensor:
     """``[2]`` uint32: ``(sum_k b_k, sum_k k b_k)`` mod 2^32 of ``rows [m, w]`` read row by row (``k = r w + c``).
 
     ``sum_k k b_k = w sum_r r R_r + sum_c c C_c`` from the row sums ``R`` and
     column sums ``C``: unsigned products and sums wrap mod 2^32 exactly, so
-    it is the position-weighted sum, in two reductions over ``rows``.
+    it is the position-weighted sum, in two reductions over ``rows``. One
+    call per variable, where it lives (``fingerprint``, ``graph_fingerprint``).
     """
     row, col = tf.reduce_sum(rows, axis=1), tf.reduce_sum(rows, axis=0)
     r = tf.cast(tf.range(tf.shape(rows, out_type=tf.int64)[0]), tf.uint32)  # wraps mod 2^32, as the sums do
