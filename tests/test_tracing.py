@@ -261,3 +261,30 @@ def test_the_remembered_plans_keep_no_model_alive(method):
     model = run()
     gc.collect()
     assert model() is None
+
+
+def test_layers_of_one_shape_share_their_slice_bounds_and_weight_columns():
+    """A second convolution of the first one's shape adds no constant to the graph: its norms' slices reuse the
+    bounds, its clipped sum the weights' column, so it adds only the ops that compute (fewer nodes to trace and
+    optimize on a model's first step)."""
+    from per_example_grads._core.example_ops import weighted_example_sum
+    from per_example_grads.rules import conv
+
+    spec = conv.ConvSpec(2, (3, 3), (1, 1), (1, 1), "same")
+    with tf.Graph().as_default() as graph:
+        a, g = tf.compat.v1.placeholder(tf.float32, [4, 8, 8, 3]), tf.compat.v1.placeholder(tf.float32, [4, 8, 8, 5])
+        weights = tf.compat.v1.placeholder(tf.float32, [4])
+
+        def layer(a, g) -> tuple[int, int]:
+            """``(ops, Const ops)`` the norms and the clipped sum of one layer add."""
+            before = graph.get_operations()
+            conv._shifted_norms(spec, (8, 8), a, g)
+            weighted_example_sum(weights, tf.reshape(g, [4, -1, 5]))
+            added = graph.get_operations()[len(before) :]
+            return len(added), sum(op.type == "Const" for op in added)
+
+        first, first_consts = layer(a, g)
+        second, second_consts = layer(tf.identity(a), tf.identity(g))
+    assert first_consts >= 9  # each offset's slice bounds, made once
+    assert second_consts == 1  # the second layer's own reshape target ([4, -1, 5] above), nothing else
+    assert second - second_consts == first - first_consts - 1  # the same computing ops but the weights' column

@@ -18,7 +18,7 @@ _CONSTANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def graph_constant(value, dtype=tf.int32) -> tf.Tensor:
-    """``tf.constant(value, dtype)``, made once per graph for each value and dtype (an int or a flat list of ints).
+    """``tf.constant(value, dtype)``, made once per graph for each value and dtype (an int or a list of ints, nested or not).
 
     The rules and engines reduce and reshape hundreds of tensors over the
     same axes and to the same shapes, and each ``axis=1`` or ``[-1, n]``
@@ -31,7 +31,7 @@ def graph_constant(value, dtype=tf.int32) -> tf.Tensor:
     if tf.executing_eagerly():
         return tf.constant(value, dtype)
     graph = tf.compat.v1.get_default_graph()
-    key = (tf.as_dtype(dtype), tuple(value) if isinstance(value, (list, tuple)) else value)
+    key = (tf.as_dtype(dtype), _frozen(value))
     made = _CONSTANTS.setdefault(graph, {})
     found = made[key]() if key in made else None  # alive while its graph is: the graph holds its op
     if found is None:
@@ -39,6 +39,11 @@ def graph_constant(value, dtype=tf.int32) -> tf.Tensor:
             found = tf.constant(value, dtype)
         made[key] = weakref.ref(found)
     return found
+
+
+def _frozen(value):
+    """``value`` with its lists as tuples (hashable; nesting kept, so ``[[0, 1]]`` is not ``[0, 1]``)."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def compute_dtype(dtype) -> tf.DType:
@@ -192,15 +197,52 @@ def _rows(t: tf.Tensor) -> tf.Tensor:
 def weighted_example_sum(weights: tf.Tensor, t: tf.Tensor) -> tf.Tensor:
     """``sum_i weights[i] * t[i]``: ``[*t.shape[1:]]`` from ``[B]`` weights and ``[B, ...]`` ``t``.
 
-    One matrix-vector product on ``t`` viewed as ``[B, n]``; ``tf.tensordot``
-    builds the same from a dozen shape ops, which cost more than the product
-    on small layers.
+    One matrix product of ``t`` viewed as ``[B, n]`` and the weights as a
+    column (``example_column``, shared by every sum with those weights): what
+    ``tf.linalg.matvec`` computes, without its two shape ops per call;
+    ``tf.tensordot`` builds the same from a dozen, which cost more than the
+    product on small layers.
     """
     flat = _rows(t)
-    total = tf.linalg.matvec(flat, tf.cast(weights, t.dtype), transpose_a=True)
+    total = tf.matmul(flat, example_column(weights, t.dtype), transpose_a=True)  # [n, 1]
     return tf.reshape(
         total, graph_constant(t.shape[1:].as_list()) if t.shape[1:].is_fully_defined() else tf.shape(t)[1:]
     )
+
+
+# graph -> {(id(source), key): (weak reference to source, weak reference to what was made from it)}
+_MADE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def made_once(source: tf.Tensor, key, make) -> tf.Tensor:
+    """``make()``, a view or a cheap function of ``source``, made once per graph for each ``source`` and ``key``.
+
+    Made outside any ``tf.control_dependencies`` block, as ``graph_constant``'s
+    constants are: it waits for nothing but its inputs, so ``make`` must not
+    copy a large tensor (which the blocks keep from running early). Eagerly,
+    ``make()`` each time.
+    """
+    if tf.executing_eagerly():
+        return make()
+    made = _MADE.setdefault(tf.compat.v1.get_default_graph(), {})
+    was, found = made.get((id(source), key), (None, None))
+    if was is not None and was() is source and found() is not None:
+        return found()
+    with tf.control_dependencies(None):
+        out = make()
+    made[(id(source), key)] = (weakref.ref(source), weakref.ref(out))
+    return out
+
+
+def example_column(weights: tf.Tensor, dtype, rank: int = 2) -> tf.Tensor:
+    """``[B, 1, ..., 1]`` (``rank`` axes): ``[B]`` ``weights`` cast to ``dtype``, to scale the rows of a ``[B, ...]`` tensor.
+
+    One per graph for each weights tensor, dtype and rank (``made_once``):
+    every variable clipped together is scaled by the same weights.
+    """
+    dtype = tf.as_dtype(dtype)
+    shape = graph_constant([-1] + [1] * (rank - 1))
+    return made_once(weights, ("column", dtype, rank), lambda: tf.reshape(tf.cast(weights, dtype), shape))
 
 
 def map_examples(fn, elems, **kwargs):

@@ -45,6 +45,7 @@ import numpy as np
 import tensorflow as tf
 
 from per_example_grads._core import replicas
+from per_example_grads._core.example_ops import graph_constant
 from per_example_grads._core.xla_context import in_xla_context
 
 NoiseSeed = int | tuple | tf.Tensor | tf.random.Generator | None
@@ -202,7 +203,7 @@ def gaussian_like(
                 sizes = [tensors[i].shape.num_elements() for i in group]
                 z = tf.cast(standard_normal(sum(sizes), k) * scale, first.dtype)
                 parts = tf.split(z, sizes) if len(group) > 1 else [z]
-                parts = [tf.reshape(part, tensors[i].shape) for i, part in zip(group, parts)]
+                parts = [tf.reshape(part, graph_constant(tensors[i].shape.as_list())) for i, part in zip(group, parts)]
         for i, part in zip(group, parts):
             out[i] = combine(tensors[i], part) if combine else part
         after = [out[i] for i in group]

@@ -60,7 +60,7 @@ import math
 
 import tensorflow as tf
 
-from per_example_grads._core.example_ops import WIDE, squares_part, widened
+from per_example_grads._core.example_ops import WIDE, example_column, graph_constant, squares_part, widened
 from per_example_grads._core.xla_context import in_xla_context
 from per_example_grads.rules import outer_products as op
 from per_example_grads.rules import path_costs
@@ -348,6 +348,16 @@ def over_offsets(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor, fn) ->
     spatial shape. Each piece is sliced after the previous ``fn`` result is
     computed, so one piece exists at a time.
     """
+    a, index, out = _offset_view(layer, spatial, a)
+    results: list = []
+    for offset in itertools.product(*[range(kk) for kk in layer.kernel_size]):
+        with tf.control_dependencies(tf.nest.flatten(results[-1:])):
+            results.append(fn(_inner_slice(a, index(offset))))
+    return results, out
+
+
+def _offset_view(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor) -> tuple:
+    """``(view, index, out)``: ``a`` padded (and, with strides, each strided axis as ``[out, s]`` blocks), ``index(offset)`` of the piece an offset meets in it, and the output's spatial shape."""
     a = _causal_pad(layer, tf.cast(a, op.compute_dtype(a.dtype)))
     n_in = list(spatial)
     if layer.padding == "causal":
@@ -356,7 +366,7 @@ def over_offsets(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor, fn) ->
     if layer.padding == "same":
         out = [-(-n // s) for n, s in zip(n_in, layer.strides)]
         pads = [max((o - 1) * s + r - n, 0) for o, s, r, n in zip(out, layer.strides, reach, n_in)]
-        a = tf.pad(a, [[0, 0]] + [[p // 2, p - p // 2] for p in pads] + [[0, 0]])
+        a = tf.pad(a, graph_constant([[0, 0]] + [[p // 2, p - p // 2] for p in pads] + [[0, 0]]))
     else:
         out = [(n - r) // s + 1 for n, r, s in zip(n_in, reach, layer.strides)]
     if all(s == 1 for s in layer.strides):
@@ -367,25 +377,50 @@ def over_offsets(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor, fn) ->
         blocks = [
             o + (kk - 1) * d // s for o, kk, d, s in zip(out, layer.kernel_size, layer.dilation_rate, layer.strides)
         ]
-        a = a[(slice(None), *[slice(0, m * s) for m, s in zip(blocks, layer.strides)], slice(None))]
+        a = _inner_slice(a, [slice(0, m * s) for m, s in zip(blocks, layer.strides)])
         short = [m * s - n for m, s, n in zip(blocks, layer.strides, a.shape[1:-1])]
-        a = tf.pad(a, [[0, 0]] + [[0, max(e, 0)] for e in short] + [[0, 0]])
+        a = tf.pad(a, graph_constant([[0, 0]] + [[0, max(e, 0)] for e in short] + [[0, 0]]))
         a = tf.reshape(a, [-1, *[x for m, s in zip(blocks, layer.strides) for x in (m, s)], a.shape[-1]])
         index = lambda offset: [
             x
             for i, d, o, s in zip(offset, layer.dilation_rate, out, layer.strides)
             for x in (slice(i * d // s, i * d // s + o), i * d % s)
         ]
-    results: list = []
-    for offset in itertools.product(*[range(kk) for kk in layer.kernel_size]):
-        with tf.control_dependencies(tf.nest.flatten(results[-1:])):
-            results.append(fn(a[(slice(None), *index(offset), slice(None))]))
-    return results, out
+    return a, index, out
+
+
+def _inner_slice(a: tf.Tensor, index: list) -> tf.Tensor:
+    """``a[:, *index, :]`` for ``index`` of slices with static bounds and ints, its bounds the graph's shared constants.
+
+    ``a[...]`` makes three ``Const`` nodes per slice; a convolution has a
+    slice per kernel offset, and layers of one shape share every bound.
+    """
+    begin, end, shrink = [0], [0], 0
+    for axis, x in enumerate(index, start=1):
+        if isinstance(x, slice):
+            begin.append(x.start)
+            end.append(x.stop)
+        else:
+            begin.append(x)
+            end.append(x + 1)
+            shrink |= 1 << axis
+    begin.append(0)
+    end.append(0)
+    ends = 1 | 1 << (len(begin) - 1)  # the first and last axes whole
+    return tf.strided_slice(
+        a,
+        graph_constant(begin),
+        graph_constant(end),
+        graph_constant([1] * len(begin)),
+        begin_mask=ends,
+        end_mask=ends,
+        shrink_axis_mask=shrink,
+    )
 
 
 def sliced_patches(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor) -> tf.Tensor:
     """``patches(layer, a)`` from the slices of ``over_offsets`` (module docstring); ``spatial`` is ``a``'s static spatial shape."""
-    pieces, out = over_offsets(layer, spatial, a, tf.identity)
+    pieces, out = over_offsets(layer, spatial, a, lambda piece: piece)
     p = tf.concat(pieces, axis=-1) if len(pieces) > 1 else pieces[0]
     return tf.reshape(p, [-1, math.prod(out), p.shape[-1]])
 
@@ -396,7 +431,7 @@ def _shifted_norms(
     """``[B]`` norms and the per-example kernels ``[B, f, k]``: one batched product per kernel offset, no patches."""
     g = op.as_btf(g)
     per_offset, _ = over_offsets(layer, spatial, a, lambda piece: tf.matmul(op.as_btf(piece), g, transpose_a=True))
-    kernels = tf.concat(per_offset, axis=1)  # [B, K c_in, k], rows in the patches' (offset, c_in) order
+    kernels = tf.concat(per_offset, axis=graph_constant(1))  # [B, K c_in, k], rows in the patches' (offset, c_in) order
     return per_example_squared_norms(kernels), kernels
 
 
@@ -415,7 +450,7 @@ def kept_weighted_sum(kernels: tf.Tensor, weights: tf.Tensor, shape) -> tf.Tenso
     s = weighted_example_sum(weights, kernels)
     if s.shape[1] != shape[-1]:  # kept as [k, f]
         s = tf.transpose(s)
-    return tf.reshape(s, shape)
+    return tf.reshape(s, graph_constant(list(shape)))
 
 
 def weighted_kernel_sum(layer: ConvSpec, kernel, a: tf.Tensor, g: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
@@ -428,7 +463,7 @@ def weighted_kernel_sum(layer: ConvSpec, kernel, a: tf.Tensor, g: tf.Tensor, wei
     """
     dtype = op.compute_dtype(a.dtype)
     a = _causal_pad(layer, tf.cast(a, dtype))
-    gw = tf.cast(g, dtype) * tf.reshape(tf.cast(weights, dtype), [-1] + [1] * (g.shape.rank - 1))
+    gw = tf.cast(g, dtype) * example_column(weights, dtype, g.shape.rank)
     kernel = tf.cast(tf.convert_to_tensor(kernel), dtype)
     grouped_3d = layer.rank == 3 and kernel.shape[-2] != a.shape[-1]
     return (_kernel_vjp_xla if grouped_3d else _kernel_vjp)(layer, kernel, a, gw)
@@ -539,7 +574,7 @@ class ConvPatchesRule(KernelBiasRule):
         parts = [kernel_norms]
         biases = None
         if layer.use_bias:
-            biases = tf.reduce_sum(op.as_btf(grads[0]), axis=1)  # [B, c_out]
+            biases = tf.reduce_sum(op.as_btf(grads[0]), axis=graph_constant(1))  # [B, c_out]
             parts.append(squares_part(biases))
         if kernels is not None:
             cache["kept"] = (kernels, biases)

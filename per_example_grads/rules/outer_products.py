@@ -24,6 +24,7 @@ import tensorflow as tf
 from per_example_grads._core.example_ops import (
     WIDE,
     compute_dtype,
+    example_column,
     graph_constant,
     per_example_squared_norms,
     squares_part,
@@ -116,11 +117,10 @@ def weighted_kernel_sum(a: tf.Tensor, g: tf.Tensor, weights: tf.Tensor) -> tf.Te
     ``[B, T, V]`` against ``a``'s ``[B, T, D]``).
     """
     i, j = a.shape[-1], g.shape[-1]
-    column = graph_constant([-1, 1, 1])  # [B] -> [B, 1, 1]
     if i is not None and j is not None and i < j:
-        a = a * tf.reshape(tf.cast(weights, a.dtype), column)
+        a = a * example_column(weights, a.dtype, 3)
     else:
-        g = g * tf.reshape(tf.cast(weights, g.dtype), column)
+        g = g * example_column(weights, g.dtype, 3)
     rows = lambda t, n: tf.reshape(t, graph_constant([-1, n]) if n is not None else [-1, tf.shape(t)[-1]])  # [B T, n]
     return tf.linalg.matmul(rows(a, i), rows(g, j), transpose_a=True)
 
@@ -131,4 +131,4 @@ def weighted_bias_sum(g: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
     The positions are summed first, then one matrix-vector product over the
     examples (faster on CPU than the equivalent ``einsum``, ``benchmarks/RESULTS.md``).
     """
-    return weighted_example_sum(weights, tf.reduce_sum(g, axis=1))
+    return weighted_example_sum(weights, tf.reduce_sum(g, axis=graph_constant(1)))
