@@ -125,6 +125,10 @@ def test_conv_keeps_per_example_kernels_only_when_small():
         ((1, (3,), (2,), (1,), "same"), (2, 10, 3)),
         ((1, (3,), (1,), (2,), "causal"), (2, 9, 2)),
         ((1, (1,), (1,), (1,), "valid"), (2, 5, 4)),
+        # Strides a kernel wide (a ViT's patch embedding): the blocks transposed, not a slice per offset.
+        ((2, (4, 4), (4, 4), (1, 1), "valid"), (2, 16, 18, 3)),
+        ((2, (2, 3), (2, 3), (1, 1), "same"), (2, 9, 10, 2)),
+        ((1, (4,), (4,), (1,), "valid"), (2, 17, 3)),
     ],
 )
 def test_conv_sliced_patches_equal_extract_patches(spec, shape):
@@ -151,6 +155,7 @@ def _assert_equal_to_sliced_patches(patches_of, spec, shape):
     [
         ((3, (2, 2, 2), (1, 2, 1), (1, 1, 1), "valid"), (2, 4, 5, 4, 2)),
         ((3, (3, 2, 3), (2, 1, 2), (1, 1, 1), "same"), (2, 5, 6, 4, 3)),
+        ((3, (2, 2, 2), (2, 2, 2), (1, 1, 1), "valid"), (2, 4, 5, 4, 2)),
     ],
 )
 def test_conv3d_patches_of_unknown_sizes_equal_the_sliced_ones(spec, shape):

@@ -420,9 +420,25 @@ def _inner_slice(a: tf.Tensor, index: list) -> tf.Tensor:
 
 def sliced_patches(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor) -> tf.Tensor:
     """``patches(layer, a)`` from the slices of ``over_offsets`` (module docstring); ``spatial`` is ``a``'s static spatial shape."""
+    if _tiling(layer):
+        # Each stride a kernel wide: the view's blocks [B, o_1, k_1, ..., o_r, k_r, C] are the patches, transposed to
+        # (positions, offsets, C), as the slices' concatenation orders them.
+        view, _, out = _offset_view(layer, spatial, a)
+        r = layer.rank
+        p = tf.transpose(view, [0, *range(1, 2 * r, 2), *range(2, 2 * r + 1, 2), 2 * r + 1])
+        return tf.reshape(p, [-1, math.prod(out), math.prod(layer.kernel_size) * view.shape[-1]])
     pieces, out = over_offsets(layer, spatial, a, lambda piece: piece)
     p = tf.concat(pieces, axis=-1) if len(pieces) > 1 else pieces[0]
     return tf.reshape(p, [-1, math.prod(out), p.shape[-1]])
+
+
+def _tiling(layer: ConvSpec) -> bool:
+    """Whether the kernel's positions tile the input without overlap or gaps (strides = kernel size > 1, no dilation): a ViT's patch embedding."""
+    return (
+        layer.strides == layer.kernel_size
+        and any(s > 1 for s in layer.strides)
+        and all(d == 1 for d in layer.dilation_rate)
+    )
 
 
 def _shifted_norms(
