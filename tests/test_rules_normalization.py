@@ -187,20 +187,23 @@ def test_group_norm_output_is_the_layers_own_bit_for_bit(shape, settings, policy
         np.testing.assert_array_equal(got.numpy(), expected.numpy())
 
 
-@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16", "float64"])
 @pytest.mark.parametrize(
     "layer_class, settings, shape",
     [
         (keras.layers.LayerNormalization, {}, (3, 5, 8)),
         (keras.layers.LayerNormalization, dict(axis=[1, 2], center=False, epsilon=1e-2), (3, 5, 8)),
         (keras.layers.LayerNormalization, dict(axis=1), (3, 6, 7)),
+        (keras.layers.LayerNormalization, dict(scale=False), (3, 5, 8)),
+        (keras.layers.LayerNormalization, dict(axis=[1, 2], rms_scaling=True), (3, 5, 8)),
         (keras.layers.RMSNormalization, {}, (3, 5, 8)),
         (keras.layers.RMSNormalization, dict(axis=[1, 2], epsilon=1e-3), (3, 5, 8)),
     ],
     ids=str,
 )
 def test_layer_and_rms_norm_outputs_are_the_layers_own_bit_for_bit(layer_class, settings, shape, policy):
-    """The rules run the layer's call: ``y`` is ``layer(x)`` bit for bit, eagerly and in a graph.
+    """``y`` is ``layer(x)`` bit for bit, eagerly and in a graph (LayerNormalization's rule by Keras's formula and
+    ops from its one set of moments, the others by the layer's call).
 
     (Before, LayerNormalization's rule built ``xh * gamma + beta``, which
     differs from Keras's ``x * (inv gamma) + (beta - mean inv gamma)`` by

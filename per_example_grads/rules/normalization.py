@@ -11,11 +11,12 @@ n's gradients are
 - ``dL_n/dbeta = sum_{other axes} g_n``,
 
 ``[B, *gamma.shape]`` each: no recomputation of the layer per example. The
-rule runs the layer's own call for ``y`` (Keras computes it as
-``x * (inv gamma) + (beta - mean inv gamma)``, whose rounding differs from
-``xh * gamma + beta``: the model must compute what it computes without the
-engine, bit for bit), computes ``xh`` beside it (in at least float32, as
-Keras does) and taps ``y``. A LayerNormalization whose axes include the
+rule computes ``y`` as Keras does, ``x * (inv gamma) + (beta - mean inv
+gamma)``, whose rounding differs from ``xh * gamma + beta`` (the model must
+compute what it computes without the engine, bit for bit), by Keras's own
+ops, and ``xh`` beside it from the same moments (in at least float32, as
+Keras does), and taps ``y``; a subclass with its own ``call``, or
+``rms_scaling``, runs the layer's call and computes ``xh`` apart. A LayerNormalization whose axes include the
 batch axis uses the layer-local fallback.
 
 Keras's ``RMSNormalization`` (SmolLM3's norms): ``xh = x / sqrt(mean(x^2
@@ -65,6 +66,14 @@ def _axes(layer, rank: int) -> list[int]:
     return sorted(a % rank for a in axis)
 
 
+def _broadcast(variable, axes: list[int], rank: int, like: tf.Tensor) -> tf.Tensor:
+    """A LayerNormalization's ``gamma`` or ``beta`` in ``like``'s dtype, reshaped against a rank-``rank`` input as Keras does (not over the last axis alone)."""
+    v = tf.cast(tf.convert_to_tensor(variable), like.dtype)
+    if v.shape.rank != rank and axes != [rank - 1]:
+        v = tf.reshape(v, [like.shape[a] if a in axes else 1 for a in range(rank)])
+    return v
+
+
 class LayerNormRule(LayerRule):
     def unsupported(self, layer):
         axis = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
@@ -81,10 +90,23 @@ class LayerNormRule(LayerRule):
         axes = _axes(layer, rank)
         if 0 in axes:
             raise ValueError(f"LayerNormalization '{layer.name}' normalizes over the batch axis.")
-        y = call(*args, **kwargs)  # the layer's own values, bit for bit
-        xh = keras.ops.layer_normalization(
-            tf.cast(x, compute_dtype(x.dtype)), None, None, axes, layer.epsilon, rms_scaling=layer.rms_scaling
-        )
+        if layer.rms_scaling or type(layer).call is not keras.layers.LayerNormalization.call:
+            y = call(*args, **kwargs)  # the layer's own values, bit for bit
+            xh = keras.ops.layer_normalization(
+                tf.cast(x, compute_dtype(x.dtype)), None, None, axes, layer.epsilon, rms_scaling=layer.rms_scaling
+            )
+            return y, (xh, axes), [y]
+        # Keras's own formula and ops (keras.ops.layer_normalization, then the call's cast) for y, and the same with
+        # no gamma and beta for xh, from one set of moments: fewer ops to trace and run than the call and xh apart.
+        xc = tf.cast(x, compute_dtype(x.dtype))
+        mean, variance = keras.ops.moments(xc, axes=axes, keepdims=True)
+        inv = tf.math.rsqrt(variance + layer.epsilon)
+        xh = xc * inv + -mean * inv
+        scaled = inv * _broadcast(layer.gamma, axes, rank, xc) if layer.gamma is not None else inv
+        shift = -mean * scaled
+        if layer.beta is not None:
+            shift = shift + _broadcast(layer.beta, axes, rank, xc)
+        y = tf.cast(tf.cast(xc * scaled + shift, x.dtype), layer.compute_dtype)
         return y, (xh, axes), [y]
 
     @staticmethod
