@@ -30,6 +30,9 @@ they are traced with an ``input_signature`` whose batch dimension is unknown
 (the Keras steps trace as Keras does). Reported per quantity:
 
   first s   the first call: trace, optimization, run
+  ops       the graph operations traced during the first call (every function
+            graph, ``tf.cond`` branches included, as Python creates them; the
+            trace and TensorFlow's optimization of the graph grow with them)
   median s  median of the later calls (at least 3)
   kept MiB  TensorFlow's allocated bytes after the first call (its result
             freed) minus before it: what the traced function holds
@@ -40,6 +43,7 @@ they are traced with an ``input_signature`` whose batch dimension is unknown
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -166,7 +170,8 @@ def run_cell(model_name: str, b: int, t: int, q: str, dynamic: bool, repeats: in
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", peg.EngineFallbackWarning)
         before = _allocated()
-        timed(x, y)
+        with _counting_ops() as ops:
+            timed(x, y)
         kept = _allocated() - before
         first = times.pop()
         peak = peak_allocated_mib(timed, x, y)  # 4 calls: a warm-up and 3 measured
@@ -183,12 +188,31 @@ def run_cell(model_name: str, b: int, t: int, q: str, dynamic: bool, repeats: in
         "weights_mib": size(model.weights),
         "params_mib": size(model.trainable_variables),
         "first_s": first,
+        "ops_traced": ops[0],
         "median_s": statistics.median(times),
         "later_calls": len(times),
         "kept_mib": kept / _MIB,
         "peak_mib": peak,
         "fell_back": "; ".join(fallbacks) or "none",
     }
+
+
+@contextlib.contextmanager
+def _counting_ops():
+    """``[n]``: the operations created in function graphs inside the block (a counter on ``FuncGraph``'s op creation)."""
+    from tensorflow.python.framework import func_graph
+
+    count, original = [0], func_graph.FuncGraph._create_op_internal
+
+    def counted(self, *args, **kwargs):
+        count[0] += 1
+        return original(self, *args, **kwargs)
+
+    func_graph.FuncGraph._create_op_internal = counted
+    try:
+        yield count
+    finally:
+        func_graph.FuncGraph._create_op_internal = original
 
 
 def _worker(model_name: str, b: int, t: int, q: str, dynamic: bool, repeats: int, timeout: float) -> dict:
@@ -210,11 +234,11 @@ def _worker(model_name: str, b: int, t: int, q: str, dynamic: bool, repeats: int
 def _row(r: dict) -> str:
     cell = f"{r['model']} B={r['b']} T={r['t']}" + (" B unknown" if r["dynamic_batch"] else "")
     if "error" in r:
-        return f"| {cell} | {r['quantity']} | {r['error']} | | | | | |"
+        return f"| {cell} | {r['quantity']} | {r['error']} | | | | | | |"
     return (
         f"| {cell} | {r['quantity']} | {r['weights_mib']:.0f} / {r['params_mib']:.1f} | {r['kept_mib']:.1f} | "
         f"{r['peak_mib']:.0f} | "
-        f"{r['first_s']:.1f} | {r['median_s']:.2f} | {r['fell_back']} |"
+        f"{r['first_s']:.1f} | {r.get('ops_traced', '')} | {r['median_s']:.2f} | {r['fell_back']} |"
     )
 
 
@@ -263,9 +287,10 @@ def main(argv=None) -> int:
     print(f"command: python benchmarks/bench_scale.py {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(f"library: {peg.__file__}; {os.cpu_count()} CPUs; {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC\n")
     print(
-        "| cell | quantity | weights / trainable MiB | kept MiB | peak MiB | first call s | median s | auto fell back |"
+        "| cell | quantity | weights / trainable MiB | kept MiB | peak MiB | first call s | ops | median s "
+        "| auto fell back |"
     )
-    print("|---|---|---|---|---|---|---|---|", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
     for b, t in cells:
         for q in quantities:
