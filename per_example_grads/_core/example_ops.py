@@ -210,39 +210,32 @@ def weighted_example_sum(weights: tf.Tensor, t: tf.Tensor) -> tf.Tensor:
     )
 
 
-# graph -> {(id(source), key): (weak reference to source, weak reference to what was made from it)}
-_MADE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def made_once(source: tf.Tensor, key, make) -> tf.Tensor:
-    """``make()``, a view or a cheap function of ``source``, made once per graph for each ``source`` and ``key``.
-
-    Made outside any ``tf.control_dependencies`` block, as ``graph_constant``'s
-    constants are: it waits for nothing but its inputs, so ``make`` must not
-    copy a large tensor (which the blocks keep from running early). Eagerly,
-    ``make()`` each time.
-    """
-    if tf.executing_eagerly():
-        return make()
-    made = _MADE.setdefault(tf.compat.v1.get_default_graph(), {})
-    was, found = made.get((id(source), key), (None, None))
-    if was is not None and was() is source and found() is not None:
-        return found()
-    with tf.control_dependencies(None):
-        out = make()
-    made[(id(source), key)] = (weakref.ref(source), weakref.ref(out))
-    return out
+# graph -> {(id(weights), dtype, rank): (weak reference to the weights, weak reference to their column)}
+_COLUMNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def example_column(weights: tf.Tensor, dtype, rank: int = 2) -> tf.Tensor:
     """``[B, 1, ..., 1]`` (``rank`` axes): ``[B]`` ``weights`` cast to ``dtype``, to scale the rows of a ``[B, ...]`` tensor.
 
-    One per graph for each weights tensor, dtype and rank (``made_once``):
-    every variable clipped together is scaled by the same weights.
+    Made once per graph for each weights tensor, dtype and rank (every
+    variable clipped together is scaled by the same weights), outside any
+    ``tf.control_dependencies`` block, as ``graph_constant``'s constants are:
+    a reshape of a ``[B]`` vector, it waits for nothing but the weights.
+    Eagerly, made each time.
     """
     dtype = tf.as_dtype(dtype)
-    shape = graph_constant([-1] + [1] * (rank - 1))
-    return made_once(weights, ("column", dtype, rank), lambda: tf.reshape(tf.cast(weights, dtype), shape))
+    make = lambda: tf.reshape(tf.cast(weights, dtype), graph_constant([-1] + [1] * (rank - 1)))  # noqa: E731
+    if tf.executing_eagerly():
+        return make()
+    made = _COLUMNS.setdefault(tf.compat.v1.get_default_graph(), {})
+    key = (id(weights), dtype, rank)
+    was, found = made.get(key, (None, None))
+    if was is not None and was() is weights and found() is not None:
+        return found()
+    with tf.control_dependencies(None):
+        column = make()
+    made[key] = (weakref.ref(weights), weakref.ref(column))
+    return column
 
 
 def map_examples(fn, elems, **kwargs):

@@ -357,7 +357,8 @@ def over_offsets(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor, fn) ->
 
 
 def _offset_view(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor) -> tuple:
-    """``(view, index, out)``: ``a`` padded (and, with strides, each strided axis as ``[out, s]`` blocks), ``index(offset)`` of the piece an offset meets in it, and the output's spatial shape."""
+    """``(view, index, out)`` for ``over_offsets``: ``a`` padded (with strides, each strided axis cut into blocks
+    ``[m, s]``), ``index(offset)`` of the piece an offset meets in it, and the output's spatial shape."""
     a = _causal_pad(layer, tf.cast(a, op.compute_dtype(a.dtype)))
     n_in = list(spatial)
     if layer.padding == "causal":
@@ -433,7 +434,8 @@ def sliced_patches(layer: ConvSpec, spatial: tuple[int, ...], a: tf.Tensor) -> t
 
 
 def _tiling(layer: ConvSpec) -> bool:
-    """Whether the kernel's positions tile the input without overlap or gaps (strides = kernel size > 1, no dilation): a ViT's patch embedding."""
+    """Whether the kernel's positions tile the input without overlap (strides = kernel size > 1, no dilation): a
+    ViT's patch embedding."""
     return (
         layer.strides == layer.kernel_size
         and any(s > 1 for s in layer.strides)

@@ -16,8 +16,9 @@ gamma)``, whose rounding differs from ``xh * gamma + beta`` (the model must
 compute what it computes without the engine, bit for bit), by Keras's own
 ops, and ``xh`` beside it from the same moments (in at least float32, as
 Keras does), and taps ``y``; a subclass with its own ``call``, or
-``rms_scaling``, runs the layer's call and computes ``xh`` apart. A LayerNormalization whose axes include the
-batch axis uses the layer-local fallback.
+``rms_scaling``, runs the layer's call and computes ``xh`` apart. A
+LayerNormalization whose axes include the batch axis uses the layer-local
+fallback.
 
 Keras's ``RMSNormalization`` (SmolLM3's norms): ``xh = x / sqrt(mean(x^2
 over layer.axis) + eps)`` and ``y = xh * scale``, ``scale`` of shape
@@ -67,7 +68,8 @@ def _axes(layer, rank: int) -> list[int]:
 
 
 def _broadcast(variable, axes: list[int], rank: int, like: tf.Tensor) -> tf.Tensor:
-    """A LayerNormalization's ``gamma`` or ``beta`` in ``like``'s dtype, reshaped against a rank-``rank`` input as Keras does (not over the last axis alone)."""
+    """A LayerNormalization's ``gamma`` or ``beta`` in ``like``'s dtype, reshaped as Keras does against a rank-``rank``
+    input normalized over other axes than the last alone."""
     v = tf.cast(tf.convert_to_tensor(variable), like.dtype)
     if v.shape.rank != rank and axes != [rank - 1]:
         v = tf.reshape(v, [like.shape[a] if a in axes else 1 for a in range(rank)])
