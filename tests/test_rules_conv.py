@@ -319,3 +319,30 @@ def test_pointwise_strided_clipped_sum_avoids_the_onednn_kernel(rank, strides, p
     kernel_sum = tf.function(lambda a, g, w: conv.weighted_kernel_sum(conv.ConvSpec.of(layer), layer.kernel, a, g, w))
     graph = kernel_sum.get_concrete_function(a, g, tf.ones([5])).graph
     assert not [o.type for o in graph.get_operations() if "BackpropFilter" in o.type]
+
+
+@pytest.mark.parametrize(
+    "kernel_size, strides, padding, spatial",
+    [
+        ((3, 3), (1, 1), "same", (9, 8)),
+        ((3, 3), (2, 2), "same", (9, 8)),
+        ((3, 2), (2, 3), "valid", (11, 10)),
+        ((7, 7), (2, 2), "same", (20, 20)),
+        ((1, 1), (1, 1), "valid", (5, 5)),
+    ],
+)
+def test_conv2d_kernel_vjp_is_the_tapes_bit_for_bit(kernel_size, strides, padding, spatial):
+    """The clipped sum's kernel VJP of a 2-D convolution, one Conv2DBackpropFilter, is what the gradient of the layer's
+    convolution on a tape gives, eagerly and in a graph (the same op and attributes: no rounding apart)."""
+    from per_example_grads.rules import conv
+
+    spec = conv.ConvSpec(2, kernel_size, strides, (1, 1), padding)
+    a = tf.random.stateless_normal([3, *spatial, 4], [1, 2])
+    kernel = tf.random.stateless_normal([*kernel_size, 4, 5], [3, 4])
+    z = tf.nn.convolution(a, kernel, strides=list(strides), padding=padding.upper())
+    g = tf.random.stateless_normal(z.shape, [5, 6])
+    assert conv._filter_gradient_op(spec, kernel, a)
+    direct = lambda a, g: conv._conv2d_kernel_vjp(spec, kernel.shape, a, g)  # noqa: E731
+    taped = lambda a, g: conv._kernel_vjp(spec, kernel, a, g)  # noqa: E731
+    for ours, reference in ((direct, taped), (tf.function(direct), tf.function(taped))):
+        np.testing.assert_array_equal(ours(a, g).numpy(), reference(a, g).numpy())

@@ -474,14 +474,18 @@ def kept_weighted_sum(kernels: tf.Tensor, weights: tf.Tensor, shape) -> tf.Tenso
 def weighted_kernel_sum(layer: ConvSpec, kernel, a: tf.Tensor, g: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
     """``[*kernel.shape]``: ``sum_n weights[n] dL_n/dW``, the kernel VJP of the layer's convolution at ``weights * g``.
 
-    In a graph the forward convolution recorded for the VJP feeds nothing and
-    is pruned; run eagerly it is computed once and discarded. A grouped 3-D
-    convolution's VJP is XLA-compiled, as Keras compiles its forward:
-    TensorFlow's CPU kernels refuse it.
+    An ungrouped 2-D convolution without dilation runs its weight-gradient op
+    alone (``_conv2d_kernel_vjp``). Others record the convolution on a tape:
+    in a graph the forward convolution feeds nothing and is pruned; run
+    eagerly it is computed once and discarded. A grouped 3-D convolution's
+    VJP is XLA-compiled, as Keras compiles its forward: TensorFlow's CPU
+    kernels refuse it.
     """
     dtype = op.compute_dtype(a.dtype)
     a = _causal_pad(layer, tf.cast(a, dtype))
     gw = tf.cast(g, dtype) * example_column(weights, dtype, g.shape.rank)
+    if _filter_gradient_op(layer, kernel, a):
+        return _conv2d_kernel_vjp(layer, kernel.shape, a, gw)
     kernel = tf.cast(tf.convert_to_tensor(kernel), dtype)
     grouped_3d = layer.rank == 3 and kernel.shape[-2] != a.shape[-1]
     return (_kernel_vjp_xla if grouped_3d else _kernel_vjp)(layer, kernel, a, gw)
@@ -507,6 +511,37 @@ def _kernel_vjp(layer: ConvSpec, kernel: tf.Tensor, a: tf.Tensor, g: tf.Tensor) 
 
 _CHANNELS_LAST = {1: "NWC", 2: "NHWC", 3: "NDHWC"}
 _kernel_vjp_xla = tf.function(_kernel_vjp, jit_compile=True, reduce_retracing=True)
+
+
+def _filter_gradient_op(layer: ConvSpec, kernel, a: tf.Tensor) -> bool:
+    """Whether ``_conv2d_kernel_vjp`` gives ``_kernel_vjp``: an ungrouped 2-D convolution, no dilation, not
+    ``_pointwise_strided``."""
+    return (
+        layer.rank == 2
+        and all(d == 1 for d in layer.dilation_rate)
+        and kernel.shape[-2] == a.shape[-1]
+        and not _pointwise_strided(layer, kernel, a)
+    )
+
+
+def _conv2d_kernel_vjp(layer: ConvSpec, kernel_shape, a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
+    """``_kernel_vjp`` of a ``_filter_gradient_op`` layer: the one op TensorFlow's gradient of its ``Conv2D`` runs.
+
+    ``tf.nn.convolution`` of such a layer is one ``Conv2D``, whose gradient
+    is ``Conv2DBackpropFilter`` with the same attributes; recording the
+    convolution on a tape for it also built the forward convolution, its
+    input gradient and shape ops (pruned, but traced and optimized on a
+    model's first step), and read the kernel.
+    """
+    return tf.raw_ops.Conv2DBackpropFilter(
+        input=a,
+        filter_sizes=graph_constant(list(kernel_shape)),
+        out_backprop=g,
+        strides=[1, *layer.strides, 1],
+        padding=_padding(layer),
+        dilations=[1, 1, 1, 1],
+        data_format="NHWC",
+    )
 
 
 def _pointwise_strided(layer: ConvSpec, kernel: tf.Tensor, a: tf.Tensor) -> bool:
