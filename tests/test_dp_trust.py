@@ -565,6 +565,8 @@ def test_fingerprint_is_the_integer_sums_of_the_entries_bits_plain_and_by_positi
     cases += [((3, piece // 2 + 5), "float32"), ((piece + 3,), "float16"), ((piece // 2 + 1,), "float64")]
     cases += [((piece + 1,), "float64")]  # each entry two uint32 halves
     cases += [((), "float32"), ((), "float64"), ((7, 5), "float64"), ((3, 5, 7), "float32"), ((11,), "bfloat16")]
+    # on both sides of the size the eager fingerprint sums on the host
+    cases += [((network_guard._ON_HOST,), "float32"), ((2, network_guard._ON_HOST // 2 + 1), "float32")]
 
     def bits_of(v):
         width = {2: np.uint16, 4: np.uint32, 8: np.uint32}[np.dtype(v.dtype.name).itemsize]
