@@ -195,15 +195,19 @@ def gaussian_like(
     after: list = []  # what the next group's draw waits for (with combine)
     for group, k in zip(groups, keys):
         first = tensors[group[0]]
-        with tf.control_dependencies(after + [tensors[i] for i in group] if combine else []):
-            if not first.shape.is_fully_defined():  # a group of its own
-                n = tf.size(first, out_type=tf.int64)
-                parts = [tf.cast(tf.reshape(standard_normal(n, k) * scale, tf.shape(first)), first.dtype)]
-            else:
-                sizes = [tensors[i].shape.num_elements() for i in group]
-                z = tf.cast(standard_normal(sum(sizes), k) * scale, first.dtype)
-                parts = tf.split(z, sizes) if len(group) > 1 else [z]
-                parts = [tf.reshape(part, graph_constant(tensors[i].shape.as_list())) for i, part in zip(group, parts)]
+        if combine and not tf.executing_eagerly():
+            # The draw waits through its key, the one op given the control inputs: every op of the draw made
+            # under them got them all, constants included (thousands of graph edges on a large model).
+            with tf.control_dependencies(after + [tensors[i] for i in group]):
+                k = tf.identity(k)
+        if not first.shape.is_fully_defined():  # a group of its own
+            n = tf.size(first, out_type=tf.int64)
+            parts = [tf.cast(tf.reshape(standard_normal(n, k) * scale, tf.shape(first)), first.dtype)]
+        else:
+            sizes = [tensors[i].shape.num_elements() for i in group]
+            z = tf.cast(standard_normal(sum(sizes), k) * scale, first.dtype)
+            parts = tf.split(z, sizes) if len(group) > 1 else [z]
+            parts = [tf.reshape(part, graph_constant(tensors[i].shape.as_list())) for i, part in zip(group, parts)]
         for i, part in zip(group, parts):
             out[i] = combine(tensors[i], part) if combine else part
         after = [out[i] for i in group]
