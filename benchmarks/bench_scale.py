@@ -101,10 +101,11 @@ def _functions(model, x, y, dynamic: bool) -> dict:
     return {"batch": fns["batch_grad"], "norms": fns["norms"], "clipped": fns["clipped"]}
 
 
-def keras_step(model, q: str, b: int, physical_batch_size: int | None = None):
+def keras_step(model, q: str, b: int, physical_batch_size: int | None = None, optimizer: str = "sgd"):
     """``(x, y) -> logs`` for one ``train_on_batch`` of the model (``plain_step``) or of its DPModel (``dp_step``).
 
-    SGD, no XLA; the DPModel in chunks of ``physical_batch_size`` rows if given (``bench_memory_budget``).
+    SGD (or ``optimizer="adam"``), no XLA; the DPModel in chunks of ``physical_batch_size`` rows if given
+    (``bench_memory_budget``).
     """
     import keras
 
@@ -119,7 +120,8 @@ def keras_step(model, q: str, b: int, physical_batch_size: int | None = None):
         )  # fmt: skip
     # The plain model through keras.Model.compile itself: KerasHub's CausalLM.compile would add its accuracy metric
     compile_ = net.compile if q == "dp_step" else lambda **kw: keras.Model.compile(net, **kw)
-    compile_(optimizer=keras.optimizers.SGD(0.01), loss=loss, jit_compile=False)
+    optimizers = {"sgd": lambda: keras.optimizers.SGD(0.01), "adam": lambda: keras.optimizers.Adam(1e-4)}
+    compile_(optimizer=optimizers[optimizer](), loss=loss, jit_compile=False)
     return lambda x, y: net.train_on_batch(x, y, return_dict=True)
 
 
