@@ -76,10 +76,11 @@ def fingerprint(variables) -> np.ndarray:
     position vector: its row and column sums, from which the host derives
     both sums (``_moment``) and its share of the position-weighted sum from
     its offset. A variable of at most ``_ON_HOST`` entries is summed on the
-    host instead: two eager reductions cost more than copying it. (One call
-    of ``_sum_and_moment`` per variable, as ``graph_fingerprint`` makes,
-    took 1.6x as long eagerly, mostly the small variables' function
-    launches: ``benchmarks/RESULTS.md``, design measurements.) Any change of
+    host instead (two eager reductions cost more than copying it), and one
+    whose rows are longer by ``_sum_and_moment`` where it lives. (One call of
+    ``_sum_and_moment`` per variable, as ``graph_fingerprint`` makes, took
+    1.6x as long eagerly, mostly the small variables' function launches:
+    ``benchmarks/RESULTS.md``, design measurements.) Any change of
     a weight changes its bits; the two sums miss it only when the changes
     cancel in both.
     """
@@ -91,10 +92,11 @@ def fingerprint(variables) -> np.ndarray:
             continue
         if m * w <= _ON_HOST:
             bits = rows.numpy().astype(np.uint64)
-            by_row, by_column = bits.sum(axis=1), bits.sum(axis=0)
+            s, k = _moment(bits.sum(axis=1), bits.sum(axis=0))
+        elif w > _ON_HOST:  # rows that long: their column sums would be a large copy on the host
+            s, k = (int(x) for x in _sum_and_moment(rows).numpy())
         else:  # uint32 sums wrap mod 2^32, as the fingerprint does
-            by_row, by_column = (tf.reduce_sum(rows, axis=a).numpy().astype(np.uint64) for a in (1, 0))
-        s, k = _moment(by_row, by_column)
+            s, k = _moment(*(tf.reduce_sum(rows, axis=a).numpy().astype(np.uint64) for a in (1, 0)))
         # sum_k (2 (offset + k) + 1) b_k = 2 sum_k k b_k + (2 offset + 1) sum_k b_k
         total, moment = total + s, moment + 2 * k + (2 * offset + 1) * s
         offset += m * w
