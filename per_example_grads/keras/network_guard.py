@@ -70,53 +70,33 @@ def fingerprint(variables) -> np.ndarray:
     weighs each entry by its position, so moving weights to other places (a
     permutation, two variables swapped) changes it. Unsigned sums wrap
     exactly and do not depend on the order of addition, so a fingerprint
-    saved with a checkpoint matches on any machine and device. Each variable
-    is summed where it lives, by two reductions of its bits viewed as rows
-    (``_bit_rows``), with no copy of a large table to the host and no ``[n]``
-    position vector: its row and column sums, from which the host derives
-    both sums (``_moment``) and its share of the position-weighted sum from
-    its offset. A variable of at most ``_ON_HOST`` entries is summed on the
-    host instead (two eager reductions cost more than copying it), and one
-    whose rows are longer by ``_sum_and_moment`` where it lives. (One call of
-    ``_sum_and_moment`` per variable, as ``graph_fingerprint`` makes, took
-    1.6x as long eagerly, mostly the small variables' function launches:
-    ``benchmarks/RESULTS.md``, design measurements.) Any change of
-    a weight changes its bits; the two sums miss it only when the changes
-    cancel in both.
+    saved with a checkpoint matches on any machine and device. A variable of
+    at most ``_ON_HOST`` entries is summed on the host, positions and all
+    (a function launch per variable cost more than the copy); a larger one
+    where it lives, in one call (``_sum_and_moment``: two reductions of its
+    bits, no copy of a large table to the host and no ``[n]`` position
+    vector); its share of the position-weighted sum follows on the host
+    from its offset. Any change of a weight changes its bits; the two sums
+    miss it only when the changes cancel in both.
     """
     total, moment, offset = 0, 0, 0
     for v in variables:
         rows = _bit_rows(v)
-        m, w = (int(d) for d in rows.shape)
-        if not m * w:
+        n = int(rows.shape[0]) * int(rows.shape[1])
+        if not n:
             continue
-        if m * w <= _ON_HOST:
-            bits = rows.numpy().astype(np.uint64)
-            s, k = _moment(bits.sum(axis=1), bits.sum(axis=0))
-        elif w > _ON_HOST:  # rows that long: their column sums would be a large copy on the host
+        if n <= _ON_HOST:  # uint64 products and sums stay below 2^64: k b_k < 2^16 2^32, at most 2^16 terms
+            bits = rows.numpy().reshape(-1).astype(np.uint64)
+            s, k = int(bits.sum()), int(np.arange(n, dtype=np.uint64) @ bits)
+        else:
             s, k = (int(x) for x in _sum_and_moment(rows).numpy())
-        else:  # uint32 sums wrap mod 2^32, as the fingerprint does
-            s, k = _moment(*(tf.reduce_sum(rows, axis=a).numpy().astype(np.uint64) for a in (1, 0)))
         # sum_k (2 (offset + k) + 1) b_k = 2 sum_k k b_k + (2 offset + 1) sum_k b_k
         total, moment = total + s, moment + 2 * k + (2 * offset + 1) * s
-        offset += m * w
+        offset += n
     return np.array([total % (1 << 32), moment % (1 << 32)], np.float64)
 
 
 _ON_HOST = 1 << 16  # entries of a variable that ``fingerprint`` sums on the host
-
-
-def _moment(by_row: np.ndarray, by_column: np.ndarray) -> tuple[int, int]:
-    """``(sum_k b_k, sum_k k b_k)`` mod 2^32 from the row sums ``R`` ``[m]`` and column sums ``C`` ``[w]`` (uint64) of ``[m, w]`` bits.
-
-    ``sum_k k b_k = w sum_r r R_r + sum_c c C_c`` (``k = r w + c``): uint64
-    products and sums wrap mod 2^64, a multiple of 2^32, so the result mod
-    2^32 is exact.
-    """
-    m, w = by_row.shape[0], by_column.shape[0]
-    rows, columns = np.arange(m, dtype=np.uint64), np.arange(w, dtype=np.uint64)
-    s = int(by_row.sum()) % (1 << 32)
-    return s, (w * int(rows @ by_row) + int(columns @ by_column)) % (1 << 32)
 
 
 def graph_fingerprint(variables) -> tf.Tensor:
